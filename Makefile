@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:
+#   make demo   -- the MoE layer demo (GPUs when present, else the CUDA simulator, 2 emulated ranks)
+#   make test   -- the CPU suite: references, schedule, kernels under the simulator, sm_90 typing
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.mok-installed
+
+.PHONY: demo test test-sim test-ptx test-gpu bench-schedule clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 CPU build first (the test extra's range then installs nothing more)
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.10" --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m examples.demo
+
+test: test-sim test-ptx
+
+test-sim: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu --ignore=tests/ptx
+
+test-ptx: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=0 $(PY) -m pytest -q -p no:cacheprovider tests/ptx
+
+# On a GPU host (see README): the multi-process GPU suite.
+test-gpu:
+	torchrun --standalone --nproc-per-node=$${NPROC:-2} -m pytest -q tests/gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

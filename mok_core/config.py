@@ -1,0 +1,167 @@
+"""Layer shapes and the one tuning config, each validated in one place.
+
+``LayerShape`` is *what* the layer computes (model dimensions and expert-parallel size);
+``MoKConfig`` is *how* it runs (comm SMs, overlap granularity, ring size, capacity, alignment,
+spin-wait bound). Both are frozen dataclasses; ``__post_init__`` rejects bad values with a
+``ValueError`` that names the field and the rule it broke.
+
+Sizes derived from them (schedule capacity, ring rows) are functions of shapes only -- never of
+routing data -- so the host never needs to read token counts back from the GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+def _require(cond: bool, field: str, rule: str, value) -> None:
+    if not cond:
+        raise ValueError(f"{field}={value!r}: {rule}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Model dimensions of one MoE layer and its expert-parallel (EP) size.
+
+    Attributes:
+        hidden: H, model width (columns of x).
+        intermediate: I, routed expert FFN width.
+        shared_intermediate: I_s, shared expert FFN width (0 = no shared expert).
+        num_experts: E, routed experts in total (all ranks).
+        topk: k, routed experts per token.
+        ep_size: R, expert-parallel ranks; rank r owns experts [r*E/R, (r+1)*E/R).
+    """
+    hidden: int
+    intermediate: int
+    shared_intermediate: int
+    num_experts: int
+    topk: int
+    ep_size: int = 1
+
+    def __post_init__(self):
+        for f in ("hidden", "intermediate", "num_experts", "topk", "ep_size"):
+            v = getattr(self, f)
+            _require(_is_int(v) and v > 0, f, "must be a positive int", v)
+        _require(_is_int(self.shared_intermediate) and self.shared_intermediate >= 0,
+                 "shared_intermediate", "must be an int >= 0", self.shared_intermediate)
+        _require(self.num_experts % self.ep_size == 0, "num_experts",
+                 f"must be divisible by ep_size={self.ep_size}", self.num_experts)
+        _require(self.topk <= self.num_experts, "topk",
+                 f"must be <= num_experts={self.num_experts}", self.topk)
+        # Rows are moved and multiplied as 16-byte vectors of bf16 (8 elements).
+        _require(self.hidden % 8 == 0, "hidden", "must be a multiple of 8 (16-byte rows)",
+                 self.hidden)
+        _require(self.intermediate % 8 == 0, "intermediate", "must be a multiple of 8",
+                 self.intermediate)
+        _require(self.shared_intermediate % 8 == 0, "shared_intermediate",
+                 "must be a multiple of 8", self.shared_intermediate)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def with_ep(self, ep_size: int) -> "LayerShape":
+        return replace(self, ep_size=ep_size)
+
+    def routed_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the routed experts for ``tokens`` tokens (3 GEMMs, 2 flops/MAC)."""
+        return 6.0 * tokens * self.topk * self.hidden * self.intermediate
+
+    def shared_flops(self, tokens: int) -> float:
+        return 6.0 * tokens * self.hidden * self.shared_intermediate
+
+
+# Model families from DESIGN.md section 10 (shared expert as wide as a routed expert, as MoK
+# requires), plus DeepSeek-V3.
+PRESETS: dict[str, LayerShape] = {
+    "kimi-k2.7": LayerShape(hidden=7168, intermediate=2048, shared_intermediate=2048,
+                            num_experts=384, topk=8),
+    "glm-5.2": LayerShape(hidden=6144, intermediate=2048, shared_intermediate=2048,
+                          num_experts=256, topk=8),
+    "qwen3.5-397b": LayerShape(hidden=4096, intermediate=1024, shared_intermediate=1024,
+                               num_experts=512, topk=10),
+    "deepseek-v4-pro": LayerShape(hidden=7168, intermediate=3072, shared_intermediate=3072,
+                                  num_experts=384, topk=6),
+    "deepseek-v3": LayerShape(hidden=7168, intermediate=2048, shared_intermediate=2048,
+                              num_experts=256, topk=8),
+}
+
+
+def preset(name: str, ep_size: int = 1) -> LayerShape:
+    """The named model shape at the given EP size (names: ``PRESETS`` keys)."""
+    try:
+        return PRESETS[name].with_ep(ep_size)
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """How the layer runs. Every field is checked here and nowhere else.
+
+    Attributes:
+        fwd_num_comm_sms / bwd_num_comm_sms: blocks given to communication (pull dispatch,
+            push combine) in forward / backward; the rest compute.
+        minibatch_size: rows per overlap unit -- dispatch completion and GEMM readiness are
+            tracked per minibatch of expert-sorted rows. Multiple of ``row_align``.
+        macrobatch_size: rows of the routed-token ring (all per-row intermediates are sized by
+            it). Multiple of ``minibatch_size``.
+        capacity_factor: worst-case fraction of *all* routes (all ranks) that may land on one
+            rank; 1.0 can never overflow. Capacity = ceil(min(R, max(2, R*cf)) * T*k) rows plus
+            alignment padding (at least twice the average load, as MoK does). Overflow is an
+            error, never a silent drop.
+        row_align: rows of each expert are padded to a multiple of this (= GEMM M tile), so no
+            M tile spans two experts. Power of two.
+        spin_timeout_cycles: bound on any spin-wait in a kernel (SM clock cycles); when it
+            expires the kernel records (rank, counter, expected, seen) and exits.
+    """
+    fwd_num_comm_sms: int = 24
+    bwd_num_comm_sms: int = 24
+    minibatch_size: int = 4096
+    macrobatch_size: int = 131072
+    capacity_factor: float = 0.5
+    row_align: int = 128
+    spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
+
+    def __post_init__(self):
+        for f in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            v = getattr(self, f)
+            _require(_is_int(v) and 1 <= v <= 1024, f, "must be an int in [1, 1024]", v)
+        _require(_is_int(self.row_align) and _is_pow2(self.row_align)
+                 and self.row_align <= 1024, "row_align", "must be a power of two <= 1024",
+                 self.row_align)
+        _require(_is_int(self.minibatch_size) and self.minibatch_size > 0
+                 and self.minibatch_size % self.row_align == 0, "minibatch_size",
+                 f"must be a positive multiple of row_align={self.row_align}",
+                 self.minibatch_size)
+        _require(_is_int(self.macrobatch_size) and self.macrobatch_size > 0
+                 and self.macrobatch_size % self.minibatch_size == 0, "macrobatch_size",
+                 f"must be a positive multiple of minibatch_size={self.minibatch_size}",
+                 self.macrobatch_size)
+        cf = self.capacity_factor
+        _require(isinstance(cf, (int, float)) and not isinstance(cf, bool)
+                 and math.isfinite(cf) and 0.0 < cf <= 1.0, "capacity_factor",
+                 "must be a number in (0, 1]", cf)
+        _require(_is_int(self.spin_timeout_cycles) and 0 < self.spin_timeout_cycles < 1 << 62,
+                 "spin_timeout_cycles", "must be a positive int below 2**62",
+                 self.spin_timeout_cycles)
+
+    def schedule_capacity(self, tokens_per_rank: int, topk: int, ep_size: int,
+                          experts_per_rank: int) -> int:
+        """Rows of the per-rank expert-sorted schedule (a function of shapes only).
+
+        Worst case for the given ``capacity_factor`` plus the padding every local expert may
+        need, rounded up to ``row_align``.
+        """
+        load = min(float(ep_size), max(2.0, ep_size * self.capacity_factor))
+        routed = math.ceil(load * tokens_per_rank * topk)
+        rows = routed + experts_per_rank * (self.row_align - 1)
+        return -(-rows // self.row_align) * self.row_align

@@ -1,0 +1,180 @@
+"""One kernel source for the GPU and for the CUDA simulator.
+
+Every kernel in MoK-Py is written once and runs either compiled for the GPU or, when
+``NUMBA_ENABLE_CUDASIM=1`` is set before numba is imported, on the CPU under numba's CUDA
+simulator (that is how CI exercises kernel logic without a GPU). This module is the only place
+that knows which of the two worlds we are in:
+
+* ``SIM`` -- True under the simulator.
+* ``kjit`` -- use instead of ``cuda.jit``; drops options the simulator's ``jit`` does not take.
+* ``as_device_array`` -- framework-neutral, zero-copy view of a caller's array (numba device
+  array, anything with ``__cuda_array_interface__`` or ``__dlpack__``); on the simulator, host
+  arrays stand in for device memory.
+* ``device_empty`` / ``device_full`` / ``to_host`` -- allocation and read-back that work in both.
+
+GPU-only intrinsics (inline PTX) live in ``mok_core.intrinsics`` with a Python twin each.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _numba_config
+
+SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
+
+if SIM:
+    from . import sim_runtime as _sim_runtime
+    _sim_runtime.install()
+
+# jit options that only mean something to the real compiler; the simulator's jit rejects them.
+_GPU_ONLY_OPTIONS = ("lto", "lineinfo", "max_registers", "launch_bounds", "forceinline", "link",
+                     "fastmath")
+
+
+def kjit(*args, **kwargs):
+    """``cuda.jit`` that also runs under the simulator (GPU-only options are dropped there)."""
+    if SIM:
+        for key in _GPU_ONLY_OPTIONS:
+            kwargs.pop(key, None)
+        if kwargs.get("inline") == "always":
+            kwargs["inline"] = True
+    return cuda.jit(*args, **kwargs)
+
+
+def default_stream():
+    """The stream launches use when the caller passes none (the legacy default stream)."""
+    return 0
+
+
+_DLPACK_CUDA = 2        # kDLCUDA
+_DLPACK_CUDA_HOST = 3   # kDLCUDAHost
+_DLPACK_CPU = 1
+
+
+def _np_dtype_of(obj):
+    dt = getattr(obj, "dtype", None)
+    try:
+        return np.dtype(dt)
+    except TypeError:
+        return None
+
+
+def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shape=None):
+    """Zero-copy device view of ``obj`` with its dtype / rank / shape checked.
+
+    Arguments:
+        obj: a numba device array, or any object exposing ``__cuda_array_interface__`` or
+            ``__dlpack__`` on a CUDA device (torch, cupy, jax, cuda.core). On the simulator a
+            NumPy array (or a CPU tensor through DLPack) stands in for device memory.
+        name: argument name used in error messages.
+        dtype, ndim, shape: expected properties (``None`` = not checked; a ``-1`` in ``shape``
+            matches any extent).
+    Returns:
+        numba device array (GPU) or NumPy array / simulator array (simulator) sharing memory with
+        ``obj``.
+    Raises:
+        TypeError for a wrong dtype or a host array on the GPU path, ValueError for a wrong shape.
+    """
+    if obj is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if SIM:
+        arr = _sim_view(obj, name)
+    else:
+        arr = _gpu_view(obj, name)
+    _check_props(arr, name, dtype=dtype, ndim=ndim, shape=shape)
+    return arr
+
+
+def _sim_view(obj, name):
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    if isinstance(obj, (np.ndarray, FakeCUDAArray)):
+        return obj
+    if hasattr(obj, "__dlpack__"):
+        dev = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else _DLPACK_CPU
+        if dev != _DLPACK_CPU:
+            raise TypeError(f"{name}: the simulator needs host (CPU) arrays, got DLPack device {dev}")
+        return np.from_dlpack(obj)
+    raise TypeError(f"{name}: expected an array (NumPy or DLPack), got {type(obj).__name__}")
+
+
+def _gpu_view(obj, name):
+    if cuda.is_cuda_array(obj):
+        if isinstance(obj, cuda.cudadrv.devicearray.DeviceNDArray):
+            return obj
+        return cuda.as_cuda_array(obj, sync=False)
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{name}: a host NumPy array was passed; MoK-Py needs device memory "
+                        "(pass a torch/cupy/jax CUDA array or a numba device array)")
+    if hasattr(obj, "__dlpack__"):
+        dev_type, dev_id = obj.__dlpack_device__()
+        if dev_type != _DLPACK_CUDA:
+            raise TypeError(f"{name}: array lives on DLPack device type {dev_type}, not CUDA")
+        from cuda.core.utils import StridedMemoryView
+        view = StridedMemoryView.from_dlpack(obj, stream_ptr=-1)
+        itemsize = np.dtype(view.dtype).itemsize
+        strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+        cai = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
+               "data": (int(view.ptr), bool(view.readonly)), "version": 2}
+        return cuda.from_cuda_array_interface(cai, owner=obj, sync=False)
+    raise TypeError(f"{name}: expected a CUDA array (CAI or DLPack), got {type(obj).__name__}")
+
+
+def _check_props(arr, name, *, dtype, ndim, shape):
+    if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(arr.dtype)}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(arr.shape)}")
+    if shape is not None:
+        got = tuple(arr.shape)
+        if len(got) != len(shape) or any(s != -1 and s != g for s, g in zip(shape, got)):
+            want = tuple("*" if s == -1 else s for s in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {got}")
+
+
+def device_empty(shape, dtype, stream=0):
+    """Uninitialised device array (a host array on the simulator)."""
+    if SIM:
+        return np.empty(shape, dtype=dtype)
+    return cuda.device_array(shape, dtype=dtype, stream=stream)
+
+
+def device_full(shape, value, dtype, stream=0):
+    """Device array filled with ``value`` on ``stream`` (no host sync)."""
+    if SIM:
+        return np.full(shape, value, dtype=dtype)
+    arr = cuda.device_array(shape, dtype=dtype, stream=stream)
+    fill(arr, value, stream)
+    return arr
+
+
+def to_host(arr, stream=0) -> np.ndarray:
+    """Copy a device array to a fresh host NumPy array (synchronises ``stream``)."""
+    if isinstance(arr, np.ndarray):
+        return arr.copy()
+    if hasattr(arr, "copy_to_host"):
+        out = arr.copy_to_host(stream=stream) if not SIM else arr.copy_to_host()
+        if not SIM and stream:
+            stream.synchronize()
+        return np.asarray(out)
+    return np.asarray(arr)
+
+
+@kjit
+def _fill_kernel(flat, value):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < flat.size:
+        flat[i] = value
+        i += stride
+
+
+def fill(arr, value, stream=0):
+    """Fill a device array with ``value`` on ``stream`` (kernel, no host sync)."""
+    if SIM:
+        arr[...] = value
+        return
+    flat = arr.reshape(arr.size) if arr.ndim != 1 else arr
+    if flat.size == 0:
+        return
+    blocks = min(1024, (flat.size + 255) // 256)
+    _fill_kernel[blocks, 256, stream](flat, flat.dtype.type(value))

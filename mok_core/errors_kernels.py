@@ -1,0 +1,27 @@
+"""Device side of the error word: reset it on the stream (no host copy, graph-capturable)."""
+from numba import cuda
+
+from . import errors as err
+from .cuda_compat import SIM, kjit
+
+
+@kjit
+def _reset_kernel(word):
+    i = cuda.threadIdx.x
+    if i < word.shape[0]:
+        v = 0
+        if i == err.BAD_ID_MAX:
+            v = err.INT32_MIN
+        elif i == err.BAD_ID_MIN:
+            v = err.INT32_MAX
+        elif i == err.TIMEOUT_PEER:
+            v = -1
+        word[i] = v
+
+
+def reset_error_word(word, stream=0) -> None:
+    """Clear a device error word (``errors.initial_error_word`` values) on ``stream``."""
+    if SIM:
+        word[...] = err.initial_error_word()
+        return
+    _reset_kernel[1, err.ERROR_WORDS, stream](word)

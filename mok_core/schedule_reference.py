@@ -1,0 +1,101 @@
+"""Readable NumPy reference of the pull-dispatch schedule (the spec the kernels must match).
+
+See ``mok_core.schedule`` for the meaning of every output. The kernels compute the same
+arrays bit for bit; this file says *what* they compute, in the plainest order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import errors as err
+
+
+def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacity: int,
+                         row_align: int, rank_tokens=None) -> dict:
+    """Schedule of rank ``rank`` from every rank's routing, on the host.
+
+    Arguments:
+        topk_ids_all: int [R, T, k]; ``topk_ids_all[r, t, s]`` is the global expert of slot s
+            of token t on rank r; -1 = masked route. Rank r owns experts
+            [r*experts_per_rank, (r+1)*experts_per_rank).
+        rank: the rank whose schedule to build.
+        experts_per_rank: E_local.
+        capacity: rows of the padded, expert-sorted table.
+        row_align: each expert's rows are padded to a multiple of this.
+        rank_tokens: optional int [R]; tokens t >= rank_tokens[r] of rank r are ignored.
+    Returns:
+        dict of NumPy int32 arrays, see ``mok_core.schedule.Schedule`` for each field:
+        expert_counts [E_local], expert_rank_counts [E_local, R], expert_offsets [E_local+1],
+        num_rows [1], src_rank / src_token / src_slot [capacity], recv_row [R, T, k],
+        dest_rank / dest_row [T, k], errors [ERROR_WORDS].
+    """
+    ids = np.asarray(topk_ids_all)
+    R, T, k = ids.shape
+    E_local = experts_per_rank
+    E = R * E_local
+    n_tok = np.full(R, T) if rank_tokens is None else np.minimum(np.asarray(rank_tokens), T)
+    word = err.initial_error_word()
+
+    # 1. Which routes count: real tokens, ids in range. Bad ids are reported and skipped.
+    live = np.arange(T)[None, :, None] < n_tok[:, None, None]
+    bad = live & ((ids >= E) | (ids < -1))
+    if bad.any():
+        word[err.FLAGS] |= err.ERR_BAD_EXPERT_ID
+        if (live & (ids >= E)).any():
+            word[err.BAD_ID_MAX] = ids[live & (ids >= E)].max()
+        if (live & (ids < -1)).any():
+            word[err.BAD_ID_MIN] = ids[live & (ids < -1)].min()
+    valid = live & (ids >= 0) & (ids < E)
+
+    # 2. Routes per (expert, source rank), then per-rank padded, expert-sorted segments.
+    counts = np.zeros((E, R), dtype=np.int64)
+    for r in range(R):
+        counts[:, r] = np.bincount(ids[r][valid[r]], minlength=E)
+    padded = -(-counts.sum(1) // row_align) * row_align
+    offsets = np.zeros((R, E_local + 1), dtype=np.int64)
+    for d in range(R):
+        offsets[d, 1:] = np.cumsum(padded[d * E_local:(d + 1) * E_local])
+    for d in range(R):
+        if offsets[d, -1] > capacity:
+            word[err.FLAGS] |= err.ERR_CAPACITY_OVERFLOW
+            word[err.OVERFLOW_ROWS] = max(word[err.OVERFLOW_ROWS], offsets[d, -1])
+            word[err.OVERFLOW_RANK] = d
+            word[err.CAPACITY] = capacity
+
+    # 3. Place every route: within an expert's segment, rows go round-robin over source ranks
+    #    (j-th route of every rank in rank order, then the (j+1)-th, ...), and a rank's routes
+    #    keep their (token, slot) order. Spreads any window of rows across all sources.
+    src_rank = np.full(capacity, -1, np.int32)
+    src_token = np.full(capacity, -1, np.int32)
+    src_slot = np.full(capacity, -1, np.int32)
+    recv_row = np.full((R, T, k), -1, np.int32)
+    dest_rank = np.full((T, k), -1, np.int32)
+    dest_row = np.full((T, k), -1, np.int32)
+    for e in range(E):
+        d, j_local = divmod(e, E_local)
+        per_rank = [np.argwhere(valid[r] & (ids[r] == e)) for r in range(R)]  # (t, s), sorted
+        pos = offsets[d, j_local]
+        for j in range(int(counts[e].max(initial=0))):
+            for r in range(R):
+                if j < len(per_rank[r]):
+                    t, s = per_rank[r][j]
+                    if pos < capacity:
+                        if d == rank:
+                            src_rank[pos], src_token[pos], src_slot[pos] = r, t, s
+                            recv_row[r, t, s] = pos
+                        if r == rank:
+                            dest_row[t, s] = pos
+                    if r == rank:
+                        dest_rank[t, s] = d
+                    pos += 1
+
+    me = slice(rank * E_local, (rank + 1) * E_local)
+    return {
+        "expert_counts": counts[me].sum(1).astype(np.int32),
+        "expert_rank_counts": counts[me].astype(np.int32),
+        "expert_offsets": offsets[rank].astype(np.int32),
+        "num_rows": np.array([offsets[rank, -1]], np.int32),
+        "src_rank": src_rank, "src_token": src_token, "src_slot": src_slot,
+        "recv_row": recv_row, "dest_rank": dest_rank, "dest_row": dest_row,
+        "errors": word,
+    }
