@@ -1,0 +1,287 @@
+"""GPU implementations of MoK-Py's intrinsics: inline PTX through ``@intrinsic``.
+
+Each one is tiny and has a Python twin in ``twins.py`` with the same name and arguments, so a
+kernel calling it also runs under the CUDA simulator. Import them from ``mok_core.intrinsics``,
+which picks the right set.
+
+Conventions: an array operand is a 1-D array plus a flat *element* index; the element's
+address is taken with numba's own ``get_item_pointer`` (so the array may live in global,
+shared or peer memory). bf16 values travel as ``uint16`` bits; packed pairs as ``uint32``.
+Inline asm never touches state numba does not see, except where marked ``side_effect`` +
+``memory`` clobber (ordering-sensitive ops: fences, acquire/release, cp.async, clocks).
+"""
+from llvmlite import ir
+from numba.cuda import cgutils, types
+from numba.cuda.extending import intrinsic
+
+_i16 = ir.IntType(16)
+_i32 = ir.IntType(32)
+_i64 = ir.IntType(64)
+_f32 = ir.FloatType()
+_u32x4 = types.UniTuple(types.uint32, 4)
+_u32x2 = types.UniTuple(types.uint32, 2)
+_f32x4 = types.UniTuple(types.float32, 4)
+
+
+def _is_1d(arr):
+    return isinstance(arr, types.Array) and arr.ndim == 1
+
+
+def _elem_ptr(context, builder, arrty, arr, idx):
+    ary = context.make_array(arrty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False)
+
+
+def _asm(builder, ret, args, text, constraints, side_effect=False):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+
+def _tuple(context, builder, sig, res, n):
+    vals = [builder.extract_value(res, i) for i in range(n)]
+    return context.make_tuple(builder, sig.return_type, vals)
+
+
+# ---- 16-byte vector memory access ------------------------------------------------------------
+
+@intrinsic
+def ld_v4(typingctx, arr, idx):
+    """16 bytes at element ``idx`` of ``arr`` (16-byte aligned) as 4 uint32."""
+    if not (_is_1d(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        vptr = builder.bitcast(ptr, ir.VectorType(_i32, 4).as_pointer())
+        vec = builder.load(vptr, align=16)
+        vals = [builder.extract_element(vec, ir.Constant(_i32, i)) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, vals)
+    return _u32x4(arr, idx), codegen
+
+
+@intrinsic
+def st_v4(typingctx, arr, idx, v0, v1, v2, v3):
+    """Store 4 uint32 as 16 bytes at element ``idx`` of ``arr`` (16-byte aligned)."""
+    if not (_is_1d(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        vec = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
+        for i in range(4):
+            val = context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32)
+            vec = builder.insert_element(vec, val, ir.Constant(_i32, i))
+        builder.store(vec, builder.bitcast(ptr, ir.VectorType(_i32, 4).as_pointer()), align=16)
+        return context.get_dummy_value()
+    return types.void(arr, idx, types.uint32, types.uint32, types.uint32, types.uint32), codegen
+
+
+# ---- memory ordering (flags and counters) -----------------------------------------------------
+
+def _int32_array(arr):
+    return _is_1d(arr) and arr.dtype in (types.int32, types.uint32)
+
+
+@intrinsic
+def ld_acquire_sys(typingctx, arr, idx):
+    """Acquire load (system scope) of an int32 flag: sees peers' release stores; never hoisted."""
+    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        return _asm(builder, _i32, [ptr], "ld.acquire.sys.b32 $0, [$1];", "=r,l,~{memory}", True)
+    return arr.dtype(arr, idx), codegen
+
+
+@intrinsic
+def ld_acquire_gpu(typingctx, arr, idx):
+    """Acquire load (GPU scope) of an int32 counter written by other blocks of this GPU."""
+    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        return _asm(builder, _i32, [ptr], "ld.acquire.gpu.b32 $0, [$1];", "=r,l,~{memory}", True)
+    return arr.dtype(arr, idx), codegen
+
+
+@intrinsic
+def st_release_sys(typingctx, arr, idx, value):
+    """Release store (system scope): earlier writes of this thread are visible to a peer that
+    acquires the flag."""
+    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        val = context.cast(builder, args[2], sig.args[2], types.int32)
+        _asm(builder, ir.VoidType(), [ptr, val], "st.release.sys.b32 [$0], $1;",
+             "l,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(arr, idx, value), codegen
+
+
+@intrinsic
+def red_add_release_gpu(typingctx, arr, idx, value):
+    """Atomic add with release semantics (GPU scope): publish 'my rows are written'."""
+    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        val = context.cast(builder, args[2], sig.args[2], types.int32)
+        _asm(builder, ir.VoidType(), [ptr, val], "red.release.gpu.add.s32 [$0], $1;",
+             "l,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(arr, idx, value), codegen
+
+
+@intrinsic
+def clock64(typingctx):
+    """SM cycle counter (for bounded spin-waits); volatile so loops re-read it."""
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _i64, [], "mov.u64 $0, %clock64;", "=l", True)
+    return types.int64(), codegen
+
+
+# ---- bf16 bits <-> f32 -------------------------------------------------------------------------
+
+@intrinsic
+def u32_as_f32(typingctx, x):
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return builder.bitcast(v, _f32)
+    return types.float32(x), codegen
+
+
+@intrinsic
+def f32_as_u32(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _i32)
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def f32_to_bf16(typingctx, x):
+    """Round-to-nearest-even float32 -> bf16 bits (uint16)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _i16, [args[0]], "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def pack_bf16x2(typingctx, lo, hi):
+    """Two float32 -> one uint32 of two RNE bf16 (``lo`` in the low half)."""
+    if lo != types.float32 or hi != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _i32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+    return types.uint32(lo, hi), codegen
+
+
+# ---- tensor cores ------------------------------------------------------------------------------
+
+@intrinsic
+def mma_bf16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A(16x16, bf16, row) * B(16x8, bf16, col) + C(16x8, f32), one warp.
+
+    Lane fragments follow the PTX ISA m16n8k16 layout (group g = lane/4, t = lane%4):
+    a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10];
+    b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]; c/d: [g, 2t], [g, 2t+1], [g+8, 2t], [g+8, 2t+1].
+    """
+    sig = _f32x4(*([types.uint32] * 6 + [types.float32] * 4))
+
+    def codegen(context, builder, sig, args):
+        ins = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+        res = _asm(builder, ir.LiteralStructType([_f32] * 4), ins + list(args[6:]),
+                   "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        return _tuple(context, builder, sig, res, 4)
+    return sig, codegen
+
+
+_TO_SHARED = "{ .reg .u64 g; .reg .u32 s; cvta.to.shared.u64 g, $%d; cvt.u32.u64 s, g; %s [s]; }"
+
+
+@intrinsic
+def ldmatrix_x4(typingctx, smem, idx):
+    """Four 8x8 b16 matrices from shared memory, one warp; lane L gives the address of row L%8
+    of matrix L/8 (``smem[idx]``, 16-byte aligned); returns this lane's 4 fragments."""
+    if not (_is_1d(smem) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        text = _TO_SHARED % (4, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3},")
+        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [ptr], text,
+                   "=r,=r,=r,=r,l,~{memory}", True)
+        return _tuple(context, builder, sig, res, 4)
+    return _u32x4(smem, idx), codegen
+
+
+@intrinsic
+def ldmatrix_x2(typingctx, smem, idx):
+    """Two 8x8 b16 matrices (lanes 0-15 give row addresses); returns 2 fragments."""
+    if not (_is_1d(smem) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        text = _TO_SHARED % (2, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0,$1},")
+        res = _asm(builder, ir.LiteralStructType([_i32] * 2), [ptr], text,
+                   "=r,=r,l,~{memory}", True)
+        return _tuple(context, builder, sig, res, 2)
+    return _u32x2(smem, idx), codegen
+
+
+@intrinsic
+def cp_async_16(typingctx, smem, sidx, gmem, gidx, src_bytes):
+    """Async copy of 16 bytes global -> shared (L2 only, ``.cg``); the first ``src_bytes``
+    (0 or 16) come from global, the rest are zero-filled -- a padding row costs no load."""
+    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(sidx, types.Integer)
+            and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        text = ("{ .reg .u64 s64, g; .reg .u32 s; cvta.to.shared.u64 s64, $0; "
+                "cvt.u32.u64 s, s64; cvta.to.global.u64 g, $1; "
+                "cp.async.cg.shared.global [s], [g], 16, $2; }")
+        _asm(builder, ir.VoidType(), [sptr, gptr, n], text, "l,l,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, sidx, gmem, gidx, src_bytes), codegen
+
+
+@intrinsic
+def cp_async_commit(typingctx):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def cp_async_wait(typingctx, pending):
+    """Wait until at most ``pending`` (a compile-time constant) copy groups are in flight."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = int(pending.literal_value)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {n};", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(pending), codegen

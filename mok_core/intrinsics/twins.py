@@ -1,0 +1,171 @@
+"""Python twins of ``ptx.py`` for the CUDA simulator: same names, same arguments, same results.
+
+Warp-collective instructions (``mma.sync``, ``ldmatrix``) trade per-lane values through
+``sim_runtime.warp_exchange``, so a kernel that gets the fragment layouts wrong fails here the
+way it would on the GPU. ``cp.async`` is modelled as truly asynchronous: copies are queued per
+thread and land only at ``cp_async_wait``, so a read of shared memory before the wait sees stale
+data here too. Misaligned 16-byte accesses raise (the GPU would fault).
+"""
+import threading
+import time
+
+import numpy as np
+
+from ..sim_runtime import warp_exchange
+
+_lock = threading.Lock()
+
+
+def _raw(arr):
+    """The NumPy array behind a simulator array wrapper."""
+    while not isinstance(arr, np.ndarray):
+        if hasattr(arr, "_item"):
+            arr = arr._item
+        elif hasattr(arr, "_ary"):
+            arr = arr._ary
+        else:
+            raise TypeError(f"not an array: {type(arr).__name__}")
+    return arr
+
+
+def _chunk(arr, idx, nbytes=16):
+    raw = _raw(arr)
+    assert raw.ndim == 1, "intrinsics take 1-D arrays"
+    idx = int(idx)
+    if (idx * raw.itemsize) % nbytes:
+        raise ValueError(f"misaligned {nbytes}-byte access at element {idx}")
+    n = nbytes // raw.itemsize
+    if idx < 0 or idx + n > raw.size:
+        raise IndexError(f"{nbytes}-byte access at element {idx} outside array of {raw.size}")
+    return raw, slice(idx, idx + n)
+
+
+# ---- 16-byte vector memory access ------------------------------------------------------------
+
+def ld_v4(arr, idx):
+    raw, sl = _chunk(arr, idx)
+    w = np.ascontiguousarray(raw[sl]).view(np.uint32)
+    return (w[0], w[1], w[2], w[3])
+
+
+def st_v4(arr, idx, v0, v1, v2, v3):
+    raw, sl = _chunk(arr, idx)
+    raw[sl] = np.array([v0, v1, v2, v3], dtype=np.uint32).view(raw.dtype)
+
+
+# ---- memory ordering -----------------------------------------------------------------------------
+
+def ld_acquire_sys(arr, idx):
+    return _raw(arr)[idx]
+
+
+ld_acquire_gpu = ld_acquire_sys
+
+
+def st_release_sys(arr, idx, value):
+    _raw(arr)[idx] = value
+
+
+def red_add_release_gpu(arr, idx, value):
+    with _lock:
+        _raw(arr)[idx] += value
+
+
+def clock64():
+    return np.int64(time.perf_counter_ns() * 2)     # ~2 GHz, like an H200 SM clock
+
+
+# ---- bf16 bits <-> f32 -------------------------------------------------------------------------
+
+def u32_as_f32(x):
+    return np.array([x], dtype=np.uint32).view(np.float32)[0]
+
+
+def f32_as_u32(x):
+    return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+
+def f32_to_bf16(x):
+    u = int(f32_as_u32(np.float32(x)))
+    if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):
+        return np.uint16(0x7FFF)                           # canonical NaN, as cvt.rn does
+    u += 0x7FFF + ((u >> 16) & 1)                          # round to nearest, ties to even
+    return np.uint16((u >> 16) & 0xFFFF)
+
+
+def pack_bf16x2(lo, hi):
+    return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+
+
+# ---- tensor cores ------------------------------------------------------------------------------
+
+def _halves(word):
+    w = np.array([word], dtype=np.uint32).view(np.uint16)
+    return (np.array([w[0]], np.uint32) << 16).view(np.float32)[0], \
+        (np.array([w[1]], np.uint32) << 16).view(np.float32)[0]
+
+
+def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    lanes = warp_exchange((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+    A = np.zeros((16, 16), np.float64)
+    B = np.zeros((16, 8), np.float64)
+    C = np.zeros((16, 8), np.float64)
+    for lane, v in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        A[g, 2 * t:2 * t + 2] = _halves(v[0])
+        A[g + 8, 2 * t:2 * t + 2] = _halves(v[1])
+        A[g, 2 * t + 8:2 * t + 10] = _halves(v[2])
+        A[g + 8, 2 * t + 8:2 * t + 10] = _halves(v[3])
+        B[2 * t:2 * t + 2, g] = _halves(v[4])
+        B[2 * t + 8:2 * t + 10, g] = _halves(v[5])
+        C[g, 2 * t:2 * t + 2] = v[6], v[7]
+        C[g + 8, 2 * t:2 * t + 2] = v[8], v[9]
+    D = (A @ B + C).astype(np.float32)
+    lane = threading.current_thread().thread_id % 32
+    g, t = lane // 4, lane % 4
+    return (D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+
+
+def _ldmatrix(smem, idx, nmat):
+    raw, sl = _chunk(smem, idx)
+    rows = warp_exchange(np.ascontiguousarray(raw[sl]).view(np.uint32).copy())
+    lane = threading.current_thread().thread_id % 32
+    # Matrix j's row r was addressed by lane 8j + r; this lane holds row lane/4, word lane%4.
+    return tuple(rows[8 * j + lane // 4][lane % 4] for j in range(nmat))
+
+
+def ldmatrix_x4(smem, idx):
+    return _ldmatrix(smem, idx, 4)
+
+
+def ldmatrix_x2(smem, idx):
+    return _ldmatrix(smem, idx, 2)
+
+
+def _pending():
+    t = threading.current_thread()
+    if not hasattr(t, "mok_cp_async"):
+        t.mok_cp_async = [[]]             # list of groups; the last one is open
+    return t.mok_cp_async
+
+
+def cp_async_16(smem, sidx, gmem, gidx, src_bytes):
+    dst, dsl = _chunk(smem, sidx)
+    data = np.zeros(16, np.uint8)
+    if src_bytes:
+        src, ssl = _chunk(gmem, gidx)
+        data[:src_bytes] = np.ascontiguousarray(src[ssl]).view(np.uint8)[:src_bytes]
+    _pending()[-1].append((dst, dsl, data))
+
+
+def cp_async_commit():
+    _pending().append([])
+
+
+def cp_async_wait(pending):
+    groups = _pending()
+    closed = groups[:-1]
+    while len(closed) > pending:
+        for dst, dsl, data in closed.pop(0):
+            dst[dsl] = data.view(dst.dtype)
+    groups[:-1] = closed

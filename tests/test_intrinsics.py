@@ -1,0 +1,195 @@
+"""Each intrinsic alone: GPU version (compiled) or its Python twin (simulator), vs NumPy.
+
+The same file runs on a GPU (``pytest tests/test_intrinsics.py`` without the simulator).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda, float32, int32, uint16, uint32
+
+from helpers import to_dev
+from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
+from mok_core.cuda_compat import kjit, to_host
+from mok_core.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait, f32_to_bf16,
+                                 ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
+                                 mma_bf16_16816, pack_bf16x2, red_add_release_gpu,
+                                 st_release_sys, st_v4)
+
+
+def bf16_bits(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bits_to_f32(b):
+    return (np.asarray(b, np.uint32) << 16).view(np.float32)
+
+
+# ---- vector copy ---------------------------------------------------------------------------
+
+@kjit
+def _copy_rows_v4(src, dst, perm, width):
+    """dst row i = src row perm[i], 16 bytes per thread-step."""
+    i = cuda.blockIdx.x
+    for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
+        a, b, d, e = ld_v4(src, perm[i] * width + c)
+        st_v4(dst, i * width + c, a, b, d, e)
+
+
+def test_ld_st_v4_copy():
+    rng = np.random.default_rng(0)
+    rows, width = 6, 64
+    src = rng.integers(0, 2**16, size=rows * width, dtype=np.uint16)
+    perm = rng.permutation(rows).astype(np.int32)
+    dst = to_dev(np.zeros(rows * width, np.uint16))
+    _copy_rows_v4[rows, 4](to_dev(src), dst, to_dev(perm), width)
+    np.testing.assert_array_equal(to_host(dst).reshape(rows, width),
+                                  src.reshape(rows, width)[perm])
+
+
+# ---- bf16 conversions ------------------------------------------------------------------------
+
+@kjit
+def _convert(x, out16, packed, back):
+    i = cuda.grid(1)
+    if i < x.size:
+        out16[i] = f32_to_bf16(x[i])
+        back[i] = bf16_to_f32(out16[i])
+        if i % 2 == 0 and i + 1 < x.size:
+            w = pack_bf16x2(x[i], x[i + 1])
+            packed[i // 2] = w
+            back[x.size + i] = lo_bf16(w)
+            back[x.size + i + 1] = hi_bf16(w)
+
+
+def test_bf16_rounding_matches_ml_dtypes():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(64) * 10 ** rng.uniform(-5, 5, 64)).astype(np.float32)
+    x[:4] = [1.00390625, 1.01171875, -2.0, 0.0]       # exact ties: round to even
+    out16 = to_dev(np.zeros(64, np.uint16))
+    packed = to_dev(np.zeros(32, np.uint32))
+    back = to_dev(np.zeros(128, np.float32))
+    _convert[2, 32](to_dev(x), out16, packed, back)
+    want = bf16_bits(x)
+    np.testing.assert_array_equal(to_host(out16), want)
+    np.testing.assert_array_equal(to_host(packed), want[0::2].astype(np.uint32)
+                                  | (want[1::2].astype(np.uint32) << 16))
+    b = to_host(back)
+    np.testing.assert_array_equal(b[:64], bits_to_f32(want))
+    np.testing.assert_array_equal(b[64:], bits_to_f32(want))
+
+
+# ---- flags -----------------------------------------------------------------------------------
+
+@kjit
+def _flags(flags, out):
+    i = cuda.threadIdx.x
+    red_add_release_gpu(flags, 0, 1)
+    cuda.syncthreads()
+    if i == 0:
+        out[0] = ld_acquire_sys(flags, 0)
+        st_release_sys(flags, 1, 41 + out[0])
+
+
+def test_acquire_release_and_counter():
+    flags = to_dev(np.zeros(2, np.int32))
+    out = to_dev(np.zeros(1, np.int32))
+    _flags[1, 64](flags, out)
+    np.testing.assert_array_equal(to_host(flags), [64, 105])
+    assert to_host(out)[0] == 64
+
+
+# ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------
+
+@kjit
+def _mma_tile(a, b, c, d):
+    """One warp: D[16x8] = A[16x16] @ B[8x16]^T + C, operands staged through shared memory."""
+    sa = cuda.shared.array(256, uint16)
+    sb = cuda.shared.array(128, uint16)
+    lane = cuda.threadIdx.x
+    for i in range(lane, 256, 32):
+        sa[i] = a[i]
+    for i in range(lane, 128, 32):
+        sb[i] = b[i]
+    cuda.syncthreads()
+    # A as four 8x8 matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), ...
+    row = lane % 16
+    col = (lane // 16) * 8
+    a0, a1, a2, a3 = ldmatrix_x4(sa, row * 16 + col)
+    # B^T stored [n, k]: two 8x8 matrices (k 0-7), (k 8-15); lanes 0-15 give the rows.
+    b0, b1 = ldmatrix_x2(sb, (lane % 8) * 16 + ((lane // 8) % 2) * 8)
+    g = lane // 4
+    t = lane % 4
+    d0, d1, d2, d3 = mma_bf16_16816(a0, a1, a2, a3, b0, b1, c[g * 8 + 2 * t],
+                                    c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                                    c[(g + 8) * 8 + 2 * t + 1])
+    d[g * 8 + 2 * t] = d0
+    d[g * 8 + 2 * t + 1] = d1
+    d[(g + 8) * 8 + 2 * t] = d2
+    d[(g + 8) * 8 + 2 * t + 1] = d3
+
+
+def test_mma_with_ldmatrix():
+    rng = np.random.default_rng(2)
+    A = bf16_bits(rng.standard_normal((16, 16)))
+    B = bf16_bits(rng.standard_normal((8, 16)))          # [n, k]
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = to_dev(np.full(128, np.nan, np.float32))
+    _mma_tile[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
+    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
+    np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- cp.async with zero fill -------------------------------------------------------------------
+
+@kjit
+def _cp_async_rows(src, rows, out, width):
+    """Stage rows[i] of src (or zeros for -1) into shared memory, then write them out."""
+    sm = cuda.shared.array(512, uint16)
+    tid = cuda.threadIdx.x
+    n = rows.size
+    for chunk in range(tid, n * width // 8, cuda.blockDim.x):
+        i = chunk // (width // 8)
+        c = (chunk % (width // 8)) * 8
+        r = rows[i]
+        nbytes = 16
+        if r < 0:
+            nbytes = 0
+            r = 0
+        cp_async_16(sm, i * width + c, src, r * width + c, nbytes)
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    for j in range(tid, n * width, cuda.blockDim.x):
+        out[j] = sm[j]
+
+
+def test_cp_async_gather_zero_fill():
+    rng = np.random.default_rng(3)
+    width = 32
+    src = rng.integers(1, 2**16, size=(8, width), dtype=np.uint16)
+    rows = np.array([5, -1, 0, 7, -1, 2], np.int32)
+    out = to_dev(np.full(rows.size * width, 0xFFFF, np.uint16))
+    _cp_async_rows[1, 32](to_dev(src.ravel()), to_dev(rows), out, width)
+    want = np.where(rows[:, None] >= 0, src[np.maximum(rows, 0)], 0)
+    np.testing.assert_array_equal(to_host(out).reshape(-1, width), want)
+
+
+@kjit
+def _cp_async_no_wait(src, out):
+    sm = cuda.shared.array(8, uint16)
+    if cuda.threadIdx.x == 0:
+        sm[0] = 7
+        cp_async_16(sm, 0, src, 0, 16)
+        cp_async_commit()
+        out[0] = sm[0]          # read before the wait: the copy must not have landed
+        cp_async_wait(0)
+        out[1] = sm[0]
+
+
+def test_cp_async_twin_is_asynchronous():
+    from mok_core.cuda_compat import SIM
+    if not SIM:
+        pytest.skip("ordering model of the simulator twin")
+    out = np.zeros(2, np.uint16)
+    _cp_async_no_wait[1, 32](np.full(8, 9, np.uint16), out)
+    assert list(out) == [7, 9]
