@@ -178,3 +178,29 @@ def fill(arr, value, stream=0):
         return
     blocks = min(1024, (flat.size + 255) // 256)
     _fill_kernel[blocks, 256, stream](flat, flat.dtype.type(value))
+
+
+_SMEM_READY = set()
+
+
+def launch(kernel, grid, block, stream, smem_bytes, *args):
+    """Launch a kjit kernel; above 48 KiB of dynamic shared memory, raise the kernel's limit
+    first (numba does not). The attribute is set once per compiled specialisation."""
+    if not SIM and smem_bytes > 48 * 1024:
+        argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+        key = (id(kernel), argtypes, smem_bytes)
+        if key not in _SMEM_READY:
+            from numba.cuda.cudadrv.driver import binding, driver
+            compiled = kernel.compile(argtypes)
+            cufunc = compiled._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
+            _SMEM_READY.add(key)
+    kernel[grid, block, stream, smem_bytes](*args)
+
+
+def multiprocessor_count() -> int:
+    """SMs of the current device (4 on the simulator, to exercise persistent loops)."""
+    if SIM:
+        return 4
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT

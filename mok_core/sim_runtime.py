@@ -89,6 +89,23 @@ def warp_exchange(value):
     return values
 
 
+def warp_collective(value, compute):
+    """Deposit ``value``; one lane runs ``compute(list of 32 values)`` and every lane gets its
+    result (for twins whose per-warp work should be done once, not 32 times)."""
+    thread = threading.current_thread()
+    manager = thread._manager
+    lane = thread.thread_id % 32
+    warp = manager._warps[thread.thread_id // 32]
+    warp.slots[lane] = value
+    warp.barrier.wait()
+    if lane == 0:
+        warp.result = compute(list(warp.slots))
+    warp.barrier.wait()
+    result = warp.result
+    warp.barrier.wait()          # nobody starts the next collective before all have read
+    return result
+
+
 def install() -> None:
     """Patch numba's simulator block manager (idempotent)."""
     global _installed

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..sim_runtime import warp_exchange
+from ..sim_runtime import warp_collective, warp_exchange
 
 _lock = threading.Lock()
 
@@ -99,31 +99,42 @@ def pack_bf16x2(lo, hi):
 
 # ---- tensor cores ------------------------------------------------------------------------------
 
-def _halves(word):
-    w = np.array([word], dtype=np.uint32).view(np.uint16)
-    return (np.array([w[0]], np.uint32) << 16).view(np.float32)[0], \
-        (np.array([w[1]], np.uint32) << 16).view(np.float32)[0]
+def _bf16_words_to_f64(words):
+    """uint32 [..., n] of packed bf16 pairs -> float64 [..., 2n] (low half first)."""
+    halves = np.ascontiguousarray(words, dtype=np.uint32).view(np.uint16)
+    return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# Fragment layout of m16n8k16 (PTX ISA): for lane L (g = L // 4, t = L % 4) the 8 bf16 of
+# A are rows (g, g, g+8, g+8, g, g, g+8, g+8) x cols (2t, 2t+1, 2t, 2t+1, 2t+8, 2t+9, ...),
+# the 4 of B are k (2t, 2t+1, 2t+8, 2t+9) x n g, and C/D rows (g, g, g+8, g+8) x (2t, 2t+1).
+_L = np.arange(32)
+_G, _T = _L // 4, _L % 4
+_A_ROWS = np.stack([_G, _G, _G + 8, _G + 8, _G, _G, _G + 8, _G + 8], 1)
+_A_COLS = np.stack([2 * _T, 2 * _T + 1, 2 * _T, 2 * _T + 1,
+                    2 * _T + 8, 2 * _T + 9, 2 * _T + 8, 2 * _T + 9], 1)
+_B_ROWS = np.stack([2 * _T, 2 * _T + 1, 2 * _T + 8, 2 * _T + 9], 1)
+_B_COLS = np.stack([_G] * 4, 1)
+_C_ROWS = np.stack([_G, _G, _G + 8, _G + 8], 1)
+_C_COLS = np.stack([2 * _T, 2 * _T + 1, 2 * _T, 2 * _T + 1], 1)
+
+
+def _mma_warp(lanes):
+    v = np.array([[int(x) for x in lane[:6]] for lane in lanes], dtype=np.uint32)
+    c = np.array([[float(x) for x in lane[6:]] for lane in lanes], dtype=np.float64)
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    C = np.zeros((16, 8))
+    A[_A_ROWS, _A_COLS] = _bf16_words_to_f64(v[:, :4])
+    B[_B_ROWS, _B_COLS] = _bf16_words_to_f64(v[:, 4:6])
+    C[_C_ROWS, _C_COLS] = c
+    return (A @ B + C).astype(np.float32)[_C_ROWS, _C_COLS]      # [32 lanes, 4]
 
 
 def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    lanes = warp_exchange((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
-    A = np.zeros((16, 16), np.float64)
-    B = np.zeros((16, 8), np.float64)
-    C = np.zeros((16, 8), np.float64)
-    for lane, v in enumerate(lanes):
-        g, t = lane // 4, lane % 4
-        A[g, 2 * t:2 * t + 2] = _halves(v[0])
-        A[g + 8, 2 * t:2 * t + 2] = _halves(v[1])
-        A[g, 2 * t + 8:2 * t + 10] = _halves(v[2])
-        A[g + 8, 2 * t + 8:2 * t + 10] = _halves(v[3])
-        B[2 * t:2 * t + 2, g] = _halves(v[4])
-        B[2 * t + 8:2 * t + 10, g] = _halves(v[5])
-        C[g, 2 * t:2 * t + 2] = v[6], v[7]
-        C[g + 8, 2 * t:2 * t + 2] = v[8], v[9]
-    D = (A @ B + C).astype(np.float32)
+    d = warp_collective((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_warp)
     lane = threading.current_thread().thread_id % 32
-    g, t = lane // 4, lane % 4
-    return (D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+    return (d[lane, 0], d[lane, 1], d[lane, 2], d[lane, 3])
 
 
 def _ldmatrix(smem, idx, nmat):

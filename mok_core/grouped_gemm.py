@@ -1,0 +1,163 @@
+"""Grouped expert GEMMs over the expert-sorted, row-padded layout of the schedule.
+
+    gate_up_swiglu: hidden[r] = SwiGLU(A[r] W_gate[e]^T, A[r] W_up[e]^T)   (bf16 out)
+    down:           y[r]      = hidden[r] W_down[e]^T                       (bf16 out)
+
+for every row r of expert e's segment [off[e], off[e+1]). Counts and offsets are read on the
+device; A rows can be gathered through an index table (a token pulled once per rank feeds all
+its local experts without a fan-out copy; -1 = padding row, read as zeros). The shared expert
+is the same kernels with one expert. Device bodies: ``mok_core.grouped_gemm_kernels``.
+
+All bf16 tensors are uint16 bit arrays here (the adapters view framework bf16 as uint16).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count
+from .grouped_gemm_kernels import make_grouped_gemm
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape of the grouped GEMMs (all compile-time).
+
+    bm x bn output tile per block (bn counts gate+up columns for the SwiGLU GEMM), bk the K
+    slice, wm x wn warps, ``stages`` slices in flight, ``blocks_per_sm`` persistent blocks per
+    SM. ``bm`` must divide ``MoKConfig.row_align``.
+    """
+    bm: int = 128
+    bn: int = 128
+    bk: int = 32
+    wm: int = 2
+    wn: int = 4
+    stages: int = 4
+    blocks_per_sm: int = 1
+
+    def __post_init__(self):
+        def req(cond, msg):
+            if not cond:
+                raise ValueError(f"GemmConfig{self}: {msg}")
+        req(self.bk in (32, 64), "bk must be 32 or 64")
+        req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
+        req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
+        req(self.stages >= 2, "stages must be >= 2")
+        threads = self.wm * self.wn * 32
+        req(threads <= 1024, "too many warps")
+        req((self.bm * self.bk // 8) % threads == 0 and (self.bn * self.bk // 8) % threads == 0,
+            "tile chunks must divide evenly over threads")
+        req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return (self.bm + self.bn) * self.bk * 2 * self.stages
+
+
+DEFAULT_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2) if SIM else GemmConfig()
+
+
+@lru_cache(maxsize=None)
+def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool):
+    return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather)
+
+
+def _grid(cfg: GemmConfig, max_tiles: int) -> int:
+    return max(1, min(max_tiles, multiprocessor_count() * cfg.blocks_per_sm))
+
+
+def _check_offsets(expert_offsets, num_rows, num_experts):
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32,
+                          shape=(num_experts + 1,))
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    return off, nr
+
+
+def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
+                   swiglu_limit=None, config: GemmConfig = DEFAULT_GEMM, stream=0):
+    """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16.
+
+    Arguments:
+        x: uint16 (bf16 bits) [A_rows, H] -- source rows (token staging buffer or local x).
+        a_index: int32 [C]: row of x for each expert-sorted row; -1 = padding (zeros).
+        w_gate, w_up: uint16 [E, I, H].
+        expert_offsets: int32 [E + 1] padded offsets (multiples of config.bm);
+        num_rows: int32 [1] rows in use (device; never read by the host).
+        hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
+        swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
+    """
+    x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
+    A_rows, H = x.shape
+    w_gate = as_device_array(w_gate, "w_gate", dtype=np.uint16, ndim=3)
+    E, I, H2 = w_gate.shape
+    if H2 != H:
+        raise ValueError(f"w_gate: expected [E, I, {H}] (H of x), got {tuple(w_gate.shape)}")
+    w_up = as_device_array(w_up, "w_up", dtype=np.uint16, shape=(E, I, H))
+    C = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1).shape[0]
+    a_index = as_device_array(a_index, "a_index", dtype=np.int32, shape=(C,))
+    hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
+    off, nr = _check_offsets(expert_offsets, num_rows, E)
+    _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
+                name_n="intermediate I")
+    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+    if not limit > 0:
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
+    kern = _kernel(config, True, True)
+    max_tiles = (C // config.bm) * (I // (config.bn // 2))
+    launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
+           _flat(x), a_index, _flat(w_gate), _flat(w_up), off, nr, _flat32(hidden),
+           np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
+
+
+def down(hidden, w_down, expert_offsets, num_rows, y, *, config: GemmConfig = DEFAULT_GEMM,
+         stream=0):
+    """y[r] = hidden[r] W_down[e]^T, bf16.
+
+    Arguments:
+        hidden: uint16 [C, I] (expert-sorted rows, padding rows zero).
+        w_down: uint16 [E, H, I].
+        expert_offsets, num_rows: as in ``gate_up_swiglu``.
+        y: uint16 [C, H] output.
+    """
+    hidden = as_device_array(hidden, "hidden", dtype=np.uint16, ndim=2)
+    C, I = hidden.shape
+    w_down = as_device_array(w_down, "w_down", dtype=np.uint16, ndim=3)
+    E, H, I2 = w_down.shape
+    if I2 != I:
+        raise ValueError(f"w_down: expected [E, H, {I}] (I of hidden), got {tuple(w_down.shape)}")
+    y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
+    off, nr = _check_offsets(expert_offsets, num_rows, E)
+    _check_dims(config, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
+                name_n="hidden size H")
+    kern = _kernel(config, False, False)
+    dummy_index = nr                                   # unused without gather
+    max_tiles = (C // config.bm) * (H // config.bn)
+    launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
+           _flat(hidden), dummy_index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
+           np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
+
+
+def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):
+    if C % cfg.bm:
+        raise ValueError(f"rows {C}: must be a multiple of the GEMM row tile {cfg.bm} "
+                         "(MoKConfig.row_align must be a multiple of GemmConfig.bm)")
+    if K % cfg.bk:
+        raise ValueError(f"{name_k}={K}: must be a multiple of {cfg.bk}")
+    if N % n_tile:
+        raise ValueError(f"{name_n}={N}: must be a multiple of {n_tile}")
+
+
+def _flat(a):
+    return a.reshape(a.size) if a.ndim != 1 else a
+
+
+def _flat32(a):
+    """uint16 [.., N] (N even) -> flat uint32 view of packed bf16 pairs."""
+    return _flat(a).view(np.uint32)

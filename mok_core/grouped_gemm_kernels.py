@@ -1,0 +1,231 @@
+"""Device bodies of the grouped expert GEMMs (host glue: ``mok_core.grouped_gemm``).
+
+Contract of every kernel built here (ThunderKittens style: read this block, know the kernel):
+
+    C[rows, N] = A[rows, K] . W[e]^T     for each expert e over its rows [off[e], off[e+1])
+
+    A        uint16 (bf16 bits) [A_rows * K], row r of the expert-sorted space is
+             A[a_index[r]] when GATHER (a_index[r] = -1: padding row, read as zeros -- the
+             cp.async zero-fill, no load) else A[r]
+    W        uint16 [E * N_w * K]  nn.Linear layout (out_features, in_features): ABt GEMM
+    off      int32 [E + 1] padded row offsets (multiples of BM: no tile spans two experts)
+    num_rows int32 [1]   rows in use; tiles past it are never visited (count stays on device)
+    out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once)
+
+Two epilogues:
+    SWIGLU   W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp column,
+             16 gate rows then the 16 up rows of the same hidden columns, so one thread holds
+             gate and up of the same element: h = SiLU(min(g, L)) * clamp(u, -L, L) -> bf16.
+    plain    out = acc -> bf16.
+
+Tiles: BM x BN output per block (BN = 2 x hidden columns for SWIGLU), WM x WN warps, each warp
+MI x NI m16n8k16 tiles, K walked in BK slices through a STAGES-deep cp.async ring in shared
+memory (16-byte chunks, XOR-swizzled so ldmatrix rows hit distinct banks). FP32 accumulation,
+one block owns each output tile, K in fixed order: no split-K, no atomics -> deterministic.
+
+Persistent schedule: block b takes tiles b, b + grid, ... in the order
+(expert, column tile, row tile within expert) -- the blocks running at once share one
+expert's A rows and each weight tile is read by all of that expert's row tiles together, so
+both stay in L2. The expert of a tile is found by binary search over ``off`` on the device.
+"""
+import math
+
+from numba import cuda, float32, int32, int64, uint16, uint32
+
+from .cuda_compat import kjit
+from .intrinsics import (cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4,
+                         mma_bf16_16816, pack_bf16x2)
+
+
+@kjit(device=True, inline="always")
+def find_tile(offsets, num_experts, t, n_tiles, bm):
+    """Tile id -> (expert, first row, column tile) for order (expert, column tile, row tile)."""
+    lo = 0
+    hi = num_experts - 1
+    while lo < hi:                         # last expert whose first tile id <= t
+        mid = (lo + hi + 1) // 2
+        if (offsets[mid] // bm) * n_tiles <= t:
+            lo = mid
+        else:
+            hi = mid - 1
+    e = lo
+    first = offsets[e] // bm
+    m_tiles = offsets[e + 1] // bm - first
+    local = t - first * n_tiles
+    return e, (first + local % m_tiles) * bm, local // m_tiles
+
+
+@kjit(device=True, inline="always")
+def swiglu(g, u, limit):
+    """SiLU(min(g, L)) * clamp(u, -L, L) in float32 (L = +inf: plain SwiGLU)."""
+    g = min(g, limit)
+    u = max(min(u, limit), -limit)
+    return g / (float32(1.0) + math.exp(-g)) * u
+
+
+def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather):
+    """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time)."""
+    threads = wm * wn * 32
+    mi_n = bm // wm // 16                  # m16 tiles per warp
+    ni_n = bn // wn // 8                   # n8 tiles per warp
+    wn_cols = bn // wn                     # B rows (output columns) per warp column
+    half = wn_cols // 2                    # SWIGLU: gate (then up) rows per warp column
+    cpr = bk // 8                          # 16-byte chunks per smem row
+    a_chunks = bm * cpr // threads         # A chunks each thread copies per stage
+    b_chunks = bn * cpr // threads
+    stage = (bm + bn) * bk                 # uint16 elements per stage
+    acc_n = mi_n * ni_n * 4                # local-array sizes must be compile-time constants
+    afrag_n = mi_n * 4
+    bfrag_n = ni_n * 2
+    in_flight = stages - 2                 # cp.async groups allowed pending at a K step
+    assert bm % (wm * 16) == 0 and bn % (wn * 16) == 0 and bk in (32, 64)
+    assert (bm * cpr) % threads == 0 and (bn * cpr) % threads == 0
+    assert not swiglu_epilogue or ni_n % 2 == 0
+    swz_shift = 1 if cpr == 4 else 0       # 64-byte rows pair up in banks; 128-byte rows don't
+
+    @kjit(device=True, inline="always")
+    def swz(row, chunk):
+        """Physical 16-byte chunk of (row, chunk): ldmatrix's 8 rows land in distinct banks."""
+        return chunk ^ ((row >> swz_shift) & (cpr - 1))
+
+    @kjit(device=True, inline="always")
+    def b_row_source(b, col0, n_w):
+        """(matrix, row) of the weights feeding B-tile row b."""
+        if swiglu_epilogue:
+            wc = b // wn_cols
+            j = b % wn_cols
+            return j // half, col0 + wc * half + j % half     # 0 = gate, 1 = up
+        return 0, col0 + b
+
+    @kjit
+    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        warp_m = warp // wn
+        warp_n = warp % wn
+        num_experts = offsets.shape[0] - 1
+        cols_per_tile = bn // 2 if swiglu_epilogue else bn
+        n_tiles = n_out // cols_per_tile
+        total = (num_rows[0] // bm) * n_tiles
+        ktiles = K // bk
+
+        acc = cuda.local.array(acc_n, float32)
+        afrag = cuda.local.array(afrag_n, uint32)
+        bfrag = cuda.local.array(bfrag_n, uint32)
+        arow = cuda.local.array(a_chunks, int32)      # global A row of each chunk I copy
+        brow = cuda.local.array(b_chunks, int64)      # element offset of each B row I copy
+        bsel = cuda.local.array(b_chunks, int32)
+
+        t = cuda.blockIdx.x
+        while t < total:
+            e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, bm)
+            col0 = nt * cols_per_tile
+            for i in range(a_chunks):
+                r = row0 + (tid + i * threads) // cpr
+                arow[i] = a_index[r] if gather else r
+            for i in range(b_chunks):
+                which, col = b_row_source((tid + i * threads) // cpr, col0, n_w)
+                bsel[i] = which
+                brow[i] = (e * n_w + col) * K
+            for i in range(acc_n):
+                acc[i] = float32(0.0)
+
+            # Prologue: fill STAGES-1 slices.
+            for s in range(stages - 1):
+                if s < ktiles:
+                    _load_stage(smem, s * stage, a, w0, w1, arow, brow, bsel, s * bk, K, tid)
+                cp_async_commit()
+
+            for kt in range(ktiles):
+                cp_async_wait(in_flight)
+                cuda.syncthreads()            # slice kt landed; slice kt-1 is free to refill
+                nk = kt + stages - 1
+                if nk < ktiles:
+                    _load_stage(smem, (nk % stages) * stage, a, w0, w1, arow, brow, bsel,
+                                nk * bk, K, tid)
+                cp_async_commit()
+                base = (kt % stages) * stage
+                for kk in range(bk // 16):
+                    for mi in range(mi_n):
+                        r = warp_m * (bm // wm) + mi * 16 + lane % 16
+                        c = kk * 2 + lane // 16
+                        f0, f1, f2, f3 = ldmatrix_x4(smem, base + r * bk + swz(r, c) * 8)
+                        afrag[mi * 4 + 0] = f0
+                        afrag[mi * 4 + 1] = f1
+                        afrag[mi * 4 + 2] = f2
+                        afrag[mi * 4 + 3] = f3
+                    for nj in range(ni_n // 2):
+                        mat = lane // 8
+                        r = warp_n * wn_cols + (nj * 2 + mat // 2) * 8 + lane % 8
+                        c = kk * 2 + mat % 2
+                        f0, f1, f2, f3 = ldmatrix_x4(smem, base + bm * bk + r * bk
+                                                     + swz(r, c) * 8)
+                        bfrag[nj * 4 + 0] = f0
+                        bfrag[nj * 4 + 1] = f1
+                        bfrag[nj * 4 + 2] = f2
+                        bfrag[nj * 4 + 3] = f3
+                    for mi in range(mi_n):
+                        for ni in range(ni_n):
+                            x = (mi * ni_n + ni) * 4
+                            d0, d1, d2, d3 = mma_bf16_16816(
+                                afrag[mi * 4], afrag[mi * 4 + 1], afrag[mi * 4 + 2],
+                                afrag[mi * 4 + 3], bfrag[ni * 2], bfrag[ni * 2 + 1],
+                                acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
+                            acc[x] = d0
+                            acc[x + 1] = d1
+                            acc[x + 2] = d2
+                            acc[x + 3] = d3
+            cp_async_wait(0)
+            cuda.syncthreads()                # every warp is done with the ring before reuse
+
+            # Epilogue: registers -> bf16 pairs -> out (rows of padding hold zeros).
+            g = lane // 4
+            q = lane % 4
+            for mi in range(mi_n):
+                r = row0 + warp_m * (bm // wm) + mi * 16 + g
+                if swiglu_epilogue:
+                    for ni in range(ni_n // 2):
+                        x = (mi * ni_n + ni) * 4
+                        y = (mi * ni_n + ni + ni_n // 2) * 4
+                        col = col0 + warp_n * half + ni * 8 + 2 * q
+                        out[(r * n_out + col) // 2] = pack_bf16x2(
+                            swiglu(acc[x], acc[y], limit), swiglu(acc[x + 1], acc[y + 1], limit))
+                        out[((r + 8) * n_out + col) // 2] = pack_bf16x2(
+                            swiglu(acc[x + 2], acc[y + 2], limit),
+                            swiglu(acc[x + 3], acc[y + 3], limit))
+                else:
+                    for ni in range(ni_n):
+                        x = (mi * ni_n + ni) * 4
+                        col = col0 + warp_n * wn_cols + ni * 8 + 2 * q
+                        out[(r * n_out + col) // 2] = pack_bf16x2(acc[x], acc[x + 1])
+                        out[((r + 8) * n_out + col) // 2] = pack_bf16x2(acc[x + 2], acc[x + 3])
+            t += cuda.gridDim.x
+
+    @kjit(device=True, inline="always")
+    def _load_stage(smem, base, a, w0, w1, arow, brow, bsel, k0, K, tid):
+        """Issue this thread's cp.async chunks of one K slice (A rows, then B rows)."""
+        for i in range(a_chunks):
+            chunk = tid + i * threads
+            r = chunk // cpr
+            c = chunk % cpr
+            src = arow[i]
+            nbytes = 16
+            if src < 0:                        # padding row: zero-fill, no global read
+                nbytes = 0
+                src = 0
+            cp_async_16(smem, base + r * bk + swz(r, c) * 8, a, src * K + k0 + c * 8, nbytes)
+        for i in range(b_chunks):
+            chunk = tid + i * threads
+            r = chunk // cpr
+            c = chunk % cpr
+            dst = base + bm * bk + r * bk + swz(r, c) * 8
+            if bsel[i] == 0:
+                cp_async_16(smem, dst, w0, brow[i] + k0 + c * 8, 16)
+            else:
+                cp_async_16(smem, dst, w1, brow[i] + k0 + c * 8, 16)
+
+    kernel.smem_bytes = stage * stages * 2
+    kernel.threads = threads
+    return kernel
