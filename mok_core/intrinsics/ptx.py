@@ -145,6 +145,19 @@ def clock64(typingctx):
     return types.int64(), codegen
 
 
+@intrinsic
+def nanosleep(typingctx, ns):
+    """Back off for about ``ns`` nanoseconds inside a spin-wait (frees issue slots)."""
+    if not isinstance(ns, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        _asm(builder, ir.VoidType(), [v], "nanosleep.u32 $0;", "r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(ns), codegen
+
+
 # ---- bf16 bits <-> f32 -------------------------------------------------------------------------
 
 @intrinsic
@@ -188,6 +201,29 @@ def pack_bf16x2(typingctx, lo, hi):
     def codegen(context, builder, sig, args):
         return _asm(builder, _i32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
     return types.uint32(lo, hi), codegen
+
+
+@intrinsic
+def fmul_rn(typingctx, a, b):
+    """float32 a*b rounded once; an explicit-rounding mul is never fused into an FMA, so
+    ``fadd_rn(acc, fmul_rn(w, y))`` rounds exactly like NumPy float32 (bitwise reference)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _f32, list(args), "mul.rn.f32 $0, $1, $2;", "=f,f,f")
+    return types.float32(a, b), codegen
+
+
+@intrinsic
+def fadd_rn(typingctx, a, b):
+    """float32 a+b rounded once (never contracted)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _f32, list(args), "add.rn.f32 $0, $1, $2;", "=f,f,f")
+    return types.float32(a, b), codegen
 
 
 # ---- tensor cores ------------------------------------------------------------------------------

@@ -75,6 +75,10 @@ def clock64():
     return np.int64(time.perf_counter_ns() * 2)     # ~2 GHz, like an H200 SM clock
 
 
+def nanosleep(ns):
+    time.sleep(0)                                    # let the other simulated threads run
+
+
 # ---- bf16 bits <-> f32 -------------------------------------------------------------------------
 
 def u32_as_f32(x):
@@ -95,6 +99,14 @@ def f32_to_bf16(x):
 
 def pack_bf16x2(lo, hi):
     return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+
+
+def fmul_rn(a, b):
+    return np.float32(np.float32(a) * np.float32(b))
+
+
+def fadd_rn(a, b):
+    return np.float32(np.float32(a) + np.float32(b))
 
 
 # ---- tensor cores ------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Device bodies of mok_comm (host launch glue: ``mok_comm.ops``)."""

@@ -1,0 +1,128 @@
+"""Host launch glue of the communication half (device bodies: ``mok_comm.kernels``).
+
+Every function enqueues kernels on ``stream`` and returns; nothing synchronises with the host.
+The forward uses them in this order (coarse cross-GPU sync, fine-grained readiness on the GPU):
+
+    publish_tokens  x -> x_buf, ids -> every rank's ids_table     (local copy + NVLink pushes)
+    barrier         all ranks' x_buf and ids_table are complete
+    build_schedule  (mok_core.schedule, local)
+    dispatch        pull each needed (token, rank) once into x_recv
+    ... expert FFN on the expert-sorted rows (mok_core.grouped_gemm) ...
+    combine         push y rows home into combine_buf[token*k + slot]
+    barrier         every rank's rows have arrived
+    epilogue        out = y_shared + sum_j w_j y_j, fixed order
+
+Arrays here are numba device arrays (or NumPy on the simulator); bf16 as uint16 bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mok_core.cuda_compat import SIM, as_device_array, fill, multiprocessor_count
+
+from .kernels.allgather import push_ids_kernel
+from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
+from .kernels.combine import push_combine_kernel
+from .kernels.dispatch import pull_dispatch_kernel
+from .kernels.epilogue import combine_epilogue_kernel
+from .workspace import Workspace
+
+COMM_WARPS = 4 if SIM else 16          # warps per comm block (one row each)
+_COPY_THREADS = 64 if SIM else 256
+
+
+def _comm_grid(ws: Workspace, num_blocks):
+    return num_blocks or (2 if SIM else multiprocessor_count())
+
+
+def _flat(a):
+    return a.reshape(a.size) if a.ndim != 1 else a
+
+
+def publish_tokens(ws: Workspace, x, topk_ids, stream=0) -> None:
+    """Copy this rank's tokens into its symmetric x buffer and push its top-k ids into row
+    ``rank`` of every rank's ids table.
+
+    Arguments:
+        x: uint16 (bf16 bits) [T, H]; topk_ids: int32 [T, k] global expert ids, -1 = masked.
+    """
+    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H))
+    ids = as_device_array(topk_ids, "topk_ids", dtype=np.int32, shape=(T, k))
+    if SIM:
+        ws.x_buf[...] = x
+    else:
+        ws.x_buf.copy_to_device(x, stream=stream)
+    if T * k:
+        blocks = min(256, -(-T * k // _COPY_THREADS))
+        push_ids_kernel[blocks, _COPY_THREADS, stream](ws.rank, _flat(ids), ws.peer_ids_table)
+
+
+def barrier(ws: Workspace, stream=0) -> None:
+    """Device-side barrier of the EP group (one 1-thread launch; bounded wait, see kernels)."""
+    barrier_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.barrier_flags,
+                                 ws.peer_barrier_flags, ws.config.spin_timeout_cycles,
+                                 ws.errors)
+
+
+def barrier_arrive(ws: Workspace, stream=0) -> None:
+    """First half of ``barrier`` (emulated ranks: every rank arrives, then every rank waits)."""
+    arrive_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.peer_barrier_flags)
+
+
+def barrier_wait(ws: Workspace, stream=0) -> None:
+    wait_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.barrier_flags,
+                              ws.config.spin_timeout_cycles, ws.errors)
+
+
+def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
+    """Pull the rows this rank's experts need into ``ws.x_recv`` (row ``r*T + t``).
+
+    Afterwards the GEMM A rows of the expert-sorted space are
+    ``x_recv[src_rank*T + src_token]`` (see ``gather_index``). ``ws.ready`` counts rows done per
+    minibatch.
+    """
+    fill(ws.ready, 0, stream)
+    pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
+        ws.peer_x, schedule.src_rank, schedule.src_token, _flat(schedule.recv_row),
+        schedule.num_rows, _flat(ws.x_recv), ws.ready, np.int64(ws.tokens_per_rank),
+        np.int64(ws.hidden), np.int64(ws.topk), np.int64(ws.config.minibatch_size))
+
+
+def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None) -> None:
+    """Push expert outputs ``y`` (uint16 [capacity, H], expert-sorted rows) home."""
+    y = as_device_array(y, "y", dtype=np.uint16, shape=(ws.capacity, ws.hidden))
+    push_combine_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
+        _flat(y), schedule.src_rank, schedule.src_token, schedule.src_slot, schedule.num_rows,
+        ws.peer_combine, np.int64(ws.hidden), np.int64(ws.topk))
+
+
+def epilogue(ws: Workspace, router_weights, out, y_shared=None, stream=0) -> None:
+    """out = y_shared + sum_j w_j * y_j (slots ascending, FP32, one bf16 rounding).
+
+    Arguments:
+        router_weights: float32 [T, k]; out: uint16 [T, H]; y_shared: uint16 [T, H] or None.
+    The masks come from this rank's row of the ids table (pushed by ``publish_tokens``).
+    """
+    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    w = as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k))
+    out = as_device_array(out, "out", dtype=np.uint16, shape=(T, H))
+    has_shared = y_shared is not None
+    ys = (as_device_array(y_shared, "y_shared", dtype=np.uint16, shape=(T, H)) if has_shared
+          else out)
+    if T == 0:
+        return
+    chunks = T * H // 8
+    blocks = min(4 * multiprocessor_count() if not SIM else 2, -(-chunks // _COPY_THREADS))
+    combine_epilogue_kernel[blocks, _COPY_THREADS, stream](
+        _flat(ys), has_shared, _flat(ws.combine_buf), _flat(ws.ids_table[ws.rank]), _flat(w),
+        _flat(out), np.int64(T), np.int64(H), np.int64(k))
+
+
+def gather_index(ws: Workspace, schedule, out, stream=0) -> None:
+    """GEMM row index into ``x_recv`` for every expert-sorted row (-1 on padding)."""
+    from .kernels.index import gather_index_kernel
+    out = as_device_array(out, "gather_index", dtype=np.int32, shape=(ws.capacity,))
+    gather_index_kernel[max(1, min(1024, -(-ws.capacity // _COPY_THREADS))), _COPY_THREADS,
+                        stream](schedule.src_rank, schedule.src_token,
+                                np.int64(ws.tokens_per_rank), out)
