@@ -1,0 +1,193 @@
+"""Dispatch / combine bandwidth over NVLink vs the copy engine and NCCL, same run.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_comm.py
+
+Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world size):
+  dispatch   our pull dispatch (each (token, rank) crosses NVLink once)
+  combine    our push combine (each (token, slot) row goes home)
+  copy       copy-engine peer copy of the same bytes (pull for dispatch, push for combine)
+  nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
+             read on the host first, as torch EP code does
+GB/s = bytes that cross NVLink (local rows excluded) / time; time per iteration = max over ranks,
+median over iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import gpu_name, numba_stream, progress, table, write_json  # noqa: E402
+
+H, E, K = 7168, 384, 8
+
+
+def timed(fn, iters, warmup, pre=None):
+    import torch
+    for _ in range(warmup):
+        if pre:
+            pre()
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        if pre:
+            pre()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def max_over_ranks_median(times):
+    import torch
+    import torch.distributed as td
+    t = torch.tensor(times, dtype=torch.float64, device="cuda")
+    td.all_reduce(t, op=td.ReduceOp.MAX)
+    return float(t.median().item())
+
+
+def run_case(T, iters, warmup):
+    import nvshmem.core as nvs
+    import torch
+    import torch.distributed as td
+    from numba import cuda
+
+    from mok_comm import ops
+    from mok_comm.heap import NvshmemHeap
+    from mok_comm.workspace import create_workspace
+    from mok_core.config import MoKConfig
+    from mok_core.schedule import Schedule, build_schedule
+    R, me = td.get_world_size(), td.get_rank()
+    rng = np.random.default_rng(T)
+    ids = np.empty((R, T, K), np.int32)
+    for r in range(R):
+        g = rng.gumbel(size=(T, E)).astype(np.float32)
+        ids[r] = np.argpartition(g, -K, axis=1)[:, -K:]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    s = numba_stream()
+    cfg = MoKConfig(capacity_factor=1.0)
+    heap = NvshmemHeap(stream=s)
+    ws = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, config=cfg,
+                          stream=s)
+    sched = Schedule.allocate(rank=me, ep_size=R, tokens_per_rank=T, topk=K, num_experts=E,
+                              config=cfg, capacity=ws.capacity)
+    y = torch.randn(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
+    u16 = torch.uint16
+    d_ids = torch.from_numpy(ids[me]).cuda()
+    ops.publish_tokens(ws, x.view(u16), d_ids, stream=s)
+    ops.barrier(ws, stream=s)
+    build_schedule(sched, ws.ids_table, stream=s)
+    torch.cuda.synchronize()
+
+    # Bytes that cross NVLink (host-side accounting from the schedule, outside timing).
+    sc = sched.to_host()
+    n = int(sc["num_rows"][0])
+    real = sc["src_rank"][:n] >= 0
+    remote = real & (sc["src_rank"][:n] != me)
+    pairs = {(int(r), int(t)) for r, t in zip(sc["src_rank"][:n][remote],
+                                              sc["src_token"][:n][remote])}
+    row_bytes = H * 2
+    dispatch_bytes = len(pairs) * row_bytes
+    pair_bytes = int(remote.sum()) * row_bytes             # without per-(token, rank) dedup
+    combine_bytes = int(remote.sum()) * row_bytes
+
+    bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
+    t_disp = max_over_ranks_median(timed(lambda: ops.dispatch(ws, sched, stream=s), iters,
+                                         warmup, pre=bar))
+    t_comb = max_over_ranks_median(timed(lambda: ops.combine(ws, sched, y.view(u16), stream=s),
+                                         iters, warmup, pre=bar))
+    ws.check()
+
+    # Copy-engine ceiling: same bytes, peer view through NVSHMEM's torch interop.
+    peer = (me + 1) % R
+    nrow = max(1, dispatch_bytes // row_bytes)
+    src = nvs.tensor((max(nrow, combine_bytes // row_bytes), H), dtype=torch.bfloat16)
+    src.normal_()
+    dst = torch.empty_like(src)
+    pv = nvs.get_peer_tensor(src, peer)
+    torch.cuda.synchronize()
+    td.barrier()
+    t_pull = max_over_ranks_median(timed(lambda: dst[:nrow].copy_(pv[:nrow]), iters, warmup))
+    ncomb = max(1, combine_bytes // row_bytes)
+    td.barrier()
+    t_push = max_over_ranks_median(timed(lambda: pv[:ncomb].copy_(dst[:ncomb]), iters, warmup))
+
+    # NCCL all_to_all_single of the routed rows, host-synced splits.
+    dest = ids[me] // (E // R)
+    valid = ids[me] >= 0
+    order = np.argsort(np.where(valid, dest, R), kind="stable").ravel()
+    send_counts = np.bincount(dest[valid].ravel(), minlength=R)
+    send = x[torch.from_numpy(order[:int(send_counts.sum())] // K).cuda()]
+    d_counts = torch.from_numpy(send_counts.astype(np.int64)).cuda()
+
+    def nccl():
+        recv_counts = torch.empty_like(d_counts)
+        td.all_to_all_single(recv_counts, d_counts)
+        rc = recv_counts.tolist()                            # the host sync torch EP code has
+        recv = torch.empty(sum(rc), H, device="cuda", dtype=torch.bfloat16)
+        td.all_to_all_single(recv, send, rc, send_counts.tolist())
+
+    td.barrier()
+    t_nccl = max_over_ranks_median(timed(nccl, iters, warmup))
+    nccl_bytes = int(send_counts.sum() - send_counts[me]) * row_bytes
+    nvs.free_tensor(src)
+    heap.free()
+    gb = lambda b, ms: b / ms / 1e6  # noqa: E731
+    row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(),
+           "dispatch_ms": t_disp, "combine_ms": t_comb, "copy_pull_ms": t_pull,
+           "copy_push_ms": t_push, "nccl_ms": t_nccl,
+           "dispatch_bytes": dispatch_bytes, "dispatch_bytes_without_dedup": pair_bytes,
+           "combine_bytes": combine_bytes, "nccl_bytes": nccl_bytes,
+           "dispatch_gbps": gb(dispatch_bytes, t_disp), "combine_gbps": gb(combine_bytes, t_comb),
+           "copy_gbps": gb(nrow * row_bytes, t_pull), "copy_push_gbps": gb(ncomb * row_bytes,
+                                                                           t_push),
+           "nccl_gbps": gb(nccl_bytes, t_nccl)}
+    row["dispatch_ratio_to_copy"] = row["dispatch_gbps"] / row["copy_gbps"]
+    row["combine_ratio_to_copy"] = row["combine_gbps"] / row["copy_push_gbps"]
+    row["speedup_vs_nccl"] = t_nccl / t_disp
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/bench_comm.json")
+    args = ap.parse_args(argv)
+    import torch
+    import torch.distributed as td
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    from numba import cuda
+    cuda.select_device(local)
+    td.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+    from mok_comm import bootstrap
+    bootstrap.init("torch")
+    rows = []
+    for T in map(int, args.tokens.split(",")):
+        if td.get_rank() == 0:
+            progress(f"comm T={T}")
+        rows.append(run_case(T, args.iters, args.warmup))
+    if td.get_rank() == 0:
+        write_json(args.out, rows)
+        print(table(rows, ["tokens_per_rank", "ep", "dispatch_gbps", "combine_gbps",
+                           "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
+                           "combine_ratio_to_copy", "speedup_vs_nccl"]))
+        print(table(rows, ["tokens_per_rank", "dispatch_ms", "combine_ms", "nccl_ms",
+                           "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))
+    bootstrap.finalize()
+    td.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

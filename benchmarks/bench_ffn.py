@@ -1,0 +1,135 @@
+"""Routed expert FFN: our grouped GEMMs vs torch._grouped_mm (+ SwiGLU) vs one dense cuBLAS GEMM.
+
+    python benchmarks/bench_ffn.py [--presets kimi-k2.7,...] [--tokens 4096,8192] [--out F]
+
+Per preset at EP=2 (half the experts local, T tokens per rank, top-k routes of all 2T tokens
+landing on this rank's experts), uniform and skewed routing:
+  ours        gate_up_swiglu + down over the expert-sorted, 128-row-padded layout
+  grouped_mm  torch._grouped_mm gate/up (one [2I] GEMM) -> silu(g)*u -> grouped_mm down, on the
+              unpadded rows (offsets rounded to 16 rows, which grouped_mm needs)
+  cublas      dense bf16 matmuls of the same FLOPs (the ceiling)
+TFLOP/s counts real routed rows only: 6 * rows * H * I.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  # noqa: E402
+                               progress, routing_counts, table, time_iters, write_json)
+
+
+def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
+    import torch
+
+    from mok_core.config import preset
+    from mok_core.grouped_gemm import down, gate_up_swiglu
+    shape = preset(preset_name, ep_size=2)
+    H, I, E, k = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+    E_l = E // 2
+    counts_all, _ = routing_counts(rng, 2 * T, E, k, skew)
+    counts = counts_all[:E_l]                                   # rank 0's experts
+    rows = int(counts.sum())
+    off = padded_layout(counts, gemm_cfg.bm)
+    C = int(off[-1])
+    dev = "cuda"
+    bf = torch.bfloat16
+    x = torch.randn(rows, H, device=dev, dtype=bf)
+    wg = torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5
+    wu = torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5
+    wd = torch.randn(E_l, H, I, device=dev, dtype=bf) * I ** -0.5
+    # expert-sorted padded layout: real rows gather x rows in order, padding -> -1
+    a_index = np.full(C, -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for e in range(E_l):
+        a_index[off[e]:off[e] + counts[e]] = np.arange(starts[e], starts[e + 1])
+    d_index = torch.from_numpy(a_index).to(dev)
+    d_off = torch.from_numpy(off).to(dev)
+    d_nr = torch.tensor([C], dtype=torch.int32, device=dev)
+    hidden = torch.empty(C, I, device=dev, dtype=bf)
+    y = torch.empty(C, H, device=dev, dtype=bf)
+    u16 = torch.uint16
+    stream = numba_stream()
+
+    def ours():
+        gate_up_swiglu(x.view(u16), d_index, wg.view(u16), wu.view(u16), d_off, d_nr,
+                       hidden.view(u16), config=gemm_cfg, stream=stream)
+        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), config=gemm_cfg,
+             stream=stream)
+
+    # grouped_mm baseline (offsets must be multiples of 16 rows)
+    c16 = -(-counts // 16) * 16
+    offs16 = torch.from_numpy(np.cumsum(c16).astype(np.int32)).to(dev)
+    x16 = torch.randn(int(c16.sum()), H, device=dev, dtype=bf)
+    w_gu = torch.cat([wg, wu], dim=1)                           # [E, 2I, H]
+
+    def grouped():
+        gu = torch._grouped_mm(x16, w_gu.transpose(1, 2), offs=offs16)
+        g, u = gu.split(I, dim=1)
+        h = torch.nn.functional.silu(g) * u
+        return torch._grouped_mm(h, wd.transpose(1, 2), offs=offs16)
+
+    a1 = torch.randn(rows, H, device=dev, dtype=bf)
+    b1 = torch.randn(H, 2 * I, device=dev, dtype=bf)
+    a2 = torch.randn(rows, I, device=dev, dtype=bf)
+    b2 = torch.randn(I, H, device=dev, dtype=bf)
+
+    def cublas():
+        torch.mm(a1, b1)
+        torch.mm(a2, b2)
+
+    t_ours = median(time_iters(ours, iters))
+    try:
+        t_gmm = median(time_iters(grouped, iters))
+    except Exception as exc:                                    # keep the run going
+        progress(f"grouped_mm failed: {exc}")
+        t_gmm = float("nan")
+    t_cub = median(time_iters(cublas, iters))
+    flops = 6.0 * rows * H * I
+    row = {"preset": preset_name, "tokens_per_rank": T, "routing": skew, "rows": rows,
+           "padded_rows": C, "ours_ms": t_ours, "grouped_mm_ms": t_gmm, "cublas_ms": t_cub,
+           "ours_tflops": flops / t_ours / 1e9, "grouped_mm_tflops": flops / t_gmm / 1e9,
+           "cublas_tflops": flops / t_cub / 1e9, "ratio_vs_grouped_mm": t_gmm / t_ours,
+           "gpu": gpu_name(), "gemm": str(gemm_cfg)}
+    del x, wg, wu, wd, hidden, y, x16, w_gu
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro")
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--gemm", default="", help="bm,bn,bk,wm,wn,stages[,blocks_per_sm]")
+    ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
+    args = ap.parse_args(argv)
+    from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
+    cfg = DEFAULT_GEMM
+    if args.gemm:
+        cfg = GemmConfig(*map(int, args.gemm.split(",")))
+    rng = np.random.default_rng(0)
+    rows = []
+    for p in args.presets.split(","):
+        for T in map(int, args.tokens.split(",")):
+            for skew in args.routing.split(","):
+                progress(f"ffn {p} T={T} {skew}")
+                rows.append(run_case(p, T, skew, cfg, args.iters, rng))
+                r = rows[-1]
+                progress(f"  ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.0f} TF/s)  "
+                         f"grouped_mm {r['grouped_mm_ms']:.3f} ms  ratio "
+                         f"{r['ratio_vs_grouped_mm']:.2f}")
+    write_json(args.out, rows)
+    print(table(rows, ["preset", "tokens_per_rank", "routing", "rows", "ours_ms",
+                       "grouped_mm_ms", "cublas_ms", "ours_tflops", "ratio_vs_grouped_mm"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Shared benchmark helpers: CUDA-event timing, routing generators, result files.
+
+Timing follows DESIGN.md §10: warm up, time each iteration with CUDA events, report the median
+(multi-rank benchmarks take the max over ranks per iteration first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name()
+
+
+def numba_stream():
+    """The current torch stream as a numba stream (launch our kernels in torch's order)."""
+    import torch
+    from numba import cuda
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def time_iters(fn, iters=20, warmup=3):
+    """Per-iteration device times in ms (CUDA events around each call)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def median(xs):
+    return float(statistics.median(xs))
+
+
+def routing_counts(rng, tokens, num_experts, topk, skew: str):
+    """Routes per expert for ``tokens`` tokens choosing top-k of ``num_experts``.
+
+    uniform: every expert equally likely; skewed: expert popularity ~ Zipf(1.0) (hot experts
+    get several times the average, some get few).
+    """
+    if skew == "uniform":
+        logits = np.zeros(num_experts)
+    else:
+        logits = -1.0 * np.log(np.arange(1, num_experts + 1))
+        logits = rng.permutation(logits)
+    g = rng.gumbel(size=(tokens, num_experts)).astype(np.float32) + logits.astype(np.float32)
+    ids = np.argpartition(g, -topk, axis=1)[:, -topk:]
+    return np.bincount(ids.ravel(), minlength=num_experts), ids
+
+
+def padded_layout(counts, align):
+    padded = -(-counts // align) * align
+    off = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+    return off
+
+
+def write_json(path, rows):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def progress(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def table(rows, cols):
+    """Plain-text table of dict rows."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for r in rows:
+        lines.append("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One GPU-host session: build (JIT), test and benchmark in one call, logs and JSON under $OUT,
+# a short table last. Usage (on the GPU host, from the repo root):
+#   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
+# Steps: env cpu-suite gpu-suite launch-suite bench-schedule bench-ffn bench-ffn-quick
+#        bench-comm  (STEP_TIMEOUT seconds each, default 240)
+set -u
+OUT=${OUT:-/tmp/mok-gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+export NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+rm -f /tmp/nvshmem-socket-* 2>/dev/null
+summary=()
+
+step() {
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo "===== $name: $* =====" >> "$LOG"
+  timeout "${STEP_TIMEOUT:-240}" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  local t1=$(date +%s)
+  local last=$(grep -E "passed|failed|error|Error|ms|rc=" "$LOG" | tail -n 1 | cut -c1-110)
+  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((t1 - t0))" "$last")")
+}
+
+PYT="python3 -m pytest -q -p no:cacheprovider -o addopts="
+for s in "$@"; do
+  case $s in
+    env) step env bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
+         nvidia-smi topo -m; python3 -c 'import numba_cuda, numpy, torch; \
+         print(numba_cuda.__version__, numpy.__version__, torch.__version__)'" ;;
+    cpu-suite) step cpu-suite $PYT tests --ignore=tests/gpu --ignore=tests/ptx \
+         --ignore=tests/test_reference.py --ignore=tests/test_bootstrap_launch.py ;;
+    gpu-suite) step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" -m pytest -q \
+         -p no:cacheprovider -o addopts= tests/gpu ;;
+    launch-suite) step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" -- \
+         $PYT tests/gpu/test_comm_gpu.py ;;
+    bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \
+         --out "$OUT/bench_schedule.json" ;;
+    bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --out "$OUT/bench_ffn.json" ;;
+    bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \
+         --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
+    bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_comm.py --out "$OUT/bench_comm.json" ;;
+    *) echo "unknown step $s" >> "$LOG" ;;
+  esac
+done
+echo; echo "==== tables ===="
+for f in "$OUT"/*.json; do [ -f "$f" ] && echo "$f" && python3 -c "
+import json,sys; rows=json.load(open('$f'))
+keys=[k for k in rows[0] if k not in ('gpu','gemm')][:11]
+print(' '.join(f'{k[:14]:>14}' for k in keys))
+for r in rows: print(' '.join(f'{r[k]:>14.3f}' if isinstance(r[k], float) else f'{str(r[k])[:14]:>14}' for k in keys))
+"; done
+echo; echo "==== summary ===="
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,106 @@
+"""mok_comm across real GPUs over NVSHMEM: round trip at real shapes, bitwise repeatability,
+and a peer that never arrives. Run with >= 2 processes (torchrun or mok_comm.launch)."""
+import numpy as np
+import pytest
+
+from comm_support import bf16_bits, identity_expert_kernel, make_routing, reference_round_trip
+
+H, E, K = 7168, 384, 8
+
+
+def _inputs(R, T, seed):
+    rng = np.random.default_rng(seed)          # same on every rank: all ranks know all inputs
+    ids = np.empty((R, T, K), np.int32)
+    for r in range(R):
+        g = rng.gumbel(size=(T, E)).astype(np.float32)
+        ids[r] = np.argpartition(g, -K, axis=1)[:, -K:]
+    ids[rng.random(ids.shape) < 0.02] = -1
+    return ids
+
+
+@pytest.mark.parametrize("T", [4096, 8192])
+def test_round_trip_real_shape(nvshmem_world, T):
+    import torch
+    from numba import cuda
+
+    from benchmarks.common import numba_stream
+    from mok_comm import ops
+    from mok_comm.heap import NvshmemHeap
+    from mok_comm.workspace import create_workspace
+    from mok_core.config import MoKConfig
+    from mok_core.schedule import Schedule, build_schedule
+    R, me = nvshmem_world.world_size, nvshmem_world.rank
+    ids = _inputs(R, T, seed=T)
+    g = torch.Generator(device="cuda").manual_seed(100 + me)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.rand(T, K, device="cuda", dtype=torch.float32, generator=g)
+    ys = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    s = numba_stream()
+    cfg = MoKConfig(capacity_factor=1.0)
+    heap = NvshmemHeap(stream=s)
+    ws = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, config=cfg,
+                          stream=s)
+    sched = Schedule.allocate(rank=me, ep_size=R, tokens_per_rank=T, topk=K, num_experts=E,
+                              config=cfg, capacity=ws.capacity)
+    idx = cuda.device_array(ws.capacity, np.int32)
+    y = torch.empty(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
+    d_ids = torch.from_numpy(ids[me]).cuda()
+    u16 = torch.uint16
+
+    def forward(out):
+        ops.publish_tokens(ws, x.view(u16), d_ids, stream=s)
+        ops.barrier(ws, stream=s)
+        build_schedule(sched, ws.ids_table, stream=s)
+        ops.dispatch(ws, sched, stream=s)
+        ops.gather_index(ws, sched, idx, stream=s)
+        identity_expert_kernel[264, 256, s](ws.x_recv.reshape(ws.x_recv.size), idx,
+                                            sched.num_rows, y.view(u16).reshape(-1), H)
+        ops.combine(ws, sched, y.view(u16), stream=s)
+        ops.barrier(ws, stream=s)
+        ops.epilogue(ws, w, out.view(u16), ys.view(u16), stream=s)
+
+    outs = []
+    for rep in range(20):
+        out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        forward(out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ws.check()
+    sched.check()
+    want = reference_round_trip(x.view(u16).cpu().numpy()[None], ids[me:me + 1],
+                                w.cpu().numpy()[None], ys.view(u16).cpu().numpy()[None])[0]
+    np.testing.assert_array_equal(outs[0].view(u16).cpu().numpy(), want)
+    for rep, o in enumerate(outs[1:], 1):
+        assert torch.equal(o.view(u16), outs[0].view(u16)), f"repetition {rep} differs"
+    heap.free()
+
+
+def test_peer_never_arrives_times_out(nvshmem_world):
+    import torch
+
+    from benchmarks.common import numba_stream
+    from mok_comm import ops
+    from mok_comm.heap import NvshmemHeap
+    from mok_comm.workspace import create_workspace
+    from mok_core.config import MoKConfig
+    from mok_core.errors import MoKError
+    me = nvshmem_world.rank
+    s = numba_stream()
+    cfg = MoKConfig(spin_timeout_cycles=200_000_000)          # ~0.1 s
+    heap = NvshmemHeap(stream=s)
+    ws = create_workspace(heap, tokens_per_rank=8, hidden=64, topk=1, num_experts=8,
+                          config=cfg, stream=s)
+    torch.cuda.synchronize()
+    ops.barrier(ws, stream=s)                                  # everyone in step: epoch 1
+    torch.cuda.synchronize()
+    if me == 0:
+        ops.barrier(ws, stream=s)                              # nobody else comes
+        torch.cuda.synchronize()
+        with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' "
+                                           r"of peer rank 1 expected >= 2, saw 1"):
+            ws.check()
+    # Bring everyone back in step before the collective free: the others arrive late now.
+    if me != 0:
+        ops.barrier(ws, stream=s)
+    torch.cuda.synchronize()
+    heap.free()

@@ -1,0 +1,77 @@
+"""Grouped expert GEMMs at real shapes on the GPU vs float64 (sampled rows), determinism."""
+import numpy as np
+import pytest
+
+from mok_core.reference import swiglu
+
+
+def f64(t):
+    import torch
+    return t.float().double().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+
+
+@pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
+@pytest.mark.parametrize("limit", [None, 4.0])
+def test_gemm_real_shape(dist, preset_name, limit):
+    import torch
+
+    from benchmarks.common import numba_stream, padded_layout, routing_counts
+    from mok_core.config import preset
+    from mok_core.grouped_gemm import DEFAULT_GEMM, down, gate_up_swiglu
+    shape = preset(preset_name, ep_size=2)
+    H, I, E, k = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+    E_l, T = E // 2, 4096
+    rng = np.random.default_rng(7)
+    counts = routing_counts(rng, 2 * T, E, k, "skewed")[0][:E_l]
+    counts[3] = 0                                            # an empty expert
+    off = padded_layout(counts, DEFAULT_GEMM.bm)
+    C = int(off[-1]) + DEFAULT_GEMM.bm                       # one spare tile past num_rows
+    n_src = 2 * T
+    a_index = np.full(C, -1, np.int32)
+    for e in range(E_l):
+        a_index[off[e]:off[e] + counts[e]] = rng.integers(0, n_src, counts[e])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    x = torch.randn(n_src, H, device="cuda", dtype=bf, generator=g) * 2
+    wg = torch.randn(E_l, I, H, device="cuda", dtype=bf, generator=g) * H ** -0.5
+    wu = torch.randn(E_l, I, H, device="cuda", dtype=bf, generator=g) * H ** -0.5
+    wd = torch.randn(E_l, H, I, device="cuda", dtype=bf, generator=g) * I ** -0.5
+    d_off = torch.from_numpy(off).cuda()
+    d_nr = torch.tensor([off[-1]], dtype=torch.int32, device="cuda")
+    d_idx = torch.from_numpy(a_index).cuda()
+    u16 = torch.uint16
+    s = numba_stream()
+
+    def run():
+        hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
+        y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
+        gate_up_swiglu(x.view(u16), d_idx, wg.view(u16), wu.view(u16), d_off, d_nr,
+                       hidden.view(u16), swiglu_limit=limit, stream=s)
+        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), stream=s)
+        torch.cuda.synchronize()
+        return hidden, y
+
+    hidden, y = run()
+    n = int(off[-1])
+    assert torch.isnan(y[n:]).all(), "rows past num_rows must stay untouched"
+    assert not torch.isnan(y[:n]).any() and not torch.isnan(hidden[:n]).any()
+    pad = torch.from_numpy(a_index[:n] < 0).cuda()
+    assert (hidden[:n][pad] == 0).all() and (y[:n][pad] == 0).all()
+
+    # float64 on 3 experts (all their rows)
+    err_num = err_den = 0.0
+    for e in [int(np.argmax(counts)), 1, E_l - 1]:
+        rows = np.arange(off[e], off[e] + counts[e])
+        if rows.size == 0:
+            continue
+        xa = f64(x[torch.from_numpy(a_index[rows]).long().cuda()])
+        h_ref = swiglu(xa @ f64(wg[e]).T, xa @ f64(wu[e]).T, limit)
+        y_ref = f64(hidden[rows[0]:rows[-1] + 1]) @ f64(wd[e]).T     # down from our hidden
+        h_err = np.abs(f64(hidden[rows[0]:rows[-1] + 1]) - h_ref).sum() / np.abs(h_ref).sum()
+        assert h_err < 5e-3, f"gate_up expert {e}: rel-L1 {h_err}"
+        err_num += np.abs(f64(y[rows[0]:rows[-1] + 1]) - y_ref).sum()
+        err_den += np.abs(y_ref).sum()
+    assert err_num / err_den < 5e-3
+
+    h2, y2 = run()
+    assert torch.equal(h2[:n], hidden[:n]) and torch.equal(y2[:n], y[:n]), "not deterministic"
