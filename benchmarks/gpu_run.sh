@@ -2,7 +2,7 @@
 # One GPU-host session: build (JIT), test and benchmark in one call, logs and JSON under $OUT,
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
-# Steps: env cpu-suite gpu-suite launch-suite bench-schedule bench-ffn bench-ffn-quick
+# Steps: env cpu-suite cpu-core gpu-suite launch-suite bench-schedule bench-ffn bench-ffn-quick
 #        bench-comm  (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
@@ -33,6 +33,8 @@ for s in "$@"; do
          print(numba_cuda.__version__, numpy.__version__, torch.__version__)'" ;;
     cpu-suite) step cpu-suite $PYT tests --ignore=tests/gpu --ignore=tests/ptx \
          --ignore=tests/test_reference.py --ignore=tests/test_bootstrap_launch.py ;;
+    cpu-core) step cpu-core $PYT tests/test_intrinsics.py tests/test_grouped_gemm.py \
+         tests/test_comm_emulated.py tests/test_schedule.py ;;
     gpu-suite) step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" -m pytest -q \
          -p no:cacheprovider -o addopts= tests/gpu ;;
     launch-suite) step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" -- \

@@ -98,9 +98,10 @@ def _sim_view(obj, name):
 
 
 def _gpu_view(obj, name):
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    if isinstance(obj, DeviceNDArray):
+        return obj
     if cuda.is_cuda_array(obj):
-        if isinstance(obj, cuda.cudadrv.devicearray.DeviceNDArray):
-            return obj
         return cuda.as_cuda_array(obj, sync=False)
     if isinstance(obj, np.ndarray):
         raise TypeError(f"{name}: a host NumPy array was passed; MoK-Py needs device memory "
