@@ -24,6 +24,18 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
                                progress, routing_counts, table, time_iters, write_json)
 
 
+# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers)
+SWEEP = [
+    (128, 128, 32, 2, 4, 4, 1, 0),
+    (128, 128, 64, 2, 4, 3, 1, 0),
+    (128, 128, 32, 2, 4, 3, 2, 128),
+    (64, 128, 32, 2, 2, 4, 2, 0),
+    (64, 128, 64, 1, 4, 3, 1, 0),
+    (64, 256, 32, 1, 8, 4, 2, 128),
+    (128, 256, 32, 2, 8, 3, 1, 128),
+]
+
+
 def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
     import torch
 
@@ -108,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--routing", default="uniform,skewed")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--gemm", default="", help="bm,bn,bk,wm,wn,stages[,blocks_per_sm]")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time SWEEP configs on kimi-k2.7 first, then run with the fastest")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
     args = ap.parse_args(argv)
     from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
@@ -115,6 +129,23 @@ def main(argv=None):
     if args.gemm:
         cfg = GemmConfig(*map(int, args.gemm.split(",")))
     rng = np.random.default_rng(0)
+    if args.sweep:
+        trial = []
+        for spec in SWEEP:
+            c = GemmConfig(*spec)
+            progress(f"sweep {c}")
+            try:
+                trial.append(run_case("kimi-k2.7", 4096, "uniform", c, args.iters, rng))
+            except Exception as exc:
+                progress(f"  failed: {type(exc).__name__}: {exc}")
+                continue
+            progress(f"  {trial[-1]['ours_ms']:.3f} ms, {trial[-1]['ours_tflops']:.0f} TF/s")
+        write_json(args.out.replace(".json", "_sweep.json"), trial)
+        print(table(trial, ["gemm", "padded_rows", "ours_ms", "ours_tflops",
+                            "ratio_vs_grouped_mm"]))
+        best = min(trial, key=lambda r: r["ours_ms"])
+        cfg = next(GemmConfig(*s) for s in SWEEP if str(GemmConfig(*s)) == best["gemm"])
+        progress(f"fastest: {cfg}")
     rows = []
     for p in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):

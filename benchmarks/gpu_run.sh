@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
-export NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
+export NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1 OUT
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 rm -f /tmp/nvshmem-socket-* 2>/dev/null
 summary=()
@@ -25,6 +25,14 @@ step() {
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((t1 - t0))" "$last")")
 }
 
+rank_logs() {   # fold per-rank logs into run.log (only 8 files come back from $OUT)
+  for f in "$OUT/$1"-rank*.log; do
+    [ -f "$f" ] || continue
+    echo "----- $(basename "$f") -----" >> "$LOG"; cat "$f" >> "$LOG"; rm -f "$f"
+    summary+=("$(printf '   %-13s %s' "$(basename "$f" .log)" "$(tail -n 1 "$LOG" | cut -c1-100)")")
+  done
+}
+
 PYT="python3 -m pytest -q -p no:cacheprovider -o addopts="
 for s in "$@"; do
   case $s in
@@ -35,13 +43,15 @@ for s in "$@"; do
          --ignore=tests/test_reference.py --ignore=tests/test_bootstrap_launch.py ;;
     cpu-core) step cpu-core $PYT tests/test_intrinsics.py tests/test_grouped_gemm.py \
          tests/test_comm_emulated.py tests/test_schedule.py ;;
-    gpu-suite) step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" -m pytest -q \
-         -p no:cacheprovider -o addopts= tests/gpu ;;
-    launch-suite) step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" -- \
-         $PYT tests/gpu/test_comm_gpu.py ;;
+    gpu-suite) export SUITE=gpu; step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" \
+         --no-python bash tests/gpu/pytest_rank.sh tests/gpu; rank_logs gpu ;;
+    launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
+         -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py; rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \
          --out "$OUT/bench_schedule.json" ;;
-    bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --out "$OUT/bench_ffn.json" ;;
+    bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --out "$OUT/bench_ffn.json" ;;
+    bench-ffn-sweep) step bench-ffn-sweep python3 benchmarks/bench_ffn.py --sweep \
+         --presets kimi-k2.7 --tokens 4096 --routing uniform,skewed --out "$OUT/bench_ffn.json" ;;
     bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \
          --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \

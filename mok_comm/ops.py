@@ -32,7 +32,8 @@ _COPY_THREADS = 64 if SIM else 256
 
 
 def _comm_grid(ws: Workspace, num_blocks):
-    return num_blocks or (2 if SIM else multiprocessor_count())
+    """Blocks of a split (stand-alone) comm launch: two per SM keeps enough rows in flight."""
+    return num_blocks or (2 if SIM else 2 * multiprocessor_count())
 
 
 def _flat(a):

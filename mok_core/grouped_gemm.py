@@ -37,6 +37,7 @@ class GemmConfig:
     wn: int = 4
     stages: int = 4
     blocks_per_sm: int = 1
+    max_registers: int = 0          # 0: compiler's choice; else cap (more warps per SM)
 
     def __post_init__(self):
         def req(cond, msg):
@@ -46,6 +47,9 @@ class GemmConfig:
         req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
         req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
         req(self.stages >= 2, "stages must be >= 2")
+        req(self.blocks_per_sm >= 1, "blocks_per_sm must be >= 1")
+        req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
+            "max_registers must be 0 or in [32, 255]")
         threads = self.wm * self.wn * 32
         req(threads <= 1024, "too many warps")
         req((self.bm * self.bk // 8) % threads == 0 and (self.bn * self.bk // 8) % threads == 0,
@@ -66,7 +70,8 @@ DEFAULT_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2) if SIM else
 
 @lru_cache(maxsize=None)
 def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool):
-    return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather)
+    return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather,
+                             max_registers=cfg.max_registers)
 
 
 def _grid(cfg: GemmConfig, max_tiles: int) -> int:
@@ -104,11 +109,11 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     a_index = as_device_array(a_index, "a_index", dtype=np.int32, shape=(C,))
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
     off, nr = _check_offsets(expert_offsets, num_rows, E)
-    _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
-                name_n="intermediate I")
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     if not limit > 0:
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
+    _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
+                name_n="intermediate I")
     kern = _kernel(config, True, True)
     max_tiles = (C // config.bm) * (I // (config.bn // 2))
     launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,

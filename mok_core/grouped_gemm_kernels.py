@@ -63,7 +63,7 @@ def swiglu(g, u, limit):
     return g / (float32(1.0) + math.exp(-g)) * u
 
 
-def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather):
+def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0):
     """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time)."""
     threads = wm * wn * 32
     mi_n = bm // wm // 16                  # m16 tiles per warp
@@ -97,7 +97,9 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather):
             return j // half, col0 + wc * half + j % half     # 0 = gate, 1 = up
         return 0, col0 + b
 
-    @kjit
+    opts = {"max_registers": max_registers} if max_registers else {}
+
+    @kjit(**opts)
     def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x

@@ -63,31 +63,38 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
             word[err.CAPACITY] = capacity
 
     # 3. Place every route: within an expert's segment, rows go round-robin over source ranks
-    #    (j-th route of every rank in rank order, then the (j+1)-th, ...), and a rank's routes
-    #    keep their (token, slot) order. Spreads any window of rows across all sources.
+    #    (the 0th route of every rank in rank order, then every rank's 1st, ...), and a rank's
+    #    routes keep their (token, slot) order. Spreads any window of rows across all sources.
+    #    Equivalently: an expert's routes sorted by (ordinal within their rank, rank).
+    r_of, t_of, s_of = np.nonzero(valid)            # every valid route, in (rank, token, slot)
+    e_of = ids[r_of, t_of, s_of].astype(np.int64)
+    by_expert_rank = np.lexsort((t_of * k + s_of, r_of, e_of))       # stable (e, r, route)
+    group = e_of[by_expert_rank] * R + r_of[by_expert_rank]
+    first = np.searchsorted(group, group)                              # start of each (e, r)
+    ordinal = np.empty_like(e_of)
+    ordinal[by_expert_rank] = np.arange(len(group)) - first
+    placed = np.lexsort((r_of, ordinal, e_of))                         # (e, ordinal, r)
+    seg_start = np.searchsorted(e_of[placed], e_of[placed])            # first route of e
+    pos = np.empty_like(e_of)
+    d_of = e_of // E_local
+    pos[placed] = (offsets[d_of[placed], e_of[placed] % E_local]
+                   + np.arange(len(placed)) - seg_start)
+
     src_rank = np.full(capacity, -1, np.int32)
     src_token = np.full(capacity, -1, np.int32)
     src_slot = np.full(capacity, -1, np.int32)
     recv_row = np.full((R, T, k), -1, np.int32)
     dest_rank = np.full((T, k), -1, np.int32)
     dest_row = np.full((T, k), -1, np.int32)
-    for e in range(E):
-        d, j_local = divmod(e, E_local)
-        per_rank = [np.argwhere(valid[r] & (ids[r] == e)) for r in range(R)]  # (t, s), sorted
-        pos = offsets[d, j_local]
-        for j in range(int(counts[e].max(initial=0))):
-            for r in range(R):
-                if j < len(per_rank[r]):
-                    t, s = per_rank[r][j]
-                    if pos < capacity:
-                        if d == rank:
-                            src_rank[pos], src_token[pos], src_slot[pos] = r, t, s
-                            recv_row[r, t, s] = pos
-                        if r == rank:
-                            dest_row[t, s] = pos
-                    if r == rank:
-                        dest_rank[t, s] = d
-                    pos += 1
+    fits = pos < capacity                    # rows past capacity are never written
+    here = fits & (d_of == rank)
+    src_rank[pos[here]] = r_of[here]
+    src_token[pos[here]] = t_of[here]
+    src_slot[pos[here]] = s_of[here]
+    recv_row[r_of[here], t_of[here], s_of[here]] = pos[here]
+    ours = r_of == rank
+    dest_rank[t_of[ours], s_of[ours]] = d_of[ours]
+    dest_row[t_of[ours & fits], s_of[ours & fits]] = pos[ours & fits]
 
     me = slice(rank * E_local, (rank + 1) * E_local)
     return {

@@ -89,6 +89,12 @@ def warp_exchange(value):
     return values
 
 
+def warp_barrier():
+    """``__syncwarp()`` for simulator twins: every lane of the warp must call it."""
+    thread = threading.current_thread()
+    thread._manager._warps[thread.thread_id // 32].barrier.wait()
+
+
 def warp_collective(value, compute):
     """Deposit ``value``; one lane runs ``compute(list of 32 values)`` and every lane gets its
     result (for twins whose per-warp work should be done once, not 32 times)."""

@@ -9,7 +9,10 @@ import pytest
 
 from helpers import to_dev
 from mok_core.cuda_compat import to_host
-from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.grouped_gemm import GemmConfig, down, gate_up_swiglu
+
+# Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
+CFG = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -44,7 +47,7 @@ def rel_l1(got, want):
 @pytest.mark.parametrize("limit", [None, 1.5])
 @pytest.mark.parametrize("counts", [[40, 0, 17], [5, 33, 0, 1]])
 def test_gate_up_swiglu_and_down(counts, limit):
-    cfg = DEFAULT_GEMM
+    cfg = CFG
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, H, I, n_src = len(counts), 64, 32, 50
     off, C, a_index = layout(counts, cfg.bm, 1, rng, n_src)
@@ -55,7 +58,7 @@ def test_gate_up_swiglu_and_down(counts, limit):
     num_rows = np.array([off[-1]], np.int32)
     hidden = to_dev(np.full((C, I), POISON, np.uint16))
     gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(wg), to_dev(wu), to_dev(off),
-                   to_dev(num_rows), hidden, swiglu_limit=limit)
+                   to_dev(num_rows), hidden, swiglu_limit=limit, config=cfg)
     h = to_host(hidden)
 
     # float64 reference on the same bf16 inputs
@@ -74,7 +77,7 @@ def test_gate_up_swiglu_and_down(counts, limit):
     assert rel_l1(got, want[live]) < 5e-3
 
     y = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y)
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y, config=cfg)
     yh = to_host(y)
     want_y = np.zeros((C, H))
     for e in range(E):
@@ -86,12 +89,12 @@ def test_gate_up_swiglu_and_down(counts, limit):
 
     # deterministic: a rerun is bitwise identical
     y2 = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y2)
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y2, config=cfg)
     np.testing.assert_array_equal(to_host(y2), yh)
 
 
 def test_rejects_bad_shapes():
-    cfg = DEFAULT_GEMM
+    cfg = CFG
     x = np.zeros((8, 64), np.uint16)
     w = np.zeros((2, 32, 64), np.uint16)
     off = np.array([0, cfg.bm, cfg.bm], np.int32)
@@ -100,21 +103,21 @@ def test_rejects_bad_shapes():
     hid = np.zeros((cfg.bm, 32), np.uint16)
     with pytest.raises(TypeError, match="x: expected dtype uint16"):
         gate_up_swiglu(to_dev(x.astype(np.float32)), to_dev(idx), to_dev(w), to_dev(w),
-                       to_dev(off), to_dev(nr), to_dev(hid))
+                       to_dev(off), to_dev(nr), to_dev(hid), config=cfg)
     with pytest.raises(ValueError, match="w_up"):
         gate_up_swiglu(to_dev(x), to_dev(idx), to_dev(w), to_dev(w[:1]), to_dev(off),
-                       to_dev(nr), to_dev(hid))
+                       to_dev(nr), to_dev(hid), config=cfg)
     with pytest.raises(ValueError, match="expert_offsets"):
         gate_up_swiglu(to_dev(x), to_dev(idx), to_dev(w), to_dev(w), to_dev(off[:2]),
-                       to_dev(nr), to_dev(hid))
+                       to_dev(nr), to_dev(hid), config=cfg)
     with pytest.raises(ValueError, match="swiglu_limit"):
         gate_up_swiglu(to_dev(x), to_dev(idx), to_dev(w), to_dev(w), to_dev(off), to_dev(nr),
-                       to_dev(hid), swiglu_limit=-1.0)
+                       to_dev(hid), swiglu_limit=-1.0, config=cfg)
     with pytest.raises(ValueError, match="hidden size H=40"):
         gate_up_swiglu(to_dev(np.zeros((8, 40), np.uint16)), to_dev(idx),
                        to_dev(np.zeros((2, 32, 40), np.uint16)),
                        to_dev(np.zeros((2, 32, 40), np.uint16)), to_dev(off), to_dev(nr),
-                       to_dev(hid))
+                       to_dev(hid), config=cfg)
 
 
 @pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1),

@@ -138,6 +138,16 @@ def red_add_release_gpu(typingctx, arr, idx, value):
 
 
 @intrinsic
+def syncwarp(typingctx):
+    """Barrier of the 32 lanes of a warp, which also orders their shared/global memory accesses
+    (``bar.warp.sync``): lanes exchange values through shared memory around it."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
 def clock64(typingctx):
     """SM cycle counter (for bounded spin-waits); volatile so loops re-read it."""
     def codegen(context, builder, sig, args):

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..sim_runtime import warp_collective, warp_exchange
+from ..sim_runtime import warp_barrier, warp_collective, warp_exchange
 
 _lock = threading.Lock()
 
@@ -69,6 +69,10 @@ def st_release_sys(arr, idx, value):
 def red_add_release_gpu(arr, idx, value):
     with _lock:
         _raw(arr)[idx] += value
+
+
+def syncwarp():
+    warp_barrier()
 
 
 def clock64():

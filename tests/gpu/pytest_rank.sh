@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run pytest in one rank of a multi-process launch with its own log ($OUT/<suite>-rank<N>.log):
+# interleaved dots from several ranks are unreadable, and a hung collective must not hide the
+# failure report (per-test timeout, thread method: dumps stacks and exits).
+log="${OUT:-/tmp}/${SUITE:-gpu}-rank${RANK:-0}.log"
+python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE --tb=short \
+  --timeout="${TEST_TIMEOUT:-150}" --timeout-method=thread "$@" > "$log" 2>&1
+rc=$?
+echo "rank ${RANK:-0}: $(tail -n 1 "$log")"
+exit $rc
