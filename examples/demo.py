@@ -49,7 +49,8 @@ def main() -> int:
         got = s.to_host()
         dt = time.perf_counter() - t0
         s.check()
-        want = build_schedule_numpy(ids, rank, shape.experts_per_rank, s.capacity, cfg.row_align)
+        want = build_schedule_numpy(ids, rank, shape.experts_per_rank, s.capacity, cfg.row_align,
+                                    minibatch_size=cfg.minibatch_size)
         same = all(np.array_equal(got[n], want[n]) for n in want)
         ok &= same
         print(f"\nrank {rank}: experts {rank * shape.experts_per_rank}.."

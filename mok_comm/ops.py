@@ -27,7 +27,7 @@ from .kernels.dispatch import pull_dispatch_kernel
 from .kernels.epilogue import combine_epilogue_kernel
 from .workspace import Workspace
 
-COMM_WARPS = 4 if SIM else 16          # warps per comm block (one row each)
+COMM_WARPS = 4 if SIM else 16          # warps per comm block (one row / token each)
 _COPY_THREADS = 64 if SIM else 256
 
 
@@ -80,14 +80,14 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
     """Pull the rows this rank's experts need into ``ws.x_recv`` (row ``r*T + t``).
 
     Afterwards the GEMM A rows of the expert-sorted space are
-    ``x_recv[src_rank*T + src_token]`` (see ``gather_index``). ``ws.ready`` counts rows done per
-    minibatch.
+    ``x_recv[src_rank*T + src_token]`` (see ``gather_index``); ``ws.ready[q]`` reaches
+    ``schedule.minibatch_rows[q]`` once minibatch q's tokens are staged.
     """
     fill(ws.ready, 0, stream)
     pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        ws.peer_x, schedule.src_rank, schedule.src_token, _flat(schedule.recv_row),
-        schedule.num_rows, _flat(ws.x_recv), ws.ready, np.int64(ws.tokens_per_rank),
-        np.int64(ws.hidden), np.int64(ws.topk), np.int64(ws.config.minibatch_size))
+        ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
+        np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
+        np.int64(ws.config.minibatch_size))
 
 
 def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None) -> None:

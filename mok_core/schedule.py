@@ -36,7 +36,7 @@ __all__ = ["Schedule", "build_schedule", "build_schedule_numpy"]
 
 # Threads per schedule block = tokens per chunk. The simulator runs each thread as a Python
 # thread, so it gets small blocks; the result does not depend on this (tests check).
-SCHEDULE_THREADS = 32 if SIM else 256
+SCHEDULE_THREADS = 32 if SIM else 512
 _OFFSETS_THREADS = 64 if SIM else 1024
 _SMEM_LIMIT = 48 * 1024
 
@@ -58,6 +58,8 @@ class Schedule:
         recv_row            [R, T, k]        row here of route (r, t, s); -1 if not ours
         dest_rank, dest_row [T, k]           for this rank's routes: expert rank and row there;
                                              -1 for masked routes (dest_row -1 on overflow)
+        minibatch_rows      [ceil(capacity / minibatch_size)]  real (non-padding) rows per
+                                             minibatch: the count dispatch readiness reaches
         errors              [ERROR_WORDS]    device error word (see mok_core.errors)
     Internal scratch: chunk_counts / chunk_base [R, C, E], rank_counts [E, R],
     expert_scan [E + 1], all_offsets [R, E_local + 1], live_tokens [R].
@@ -70,6 +72,7 @@ class Schedule:
     experts_per_rank: int
     capacity: int
     row_align: int
+    minibatch_size: int
     expert_counts: object
     expert_rank_counts: object
     expert_offsets: object
@@ -80,6 +83,7 @@ class Schedule:
     recv_row: object
     dest_rank: object
     dest_row: object
+    minibatch_rows: object
     errors: object
     chunk_counts: object
     chunk_base: object
@@ -119,6 +123,7 @@ class Schedule:
         return cls(
             rank=rank, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
             experts_per_rank=E_local, capacity=capacity, row_align=config.row_align,
+            minibatch_size=config.minibatch_size,
             expert_counts=device_empty((E_local,), i32, stream),
             expert_rank_counts=rank_counts[rank * E_local:(rank + 1) * E_local],
             expert_offsets=all_offsets[rank],
@@ -129,6 +134,7 @@ class Schedule:
             recv_row=device_empty((R, T, k), i32, stream),
             dest_rank=device_empty((T, k), i32, stream),
             dest_row=device_empty((T, k), i32, stream),
+            minibatch_rows=device_empty((-(-capacity // config.minibatch_size),), i32, stream),
             errors=device_empty((err.ERROR_WORDS,), i32, stream),
             chunk_counts=device_empty((R, C, E), i32, stream),
             chunk_base=device_empty((R, C, E), i32, stream),
@@ -143,7 +149,8 @@ class Schedule:
     def to_host(self, stream=0) -> dict:
         """Host copies of the public arrays (synchronises; for tests and debugging)."""
         names = ("expert_counts", "expert_rank_counts", "expert_offsets", "num_rows", "src_rank",
-                 "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "errors")
+                 "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "minibatch_rows",
+                 "errors")
         return {n: to_host(getattr(self, n), stream) for n in names}
 
     def check(self, stream=0) -> None:
@@ -182,12 +189,14 @@ def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream
     B = SCHEDULE_THREADS
     grid = (s.num_chunks, R)
     count_routes_kernel[grid, B, stream, 4 * E](ids, live, s.chunk_counts, s.src_rank,
-                                                 s.src_token, s.src_slot, s.errors)
+                                                 s.src_token, s.src_slot, s.minibatch_rows,
+                                                 s.errors)
     scan_chunks_kernel[-(-(E * R) // B), B, stream](s.chunk_counts, s.chunk_base, s.rank_counts)
     expert_offsets_kernel[1, _OFFSETS_THREADS, stream](
         s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank, s.expert_scan,
         s.all_offsets, s.expert_counts, s.errors)
     place_routes_kernel[grid, B, stream, 4 * (B + B // 32 * E)](
         ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts, s.all_offsets,
-        s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank, s.dest_row)
+        s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank, s.dest_row,
+        s.minibatch_size, s.minibatch_rows)
     return s

@@ -41,13 +41,15 @@ def _record_bad_id(errors, e):
 
 
 @kjit
-def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src_slot, errors):
+def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src_slot,
+                        minibatch_rows, errors):
     """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[E].
 
     ids            int32 [R, T, k]    global expert per route, -1 masked
     rank_tokens    int32 [R]          live tokens per rank (routes of later tokens ignored)
     chunk_counts   int32 [R, C, E]    out: routes of chunk c of rank r per global expert
     src_*          int32 [capacity]   out: every row set to -1 (padding) before placement
+    minibatch_rows int32 [minibatches] out: zeroed (placement counts real rows into it)
     errors         int32 [ERROR_WORDS]
     """
     hist = cuda.shared.array(0, int32)
@@ -83,6 +85,8 @@ def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src
         src_rank[row] = -1
         src_token[row] = -1
         src_slot[row] = -1
+    for q in range(flat, minibatch_rows.shape[0], stride):
+        minibatch_rows[q] = 0
 
 
 @kjit
@@ -176,7 +180,7 @@ def _rank_in_group(keys, group_base, lane, key):
 @kjit
 def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank_counts,
                         all_offsets, src_rank, src_token, src_slot, recv_row, dest_rank,
-                        dest_row):
+                        dest_row, minibatch_size, minibatch_rows):
     """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[B + (B/32)*E].
 
     A route (r, t, s) -> expert e on rank d = e // E_local is *relevant* here if d == me (it
@@ -185,6 +189,8 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
     src_rank/src_token/src_slot  int32 [capacity]  row -> source route (padding stays -1)
     recv_row                      int32 [R, T, k]  route -> row here, -1 if not ours to pull
     dest_rank / dest_row          int32 [T, k]     our route -> (expert rank, row there)
+    minibatch_rows                int32 [minibatches]  real rows per minibatch of rows here
+                                  (integer atomics: only the totals matter)
     """
     dyn = cuda.shared.array(0, int32)
     c = cuda.blockIdx.x
@@ -277,6 +283,7 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
                 src_rank[row] = r
                 src_token[row] = t
                 src_slot[row] = s
+                cuda.atomic.add(minibatch_rows, row // minibatch_size, 1)
             recv_row[r, t, s] = row if d == me else -1
             if r == me:
                 dest_rank[t, s] = d

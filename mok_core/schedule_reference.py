@@ -11,7 +11,7 @@ from . import errors as err
 
 
 def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacity: int,
-                         row_align: int, rank_tokens=None) -> dict:
+                         row_align: int, rank_tokens=None, minibatch_size: int = 4096) -> dict:
     """Schedule of rank ``rank`` from every rank's routing, on the host.
 
     Arguments:
@@ -23,11 +23,13 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
         capacity: rows of the padded, expert-sorted table.
         row_align: each expert's rows are padded to a multiple of this.
         rank_tokens: optional int [R]; tokens t >= rank_tokens[r] of rank r are ignored.
+        minibatch_size: rows per minibatch (for ``minibatch_rows``).
     Returns:
         dict of NumPy int32 arrays, see ``mok_core.schedule.Schedule`` for each field:
         expert_counts [E_local], expert_rank_counts [E_local, R], expert_offsets [E_local+1],
         num_rows [1], src_rank / src_token / src_slot [capacity], recv_row [R, T, k],
-        dest_rank / dest_row [T, k], errors [ERROR_WORDS].
+        dest_rank / dest_row [T, k], minibatch_rows [ceil(capacity / minibatch_size)],
+        errors [ERROR_WORDS].
     """
     ids = np.asarray(topk_ids_all)
     R, T, k = ids.shape
@@ -104,5 +106,7 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
         "num_rows": np.array([offsets[rank, -1]], np.int32),
         "src_rank": src_rank, "src_token": src_token, "src_slot": src_slot,
         "recv_row": recv_row, "dest_rank": dest_rank, "dest_row": dest_row,
+        "minibatch_rows": np.bincount(pos[here] // minibatch_size,
+                                      minlength=-(-capacity // minibatch_size)).astype(np.int32),
         "errors": word,
     }

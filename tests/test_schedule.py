@@ -16,7 +16,8 @@ from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule, build_schedule_numpy
 
 FIELDS = ("expert_counts", "expert_rank_counts", "expert_offsets", "num_rows", "src_rank",
-          "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "errors")
+          "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "minibatch_rows",
+          "errors")
 
 
 def make_ids(rng, R, T, k, E, mode):
@@ -50,7 +51,7 @@ def assert_same(got, ref):
         np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
 
 
-def check_invariants(ids, rank, E_local, row_align, got, rank_tokens=None):
+def check_invariants(ids, rank, E_local, row_align, got, rank_tokens=None, minibatch_size=None):
     """What the schedule means, checked without the reference."""
     R, T, k = ids.shape
     n_tok = np.full(R, T) if rank_tokens is None else rank_tokens
@@ -70,6 +71,10 @@ def check_invariants(ids, rank, E_local, row_align, got, rank_tokens=None):
     np.testing.assert_array_equal(got["src_token"][rows], t_idx)
     np.testing.assert_array_equal(got["src_slot"][rows], s_idx)
     # Everything else is padding.
+    if minibatch_size:
+        np.testing.assert_array_equal(
+            got["minibatch_rows"],
+            np.bincount(rows // minibatch_size, minlength=len(got["minibatch_rows"])))
     pad = np.ones(len(got["src_rank"]), bool)
     pad[rows] = False
     assert np.all(got["src_rank"][pad] == -1) and np.all(got["src_token"][pad] == -1)
@@ -96,9 +101,11 @@ def test_matches_reference_all_ranks(R, T, k, E_local, mode):
     cfg = MoKConfig(row_align=4, minibatch_size=16, macrobatch_size=64, capacity_factor=1.0)
     for rank in range(R):
         s, got = run_kernel(ids, rank, E, cfg)
-        ref = build_schedule_numpy(ids, rank, E_local, s.capacity, cfg.row_align)
+        ref = build_schedule_numpy(ids, rank, E_local, s.capacity, cfg.row_align,
+                                   minibatch_size=s.minibatch_size)
         assert_same(got, ref)
-        check_invariants(ids, rank, E_local, cfg.row_align, got)
+        check_invariants(ids, rank, E_local, cfg.row_align, got,
+                         minibatch_size=cfg.minibatch_size)
         s.check()                                # no error on valid input
 
 
@@ -124,9 +131,10 @@ def test_property_random_routing(data):
     cfg = MoKConfig(row_align=row_align, minibatch_size=8 * row_align,
                     macrobatch_size=8 * row_align, capacity_factor=1.0)
     s, got = run_kernel(ids, rank, E, cfg, rank_tokens=rank_tokens)
-    ref = build_schedule_numpy(ids, rank, E_local, s.capacity, row_align, rank_tokens)
+    ref = build_schedule_numpy(ids, rank, E_local, s.capacity, row_align, rank_tokens,
+                               minibatch_size=s.minibatch_size)
     assert_same(got, ref)
-    check_invariants(ids, rank, E_local, row_align, got, rank_tokens)
+    check_invariants(ids, rank, E_local, row_align, got, rank_tokens, cfg.minibatch_size)
 
 
 def test_block_size_does_not_change_result(monkeypatch):
@@ -215,7 +223,7 @@ def test_out_of_range_ids_flagged_and_skipped(bad):
     with pytest.raises(MoKError, match=rf"expert id out of range.*{bad}"):
         s.check()
     got = s.to_host()
-    ref = build_schedule_numpy(ids, 0, E // R, s.capacity, 4)
+    ref = build_schedule_numpy(ids, 0, E // R, s.capacity, 4, minibatch_size=s.minibatch_size)
     assert_same(got, ref)                       # the valid routes are scheduled as usual
     assert got["errors"][err.FLAGS] == err.ERR_BAD_EXPERT_ID
     if guards:
@@ -234,7 +242,7 @@ def test_capacity_overflow_flagged_nothing_out_of_bounds():
     with pytest.raises(MoKError, match="capacity overflow: rank 0 needs 64 .* capacity is 32"):
         s.check()
     got = s.to_host()
-    ref = build_schedule_numpy(ids, 0, E // R, 32, 4)
+    ref = build_schedule_numpy(ids, 0, E // R, 32, 4, minibatch_size=s.minibatch_size)
     assert_same(got, ref)
     assert np.all(got["src_rank"] >= 0)               # the 32 rows that fit are real routes
     assert (got["recv_row"] >= 0).sum() == 32

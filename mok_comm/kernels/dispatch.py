@@ -1,31 +1,27 @@
 """Pull dispatch: this rank's comm warps fetch, straight from peers' symmetric x buffers over
 NVLink, the token rows its experts need -- each (token, rank) pair crosses NVLink once.
 
-Roles and order. The expert-sorted rows are cut into *tasks* of 32 consecutive rows, dealt
-round-robin to every warp of the grid (warp w: tasks w, w + all warps, ...; no block-wide
-syncs, so a warp never idles behind its neighbours). In a task, lane i checks row i: the row's
-token is pulled by its *owner* -- the smallest row of that token here -- into the token-indexed
-staging buffer ``x_recv[src_rank * T + src_token]``; then the whole warp copies the owner rows
-one after another. The other rows of a token (its other local experts) read the same staging
-row through the GEMM's gather index: no fan-out copy. An owner row is its token's first row,
-so every token minibatch q needs is pulled by the tasks of minibatches <= q.
+Roles and order. Work is *tokens*, not rows: token u = (r, t) of all R*T tokens is dealt to warp
+u mod (warps in the grid). The warp reads the token's k entries of ``recv_row``; if any is >= 0
+(the token routes to one of our experts) it copies the row from rank r's x buffer into the
+token-indexed staging buffer ``x_recv[u]``. Every other row of that token (its other local
+experts) reads the same staging row through the GEMM's gather index: no fan-out copy. Dealing
+tokens, not rows, keeps every warp equally busy -- rows are expert-sorted, so the first rows of
+each token cluster in the low experts and a row-ordered walk leaves most warps idle.
 
-Counter: ``ready[q]`` (int32, zeroed per launch) counts processed rows of minibatch q (owners,
-non-owners and padding alike, rows < num_rows). Lane 0 adds a task's rows with a GPU-scope
-*release* add after the warp's stores are fenced and the warp has synced, so a consumer that
-acquires ``ready[0..q]`` at full count sees every staging row minibatch q reads.
+Counter: ``ready[q]`` (int32, zeroed per launch) counts rows of minibatch q whose token is staged.
+After the copy every lane fences its stores, the warp syncs, and the lanes holding the token's
+local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer that acquires
+``ready[q] == schedule.minibatch_rows[q]`` sees every staging row minibatch q reads.
 
 Rows move as 16-byte loads/stores per lane with up to eight loads in flight per lane (unrolled
 by hand: the compiler cannot hoist loads of a peer buffer over stores it cannot prove apart).
 """
-from numba import cuda, int64
+from numba import cuda
 
 from mok_core.cuda_compat import kjit
 from mok_core.intrinsics import ld_v4, red_add_release_gpu, st_v4, syncwarp
 
-TASK_ROWS = 32          # rows per warp task: one per lane for the owner check
-MAX_WARPS = 32          # warps per block (shared staging of owner tokens)
-OWNER_SLOTS = MAX_WARPS * TASK_ROWS     # a module constant: shared array sizes must be literal
 
 
 @kjit(device=True, inline="always")
@@ -67,58 +63,31 @@ def copy_row(src, src_off, dst, dst_off, width, lane):
         j += 32
 
 
-@kjit(device=True, inline="always")
-def count_rows(ready, first, n, minibatch_rows):
-    """Release-add rows [first, first + n) to their minibatches' counters."""
-    q = first // minibatch_rows
-    end = first + n
-    while q * minibatch_rows < end:
-        lo = max(first, q * minibatch_rows)
-        hi = min(end, (q + 1) * minibatch_rows)
-        red_add_release_gpu(ready, q, hi - lo)
-        q += 1
-
-
 @kjit
-def pull_dispatch_kernel(peer_x, src_rank, src_token, recv_row, num_rows, x_recv, ready,
-                         T, H, k, minibatch_rows):
-    """Launch: grid = comm blocks, block = 32 * warps threads (warps <= MAX_WARPS).
+def pull_dispatch_kernel(peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
+    """Launch: grid = comm blocks, block = 32 * warps threads.
 
     peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
-    src_rank, src_token  int32 [capacity]          schedule pull table (-1 = padding)
     recv_row    int32 [R*T*k]                      row here of route (r, t, s), -1 if not ours
-    num_rows    int32 [1]                          rows in use
     x_recv      uint16 [R*T*H]                     out: staging, row r*T + t
-    ready       int32 [ceil(capacity / minibatch_rows)]  out: rows done per minibatch
+    ready       int32 [ceil(capacity / minibatch_rows)]  out: staged rows per minibatch
     """
-    owners = cuda.shared.array(OWNER_SLOTS, int64)
     warps = cuda.blockDim.x // 32
-    warp = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
-    mine = warp * TASK_ROWS
-    rows = num_rows[0]
-    task = cuda.blockIdx.x * warps + warp
-    while task * TASK_ROWS < rows:
-        row = task * TASK_ROWS + lane
-        token = -1
-        if row < rows:
-            r = src_rank[row]
-            if r >= 0:
-                route0 = (r * T + src_token[row]) * k
-                token = r * T + src_token[row]
-                for s in range(k):                 # the token's first row here pulls it
-                    other = recv_row[route0 + s]
-                    if other >= 0 and other < row:
-                        token = -1
-        owners[mine + lane] = token
-        syncwarp()
-        for i in range(TASK_ROWS):
-            tok = owners[mine + i]
-            if tok >= 0:
-                copy_row(peer_x[tok // T], (tok % T) * H, x_recv, tok * H, H, lane)
-        cuda.threadfence()
-        syncwarp()                                 # every lane's stores precede the release
-        if lane == 0:
-            first = task * TASK_ROWS
-            count_rows(ready, first, min(TASK_ROWS, rows - first), minibatch_rows)
-        task += cuda.gridDim.x * warps
+    n_tokens = recv_row.shape[0] // k
+    u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+    while u < n_tokens:
+        first = u * k
+        needed = False
+        for s in range(k):
+            if recv_row[first + s] >= 0:
+                needed = True
+        if needed:                                  # uniform over the warp: same loads
+            copy_row(peer_x[u // T], (u % T) * H, x_recv, u * H, H, lane)
+            cuda.threadfence()
+            syncwarp()                              # every lane's stores precede the release
+            for s in range(lane, k, 32):
+                row = recv_row[first + s]
+                if row >= 0:
+                    red_add_release_gpu(ready, row // minibatch_rows, 1)
+        u += cuda.gridDim.x * warps

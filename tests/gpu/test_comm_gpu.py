@@ -59,20 +59,29 @@ def test_round_trip_real_shape(nvshmem_world, T):
         ops.barrier(ws, stream=s)
         ops.epilogue(ws, w, out.view(u16), ys.view(u16), stream=s)
 
-    outs = []
-    for rep in range(20):
-        out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        forward(out)
-        outs.append(out)
-    torch.cuda.synchronize()
-    ws.check()
-    sched.check()
+    try:
+        outs = run_reps(forward, T)
+        ws.check()                                     # no timeout recorded
+        sched.check()                                  # no bad id / overflow recorded
+    finally:
+        torch.cuda.synchronize()
+        heap.free()
     want = reference_round_trip(x.view(u16).cpu().numpy()[None], ids[me:me + 1],
                                 w.cpu().numpy()[None], ys.view(u16).cpu().numpy()[None])[0]
     np.testing.assert_array_equal(outs[0].view(u16).cpu().numpy(), want)
     for rep, o in enumerate(outs[1:], 1):
         assert torch.equal(o.view(u16), outs[0].view(u16)), f"repetition {rep} differs"
-    heap.free()
+
+
+def run_reps(forward, T, reps=20):
+    import torch
+    outs = []
+    for rep in range(reps):
+        out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        forward(out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
 
 
 def test_peer_never_arrives_times_out(nvshmem_world):
@@ -86,21 +95,26 @@ def test_peer_never_arrives_times_out(nvshmem_world):
     from mok_core.errors import MoKError
     me = nvshmem_world.rank
     s = numba_stream()
-    cfg = MoKConfig(spin_timeout_cycles=200_000_000)          # ~0.1 s
     heap = NvshmemHeap(stream=s)
-    ws = create_workspace(heap, tokens_per_rank=8, hidden=64, topk=1, num_experts=8,
-                          config=cfg, stream=s)
-    torch.cuda.synchronize()
-    ops.barrier(ws, stream=s)                                  # everyone in step: epoch 1
-    torch.cuda.synchronize()
-    if me == 0:
-        ops.barrier(ws, stream=s)                              # nobody else comes
+    small = dict(tokens_per_rank=8, hidden=64, topk=1, num_experts=8, stream=s)
+    try:
+        ws = create_workspace(heap, config=MoKConfig(spin_timeout_cycles=200_000_000), **small)
+        sync_ws = create_workspace(heap, config=MoKConfig(), **small)   # a healthy barrier
         torch.cuda.synchronize()
-        with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' "
-                                           r"of peer rank 1 expected >= 2, saw 1"):
-            ws.check()
-    # Bring everyone back in step before the collective free: the others arrive late now.
-    if me != 0:
-        ops.barrier(ws, stream=s)
-    torch.cuda.synchronize()
-    heap.free()
+        ops.barrier(ws, stream=s)                      # everyone in step: epoch 1
+        torch.cuda.synchronize()
+        if me == 0:
+            ops.barrier(ws, stream=s)                  # nobody else comes (for now)
+            torch.cuda.synchronize()
+            with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
+                                               r"'barrier' of peer rank 1 expected >= 2, saw 1"):
+                ws.check()
+        ops.barrier(sync_ws, stream=s)                 # rank 0 comes here after its timeout
+        torch.cuda.synchronize()
+        if me != 0:
+            ops.barrier(ws, stream=s)                  # late arrivals: epoch 2 completes
+        torch.cuda.synchronize()
+        sync_ws.check()
+    finally:
+        torch.cuda.synchronize()
+        heap.free()

@@ -29,7 +29,8 @@ def test_schedule_real_shapes(dist, R, T):
     build_schedule(s, d_ids)
     got = s.to_host()
     s.check()
-    want = build_schedule_numpy(ids, rank, E // R, s.capacity, cfg.row_align)
+    want = build_schedule_numpy(ids, rank, E // R, s.capacity, cfg.row_align,
+                                minibatch_size=cfg.minibatch_size)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     # and a second build on the same buffers is identical

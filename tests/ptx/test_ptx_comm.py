@@ -16,7 +16,7 @@ def cases(R):
         "barrier": (barrier.barrier_kernel, (int64, i32, i32, peers32, int64, i32),
                     [r"st\.release\.sys", r"ld\.acquire\.sys", r"%clock64", r"nanosleep"]),
         "dispatch": (dispatch.pull_dispatch_kernel,
-                     (peers16, i32, i32, i32, i32, u16, i32, int64, int64, int64, int64),
+                     (peers16, i32, u16, i32, int64, int64, int64, int64),
                      [r"ld(\.global)?\.v4\.u32", r"red\.release\.gpu\.add"]),
         "combine": (combine.push_combine_kernel, (u16, i32, i32, i32, i32, peers16, int64,
                                                   int64), [r"st(\.global)?\.v4\.u32"]),

@@ -10,11 +10,11 @@ a1, a2, a3 = int32[::1], int32[:, ::1], int32[:, :, ::1]
 i64 = types.int64
 
 CASES = {
-    "count_routes": (sk.count_routes_kernel, (a3, a1, a3, a1, a1, a1, a1)),
+    "count_routes": (sk.count_routes_kernel, (a3, a1, a3, a1, a1, a1, a1, a1)),
     "scan_chunks": (sk.scan_chunks_kernel, (a3, a3, a2)),
     "expert_offsets": (sk.expert_offsets_kernel, (a2, i64, i64, i64, i64, a1, a2, a1, a1)),
     "place_routes": (sk.place_routes_kernel,
-                     (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, a2, a2)),
+                     (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, a2, a2, i64, a1)),
     "reset_error_word": (ek._reset_kernel, (a1,)),
 }
 
@@ -23,4 +23,6 @@ CASES = {
 def test_compiles_for_sm90(name):
     kernel, sig = CASES[name]
     ptx = compile_sm90(kernel, sig)
-    assert "atom.global.add" not in ptx or name == "count_routes"
+    # Global integer atomics only where only totals matter (histograms): no order-dependent
+    # placement anywhere.
+    assert "atom.global.add" not in ptx or name in ("count_routes", "place_routes")
