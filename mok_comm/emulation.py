@@ -1,23 +1,43 @@
 """R expert-parallel ranks in one process: the whole protocol on one GPU or on the CPU simulator.
 
-Every rank gets its own ``Workspace`` on one ``EmulatedHeap`` (rank i's peer views are the other
-ranks' arrays). The forward is a sequence of *phases* separated by barriers; between two
-barriers no rank waits on another, so running a phase rank after rank is a legal interleaving
-of the real concurrent execution. A barrier becomes two phases: every rank arrives, then every
-rank waits (the waits then pass at once -- a spinning wait would deadlock the simulator, which
-runs blocks one after another).
+Every rank gets its own workspace on one ``EmulatedHeap`` (rank i's peer views are the other
+ranks' arrays). A step is a sequence of *phases* separated by barriers; between two barriers no
+rank waits on another, so running a phase rank after rank is a legal interleaving of the real
+concurrent execution. A barrier becomes two phases: every rank arrives, then every rank waits
+(the waits then pass at once -- a spinning wait would deadlock the simulator, which runs blocks
+one after another).
 """
 from __future__ import annotations
 
-from mok_core.config import MoKConfig
+from mok_core.config import LayerShape, MoKConfig
 
 from . import ops
 from .heap import EmulatedHeap
 from .workspace import create_workspace
 
 
+def barrier_all(comm_workspaces, stream=0) -> None:
+    """Emulated barrier over the ranks' comm workspaces: all arrive, then all wait."""
+    for ws in comm_workspaces:
+        ops.barrier_arrive(ws, stream)
+    for ws in comm_workspaces:
+        ops.barrier_wait(ws, stream)
+
+
+def run_phases(comm_workspaces, phase_lists, stream=0) -> None:
+    """Run phase i of every rank, then an emulated barrier, then phase i+1 ...
+
+    ``phase_lists[r]`` is rank r's list of callables (same length for every rank).
+    """
+    for i in range(len(phase_lists[0])):
+        if i:
+            barrier_all(comm_workspaces, stream)
+        for phases in phase_lists:
+            phases[i]()
+
+
 class EmulatedGroup:
-    """Workspaces of R emulated ranks sharing one heap."""
+    """Comm workspaces of R emulated ranks sharing one heap."""
 
     def __init__(self, ep_size: int, *, tokens_per_rank: int, hidden: int, topk: int,
                  num_experts: int, config: MoKConfig, stream=0):
@@ -38,8 +58,22 @@ class EmulatedGroup:
         return [fn(r, ws) for r, ws in enumerate(self.workspaces)]
 
     def barrier(self) -> None:
-        self.each(lambda r, ws: ops.barrier_arrive(ws, self.stream))
-        self.each(lambda r, ws: ops.barrier_wait(ws, self.stream))
+        barrier_all(self.workspaces, self.stream)
 
     def check(self) -> None:
         self.each(lambda r, ws: ws.check(self.stream))
+
+
+def emulated_layer(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,
+                   stream=0):
+    """Layer workspaces of ``shape.ep_size`` emulated ranks (fingerprints verified)."""
+    from .functional import DEFAULT_GEMM, get_workspace, verify_ranks_agree
+    heap = EmulatedHeap(shape.ep_size, stream)
+    lws = [get_workspace(shape, tokens_per_rank, config, heap=heap.for_rank(r),
+                         gemm=gemm or DEFAULT_GEMM, verify=False, stream=stream)
+           for r in range(shape.ep_size)]
+    comms = [lw.comm for lw in lws]
+    run_phases(comms, [list(verify_ranks_agree(lw, stream)) for lw in lws], stream)
+    for lw in lws:
+        lw.comm.check(stream)
+    return lws

@@ -3,9 +3,11 @@
 Every function enqueues kernels on ``stream`` and returns; nothing synchronises with the host.
 The forward uses them in this order (coarse cross-GPU sync, fine-grained readiness on the GPU):
 
-    publish_tokens  x -> x_buf, ids -> every rank's ids_table     (local copy + NVLink pushes)
-    barrier         all ranks' x_buf and ids_table are complete
+    publish_ids     ids -> every rank's ids_table                 (NVLink pushes)
+    barrier         every rank's ids_table is complete
     build_schedule  (mok_core.schedule, local)
+    publish_x       x -> this rank's staging slice, NaN/Inf check (local copy)
+    barrier         every rank's tokens are in place
     dispatch        pull each needed (token, rank) once into x_recv
     ... expert FFN on the expert-sorted rows (mok_core.grouped_gemm) ...
     combine         push y rows home into combine_buf[token*k + slot]
@@ -25,6 +27,7 @@ from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
 from .kernels.combine import push_combine_kernel
 from .kernels.dispatch import pull_dispatch_kernel
 from .kernels.epilogue import combine_epilogue_kernel
+from .kernels.publish import publish_x_kernel
 from .workspace import Workspace
 
 COMM_WARPS = 4 if SIM else 16          # warps per comm block (one row / token each)
@@ -40,23 +43,42 @@ def _flat(a):
     return a.reshape(a.size) if a.ndim != 1 else a
 
 
-def publish_tokens(ws: Workspace, x, topk_ids, stream=0) -> None:
-    """Copy this rank's tokens into its symmetric x buffer and push its top-k ids into row
-    ``rank`` of every rank's ids table.
+def publish_ids(ws: Workspace, topk_ids, stream=0) -> None:
+    """Push this rank's top-k ids into row ``rank`` of every rank's ids table.
 
     Arguments:
-        x: uint16 (bf16 bits) [T, H]; topk_ids: int32 [T, k] global expert ids, -1 = masked.
+        topk_ids: int32 [T, k] global expert ids, -1 = masked route (range checked later, on
+            the device, by the schedule).
     """
-    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
-    x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H))
+    T, k = ws.tokens_per_rank, ws.topk
     ids = as_device_array(topk_ids, "topk_ids", dtype=np.int32, shape=(T, k))
-    if SIM:
-        ws.x_buf[...] = x
-    else:
-        ws.x_buf.copy_to_device(x, stream=stream)
     if T * k:
         blocks = min(256, -(-T * k // _COPY_THREADS))
         push_ids_kernel[blocks, _COPY_THREADS, stream](ws.rank, _flat(ids), ws.peer_ids_table)
+
+
+def publish_x(ws: Workspace, x, router_weights=None, stream=0) -> None:
+    """Copy this rank's tokens into its slice of the symmetric staging buffer (peers pull from
+    there) and count NaN/Inf in x and the router weights into the error word.
+
+    Arguments:
+        x: uint16 (bf16 bits) [T, H]; router_weights: float32 [T, k] or None.
+    """
+    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H))
+    w = (as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k))
+         if router_weights is not None else ws.errors[:0].view(np.float32))
+    if T == 0:
+        return
+    blocks = 2 if SIM else min(4 * multiprocessor_count(), -(-T * H // 8 // _COPY_THREADS))
+    publish_x_kernel[blocks, _COPY_THREADS, stream](_flat(x), _flat(ws.x_buf), _flat(w),
+                                                    ws.errors)
+
+
+def publish_tokens(ws: Workspace, x, topk_ids, stream=0) -> None:
+    """``publish_x`` + ``publish_ids`` (both must precede the barrier before dispatch)."""
+    publish_x(ws, x, None, stream)
+    publish_ids(ws, topk_ids, stream)
 
 
 def barrier(ws: Workspace, stream=0) -> None:
@@ -85,7 +107,7 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
     """
     fill(ws.ready, 0, stream)
     pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
+        ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
         np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
         np.int64(ws.config.minibatch_size))
 

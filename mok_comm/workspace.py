@@ -5,15 +5,17 @@ config) and reused by every call; nothing in it depends on routing data, so the 
 reads counts back.
 
 Symmetric (same shape on every rank; peer views are tuples indexed by rank):
-    x_buf          uint16 [T, H]       this rank's tokens (bf16 bits), pulled by expert ranks
+    x_recv         uint16 [R*T, H]     token staging: token (r, t) lives in row r*T + t. Its
+                                       slice r = me *is* this rank's x buffer (``x_buf``): our
+                                       own tokens are written there once and peers pull them
+                                       from it, so local tokens are never copied again.
     ids_table      int32  [R, T, k]    every rank's top-k ids (row r pushed by rank r)
     combine_buf    uint16 [T*k, H]     expert outputs pushed home, row token*k + slot
     barrier_flags  int32  [R]          epoch each rank reached (see kernels/barrier.py)
 Local:
     barrier_epoch  int32 [1]           barriers this rank passed
-    x_recv         uint16 [R*T, H]     staging: token (r, t) pulled once into row r*T + t
     ready          int32 [minibatches] dispatch progress per minibatch of expert-sorted rows
-    errors         int32 [ERROR_WORDS] device error word (timeouts)
+    errors         int32 [ERROR_WORDS] device error word (timeouts, non-finite input)
 """
 from __future__ import annotations
 
@@ -94,20 +96,22 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         raise ValueError(f"num_experts={E}: must be divisible by the EP size {R}")
     capacity = config.schedule_capacity(T, k, R, E // R)
     u16, i32 = np.uint16, np.int32
-    x_buf, peer_x = heap.alloc((T, H), u16)
+    x_recv, peer_recv = heap.alloc((R * T, H), u16)
     ids_table, peer_ids = heap.alloc((R, T, k), i32, -1)
     combine_buf, peer_combine = heap.alloc((T * k, H), u16)
     flags, peer_flags = heap.alloc((R,), i32)
     ws = Workspace(
         rank=heap.rank, ep_size=R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E,
         config=config, capacity=capacity, heap=heap,
-        x_buf=x_buf, ids_table=ids_table, combine_buf=combine_buf, barrier_flags=flags,
-        peer_x=tuple(p.reshape(p.size) for p in peer_x),
+        x_buf=x_recv[heap.rank * T:(heap.rank + 1) * T], ids_table=ids_table,
+        combine_buf=combine_buf, barrier_flags=flags,
+        peer_x=tuple(p.reshape(p.size)[q * T * H:(q + 1) * T * H]
+                     for q, p in enumerate(peer_recv)),
         peer_ids_table=tuple(p.reshape(p.size) for p in peer_ids),
         peer_combine=tuple(p.reshape(p.size) for p in peer_combine),
         peer_barrier_flags=peer_flags,
         barrier_epoch=device_full((1,), 0, i32, stream),
-        x_recv=device_full((R * T, H), 0, u16, stream),
+        x_recv=x_recv,
         ready=device_full((-(-capacity // config.minibatch_size),), 0, i32, stream),
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
     )

@@ -46,6 +46,8 @@ def default_stream():
     return 0
 
 
+_BF16_TYPESTRS = ("<V2", "|V2")   # how CAI producers (torch) spell bfloat16
+
 _DLPACK_CUDA = 2        # kDLCUDA
 _DLPACK_CUDA_HOST = 3   # kDLCUDAHost
 _DLPACK_CPU = 1
@@ -71,7 +73,8 @@ def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shap
             matches any extent).
     Returns:
         numba device array (GPU) or NumPy array / simulator array (simulator) sharing memory with
-        ``obj``.
+        ``obj``. A bfloat16 array comes back as a uint16 view of its bits (MoK-Py's bf16
+        convention), still zero-copy.
     Raises:
         TypeError for a wrong dtype or a host array on the GPU path, ValueError for a wrong shape.
     """
@@ -102,6 +105,10 @@ def _gpu_view(obj, name):
     if isinstance(obj, DeviceNDArray):
         return obj
     if cuda.is_cuda_array(obj):
+        cai = dict(obj.__cuda_array_interface__)
+        if cai.get("typestr") in _BF16_TYPESTRS:      # bf16 travels as its uint16 bits
+            cai["typestr"] = "<u2"
+            return cuda.from_cuda_array_interface(cai, owner=obj, sync=False)
         return cuda.as_cuda_array(obj, sync=False)
     if isinstance(obj, np.ndarray):
         raise TypeError(f"{name}: a host NumPy array was passed; MoK-Py needs device memory "
@@ -112,9 +119,11 @@ def _gpu_view(obj, name):
             raise TypeError(f"{name}: array lives on DLPack device type {dev_type}, not CUDA")
         from cuda.core.utils import StridedMemoryView
         view = StridedMemoryView.from_dlpack(obj, stream_ptr=-1)
-        itemsize = np.dtype(view.dtype).itemsize
+        dtype = np.dtype(view.dtype)
+        itemsize = dtype.itemsize
         strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
-        cai = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
+        typestr = "<u2" if dtype.name == "bfloat16" else dtype.str
+        cai = {"shape": tuple(view.shape), "strides": strides, "typestr": typestr,
                "data": (int(view.ptr), bool(view.readonly)), "version": 2}
         return cuda.from_cuda_array_interface(cai, owner=obj, sync=False)
     raise TypeError(f"{name}: expected a CUDA array (CAI or DLPack), got {type(obj).__name__}")

@@ -8,7 +8,9 @@ last one arrives), same semantics: a thread that has returned no longer takes pa
 barriers, and an exception in any thread aborts the block and is re-raised by the launch.
 
 It also gives each block a *warp barrier* (``warp_exchange``) so Python twins of warp-collective
-intrinsics (``mma.sync``, ``ldmatrix``) can trade per-lane values like the hardware does.
+intrinsics (``mma.sync``, ``ldmatrix``) can trade per-lane values like the hardware does, and
+passes NumPy kernel arguments by reference (numba copies them in and out, which breaks aliasing
+that device pointers have).
 """
 from __future__ import annotations
 
@@ -156,4 +158,18 @@ def install() -> None:
 
     simkernel.BlockManager.run = run
     simkernel.BlockThread.syncthreads = syncthreads
+
+    # numba's simulator copies every NumPy kernel argument in and back out, so two arguments
+    # that alias (an array passed directly and again inside a tuple of peer views, as a rank's
+    # own buffer is) stop aliasing, unlike device pointers. Pass them by reference instead.
+    from numba.cuda.simulator import args as simargs
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    copy_in_out = simargs.InOut.to_device
+
+    def to_device(self, retr, stream=0):
+        if isinstance(self.value, np.ndarray):
+            return FakeCUDAArray(self.value)
+        return copy_in_out(self, retr, stream)
+
+    simargs.InOut.to_device = to_device
     _installed = True

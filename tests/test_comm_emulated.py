@@ -71,7 +71,8 @@ def test_round_trip_exact(R, case):
 
 
 def test_staging_pulls_each_token_once_per_rank():
-    """x_recv holds exactly the tokens with >= 1 route to this rank (the rest stays zero)."""
+    """x_recv holds exactly the peers' tokens with >= 1 route to this rank (the rest stays
+    zero), plus this rank's own tokens in its own slice (written by publish, never copied)."""
     rng = np.random.default_rng(9)
     R, T, H, k, E = 2, 16, 16, 4, 8
     ids = make_routing(rng, R, T, k, E)
@@ -83,6 +84,7 @@ def test_staging_pulls_each_token_once_per_rank():
     for me, ws in enumerate(group.workspaces):
         staged = to_host(ws.x_recv).reshape(R, T, H)
         needed = ((ids >= 0) & (ids // (E // R) == me)).any(axis=2)
+        needed[me] = True
         np.testing.assert_array_equal(staged[needed], x[needed])
         assert not staged[~needed].any()
 
@@ -125,3 +127,18 @@ def test_publish_rejects_bad_input():
     with pytest.raises(TypeError, match="router_weights: expected dtype float32"):
         ops.epilogue(ws, to_dev(np.zeros((4, 2), np.float64)),
                      to_dev(np.zeros((4, 16), np.uint16)))
+
+
+def test_non_finite_inputs_are_reported():
+    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=2, num_experts=4, config=cfg)
+    ws = group.workspaces[0]
+    x = bf16_bits(np.ones((4, 16)))
+    x[2, 5] = bf16_bits(np.array([np.nan]))[0]
+    x[3, 0] = bf16_bits(np.array([np.inf]))[0]
+    w = np.ones((4, 2), np.float32)
+    w[1, 1] = np.nan
+    ops.publish_x(ws, to_dev(x), to_dev(w))
+    with pytest.raises(MoKError, match="non-finite input: 3 NaN/Inf values seen"):
+        ws.check()
+    np.testing.assert_array_equal(to_host(ws.x_buf), x)       # still copied, just flagged

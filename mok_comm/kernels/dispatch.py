@@ -4,7 +4,8 @@ NVLink, the token rows its experts need -- each (token, rank) pair crosses NVLin
 Roles and order. Work is *tokens*, not rows: token u = (r, t) of all R*T tokens is dealt to warp
 u mod (warps in the grid). The warp reads the token's k entries of ``recv_row``; if any is >= 0
 (the token routes to one of our experts) it copies the row from rank r's x buffer into the
-token-indexed staging buffer ``x_recv[u]``. Every other row of that token (its other local
+token-indexed staging buffer ``x_recv[u]`` -- unless r is this rank: our own tokens already sit
+in their staging rows (the x buffer *is* that slice of ``x_recv``). Every other row of that token (its other local
 experts) reads the same staging row through the GEMM's gather index: no fan-out copy. Dealing
 tokens, not rows, keeps every warp equally busy -- rows are expert-sorted, so the first rows of
 each token cluster in the low experts and a row-ordered walk leaves most warps idle.
@@ -64,7 +65,7 @@ def copy_row(src, src_off, dst, dst_off, width, lane):
 
 
 @kjit
-def pull_dispatch_kernel(peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
+def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
     """Launch: grid = comm blocks, block = 32 * warps threads.
 
     peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
@@ -83,7 +84,9 @@ def pull_dispatch_kernel(peer_x, recv_row, x_recv, ready, T, H, k, minibatch_row
             if recv_row[first + s] >= 0:
                 needed = True
         if needed:                                  # uniform over the warp: same loads
-            copy_row(peer_x[u // T], (u % T) * H, x_recv, u * H, H, lane)
+            r = u // T
+            if r != me:
+                copy_row(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
             cuda.threadfence()
             syncwarp()                              # every lane's stores precede the release
             for s in range(lane, k, 32):

@@ -2,7 +2,8 @@
 import pytest
 from numba import boolean, float32, int32, int64, types, uint16
 
-from mok_comm.kernels import allgather, barrier, combine, dispatch, epilogue, index
+from mok_comm.kernels import (agreement, allgather, barrier, cast, combine, dispatch, epilogue,
+                              index, publish)
 from ptx_util import compile_sm90, count
 
 u16, i32, f32 = uint16[::1], int32[::1], float32[::1]
@@ -16,7 +17,7 @@ def cases(R):
         "barrier": (barrier.barrier_kernel, (int64, i32, i32, peers32, int64, i32),
                     [r"st\.release\.sys", r"ld\.acquire\.sys", r"%clock64", r"nanosleep"]),
         "dispatch": (dispatch.pull_dispatch_kernel,
-                     (peers16, i32, u16, i32, int64, int64, int64, int64),
+                     (int64, peers16, i32, u16, i32, int64, int64, int64, int64),
                      [r"ld(\.global)?\.v4\.u32", r"red\.release\.gpu\.add"]),
         "combine": (combine.push_combine_kernel, (u16, i32, i32, i32, i32, peers16, int64,
                                                   int64), [r"st(\.global)?\.v4\.u32"]),
@@ -24,6 +25,12 @@ def cases(R):
                      (u16, boolean, u16, i32, f32, u16, int64, int64, int64),
                      [r"mul\.rn\.f32", r"add\.rn\.f32"]),
         "gather_index": (index.gather_index_kernel, (i32, i32, int64, i32), []),
+        "publish_x": (publish.publish_x_kernel, (u16, u16, f32, i32),
+                      [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
+        "push_fingerprint": (agreement.push_fingerprint_kernel, (int64, i32, peers32), []),
+        "compare_fingerprints": (agreement.compare_fingerprints_kernel,
+                                 (int64, int32[:, ::1], i32), []),
+        "ids_to_int32": (cast.ids_to_int32_kernel, (types.int64[::1], i32), []),
     }
 
 

@@ -1,0 +1,299 @@
+"""The expert-parallel MoE layer forward, as a small functional API (MoK's ``functional``).
+
+    lw = get_workspace(shape, tokens_per_rank, config, heap=heap)         # once per layer shape
+    sched = build_schedule(lw, topk_ids, stream=s)                        # each step
+    out, ctx = forward(config, lw, sched, x, router_weights,
+                       w_shared_gate, w_shared_up, w_shared_down,
+                       w_gate, w_up, w_down, swiglu_limit=None, stream=s)
+
+Every step is a kernel launch on ``stream``; nothing waits for the host, and no count ever leaves
+the GPU, so a whole step can be captured in a CUDA graph. The step is a sequence of *phases*
+separated by device-side barriers (the only cross-GPU synchronisation):
+
+    build_schedule   phase 0: ids -> every rank's table          | barrier |
+                     phase 1: schedule (local)
+    forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN   | barrier |
+                     phase 1: pull dispatch, gather index, routed FFN, push combine   | barrier |
+                     phase 2: fixed-order epilogue -> out
+
+``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
+simulator, one GPU) can run each phase on every rank before the barrier.
+
+Shapes (per rank; T tokens, H hidden, I / I_s routed / shared intermediate, E_local experts
+here, k top-k, C schedule capacity) and dtypes (bf16 travels as uint16 bits at this level; the
+torch/JAX adapters view their bf16 tensors as uint16, zero-copy):
+    x [T, H] uint16, topk_ids [T, k] int32 or int64 (-1 = masked), router_weights [T, k] f32,
+    w_shared_gate / w_shared_up [I_s, H], w_shared_down [H, I_s],
+    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]  (all uint16), out [T, H] uint16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import SIM, as_device_array, device_empty, device_full
+from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.schedule import Schedule
+from mok_core.schedule import build_schedule as _schedule_kernels
+
+from . import ops
+from .heap import Heap
+from .kernels.agreement import compare_fingerprints_kernel, push_fingerprint_kernel
+from .kernels.cast import ids_to_int32_kernel
+from .workspace import Workspace, create_workspace  # noqa: F401  (Workspace: type)
+
+
+@dataclass
+class LayerWorkspace:
+    """Everything one layer shape needs on one rank, allocated once from shapes.
+
+    comm: the symmetric ``Workspace``; schedule: this rank's ``Schedule``; device buffers:
+    ids32 [T, k], gather_index [C], hidden [C, I], y [C, H], shared_index [T_pad] (row -> token,
+    -1 past T), shared_offsets [2], shared_rows [1], hidden_shared [T_pad, I_s],
+    y_shared [T_pad, H], out [T, H] (the default output; overwritten by the next call).
+    """
+    shape: LayerShape
+    config: MoKConfig
+    gemm: GemmConfig
+    tokens_per_rank: int
+    comm: Workspace
+    schedule: Schedule
+    ids32: object
+    gather_index: object
+    hidden: object
+    y: object
+    shared_index: object
+    shared_offsets: object
+    shared_rows: object
+    hidden_shared: object
+    y_shared: object
+    out: object
+    fingerprint: object
+    fingerprint_table: object
+    peer_fingerprints: tuple
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def check(self, stream=0) -> None:
+        """Raise ``MoKError`` for anything the last steps recorded on the device (syncs)."""
+        self.schedule.check(stream)
+        self.comm.check(stream)
+
+
+class ForwardContext(NamedTuple):
+    """What the backward needs; views into the workspace, valid until the next forward."""
+    schedule: Schedule
+    gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
+    x_recv: object            # uint16 [R*T, H] token staging
+    hidden: object            # uint16 [C, I] routed SwiGLU output
+    hidden_shared: object     # uint16 [T_pad, I_s]
+
+
+def _fingerprint(shape: LayerShape, T: int, config: MoKConfig, gemm: GemmConfig) -> np.ndarray:
+    vals = [shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
+            shape.topk, shape.ep_size, T, config.row_align, config.minibatch_size,
+            config.macrobatch_size, int(config.capacity_factor * 1e6), gemm.bm, gemm.bn,
+            gemm.bk, hash(config) & 0x7FFFFFFF, hash(gemm) & 0x7FFFFFFF]
+    return np.array(vals, np.int32)
+
+
+def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
+                  gemm: GemmConfig = DEFAULT_GEMM, verify: bool = True,
+                  stream=0) -> LayerWorkspace:
+    """Allocate the layer workspace on ``heap`` (collective on NVSHMEM: every rank calls it
+    with the same arguments). With ``verify`` (default) the ranks compare fingerprints of their
+    shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
+    sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)"""
+    T = tokens_per_rank
+    if heap.ep_size != shape.ep_size:
+        raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
+    if config.row_align % gemm.bm:
+        raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of the GEMM "
+                         f"row tile {gemm.bm}")
+    H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
+    for name, n, tile in (("hidden", H, gemm.bk), ("hidden", H, gemm.bn),
+                          ("intermediate", I, gemm.bk), ("intermediate", I, gemm.bn // 2)):
+        if n % tile:
+            raise ValueError(f"{name}={n}: must be a multiple of {tile} for {gemm}")
+    if I_s and (I_s % gemm.bk or I_s % (gemm.bn // 2)):
+        raise ValueError(f"shared_intermediate={I_s}: must be a multiple of {gemm.bk} and "
+                         f"{gemm.bn // 2}")
+    comm = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=k,
+                            num_experts=shape.num_experts, config=config, stream=stream)
+    sched = Schedule.allocate(rank=heap.rank, ep_size=shape.ep_size, tokens_per_rank=T, topk=k,
+                              num_experts=shape.num_experts, config=config,
+                              capacity=comm.capacity, stream=stream)
+    C = comm.capacity
+    T_pad = max(gemm.bm, -(-T // gemm.bm) * gemm.bm)
+    u16, i32 = np.uint16, np.int32
+    shared_index = np.where(np.arange(T_pad) < T, np.arange(T_pad), -1).astype(i32)
+    fp = _fingerprint(shape, T, config, gemm)
+    table, peer_tables = heap.alloc((shape.ep_size, fp.size), i32, -1)
+    lw = LayerWorkspace(
+        shape=shape, config=config, gemm=gemm, tokens_per_rank=T, comm=comm, schedule=sched,
+        ids32=device_empty((T, k), i32, stream),
+        gather_index=device_full((C,), -1, i32, stream),
+        hidden=device_empty((C, I), u16, stream),
+        y=device_empty((C, H), u16, stream),
+        shared_index=_upload(shared_index, stream),
+        shared_offsets=_upload(np.array([0, T_pad], i32), stream),
+        shared_rows=_upload(np.array([T_pad], i32), stream),
+        hidden_shared=device_empty((T_pad, max(I_s, 8)), u16, stream),
+        y_shared=device_empty((T_pad, H), u16, stream),
+        out=device_empty((T, H), u16, stream),
+        fingerprint=_upload(fp, stream), fingerprint_table=table,
+        peer_fingerprints=tuple(p.reshape(p.size) for p in peer_tables),
+    )
+    if verify:
+        push, compare = verify_ranks_agree(lw, stream)
+        push()
+        ops.barrier(comm, stream)
+        compare()
+        comm.check(stream)
+    return lw
+
+
+def _upload(host: np.ndarray, stream):
+    if SIM:
+        return host.copy()
+    from numba import cuda
+    return cuda.to_device(host, stream=stream)
+
+
+def verify_ranks_agree(lw: LayerWorkspace, stream=0):
+    """Two phases (barrier between): push our fingerprint, compare everyone's."""
+    def push():
+        push_fingerprint_kernel[1, 32, stream](lw.rank, lw.fingerprint, lw.peer_fingerprints)
+
+    def compare():
+        compare_fingerprints_kernel[1, 32, stream](lw.rank, lw.fingerprint_table,
+                                                   lw.comm.errors)
+    return push, compare
+
+
+def schedule_phases(lw: LayerWorkspace, topk_ids, stream=0):
+    """[publish ids, build schedule] -- a barrier goes between them."""
+    T, k = lw.tokens_per_rank, lw.shape.topk
+    ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(T, k))
+    if np.dtype(ids.dtype) == np.int64:
+        n = T * k
+
+        def publish():
+            if n:
+                ids_to_int32_kernel[min(256, -(-n // 256)), 256, stream](
+                    ids.reshape(n), lw.ids32.reshape(n))
+            ops.publish_ids(lw.comm, lw.ids32, stream)
+    elif np.dtype(ids.dtype) == np.int32:
+        def publish():
+            ops.publish_ids(lw.comm, ids, stream)
+    else:
+        raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
+
+    def schedule():
+        _schedule_kernels(lw.schedule, lw.comm.ids_table, stream=stream)
+    return [publish, schedule]
+
+
+def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
+    """Routing all-gather + this rank's schedule (see ``mok_core.schedule``), on the device."""
+    publish, schedule = schedule_phases(lw, topk_ids, stream)
+    publish()
+    ops.barrier(lw.comm, stream)
+    schedule()
+    return lw.schedule
+
+
+def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x, router_weights,
+                   w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                   swiglu_limit=None, out=None, stream=0):
+    """Validate every input, then return the forward's three phases (barriers between) and the
+    output array. Nothing is launched before all inputs have passed their checks."""
+    if config != lw.config:
+        raise ValueError("config differs from the one the workspace was built with")
+    if schedule is not lw.schedule:
+        raise ValueError("schedule was not built on this workspace (use build_schedule(lw, ...))")
+    s, T = lw.shape, lw.tokens_per_rank
+    H, I, I_s, k, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.topk, \
+        s.experts_per_rank
+    u16 = np.uint16
+    x = as_device_array(x, "x", dtype=u16, shape=(T, H))
+    w = as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k))
+    wg = as_device_array(w_gate, "w_gate", dtype=u16, shape=(E_l, I, H))
+    wu = as_device_array(w_up, "w_up", dtype=u16, shape=(E_l, I, H))
+    wd = as_device_array(w_down, "w_down", dtype=u16, shape=(E_l, H, I))
+    if I_s:
+        sg = as_device_array(w_shared_gate, "w_shared_gate", dtype=u16, shape=(I_s, H))
+        su = as_device_array(w_shared_up, "w_shared_up", dtype=u16, shape=(I_s, H))
+        sd = as_device_array(w_shared_down, "w_shared_down", dtype=u16, shape=(H, I_s))
+    out = lw.out if out is None else as_device_array(out, "out", dtype=u16, shape=(T, H))
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float))
+                                         and math.isfinite(swiglu_limit) and swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
+    g = lw.gemm
+
+    def phase0():
+        ops.publish_x(lw.comm, x, w, stream)
+        if I_s:
+            gate_up_swiglu(x, lw.shared_index, sg.reshape((1, I_s, H)), su.reshape((1, I_s, H)),
+                           lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
+                           swiglu_limit=swiglu_limit, config=g, stream=stream)
+            down(lw.hidden_shared, sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
+                 lw.y_shared, config=g, stream=stream)
+
+    def phase1():
+        ops.dispatch(lw.comm, schedule, stream)
+        ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
+        gate_up_swiglu(lw.comm.x_recv, lw.gather_index, wg, wu, schedule.expert_offsets,
+                       schedule.num_rows, lw.hidden, swiglu_limit=swiglu_limit, config=g,
+                       stream=stream)
+        down(lw.hidden, wd, schedule.expert_offsets, schedule.num_rows, lw.y, config=g,
+             stream=stream)
+        ops.combine(lw.comm, schedule, lw.y, stream)
+
+    def phase2():
+        ops.epilogue(lw.comm, w, out, lw.y_shared[:T] if I_s else None, stream)
+
+    return [phase0, phase1, phase2], out
+
+
+def forward(config: MoKConfig, workspace: LayerWorkspace, schedule: Schedule, x, router_weights,
+            w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+            swiglu_limit=None, *, out=None, stream=0):
+    """The MoE layer forward on this rank (see the module docstring for shapes).
+
+    Returns:
+        (out uint16 [T, H], ForwardContext). ``out`` defaults to the workspace's output buffer
+        (overwritten by the next call); pass ``out=`` to keep results.
+    Raises:
+        TypeError / ValueError for a wrong dtype, shape or device -- before any launch.
+        Device-side problems (bad expert ids, capacity overflow, NaN/Inf input, a peer that
+        never arrives) are recorded in the error words; ``workspace.check()`` raises them.
+    """
+    phases, out = forward_phases(config, workspace, schedule, x, router_weights, w_shared_gate,
+                                 w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                                 swiglu_limit, out, stream)
+    for i, phase in enumerate(phases):
+        if i:
+            ops.barrier(workspace.comm, stream)
+        phase()
+    return out, _context(workspace, schedule)
+
+
+def _context(lw: LayerWorkspace, schedule: Schedule) -> ForwardContext:
+    return ForwardContext(schedule, lw.gather_index, lw.comm.x_recv, lw.hidden,
+                          lw.hidden_shared)
+
+
+def context_of(lw: LayerWorkspace) -> ForwardContext:
+    """The forward context of the last forward run on ``lw``."""
+    return _context(lw, lw.schedule)
+
+
+__all__ = ["ForwardContext", "LayerWorkspace", "build_schedule", "context_of", "forward",
+           "forward_phases", "get_workspace", "schedule_phases", "verify_ranks_agree"]

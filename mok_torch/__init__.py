@@ -1,0 +1,13 @@
+"""PyTorch adapter: torch tensors in and out of MoK-Py's functional layer, zero-copy (DLPack /
+CUDA array interface), kernels launched on torch's current stream.
+
+    import mok_torch
+    lw = mok_torch.get_workspace(shape, tokens_per_rank, config)        # NVSHMEM if EP > 1
+    sched = mok_torch.build_schedule(lw, topk_ids)                      # int64 or int32 [T, k]
+    out, ctx = mok_torch.forward(config, lw, sched, x, router_weights,
+                                 w_shared_gate, w_shared_up, w_shared_down,
+                                 w_gate, w_up, w_down, swiglu_limit=None)
+"""
+from .functional import build_schedule, forward, get_workspace
+
+__all__ = ["build_schedule", "forward", "get_workspace"]

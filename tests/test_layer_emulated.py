@@ -1,0 +1,137 @@
+"""The whole EP forward (routing all-gather, schedule, pull dispatch, shared + routed FFN on the
+tensor-core kernels, push combine, epilogue) with R ranks emulated in one process, against the
+float64 reference layer on all ranks' tokens. CUDA simulator in CI; unchanged on one GPU."""
+import numpy as np
+import pytest
+
+from helpers import to_dev
+from layer_support import layer_inputs, reference_out, rel_l1
+from mok_comm.emulation import emulated_layer, run_phases
+from mok_comm.functional import forward_phases, get_workspace, schedule_phases
+from mok_comm.heap import EmulatedHeap
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import to_host
+from mok_core.errors import MoKError
+from mok_core.grouped_gemm import GemmConfig
+
+GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+
+
+def u16(a):
+    return np.ascontiguousarray(np.asarray(a).view(np.uint16))
+
+
+def run_layer(lws, inp, limit=None, ids=None):
+    R = len(lws)
+    E_l = lws[0].shape.experts_per_rank
+    ids = inp["ids"] if ids is None else ids
+    outs = [to_dev(np.full(inp["x"].shape[1:], 0xFFFF, np.uint16)) for _ in range(R)]
+    comms = [lw.comm for lw in lws]
+    run_phases(comms, [schedule_phases(lw, to_dev(ids[r])) for r, lw in enumerate(lws)])
+    phases = []
+    for r, lw in enumerate(lws):
+        sl = slice(r * E_l, (r + 1) * E_l)
+        p, _ = forward_phases(CFG, lw, lw.schedule, to_dev(u16(inp["x"][r])), to_dev(inp["w"][r]),
+                              to_dev(u16(inp["w_sg"])), to_dev(u16(inp["w_su"])),
+                              to_dev(u16(inp["w_sd"])), to_dev(u16(inp["w_g"][sl])),
+                              to_dev(u16(inp["w_u"][sl])), to_dev(u16(inp["w_d"][sl])),
+                              swiglu_limit=limit, out=outs[r])
+        phases.append(p)
+    run_phases(comms, phases)
+    for lw in lws:
+        lw.check()
+    return np.stack([to_host(o).view(np.uint16) for o in outs])
+
+
+def as_f64(bits):
+    import ml_dtypes
+    return bits.view(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("R,limit", [(2, None), (3, 1.0)])
+def test_forward_matches_float64_reference(R, limit):
+    rng = np.random.default_rng(R)
+    T = 24
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
+                       topk=3, ep_size=R)
+    inp = layer_inputs(rng, shape, T, weight_scale=3.0 if limit else 1.0)
+    lws = emulated_layer(shape, T, CFG, GEMM)
+    got = run_layer(lws, inp, limit)
+    want = reference_out(inp, limit)
+    assert np.isfinite(as_f64(got)).all()
+    assert rel_l1(as_f64(got), want) < 5e-3
+    again = run_layer(lws, inp, limit)                  # same workspaces, second step
+    np.testing.assert_array_equal(again, got)
+
+
+def test_int64_ids_and_rank_without_tokens():
+    rng = np.random.default_rng(5)
+    R, T = 2, 16
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T)
+    inp["ids"][1] = -1                                  # rank 1 routes nothing (T = 0 in effect)
+    lws = emulated_layer(shape, T, CFG, GEMM)
+    got = run_layer(lws, inp, ids=inp["ids"].astype(np.int64))
+    assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
+
+
+def test_bad_inputs_rejected_before_any_launch():
+    rng = np.random.default_rng(1)
+    R, T = 2, 8
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T)
+    lw = emulated_layer(shape, T, CFG, GEMM)[0]
+    E_l = 2
+    good = dict(x=to_dev(u16(inp["x"][0])), router_weights=to_dev(inp["w"][0]),
+                w_shared_gate=to_dev(u16(inp["w_sg"])), w_shared_up=to_dev(u16(inp["w_su"])),
+                w_shared_down=to_dev(u16(inp["w_sd"])), w_gate=to_dev(u16(inp["w_g"][:E_l])),
+                w_up=to_dev(u16(inp["w_u"][:E_l])), w_down=to_dev(u16(inp["w_d"][:E_l])))
+    before = to_host(lw.comm.x_buf).copy()
+    cases = [
+        ("x", to_dev(np.zeros((T, 64), np.float32)), TypeError, "x: expected dtype uint16"),
+        ("x", to_dev(np.zeros((T + 1, 64), np.uint16)), ValueError, "x: expected shape"),
+        ("router_weights", to_dev(np.zeros((T, 2), np.float64)), TypeError, "router_weights"),
+        ("w_gate", to_dev(u16(inp["w_g"])), ValueError, "w_gate: expected shape"),
+        ("w_down", to_dev(u16(inp["w_g"][:E_l])), ValueError, "w_down"),
+        ("w_shared_down", to_dev(u16(inp["w_sg"])), ValueError, "w_shared_down"),
+    ]
+    for name, bad, exc, msg in cases:
+        args = dict(good, **{name: bad})
+        with pytest.raises(exc, match=msg):
+            forward_phases(CFG, lw, lw.schedule, **args)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        forward_phases(CFG, lw, lw.schedule, **good, swiglu_limit=-2.0)
+    with pytest.raises(ValueError, match="config differs"):
+        forward_phases(MoKConfig(row_align=32, minibatch_size=32, macrobatch_size=256), lw,
+                       lw.schedule, **good)
+    with pytest.raises(TypeError, match="topk_ids: expected dtype int32 or int64"):
+        schedule_phases(lw, to_dev(np.zeros((T, 2), np.int16)))
+    np.testing.assert_array_equal(to_host(lw.comm.x_buf), before)   # nothing ran
+
+
+def test_ranks_that_disagree_are_detected():
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=2)
+    heap = EmulatedHeap(2)
+    other = MoKConfig(row_align=32, minibatch_size=32, macrobatch_size=256, capacity_factor=1.0)
+    lws = [get_workspace(shape, 8, cfg, heap=heap.for_rank(r), gemm=GEMM, verify=False)
+           for r, cfg in enumerate([CFG, other])]
+    from mok_comm.functional import verify_ranks_agree
+    run_phases([lw.comm for lw in lws], [list(verify_ranks_agree(lw)) for lw in lws])
+    with pytest.raises(MoKError, match="ranks disagree"):
+        lws[0].comm.check()
+
+
+def test_out_of_range_expert_id_is_reported():
+    rng = np.random.default_rng(2)
+    R, T = 2, 8
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T)
+    inp["ids"][0, 3, 1] = 4                             # E = 4: out of range
+    lws = emulated_layer(shape, T, CFG, GEMM)
+    with pytest.raises(MoKError, match="expert id out of range.*largest bad id 4"):
+        run_layer(lws, inp)
