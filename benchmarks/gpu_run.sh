@@ -2,8 +2,8 @@
 # One GPU-host session: build (JIT), test and benchmark in one call, logs and JSON under $OUT,
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
-# Steps: env cpu-suite cpu-core gpu-suite launch-suite bench-schedule bench-ffn bench-ffn-quick
-#        bench-comm  (STEP_TIMEOUT seconds each, default 240)
+# Steps: env cpu-suite cpu-core gpu-suite launch-suite demo bench-schedule bench-ffn
+#        bench-ffn-sweep bench-ffn-quick bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -54,6 +54,9 @@ for s in "$@"; do
          --presets kimi-k2.7 --tokens 4096 --routing uniform,skewed --out "$OUT/bench_ffn.json" ;;
     bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \
          --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
+    demo) step demo python3 -m examples.demo ;;
+    bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;
