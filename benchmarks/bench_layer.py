@@ -76,7 +76,7 @@ def check(out, x, ids, w, shared, shape, pick, dev):
     return float((out[pick].double() - ref).abs().sum() / ref.abs().sum())
 
 
-def run_case(name, T, iters, warmup, rates):
+def run_case(name, T, iters, warmup, rates, gemm):
     import torch
     import torch.distributed as dist
 
@@ -92,7 +92,7 @@ def run_case(name, T, iters, warmup, rates):
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
     pick = torch.linspace(0, T - 1, 16, device=dev).long()
-    lw = mok_torch.get_workspace(shape, T, cfg)
+    lw = mok_torch.get_workspace(shape, T, cfg, gemm=gemm)
     try:
         def ours():
             sched = mok_torch.build_schedule(lw, ids)
@@ -133,7 +133,8 @@ def run_case(name, T, iters, warmup, rates):
     return {"preset": name, "tokens_per_rank": T, "ep": R, "ours_ms": t_ours,
             "baselines": {"torch_native": t_base}, "floor_ms": floor,
             "speedup_vs_best_baseline": t_base / t_ours, "ours_over_floor": t_ours / floor,
-            "ours_rel_l1": err_ours, "baseline_rel_l1": err_base, "gpu": gpu_name()}
+            "ours_rel_l1": err_ours, "baseline_rel_l1": err_base, "gpu": gpu_name(),
+            "gemm": str(gemm)}
 
 
 def plot(rows, path):
@@ -163,8 +164,18 @@ def main(argv=None):
     ap.add_argument("--tokens", default="2048,4096,8192")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--gemm-from", default="",
+                    help="bench_ffn sweep JSON: use its fastest GEMM config")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
+    from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
+    gemm = DEFAULT_GEMM
+    if args.gemm_from and os.path.exists(args.gemm_from):
+        import json
+        trial = json.load(open(args.gemm_from))
+        if trial:
+            best = min(trial, key=lambda r: r["ours_ms"])["gemm"]
+            gemm = eval(best, {"GemmConfig": GemmConfig})     # our own repr, written by bench_ffn
     import torch
     import torch.distributed as dist
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -177,13 +188,14 @@ def main(argv=None):
     rates = ceilings()
     rank0 = dist.get_rank() == 0
     if rank0:
+        progress(f"GEMM tiles: {gemm}")
         progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull")
     rows = []
     for name in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):
             if rank0:
                 progress(f"layer {name} T={T}")
-            rows.append(run_case(name, T, args.iters, args.warmup, rates))
+            rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm))
             if rank0:
                 r = rows[-1]
                 progress(f"  ours {r['ours_ms']:.2f} ms  torch {r['baselines']['torch_native']:.2f}"

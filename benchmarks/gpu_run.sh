@@ -56,7 +56,8 @@ for s in "$@"; do
          --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;
+         benchmarks/bench_layer.py --gemm-from "$OUT/bench_ffn_sweep.json" \
+         --out "$OUT/bench_layer.json" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;

@@ -33,8 +33,8 @@ import math
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from .cuda_compat import kjit
-from .intrinsics import (cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4,
-                         mma_bf16_16816, pack_bf16x2)
+from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ldmatrix_x4_at,
+                         mma_bf16_16816, pack_bf16x2, shared_addr)
 
 
 @kjit(device=True, inline="always")
@@ -74,10 +74,14 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     a_chunks = bm * cpr // threads         # A chunks each thread copies per stage
     b_chunks = bn * cpr // threads
     stage = (bm + bn) * bk                 # uint16 elements per stage
+    stage_bytes = stage * 2
     acc_n = mi_n * ni_n * 4                # local-array sizes must be compile-time constants
     afrag_n = mi_n * 4
     bfrag_n = ni_n * 2
     in_flight = stages - 2                 # cp.async groups allowed pending at a K step
+    kk_n = bk // 16                        # k16 MMA steps per K slice
+    a_ldm_n = mi_n * kk_n                  # ldmatrix row offsets per thread
+    b_ldm_n = ni_n // 2 * kk_n
     assert bm % (wm * 16) == 0 and bn % (wn * 16) == 0 and bk in (32, 64)
     assert (bm * cpr) % threads == 0 and (bn * cpr) % threads == 0
     assert not swiglu_epilogue or ni_n % 2 == 0
@@ -116,54 +120,84 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
         acc = cuda.local.array(acc_n, float32)
         afrag = cuda.local.array(afrag_n, uint32)
         bfrag = cuda.local.array(bfrag_n, uint32)
-        arow = cuda.local.array(a_chunks, int32)      # global A row of each chunk I copy
-        brow = cuda.local.array(b_chunks, int64)      # element offset of each B row I copy
-        bsel = cuda.local.array(b_chunks, int32)
+
+        # Shared-memory offsets that never change: where this thread's cp.async chunks land
+        # and where its ldmatrix rows start, per (k16 step, fragment). The K loop then only adds
+        # the stage base -- integer work in the loop would otherwise outnumber the MMAs.
+        # (32-bit shared byte addresses: one add per access in the loop.)
+        sbase = shared_addr(smem)
+        a_dst = cuda.local.array(a_chunks, uint32)
+        b_dst = cuda.local.array(b_chunks, uint32)
+        a_ldm = cuda.local.array(a_ldm_n, uint32)
+        b_ldm = cuda.local.array(b_ldm_n, uint32)
+        for i in range(a_chunks):
+            r = (tid + i * threads) // cpr
+            a_dst[i] = sbase + (r * bk + swz(r, (tid + i * threads) % cpr) * 8) * 2
+        for i in range(b_chunks):
+            r = (tid + i * threads) // cpr
+            b_dst[i] = sbase + (bm * bk + r * bk + swz(r, (tid + i * threads) % cpr) * 8) * 2
+        for kk in range(kk_n):
+            for mi in range(mi_n):
+                r = warp_m * (bm // wm) + mi * 16 + lane % 16
+                a_ldm[kk * mi_n + mi] = sbase + (r * bk + swz(r, kk * 2 + lane // 16) * 8) * 2
+            for nj in range(ni_n // 2):
+                r = warp_n * wn_cols + (nj * 2 + lane // 16) * 8 + lane % 8
+                b_ldm[kk * (ni_n // 2) + nj] = sbase + (bm * bk + r * bk
+                                                        + swz(r, kk * 2 + (lane // 8) % 2) * 8) * 2
+
+        # Per tile: global element offsets of this thread's chunks (K slice start added later).
+        a_src = cuda.local.array(a_chunks, int64)
+        a_bytes = cuda.local.array(a_chunks, int32)
+        b_src = cuda.local.array(b_chunks, int64)
+        b_sel = cuda.local.array(b_chunks, int32)
 
         t = cuda.blockIdx.x
         while t < total:
             e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, bm)
             col0 = nt * cols_per_tile
             for i in range(a_chunks):
-                r = row0 + (tid + i * threads) // cpr
-                arow[i] = a_index[r] if gather else r
+                chunk = tid + i * threads
+                r = row0 + chunk // cpr
+                src = a_index[r] if gather else r
+                a_bytes[i] = 16
+                if src < 0:                   # padding row: zero-fill, no global read
+                    a_bytes[i] = 0
+                    src = 0
+                a_src[i] = src * K + (chunk % cpr) * 8
             for i in range(b_chunks):
-                which, col = b_row_source((tid + i * threads) // cpr, col0, n_w)
-                bsel[i] = which
-                brow[i] = (e * n_w + col) * K
+                chunk = tid + i * threads
+                which, col = b_row_source(chunk // cpr, col0, n_w)
+                b_sel[i] = which
+                b_src[i] = (e * n_w + col) * K + (chunk % cpr) * 8
             for i in range(acc_n):
                 acc[i] = float32(0.0)
 
             # Prologue: fill STAGES-1 slices.
             for s in range(stages - 1):
                 if s < ktiles:
-                    _load_stage(smem, s * stage, a, w0, w1, arow, brow, bsel, s * bk, K, tid)
+                    _load_stage(smem, s * stage_bytes, a, w0, w1, a_dst, a_src, a_bytes, b_dst,
+                                b_src, b_sel, s * bk)
                 cp_async_commit()
 
+            load_base = (stages - 1) * stage_bytes  # slice kt+stages-1 goes where kt-1 was
+            base = 0
             for kt in range(ktiles):
                 cp_async_wait(in_flight)
                 cuda.syncthreads()            # slice kt landed; slice kt-1 is free to refill
-                nk = kt + stages - 1
-                if nk < ktiles:
-                    _load_stage(smem, (nk % stages) * stage, a, w0, w1, arow, brow, bsel,
-                                nk * bk, K, tid)
+                if kt + stages - 1 < ktiles:
+                    _load_stage(smem, load_base, a, w0, w1, a_dst, a_src, a_bytes, b_dst,
+                                b_src, b_sel, (kt + stages - 1) * bk)
                 cp_async_commit()
-                base = (kt % stages) * stage
-                for kk in range(bk // 16):
+                for kk in range(kk_n):
                     for mi in range(mi_n):
-                        r = warp_m * (bm // wm) + mi * 16 + lane % 16
-                        c = kk * 2 + lane // 16
-                        f0, f1, f2, f3 = ldmatrix_x4(smem, base + r * bk + swz(r, c) * 8)
+                        f0, f1, f2, f3 = ldmatrix_x4_at(smem, base + a_ldm[kk * mi_n + mi])
                         afrag[mi * 4 + 0] = f0
                         afrag[mi * 4 + 1] = f1
                         afrag[mi * 4 + 2] = f2
                         afrag[mi * 4 + 3] = f3
                     for nj in range(ni_n // 2):
-                        mat = lane // 8
-                        r = warp_n * wn_cols + (nj * 2 + mat // 2) * 8 + lane % 8
-                        c = kk * 2 + mat % 2
-                        f0, f1, f2, f3 = ldmatrix_x4(smem, base + bm * bk + r * bk
-                                                     + swz(r, c) * 8)
+                        f0, f1, f2, f3 = ldmatrix_x4_at(smem,
+                                                        base + b_ldm[kk * (ni_n // 2) + nj])
                         bfrag[nj * 4 + 0] = f0
                         bfrag[nj * 4 + 1] = f1
                         bfrag[nj * 4 + 2] = f2
@@ -179,6 +213,12 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                             acc[x + 1] = d1
                             acc[x + 2] = d2
                             acc[x + 3] = d3
+                base += stage_bytes           # ring of stages: advance, wrap
+                if base == stage_bytes * stages:
+                    base = 0
+                load_base += stage_bytes
+                if load_base == stage_bytes * stages:
+                    load_base = 0
             cp_async_wait(0)
             cuda.syncthreads()                # every warp is done with the ring before reuse
 
@@ -206,27 +246,15 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
             t += cuda.gridDim.x
 
     @kjit(device=True, inline="always")
-    def _load_stage(smem, base, a, w0, w1, arow, brow, bsel, k0, K, tid):
+    def _load_stage(smem, base, a, w0, w1, a_dst, a_src, a_bytes, b_dst, b_src, b_sel, k0):
         """Issue this thread's cp.async chunks of one K slice (A rows, then B rows)."""
         for i in range(a_chunks):
-            chunk = tid + i * threads
-            r = chunk // cpr
-            c = chunk % cpr
-            src = arow[i]
-            nbytes = 16
-            if src < 0:                        # padding row: zero-fill, no global read
-                nbytes = 0
-                src = 0
-            cp_async_16(smem, base + r * bk + swz(r, c) * 8, a, src * K + k0 + c * 8, nbytes)
+            cp_async_16_at(smem, base + a_dst[i], a, a_src[i] + k0, a_bytes[i])
         for i in range(b_chunks):
-            chunk = tid + i * threads
-            r = chunk // cpr
-            c = chunk % cpr
-            dst = base + bm * bk + r * bk + swz(r, c) * 8
-            if bsel[i] == 0:
-                cp_async_16(smem, dst, w0, brow[i] + k0 + c * 8, 16)
+            if b_sel[i] == 0:
+                cp_async_16_at(smem, base + b_dst[i], w0, b_src[i] + k0, 16)
             else:
-                cp_async_16(smem, dst, w1, brow[i] + k0 + c * 8, 16)
+                cp_async_16_at(smem, base + b_dst[i], w1, b_src[i] + k0, 16)
 
     kernel.smem_bytes = stage * stages * 2
     kernel.threads = threads

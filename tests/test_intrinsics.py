@@ -10,10 +10,10 @@ from numba import cuda, float32, int32, uint16, uint32
 from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
 from mok_core.cuda_compat import kjit, to_host
-from mok_core.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait, f32_to_bf16,
-                                 ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
-                                 mma_bf16_16816, pack_bf16x2, red_add_release_gpu,
-                                 st_release_sys, st_v4)
+from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
+                                 f32_to_bf16, ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
+                                 ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
+                                 red_add_release_gpu, shared_addr, st_release_sys, st_v4)
 
 
 def bf16_bits(a):
@@ -135,6 +135,50 @@ def test_mma_with_ldmatrix():
     C = rng.standard_normal((16, 8)).astype(np.float32)
     D = to_dev(np.full(128, np.nan, np.float32))
     _mma_tile[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
+    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
+    np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
+
+
+@kjit
+def _mma_tile_at(a, b, c, d):
+    """_mma_tile with the operands staged by cp_async_16_at and read by ldmatrix_x4_at."""
+    sa = cuda.shared.array(256, uint16)
+    sb = cuda.shared.array(128, uint16)
+    lane = cuda.threadIdx.x
+    base_a = shared_addr(sa)
+    base_b = shared_addr(sb)
+    if lane < 32:
+        cp_async_16_at(sa, base_a + lane * 16, a, lane * 8, 16)     # 32 x 16 bytes = A
+    if lane < 16:
+        cp_async_16_at(sb, base_b + lane * 16, b, lane * 8, 16)     # 16 x 16 bytes = B
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    row = lane % 16
+    col = (lane // 16) * 8
+    a0, a1, a2, a3 = ldmatrix_x4_at(sa, base_a + (row * 16 + col) * 2)
+    # B^T [n, k] as (n 0-7, k 0-7), (n 0-7, k 8-15) -- x4 with the second pair repeated
+    n = lane % 8
+    kh = (lane // 8) % 2
+    b0, b1, b2, b3 = ldmatrix_x4_at(sb, base_b + (n * 16 + kh * 8) * 2)
+    g = lane // 4
+    t = lane % 4
+    d0, d1, d2, d3 = mma_bf16_16816(a0, a1, a2, a3, b0, b1, c[g * 8 + 2 * t],
+                                    c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                                    c[(g + 8) * 8 + 2 * t + 1])
+    d[g * 8 + 2 * t] = d0
+    d[g * 8 + 2 * t + 1] = d1
+    d[(g + 8) * 8 + 2 * t] = d2
+    d[(g + 8) * 8 + 2 * t + 1] = d3
+
+
+def test_shared_address_variants():
+    rng = np.random.default_rng(8)
+    A = bf16_bits(rng.standard_normal((16, 16)))
+    B = bf16_bits(rng.standard_normal((8, 16)))
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = to_dev(np.full(128, np.nan, np.float32))
+    _mma_tile_at[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
     np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
 

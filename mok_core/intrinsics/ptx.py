@@ -293,6 +293,54 @@ def ldmatrix_x2(typingctx, smem, idx):
 
 
 @intrinsic
+def shared_addr(typingctx, smem):
+    """32-bit shared-space byte address of ``smem[0]`` (hot loops add byte offsets to it
+    instead of recomputing 64-bit generic pointers)."""
+    if not _is_1d(smem):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], ir.Constant(_i64, 0))
+        return _asm(builder, _i32, [ptr], "{ .reg .u64 g; cvta.to.shared.u64 g, $1; "
+                    "cvt.u32.u64 $0, g; }", "=r,l")
+    return types.uint32(smem), codegen
+
+
+@intrinsic
+def ldmatrix_x4_at(typingctx, smem, addr):
+    """``ldmatrix_x4`` at a shared byte address from ``shared_addr`` (+ offset); ``smem`` is
+    the array it points into (the simulator twin reads through it)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [a],
+                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
+                   "=r,=r,=r,=r,r,~{memory}", True)
+        return _tuple(context, builder, sig, res, 4)
+    return _u32x4(smem, addr), codegen
+
+
+@intrinsic
+def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
+    """``cp_async_16`` to a shared byte address from ``shared_addr`` (+ offset)."""
+    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
+            and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
+                "cp.async.cg.shared.global [$0], [g], 16, $2; }")
+        _asm(builder, ir.VoidType(), [s32, gptr, n], text, "r,l,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, gmem, gidx, src_bytes), codegen
+
+
+@intrinsic
 def cp_async_16(typingctx, smem, sidx, gmem, gidx, src_bytes):
     """Async copy of 16 bytes global -> shared (L2 only, ``.cg``); the first ``src_bytes``
     (0 or 16) come from global, the rest are zero-filled -- a padding row costs no load."""

@@ -169,6 +169,18 @@ def ldmatrix_x2(smem, idx):
     return _ldmatrix(smem, idx, 2)
 
 
+def shared_addr(smem):
+    return 0                              # byte offsets from the array start stand in
+
+
+def ldmatrix_x4_at(smem, addr):
+    return _ldmatrix(smem, int(addr) // _raw(smem).itemsize, 4)
+
+
+def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
+    cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
+
+
 def _pending():
     t = threading.current_thread()
     if not hasattr(t, "mok_cp_async"):

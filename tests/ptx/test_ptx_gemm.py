@@ -18,6 +18,7 @@ def test_gemm_lowers_without_local_memory(tile, swiglu):
     ptx = compile_sm90(kern, SIG)
     bm, bn, bk, wm, wn, _ = tile
     mma_per_kslice = (bm // wm // 16) * (bn // wn // 8) * (bk // 16)
-    assert count(ptx, r"mma\.sync\.aligned\.m16n8k16") == mma_per_kslice
+    n_mma = count(ptx, r"mma\.sync\.aligned\.m16n8k16")
+    assert n_mma >= mma_per_kslice and n_mma % mma_per_kslice == 0   # (NVVM may unroll K)
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
     assert count(ptx, r"ld\.local|st\.local") == 0, "accumulators spilled to local memory"
