@@ -139,6 +139,7 @@ def main(argv=None):
                 progress(f"  failed: {type(exc).__name__}: {exc}")
                 continue
             progress(f"  {trial[-1]['ours_ms']:.3f} ms, {trial[-1]['ours_tflops']:.0f} TF/s")
+            write_json(args.out.replace(".json", "_sweep.json"), trial)
         write_json(args.out.replace(".json", "_sweep.json"), trial)
         print(table(trial, ["gemm", "padded_rows", "ours_ms", "ours_tflops",
                             "ratio_vs_grouped_mm"]))
@@ -151,6 +152,7 @@ def main(argv=None):
             for skew in args.routing.split(","):
                 progress(f"ffn {p} T={T} {skew}")
                 rows.append(run_case(p, T, skew, cfg, args.iters, rng))
+                write_json(args.out, rows)               # keep what we have if time runs out
                 r = rows[-1]
                 progress(f"  ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.0f} TF/s)  "
                          f"grouped_mm {r['grouped_mm_ms']:.3f} ms  ratio "

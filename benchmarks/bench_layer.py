@@ -197,6 +197,7 @@ def main(argv=None):
                 progress(f"layer {name} T={T}")
             rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm))
             if rank0:
+                write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
                 progress(f"  ours {r['ours_ms']:.2f} ms  torch {r['baselines']['torch_native']:.2f}"
                          f" ms  floor {r['floor_ms']:.2f} ms  speedup "
