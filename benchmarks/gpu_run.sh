@@ -54,6 +54,12 @@ for s in "$@"; do
          --presets kimi-k2.7 --tokens 4096 --routing uniform,skewed --out "$OUT/bench_ffn.json" ;;
     bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \
          --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
+    layer-suite) export SUITE=layer; step layer-suite torchrun --standalone \
+         --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
+         tests/gpu/test_layer_gpu.py; rank_logs layer ;;
+    bench-layer-4096) step bench-layer-4096 torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --tokens 4096 \
+         --gemm-from benchmarks/results/bench_ffn_sweep.json --out "$OUT/bench_layer.json" ;;
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --gemm-from "$OUT/bench_ffn_sweep.json" \

@@ -150,6 +150,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
         fingerprint=_upload(fp, stream), fingerprint_table=table,
         peer_fingerprints=tuple(p.reshape(p.size) for p in peer_tables),
     )
+    heap.fence()                          # the fingerprint table's fill precedes peers' pushes
     if verify:
         push, compare = verify_ranks_agree(lw, stream)
         push()

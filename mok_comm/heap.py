@@ -28,6 +28,10 @@ class Heap:
     def alloc(self, shape, dtype, fill=0):
         raise NotImplementedError
 
+    def fence(self):
+        """Make every rank's allocations (and their fills) complete before any rank writes
+        into a peer's buffers. Collective; a no-op where ranks cannot race."""
+
     def free(self):
         pass
 
@@ -119,6 +123,15 @@ class NvshmemHeap(Heap):
         peers = tuple(local if pe == self.pes[self.rank] else
                       view(self._nvs.get_peer_buffer(buf, pe)) for pe in self.pes)
         return local, peers
+
+    def fence(self):
+        """Our fill kernels are done, then a barrier of all PEs: a fast peer must not write
+        into a buffer (a barrier flag, a pushed id) that our fill would then overwrite."""
+        from numba import cuda
+        cuda.synchronize()
+        stream = self.stream if hasattr(self.stream, "__cuda_stream__") else cuda.default_stream()
+        self._nvs.barrier_all(stream)
+        cuda.synchronize()
 
     def free(self):
         """Free every buffer (collective: all ranks call it, after a device sync)."""

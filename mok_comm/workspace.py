@@ -116,6 +116,7 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
     )
     reset_error_word(ws.errors, stream)
+    heap.fence()              # nobody writes into a peer before the peer's fills are done
     return ws
 
 
