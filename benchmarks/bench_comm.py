@@ -21,38 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import gpu_name, numba_stream, progress, table, write_json  # noqa: E402
+from benchmarks.common import (gpu_name, gumbel_topk_ids, numba_stream, progress,  # noqa: E402
+                               rank_max_median, table, time_iters, write_json)
 
 H, E, K = 7168, 384, 8
-
-
-def timed(fn, iters, warmup, pre=None):
-    import torch
-    for _ in range(warmup):
-        if pre:
-            pre()
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        if pre:
-            pre()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
-def max_over_ranks_median(times):
-    import torch
-    import torch.distributed as td
-    t = torch.tensor(times, dtype=torch.float64, device="cuda")
-    td.all_reduce(t, op=td.ReduceOp.MAX)
-    return float(t.median().item())
 
 
 def run_case(T, iters, warmup):
@@ -67,11 +39,7 @@ def run_case(T, iters, warmup):
     from mok_core.config import MoKConfig
     from mok_core.schedule import Schedule, build_schedule
     R, me = td.get_world_size(), td.get_rank()
-    rng = np.random.default_rng(T)
-    ids = np.empty((R, T, K), np.int32)
-    for r in range(R):
-        g = rng.gumbel(size=(T, E)).astype(np.float32)
-        ids[r] = np.argpartition(g, -K, axis=1)[:, -K:]
+    ids = gumbel_topk_ids(np.random.default_rng(T), R, T, E, K)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     s = numba_stream()
     cfg = MoKConfig(capacity_factor=1.0)
@@ -101,9 +69,9 @@ def run_case(T, iters, warmup):
     combine_bytes = int(remote.sum()) * row_bytes
 
     bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
-    t_disp = max_over_ranks_median(timed(lambda: ops.dispatch(ws, sched, stream=s), iters,
+    t_disp = rank_max_median(time_iters(lambda: ops.dispatch(ws, sched, stream=s), iters,
                                          warmup, pre=bar))
-    t_comb = max_over_ranks_median(timed(lambda: ops.combine(ws, sched, y.view(u16), stream=s),
+    t_comb = rank_max_median(time_iters(lambda: ops.combine(ws, sched, y.view(u16), stream=s),
                                          iters, warmup, pre=bar))
     ws.check()
 
@@ -116,10 +84,10 @@ def run_case(T, iters, warmup):
     pv = nvs.get_peer_tensor(src, peer)
     torch.cuda.synchronize()
     td.barrier()
-    t_pull = max_over_ranks_median(timed(lambda: dst[:nrow].copy_(pv[:nrow]), iters, warmup))
+    t_pull = rank_max_median(time_iters(lambda: dst[:nrow].copy_(pv[:nrow]), iters, warmup))
     ncomb = max(1, combine_bytes // row_bytes)
     td.barrier()
-    t_push = max_over_ranks_median(timed(lambda: pv[:ncomb].copy_(dst[:ncomb]), iters, warmup))
+    t_push = rank_max_median(time_iters(lambda: pv[:ncomb].copy_(dst[:ncomb]), iters, warmup))
 
     # NCCL all_to_all_single of the routed rows, host-synced splits.
     dest = ids[me] // (E // R)
@@ -137,7 +105,7 @@ def run_case(T, iters, warmup):
         td.all_to_all_single(recv, send, rc, send_counts.tolist())
 
     td.barrier()
-    t_nccl = max_over_ranks_median(timed(nccl, iters, warmup))
+    t_nccl = rank_max_median(time_iters(nccl, iters, warmup))
     nccl_bytes = int(send_counts.sum() - send_counts[me]) * row_bytes
     nvs.free_tensor(src)
     heap.free()

@@ -18,31 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import gpu_name, progress, table, write_json  # noqa: E402
-
-
-def events(fn, iters, warmup):
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
-def rank_max_median(times):
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor(times, dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.median())
+from benchmarks.common import (gpu_name, progress, rank_max_median, table,  # noqa: E402
+                               time_iters, write_json)
 
 
 def ceilings():
@@ -52,7 +29,7 @@ def ceilings():
     import torch.distributed as dist
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = sorted(events(lambda: a @ b, 10, 3))[5]
+    ms = sorted(time_iters(lambda: a @ b, 10, 3))[5]
     tflops = 2 * 8192 ** 3 / ms / 1e9
     src = nvs.tensor((16384, 7168), dtype=torch.bfloat16)
     src.normal_()
@@ -60,7 +37,7 @@ def ceilings():
     peer = nvs.get_peer_tensor(src, (dist.get_rank() + 1) % dist.get_world_size())
     torch.cuda.synchronize()
     dist.barrier()
-    ms = rank_max_median(events(lambda: dst.copy_(peer), 10, 3))
+    ms = rank_max_median(time_iters(lambda: dst.copy_(peer), 10, 3))
     gbps = src.numel() * 2 / ms / 1e6
     torch.cuda.synchronize()
     dist.barrier()
@@ -108,9 +85,9 @@ def run_case(name, T, iters, warmup, rates, gemm):
                 raise RuntimeError(f"{name} T={T}: {label} fails the correctness gate "
                                    f"(rel-L1 {err:.2e})")
         dist.barrier()
-        t_ours = rank_max_median(events(ours, iters, warmup))
+        t_ours = rank_max_median(time_iters(ours, iters, warmup))
         dist.barrier()
-        t_base = rank_max_median(events(lambda: base.forward(x, ids, w), iters, warmup))
+        t_base = rank_max_median(time_iters(lambda: base.forward(x, ids, w), iters, warmup))
         lw.check()
         # Floor from this rank's actual routed work and NVLink bytes.
         sc = lw.schedule.to_host()

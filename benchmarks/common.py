@@ -26,14 +26,19 @@ def numba_stream():
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
-def time_iters(fn, iters=20, warmup=3):
-    """Per-iteration device times in ms (CUDA events around each call)."""
+def time_iters(fn, iters=20, warmup=3, pre=None):
+    """Per-iteration device times in ms (CUDA events around each call of ``fn``; ``pre`` runs
+    untimed before each, e.g. a barrier that lines the ranks up)."""
     import torch
     for _ in range(warmup):
+        if pre:
+            pre()
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if pre:
+            pre()
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         a.record()
@@ -42,6 +47,24 @@ def time_iters(fn, iters=20, warmup=3):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return times
+
+
+def rank_max_median(times):
+    """Median over iterations of the per-iteration max over ranks (torch.distributed)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor(times, dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.median())
+
+
+def gumbel_topk_ids(rng, ranks, tokens, experts, topk):
+    """[ranks, tokens, topk] int32: uniform top-k routing (Gumbel top-k, distinct experts)."""
+    ids = np.empty((ranks, tokens, topk), np.int32)
+    for r in range(ranks):
+        g = rng.gumbel(size=(tokens, experts)).astype(np.float32)
+        ids[r] = np.argpartition(g, -topk, axis=1)[:, -topk:]
+    return ids
 
 
 def median(xs):

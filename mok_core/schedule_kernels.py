@@ -164,6 +164,18 @@ def expert_offsets_kernel(rank_counts, experts_per_rank, row_align, capacity, me
 
 
 @kjit(device=True)
+def _route_key(ids, r, t, s, n_live, me, experts_per_rank, E):
+    """The route's global expert if it is *relevant* here (pulled by this rank, or ours), else
+    -1 (masked, bad id, past the rank's live tokens, or none of our business)."""
+    if t >= n_live:
+        return -1
+    e = ids[r, t, s]
+    if e >= 0 and e < E and (e // experts_per_rank == me or r == me):
+        return e
+    return -1
+
+
+@kjit(device=True)
 def _rank_in_group(keys, group_base, lane, key):
     """(# earlier lanes with this key, whether a later lane has it) within one 32-route group."""
     before = 0
@@ -217,12 +229,7 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
     # Pass 1: routes per (warp, expert) in this chunk.
     for g in range(k):
         route = first_route + g * GROUP + lane
-        t = route // k
-        key = -1
-        if t < n_live:
-            e = ids[r, t, route % k]
-            if e >= 0 and e < E and (e // experts_per_rank == me or r == me):
-                key = e
+        key = _route_key(ids, r, route // k, route % k, n_live, me, experts_per_rank, E)
         cuda.syncthreads()
         keys[tid] = key
         cuda.syncthreads()
@@ -245,13 +252,7 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
         route = first_route + g * GROUP + lane
         t = route // k
         s = route % k
-        e = -1
-        live = t < n_live
-        if live:
-            e = ids[r, t, s]
-        key = -1
-        if e >= 0 and e < E and (e // experts_per_rank == me or r == me):
-            key = e
+        key = _route_key(ids, r, t, s, n_live, me, experts_per_rank, E)
         cuda.syncthreads()
         keys[tid] = key
         cuda.syncthreads()

@@ -74,16 +74,19 @@ class _WarpExchange:
         self.slots = [None] * 32
 
 
+def _my_warp():
+    """(this simulated thread's warp rendezvous, its lane)."""
+    thread = threading.current_thread()
+    return thread._manager._warps[thread.thread_id // 32], thread.thread_id % 32
+
+
 def warp_exchange(value):
     """Deposit ``value`` for this lane; return the list of all 32 lanes' values.
 
     Every lane of the warp must call it (the warp is the 32 consecutive linear thread ids).
     Only for Python twins of warp-collective intrinsics under the simulator.
     """
-    thread = threading.current_thread()
-    manager = thread._manager
-    lane = thread.thread_id % 32
-    warp = manager._warps[thread.thread_id // 32]
+    warp, lane = _my_warp()
     warp.slots[lane] = value
     warp.barrier.wait()
     values = list(warp.slots)
@@ -93,17 +96,13 @@ def warp_exchange(value):
 
 def warp_barrier():
     """``__syncwarp()`` for simulator twins: every lane of the warp must call it."""
-    thread = threading.current_thread()
-    thread._manager._warps[thread.thread_id // 32].barrier.wait()
+    _my_warp()[0].barrier.wait()
 
 
 def warp_collective(value, compute):
     """Deposit ``value``; one lane runs ``compute(list of 32 values)`` and every lane gets its
     result (for twins whose per-warp work should be done once, not 32 times)."""
-    thread = threading.current_thread()
-    manager = thread._manager
-    lane = thread.thread_id % 32
-    warp = manager._warps[thread.thread_id // 32]
+    warp, lane = _my_warp()
     warp.slots[lane] = value
     warp.barrier.wait()
     if lane == 0:

@@ -82,28 +82,26 @@ def _int32_array(arr):
     return _is_1d(arr) and arr.dtype in (types.int32, types.uint32)
 
 
-@intrinsic
-def ld_acquire_sys(typingctx, arr, idx):
-    """Acquire load (system scope) of an int32 flag: sees peers' release stores; never hoisted."""
-    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
-        return None
+def _acquire_load(scope, doc):
+    """An int32 acquire load at ``scope`` (never hoisted out of a spin loop)."""
+    def impl(typingctx, arr, idx):
+        if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        return _asm(builder, _i32, [ptr], "ld.acquire.sys.b32 $0, [$1];", "=r,l,~{memory}", True)
-    return arr.dtype(arr, idx), codegen
+        def codegen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+            return _asm(builder, _i32, [ptr], f"ld.acquire.{scope}.b32 $0, [$1];",
+                        "=r,l,~{memory}", True)
+        return arr.dtype(arr, idx), codegen
+    impl.__doc__ = doc
+    impl.__name__ = f"ld_acquire_{scope}"
+    return intrinsic(impl)
 
 
-@intrinsic
-def ld_acquire_gpu(typingctx, arr, idx):
-    """Acquire load (GPU scope) of an int32 counter written by other blocks of this GPU."""
-    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        return _asm(builder, _i32, [ptr], "ld.acquire.gpu.b32 $0, [$1];", "=r,l,~{memory}", True)
-    return arr.dtype(arr, idx), codegen
+ld_acquire_sys = _acquire_load("sys", "Acquire load (system scope) of an int32 flag: sees "
+                                      "peers' release stores.")
+ld_acquire_gpu = _acquire_load("gpu", "Acquire load (GPU scope) of an int32 counter written "
+                                      "by other blocks of this GPU.")
 
 
 @intrinsic

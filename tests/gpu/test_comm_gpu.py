@@ -9,11 +9,9 @@ H, E, K = 7168, 384, 8
 
 
 def _inputs(R, T, seed):
+    from benchmarks.common import gumbel_topk_ids
     rng = np.random.default_rng(seed)          # same on every rank: all ranks know all inputs
-    ids = np.empty((R, T, K), np.int32)
-    for r in range(R):
-        g = rng.gumbel(size=(T, E)).astype(np.float32)
-        ids[r] = np.argpartition(g, -K, axis=1)[:, -K:]
+    ids = gumbel_topk_ids(rng, R, T, E, K)
     ids[rng.random(ids.shape) < 0.02] = -1
     return ids
 
