@@ -87,9 +87,10 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         config: ``MoKConfig``.
     """
     R, T, H, k, E = heap.ep_size, tokens_per_rank, hidden, topk, num_experts
-    for name, v in (("tokens_per_rank", T), ("hidden", H), ("topk", k), ("num_experts", E)):
-        if not isinstance(v, int) or v < (0 if name == "tokens_per_rank" else 1):
-            raise ValueError(f"{name}={v!r}: must be a positive int")
+    for name, v, low in (("tokens_per_rank", T, 0), ("hidden", H, 1), ("topk", k, 1),
+                         ("num_experts", E, 1)):
+        if not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}={v!r}: must be an int >= {low}")
     if H % 8:
         raise ValueError(f"hidden={H}: must be a multiple of 8 (16-byte rows)")
     if E % R:
