@@ -31,7 +31,6 @@ def run_case(T, iters, warmup):
     import nvshmem.core as nvs
     import torch
     import torch.distributed as td
-    from numba import cuda
 
     from mok_comm import ops
     from mok_comm.heap import NvshmemHeap

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import SIM, as_device_array, device_empty, device_full
+from mok_core.cuda_compat import as_device_array, device_empty, device_full, upload
 from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig, down, gate_up_swiglu
 from mok_core.schedule import Schedule
 from mok_core.schedule import build_schedule as _schedule_kernels
@@ -141,13 +141,13 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
         gather_index=device_full((C,), -1, i32, stream),
         hidden=device_empty((C, I), u16, stream),
         y=device_empty((C, H), u16, stream),
-        shared_index=_upload(shared_index, stream),
-        shared_offsets=_upload(np.array([0, T_pad], i32), stream),
-        shared_rows=_upload(np.array([T_pad], i32), stream),
+        shared_index=upload(shared_index, stream),
+        shared_offsets=upload(np.array([0, T_pad], i32), stream),
+        shared_rows=upload(np.array([T_pad], i32), stream),
         hidden_shared=device_empty((T_pad, max(I_s, 8)), u16, stream),
         y_shared=device_empty((T_pad, H), u16, stream),
         out=device_empty((T, H), u16, stream),
-        fingerprint=_upload(fp, stream), fingerprint_table=table,
+        fingerprint=upload(fp, stream), fingerprint_table=table,
         peer_fingerprints=tuple(p.reshape(p.size) for p in peer_tables),
     )
     heap.fence()                          # the fingerprint table's fill precedes peers' pushes
@@ -158,13 +158,6 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
         compare()
         comm.check(stream)
     return lw
-
-
-def _upload(host: np.ndarray, stream):
-    if SIM:
-        return host.copy()
-    from numba import cuda
-    return cuda.to_device(host, stream=stream)
 
 
 def verify_ranks_agree(lw: LayerWorkspace, stream=0):

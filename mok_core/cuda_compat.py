@@ -10,7 +10,8 @@ that knows which of the two worlds we are in:
 * ``as_device_array`` -- framework-neutral, zero-copy view of a caller's array (numba device
   array, anything with ``__cuda_array_interface__`` or ``__dlpack__``); on the simulator, host
   arrays stand in for device memory.
-* ``device_empty`` / ``device_full`` / ``to_host`` -- allocation and read-back that work in both.
+* ``device_empty`` / ``device_full`` / ``upload`` / ``to_host`` -- allocation, set-up copies and
+  read-back that work in both.
 
 GPU-only intrinsics (inline PTX) live in ``mok_core.intrinsics`` with a Python twin each.
 """
@@ -155,6 +156,13 @@ def device_full(shape, value, dtype, stream=0):
     arr = cuda.device_array(shape, dtype=dtype, stream=stream)
     fill(arr, value, stream)
     return arr
+
+
+def upload(host: np.ndarray, stream=0):
+    """Device copy of a small host array (set-up only: a pageable copy waits for the host)."""
+    if SIM:
+        return np.array(host, copy=True)
+    return cuda.to_device(np.ascontiguousarray(host), stream=stream)
 
 
 def to_host(arr, stream=0) -> np.ndarray:

@@ -105,8 +105,8 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     if H2 != H:
         raise ValueError(f"w_gate: expected [E, I, {H}] (H of x), got {tuple(w_gate.shape)}")
     w_up = as_device_array(w_up, "w_up", dtype=np.uint16, shape=(E, I, H))
-    C = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1).shape[0]
-    a_index = as_device_array(a_index, "a_index", dtype=np.int32, shape=(C,))
+    a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
+    C = a_index.shape[0]
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
     off, nr = _check_offsets(expert_offsets, num_rows, E)
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)

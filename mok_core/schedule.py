@@ -20,13 +20,13 @@ Host launch glue only; the device bodies are in ``mok_core.schedule_kernels``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import errors as err
 from .config import MoKConfig
-from .cuda_compat import SIM, as_device_array, device_empty, to_host
+from .cuda_compat import SIM, as_device_array, device_empty, to_host, upload
 from .errors_kernels import reset_error_word
 from .schedule_kernels import (count_routes_kernel, expert_offsets_kernel, place_routes_kernel,
                                scan_chunks_kernel)
@@ -118,8 +118,7 @@ class Schedule:
         rank_counts = device_empty((E, R), i32, stream)
         all_offsets = device_empty((R, E_local + 1), i32, stream)
         expert_scan = device_empty((E + 1,), i32, stream)
-        live = device_empty((R,), i32, stream)
-        _fill_host_constant(live, np.full(R, T, i32), stream)
+        live = upload(np.full(R, T, i32), stream)
         return cls(
             rank=rank, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
             experts_per_rank=E_local, capacity=capacity, row_align=config.row_align,
@@ -157,13 +156,6 @@ class Schedule:
         """Raise ``MoKError`` if the last build recorded bad input (synchronises)."""
         err.raise_if_set(to_host(self.errors, stream), context=f"schedule (rank {self.rank})",
                          num_experts=self.num_experts)
-
-
-def _fill_host_constant(dst, values: np.ndarray, stream) -> None:
-    if SIM:
-        dst[...] = values
-    else:
-        dst.copy_to_device(values, stream=stream)
 
 
 def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream=0) -> Schedule:

@@ -104,35 +104,30 @@ ld_acquire_gpu = _acquire_load("gpu", "Acquire load (GPU scope) of an int32 coun
                                       "by other blocks of this GPU.")
 
 
-@intrinsic
-def st_release_sys(typingctx, arr, idx, value):
-    """Release store (system scope): earlier writes of this thread are visible to a peer that
-    acquires the flag."""
-    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
-        return None
+def _release_update(name, ptx, doc):
+    """An int32 store-like update with release semantics: ``ptx`` takes [$0] and $1."""
+    def impl(typingctx, arr, idx, value):
+        if not (_int32_array(arr) and isinstance(idx, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        val = context.cast(builder, args[2], sig.args[2], types.int32)
-        _asm(builder, ir.VoidType(), [ptr, val], "st.release.sys.b32 [$0], $1;",
-             "l,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(arr, idx, value), codegen
+        def codegen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+            val = context.cast(builder, args[2], sig.args[2], types.int32)
+            _asm(builder, ir.VoidType(), [ptr, val], ptx, "l,r,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(arr, idx, value), codegen
+    impl.__doc__ = doc
+    impl.__name__ = name
+    return intrinsic(impl)
 
 
-@intrinsic
-def red_add_release_gpu(typingctx, arr, idx, value):
-    """Atomic add with release semantics (GPU scope): publish 'my rows are written'."""
-    if not (_int32_array(arr) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        val = context.cast(builder, args[2], sig.args[2], types.int32)
-        _asm(builder, ir.VoidType(), [ptr, val], "red.release.gpu.add.s32 [$0], $1;",
-             "l,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(arr, idx, value), codegen
+st_release_sys = _release_update(
+    "st_release_sys", "st.release.sys.b32 [$0], $1;",
+    "Release store (system scope): earlier writes of this thread are visible to a peer that "
+    "acquires the flag.")
+red_add_release_gpu = _release_update(
+    "red_add_release_gpu", "red.release.gpu.add.s32 [$0], $1;",
+    "Atomic add with release semantics (GPU scope): publish 'my rows are written'.")
 
 
 @intrinsic
