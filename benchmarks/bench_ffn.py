@@ -26,13 +26,18 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
 
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers)
 SWEEP = [
-    (128, 128, 32, 2, 4, 4, 1, 0),
-    (128, 128, 32, 2, 4, 4, 2, 128),
-    (128, 256, 32, 2, 8, 3, 1, 128),
-    (128, 256, 32, 2, 8, 4, 1, 128),
-    (128, 128, 64, 2, 4, 3, 1, 0),
-    (64, 128, 32, 2, 2, 4, 2, 0),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),
+    (128, 256, 64, 2, 1, 3, 1, 0, "wgmma"),
+    (128, 128, 64, 2, 1, 5, 1, 0, "wgmma"),
+    (128, 128, 64, 2, 1, 4, 1, 0, "wgmma"),
+    (64, 128, 32, 2, 2, 4, 2, 0),                  # the best mma.sync tile, for comparison
 ]
+
+
+def parse_gemm(text):
+    """'bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]' -> GemmConfig."""
+    from mok_core.grouped_gemm import GemmConfig
+    return GemmConfig(*[int(v) if v.strip().isdigit() else v.strip() for v in text.split(",")])
 
 
 def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
@@ -70,8 +75,8 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
     def ours():
         gate_up_swiglu(x.view(u16), d_index, wg.view(u16), wu.view(u16), d_off, d_nr,
                        hidden.view(u16), config=gemm_cfg, stream=stream)
-        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), config=gemm_cfg,
-             stream=stream)
+        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), row_index=d_index,
+             config=gemm_cfg, stream=stream)
 
     # grouped_mm baseline (offsets must be multiples of 16 rows)
     c16 = -(-counts // 16) * 16
@@ -118,7 +123,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--routing", default="uniform,skewed")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--gemm", default="", help="bm,bn,bk,wm,wn,stages[,blocks_per_sm]")
+    ap.add_argument("--gemm", default="",
+                    help="bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]")
     ap.add_argument("--sweep", action="store_true",
                     help="time SWEEP configs on kimi-k2.7 first, then run with the fastest")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
@@ -126,7 +132,7 @@ def main(argv=None):
     from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
     cfg = DEFAULT_GEMM
     if args.gemm:
-        cfg = GemmConfig(*map(int, args.gemm.split(",")))
+        cfg = parse_gemm(args.gemm)
     rng = np.random.default_rng(0)
     if args.sweep:
         trial = []

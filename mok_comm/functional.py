@@ -238,7 +238,7 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
                            lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
                            swiglu_limit=swiglu_limit, config=g, stream=stream)
             down(lw.hidden_shared, sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
-                 lw.y_shared, config=g, stream=stream)
+                 lw.y_shared, row_index=lw.shared_index, config=g, stream=stream)
 
     def phase1():
         ops.dispatch(lw.comm, schedule, stream)
@@ -246,8 +246,8 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
         gate_up_swiglu(lw.comm.x_recv, lw.gather_index, wg, wu, schedule.expert_offsets,
                        schedule.num_rows, lw.hidden, swiglu_limit=swiglu_limit, config=g,
                        stream=stream)
-        down(lw.hidden, wd, schedule.expert_offsets, schedule.num_rows, lw.y, config=g,
-             stream=stream)
+        down(lw.hidden, wd, schedule.expert_offsets, schedule.num_rows, lw.y,
+             row_index=lw.gather_index, config=g, stream=stream)
         ops.combine(lw.comm, schedule, lw.y, stream)
 
     def phase2():

@@ -20,6 +20,10 @@ import numpy as np
 
 from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count
 from .grouped_gemm_kernels import make_grouped_gemm
+from .grouped_gemm_wgmma_kernels import make_wgmma_grouped_gemm
+from .grouped_gemm_wgmma_kernels import smem_bytes as wgmma_smem_bytes
+
+MMA_KINDS = ("mma_sync", "wgmma")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,11 @@ class GemmConfig:
     bm x bn output tile per block (bn counts gate+up columns for the SwiGLU GEMM), bk the K
     slice, wm x wn warps, ``stages`` slices in flight, ``blocks_per_sm`` persistent blocks per
     SM. ``bm`` must divide ``MoKConfig.row_align``.
+
+    ``mma`` picks the tensor-core path: ``"mma_sync"`` (warp-level m16n8k16, any sm_80+ GPU and
+    the simulator's default) or ``"wgmma"`` (Hopper warpgroup MMA, the GPU default): then
+    bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte swizzle row),
+    bn in {64, 128, 256}, stages >= 3.
     """
     bm: int = 128
     bn: int = 128
@@ -38,18 +47,27 @@ class GemmConfig:
     stages: int = 4
     blocks_per_sm: int = 1
     max_registers: int = 0          # 0: compiler's choice; else cap (more warps per SM)
+    mma: str = "mma_sync"
 
     def __post_init__(self):
         def req(cond, msg):
             if not cond:
                 raise ValueError(f"GemmConfig{self}: {msg}")
+        req(self.mma in MMA_KINDS, f"mma must be one of {MMA_KINDS}")
+        req(self.blocks_per_sm >= 1, "blocks_per_sm must be >= 1")
+        req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
+            "max_registers must be 0 or in [32, 255]")
+        if self.mma == "wgmma":
+            req((self.bm, self.bk, self.wm, self.wn) == (128, 64, 2, 1),
+                "wgmma tiles are bm=128, bk=64, wm=2 (warpgroups), wn=1")
+            req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
+            req(self.stages >= 3, "wgmma needs stages >= 3 (2 slices of slack in the ring)")
+            req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
+            return
         req(self.bk in (32, 64), "bk must be 32 or 64")
         req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
         req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
         req(self.stages >= 2, "stages must be >= 2")
-        req(self.blocks_per_sm >= 1, "blocks_per_sm must be >= 1")
-        req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
-            "max_registers must be 0 or in [32, 255]")
         threads = self.wm * self.wn * 32
         req(threads <= 1024, "too many warps")
         req((self.bm * self.bk // 8) % threads == 0 and (self.bn * self.bk // 8) % threads == 0,
@@ -58,18 +76,26 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32
+        return self.wm * 128 if self.mma == "wgmma" else self.wm * self.wn * 32
 
     @property
     def smem_bytes(self) -> int:
+        if self.mma == "wgmma":
+            return wgmma_smem_bytes(self.bn, self.stages)
         return (self.bm + self.bn) * self.bk * 2 * self.stages
 
 
-DEFAULT_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2) if SIM else GemmConfig()
+WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
+SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+DEFAULT_GEMM = SIM_GEMM if SIM else WGMMA_GEMM
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool):
+def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
+    if cfg.mma == "wgmma":
+        return make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
+                                       max_registers=cfg.max_registers)
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather,
                              max_registers=cfg.max_registers)
 
@@ -114,15 +140,15 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
     _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
-    kern = _kernel(config, True, True)
+    kern = _kernel(config, True, True, True)
     max_tiles = (C // config.bm) * (I // (config.bn // 2))
     launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
            _flat(x), a_index, _flat(w_gate), _flat(w_up), off, nr, _flat32(hidden),
            np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
 
 
-def down(hidden, w_down, expert_offsets, num_rows, y, *, config: GemmConfig = DEFAULT_GEMM,
-         stream=0):
+def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
+         config: GemmConfig = DEFAULT_GEMM, stream=0):
     """y[r] = hidden[r] W_down[e]^T, bf16.
 
     Arguments:
@@ -130,6 +156,8 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, config: GemmConfig = DE
         w_down: uint16 [E, H, I].
         expert_offsets, num_rows: as in ``gate_up_swiglu``.
         y: uint16 [C, H] output.
+        row_index: optional int32 [C], < 0 on padding rows (the gate/up ``a_index``): lets the
+            wgmma kernel skip all-padding half tiles (their y rows are written as zeros).
     """
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, ndim=2)
     C, I = hidden.shape
@@ -141,11 +169,14 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, config: GemmConfig = DE
     off, nr = _check_offsets(expert_offsets, num_rows, E)
     _check_dims(config, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
                 name_n="hidden size H")
-    kern = _kernel(config, False, False)
-    dummy_index = nr                                   # unused without gather
+    if row_index is not None:
+        row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
+    use_index = row_index is not None and config.mma == "wgmma"
+    kern = _kernel(config, False, False, use_index)
+    index = row_index if use_index else nr             # unused without an index
     max_tiles = (C // config.bm) * (H // config.bn)
     launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
-           _flat(hidden), dummy_index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
+           _flat(hidden), index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
 
 

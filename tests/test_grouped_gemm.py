@@ -1,4 +1,4 @@
-"""Grouped expert GEMMs (mma.sync kernels) vs float64, on the simulator at tiny shapes.
+"""Grouped expert GEMMs (mma.sync and wgmma kernels) vs float64, on the simulator at tiny shapes.
 
 Ragged experts (including empty ones), gathered A rows with padding, SwiGLU clamp on/off,
 rows past num_rows untouched, padding rows exactly zero, bitwise-identical reruns.
@@ -13,6 +13,8 @@ from mok_core.grouped_gemm import GemmConfig, down, gate_up_swiglu
 
 # Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
 CFG = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+# The wgmma kernel's smallest tile (two 64-row warpgroups, 64 columns, 3-slice ring).
+WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -44,12 +46,17 @@ def rel_l1(got, want):
     return np.abs(got - want).sum() / np.abs(want).sum()
 
 
-@pytest.mark.parametrize("limit", [None, 1.5])
-@pytest.mark.parametrize("counts", [[40, 0, 17], [5, 33, 0, 1]])
-def test_gate_up_swiglu_and_down(counts, limit):
-    cfg = CFG
+@pytest.mark.parametrize("cfg,counts,limit", [
+    (CFG, [40, 0, 17], None), (CFG, [40, 0, 17], 1.5),
+    (CFG, [5, 33, 0, 1], None), (CFG, [5, 33, 0, 1], 1.5),
+    # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile,
+    # K of 3 and 2 slices (the ring wraps), clamp on and off.
+    (WGMMA_CFG, [40, 0, 150], None), (WGMMA_CFG, [70, 1], 1.5),
+], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp"])
+def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
-    E, H, I, n_src = len(counts), 64, 32, 50
+    E, n_src = len(counts), 50
+    H, I = (192, 128) if cfg.mma == "wgmma" else (64, 32)
     off, C, a_index = layout(counts, cfg.bm, 1, rng, n_src)
     x = bits(rng.standard_normal((n_src, H)))
     wg = bits(rng.standard_normal((E, I, H)) / 8)
@@ -77,7 +84,8 @@ def test_gate_up_swiglu_and_down(counts, limit):
     assert rel_l1(got, want[live]) < 5e-3
 
     y = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y, config=cfg)
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y, row_index=to_dev(a_index),
+         config=cfg)
     yh = to_host(y)
     want_y = np.zeros((C, H))
     for e in range(E):

@@ -7,6 +7,9 @@
     tensor cores: mma_bf16_16816, ldmatrix_x4, ldmatrix_x2, cp_async_16, cp_async_commit,
                   cp_async_wait; shared_addr + ldmatrix_x4_at / cp_async_16_at (32-bit
                   shared byte addresses for hot loops)
+    wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
+                  fence_proxy_async, f32_zeros, store_f32_tuple (the accumulator travels as a
+                  UniTuple)
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -21,6 +24,8 @@ __all__ = [
     "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
     "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",
+    "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
+    "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

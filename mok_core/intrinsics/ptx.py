@@ -372,3 +372,147 @@ def cp_async_wait(typingctx, pending):
         _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {n};", "~{memory}", True)
         return context.get_dummy_value()
     return types.void(pending), codegen
+
+
+# ---- Hopper warpgroup MMA (wgmma) --------------------------------------------------------------
+#
+# A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 A tile by a 16 x N B tile,
+# both read from shared memory through 64-bit matrix descriptors, into a 64 x N fp32
+# accumulator spread over its threads: N/2 floats each, carried as a UniTuple. Only the tuple
+# travels between the asm statements below, so the accumulator never leaves registers while a
+# wgmma is in flight (fence -> mma_async ... -> commit -> wait).
+
+def _acc_constraints(n):
+    return ",".join(["=f"] * n), ",".join(str(i) for i in range(n))
+
+
+def _f32_tuple(acc):
+    return (isinstance(acc, types.UniTuple) and acc.dtype == types.float32
+            and acc.count in (32, 64, 128))
+
+
+def _acc_passthrough(name, text, doc):
+    """An asm statement that 'reads and writes' the accumulator: orders it against wgmmas."""
+    def impl(typingctx, acc):
+        if not _f32_tuple(acc):
+            return None
+        n = acc.count
+
+        def codegen(context, builder, sig, args):
+            vals = [builder.extract_value(args[0], i) for i in range(n)]
+            outs, ties = _acc_constraints(n)
+            res = _asm(builder, ir.LiteralStructType([_f32] * n), vals, text,
+                       f"{outs},{ties},~{{memory}}", True)
+            return _tuple(context, builder, sig, res, n)
+        return acc(acc), codegen
+    impl.__doc__ = doc
+    impl.__name__ = name
+    return intrinsic(impl)
+
+
+wgmma_fence = _acc_passthrough(
+    "wgmma_fence", "wgmma.fence.sync.aligned;",
+    "Before a warpgroup's first wgmma of a batch: orders earlier register/shared writes.")
+
+
+@intrinsic
+def wgmma_commit(typingctx):
+    """Close the batch of wgmmas issued so far into one group (per warpgroup)."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "wgmma.commit_group.sync.aligned;", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def wgmma_wait(typingctx, acc, pending):
+    """Wait until at most ``pending`` (compile-time) wgmma groups are in flight; returns the
+    accumulator, which may be read only after a wait that covers every group writing it."""
+    if not (_f32_tuple(acc) and isinstance(pending, types.IntegerLiteral)):
+        return None
+    n = acc.count
+    k = int(pending.literal_value)
+
+    def codegen(context, builder, sig, args):
+        vals = [builder.extract_value(args[0], i) for i in range(n)]
+        outs, ties = _acc_constraints(n)
+        res = _asm(builder, ir.LiteralStructType([_f32] * n), vals,
+                   f"wgmma.wait_group.sync.aligned {k};", f"{outs},{ties},~{{memory}}", True)
+        return _tuple(context, builder, sig, res, n)
+    return acc(acc, pending), codegen
+
+
+@intrinsic
+def fence_proxy_async(typingctx):
+    """Make this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to
+    the async proxy that wgmma reads its operands through."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "fence.proxy.async.shared::cta;", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def f32_zeros(typingctx, n):
+    """A UniTuple of ``n`` (compile-time) float32 zeros: a fresh wgmma accumulator."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    count = int(n.literal_value)
+    ret = types.UniTuple(types.float32, count)
+
+    def codegen(context, builder, sig, args):
+        zero = ir.Constant(_f32, 0.0)
+        return context.make_tuple(builder, ret, [zero] * count)
+    return ret(n), codegen
+
+
+def _wgmma_bf16(n):
+    """wgmma m64nNk16, bf16 x bf16 -> f32, both operands K-major in shared memory."""
+    nacc = n // 2
+
+    def impl(typingctx, acc, smem, desc_a, desc_b):
+        if not (_f32_tuple(acc) and acc.count == nacc and _is_1d(smem)
+                and isinstance(desc_a, types.Integer) and isinstance(desc_b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [builder.extract_value(args[0], i) for i in range(nacc)]
+            da = context.cast(builder, args[2], sig.args[2], types.int64)
+            db = context.cast(builder, args[3], sig.args[3], types.int64)
+            regs = ",".join(f"${i}" for i in range(nacc))
+            one = ir.Constant(_i32, 1)          # scale-d: accumulate (fresh tiles start at 0)
+            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1, 0, 0; }}")
+            outs, ties = _acc_constraints(nacc)
+            res = _asm(builder, ir.LiteralStructType([_f32] * nacc), vals + [da, db, one], text,
+                       f"{outs},{ties},l,l,r,~{{memory}}", True)
+            return _tuple(context, builder, sig, res, nacc)
+        return acc(acc, smem, desc_a, desc_b), codegen
+    impl.__doc__ = (f"acc += A(64x16) . B(16x{n}), one warpgroup; A, B from shared memory "
+                    "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte swizzle. Thread t of the "
+                    "warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) and columns "
+                    "8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, 8j + 2*(t%4) + c].")
+    impl.__name__ = f"wgmma_m64n{n}k16_bf16"
+    return intrinsic(impl)
+
+
+wgmma_m64n64k16_bf16 = _wgmma_bf16(64)
+wgmma_m64n128k16_bf16 = _wgmma_bf16(128)
+wgmma_m64n256k16_bf16 = _wgmma_bf16(256)
+
+
+@intrinsic
+def store_f32_tuple(typingctx, arr, acc):
+    """arr[i] = acc[i] for every element of a float32 UniTuple (constant indices): epilogues
+    loop over ``arr`` (a ``cuda.local.array``), which the compiler keeps in registers when it
+    unrolls -- indexing the tuple itself with a loop variable would compile to a switch."""
+    if not (_is_1d(arr) and arr.dtype == types.float32 and _f32_tuple(acc)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        for i in range(sig.args[1].count):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], ir.Constant(_i64, i))
+            builder.store(builder.extract_value(args[1], i), ptr)
+        return context.get_dummy_value()
+    return types.void(arr, acc), codegen

@@ -208,3 +208,76 @@ def cp_async_wait(pending):
         for dst, dsl, data in closed.pop(0):
             dst[dsl] = data.view(dst.dtype)
     groups[:-1] = closed
+
+
+# ---- Hopper warpgroup MMA (wgmma) --------------------------------------------------------------
+#
+# Each thread computes its own accumulator fragment straight from shared memory, decoding the
+# descriptors the way the hardware does (so a wrong descriptor, swizzle or fragment index fails
+# here too). The simulator runs the MMA at issue time; the kernel's fence/commit/wait discipline
+# keeps the operands unchanged until the wait, as on the GPU.
+
+_SWIZZLE_128B = 1
+
+
+def _desc_operand(smem, desc, rows):
+    """bf16 [rows, 16] (as float64) that a K-major, 128-byte-swizzled descriptor points at."""
+    desc = int(desc)
+    if desc >> 62 != _SWIZZLE_128B:
+        raise ValueError(f"wgmma twin: descriptor swizzle mode {desc >> 62}, only 128B is used")
+    if (desc >> 49) & 7:
+        raise ValueError("wgmma twin: descriptor base offset must be 0 (1024-byte aligned tiles)")
+    start = (desc & 0x3FFF) << 4
+    sbo = ((desc >> 32) & 0x3FFF) << 4
+    raw = _raw(smem).view(np.uint8)
+    i = np.arange(rows)[:, None]
+    k = np.arange(16)[None, :]
+    logical = start + (i // 8) * sbo + (i % 8) * 128 + 2 * k
+    if (start % 1024) >= 128 or logical.max() + 2 > raw.size:
+        raise ValueError(f"wgmma twin: operand at byte {start} outside its 1024-byte atom / smem")
+    phys = logical ^ (((logical >> 7) & 7) << 4)          # the 128-byte swizzle, by address
+    bits = raw[phys].astype(np.uint32) | (raw[phys + 1].astype(np.uint32) << 8)
+    return (bits << 16).view(np.float32).astype(np.float64)
+
+
+def _wgmma(n):
+    def twin(acc, smem, desc_a, desc_b):
+        t = threading.current_thread().thread_id % 128
+        row = 16 * (t // 32) + (t % 32) // 4
+        a = _desc_operand(smem, desc_a, 64)[[row, row + 8]]          # [2, 16]
+        b = _desc_operand(smem, desc_b, n)                             # [n, 16]
+        d = a @ b.T                                                    # [2, n]
+        cols = 2 * (t % 4) + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]  # [n/8, 2]
+        frag = np.stack([d[0][cols], d[1][cols]], 1).reshape(-1)      # j, h, c order
+        return tuple(np.float32(np.float32(x) + np.float32(y)) for x, y in zip(acc, frag))
+    twin.__name__ = f"wgmma_m64n{n}k16_bf16"
+    return twin
+
+
+wgmma_m64n64k16_bf16 = _wgmma(64)
+wgmma_m64n128k16_bf16 = _wgmma(128)
+wgmma_m64n256k16_bf16 = _wgmma(256)
+
+
+def wgmma_fence(acc):
+    return acc
+
+
+def wgmma_commit():
+    pass
+
+
+def wgmma_wait(acc, pending):
+    return acc
+
+
+def fence_proxy_async():
+    pass
+
+
+def f32_zeros(n):
+    return (np.float32(0.0),) * n
+
+
+def store_f32_tuple(arr, acc):
+    _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)

@@ -10,22 +10,30 @@ def f64(t):
     return t.float().double().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
 
 
+def _configs():
+    from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_GEMM, GemmConfig
+    return {"wgmma256": WGMMA_GEMM, "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
+            "mma_sync": MMA_SYNC_GEMM}
+
+
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 @pytest.mark.parametrize("limit", [None, 4.0])
-def test_gemm_real_shape(dist, preset_name, limit):
+@pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "mma_sync"])
+def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
     from benchmarks.common import numba_stream, padded_layout, routing_counts
     from mok_core.config import preset
-    from mok_core.grouped_gemm import DEFAULT_GEMM, down, gate_up_swiglu
+    from mok_core.grouped_gemm import down, gate_up_swiglu
+    cfg = _configs()[cfg_name]
     shape = preset(preset_name, ep_size=2)
     H, I, E, k = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
     E_l, T = E // 2, 4096
     rng = np.random.default_rng(7)
     counts = routing_counts(rng, 2 * T, E, k, "skewed")[0][:E_l]
     counts[3] = 0                                            # an empty expert
-    off = padded_layout(counts, DEFAULT_GEMM.bm)
-    C = int(off[-1]) + DEFAULT_GEMM.bm                       # one spare tile past num_rows
+    off = padded_layout(counts, cfg.bm)
+    C = int(off[-1]) + cfg.bm                       # one spare tile past num_rows
     n_src = 2 * T
     a_index = np.full(C, -1, np.int32)
     for e in range(E_l):
@@ -46,8 +54,9 @@ def test_gemm_real_shape(dist, preset_name, limit):
         hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
         y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
         gate_up_swiglu(x.view(u16), d_idx, wg.view(u16), wu.view(u16), d_off, d_nr,
-                       hidden.view(u16), swiglu_limit=limit, stream=s)
-        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), stream=s)
+                       hidden.view(u16), swiglu_limit=limit, config=cfg, stream=s)
+        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), row_index=d_idx,
+             config=cfg, stream=s)
         torch.cuda.synchronize()
         return hidden, y
 

@@ -22,3 +22,22 @@ def test_gemm_lowers_without_local_memory(tile, swiglu):
     assert n_mma >= mma_per_kslice and n_mma % mma_per_kslice == 0   # (NVVM may unroll K)
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
     assert count(ptx, r"ld\.local|st\.local") == 0, "accumulators spilled to local memory"
+
+
+@pytest.mark.parametrize("bn,stages", [(256, 4), (128, 5), (64, 3)])
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_wgmma_gemm_lowers_for_sm90a(bn, stages, swiglu):
+    """The wgmma kernel needs the arch-specific target (numba picks sm_90a on an H100/H200);
+    4 wgmmas per K slice, the async-proxy fence, the accumulator never in local memory in the
+    main loop (only the SwiGLU epilogue may stage it there)."""
+    from numba import cuda
+
+    from mok_core.grouped_gemm_wgmma_kernels import make_wgmma_grouped_gemm
+    kern = make_wgmma_grouped_gemm(bn, stages, swiglu, swiglu, True)
+    ptx, _ = cuda.compile_ptx(kern.py_func, SIG, cc=(9, 0, "a"))
+    assert ".target sm_90a" in ptx
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
+    assert count(ptx, r"fence\.proxy\.async\.shared::cta") == 1
+    loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
+    assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
