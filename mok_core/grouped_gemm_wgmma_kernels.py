@@ -14,7 +14,9 @@ what differs is how a tile is computed:
     MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 from two descriptors
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
-Task order of one K step (kt), every thread:
+Task order of one K step (kt counts slices along the block's whole (tile, K slice) sequence:
+the load cursor runs PREFETCH slices ahead and crosses tile boundaries, so the ring never
+drains between tiles; a finished tile's epilogue runs while the next tile's slices land):
 
     1. cp.async.wait  -> my chunks of slice kt landed;  fence.proxy.async (wgmma reads through
                          the async proxy);  __syncthreads -> everyone's chunks landed, and every
@@ -57,11 +59,13 @@ def smem_bytes(bn, stages):
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0):
+                            max_registers=0, probe=0):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
+    ``probe`` (diagnosis only, wrong results): 1 = no loads after the prologue (MMA + sync
+    bound), 2 = no MMAs (load bound).
     """
     assert bn in _WGMMA and stages >= 3
     mma = _WGMMA[bn]
@@ -91,6 +95,22 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             else:
                 cp_async_16_at(smem, d, w0, b_src + i * b_pass_elems + k0, 16)
 
+    @kjit(device=True, inline="always")
+    def tile_sources(a_index, offsets, num_experts, t, n_tiles, K, n_w, ld_row, ld_chunk,
+                     a_src, a_nb):
+        """Where this thread's chunks of tile ``t`` come from: A rows (gathered; padding rows
+        zero-filled, no read) into ``a_src``/``a_nb``; returns B's first source element."""
+        e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
+        for i in range(a_passes):
+            r = row0 + ld_row + i * _PASS_ROWS
+            src = a_index[r] if gather else r
+            a_nb[i] = 16
+            if src < 0:
+                a_nb[i] = 0
+                src = 0
+            a_src[i] = src * K + ld_chunk * 8
+        return (e * n_w + nt * (bn // 2 if swiglu_epilogue else bn) + ld_row) * K + ld_chunk * 8
+
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
@@ -104,6 +124,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         n_tiles = n_out // cols_per_tile
         total = (num_rows[0] // BM) * n_tiles
         ktiles = K // BK
+        grid = cuda.gridDim.x
 
         # The ring, aligned to the swizzle atom; where this thread's 16-byte chunks land in
         # pass 0 (pass i adds i * _PASS_BYTES: 32 rows on, same row % 8, same swizzle).
@@ -120,54 +141,75 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         a_nb = cuda.local.array(a_passes, int32)
         c = cuda.local.array(nacc, float32)    # the accumulator, for the epilogue's loop
 
-        t = cuda.blockIdx.x
-        while t < total:
-            e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
-            col0 = nt * cols_per_tile
-            for i in range(a_passes):
-                r = row0 + ld_row + i * _PASS_ROWS
-                src = a_index[r] if gather else r
-                a_nb[i] = 16
-                if src < 0:                    # padding row: zero-fill, no global read
-                    a_nb[i] = 0
-                    src = 0
-                a_src[i] = src * K + ld_chunk * 8
-            b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
-            active = True
-            if uses_index:
-                active = a_index[row0 + wg * 64] >= 0
+        # Two cursors over this block's (tile, K slice) sequence: tiles b, b + grid, ...
+        # The load cursor runs PREFETCH slices ahead of the compute cursor and crosses tile
+        # boundaries, so the ring never drains between tiles.
+        lt = cuda.blockIdx.x                   # load cursor: tile, slice, ring stage
+        lk = 0
+        ls = 0
+        ct = lt                                # compute cursor
+        ck = 0
+        cs = 0
+        if lt >= total:
+            return
+        b_src = tile_sources(a_index, offsets, num_experts, lt, n_tiles, K, n_w, ld_row,
+                             ld_chunk, a_src, a_nb)
+        e, row0, nt = find_tile(offsets, num_experts, ct, n_tiles, BM)
+        col0 = nt * cols_per_tile
+        active = True
+        if uses_index:
+            active = a_index[row0 + wg * 64] >= 0
 
-            acc = f32_zeros(nacc)
-            for s in range(prefetch):
-                if s < ktiles:
-                    load_slice(smem, s * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
-                               b_pass_elems, s * BK)
-                cp_async_commit()
-            for kt in range(ktiles):
-                cp_async_wait(in_flight)
-                fence_proxy_async()
-                cuda.syncthreads()
-                nxt = kt + prefetch
-                if nxt < ktiles:
-                    load_slice(smem, (nxt % stages) * stage_bytes, a, w0, w1, dst0, a_src, a_nb,
-                               b_src, b_pass_elems, nxt * BK)
-                cp_async_commit()
-                if active:
-                    soff = ((kt % stages) * stage_bytes) >> 4
-                    da = desc_a0 + soff
-                    db = desc_b0 + soff
-                    acc = wgmma_fence(acc)
-                    acc = mma(acc, smem, da, db)              # k16 steps: +32 bytes each
-                    acc = mma(acc, smem, da + 2, db + 2)
-                    acc = mma(acc, smem, da + 4, db + 4)
-                    acc = mma(acc, smem, da + 6, db + 6)
-                    wgmma_commit()
-                    acc = wgmma_wait(acc, 1)
+        acc = f32_zeros(nacc)
+        for _ in range(prefetch):              # prologue: the first PREFETCH slices
+            if lt < total:
+                load_slice(smem, ls * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
+                           b_pass_elems, lk * BK)
+                lk += 1
+                ls = 0 if ls == stages - 1 else ls + 1
+                if lk == ktiles:
+                    lk = 0
+                    lt += grid
+                    if lt < total:
+                        b_src = tile_sources(a_index, offsets, num_experts, lt, n_tiles, K, n_w,
+                                             ld_row, ld_chunk, a_src, a_nb)
+            cp_async_commit()
+
+        while ct < total:
+            cp_async_wait(in_flight)           # 1. slice (ct, ck) landed everywhere; the
+            fence_proxy_async()                #    stage of two slices back is retired
+            cuda.syncthreads()
+            if lt < total and probe != 1:      # 2. refill that stage, PREFETCH slices ahead
+                load_slice(smem, ls * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
+                           b_pass_elems, lk * BK)
+                lk += 1
+                ls = 0 if ls == stages - 1 else ls + 1
+                if lk == ktiles:
+                    lk = 0
+                    lt += grid
+                    if lt < total:
+                        b_src = tile_sources(a_index, offsets, num_experts, lt, n_tiles, K, n_w,
+                                             ld_row, ld_chunk, a_src, a_nb)
+            cp_async_commit()
+            if active and probe != 2:          # 3. MMAs on this slice; 4. retire the last one
+                soff = (cs * stage_bytes) >> 4
+                da = desc_a0 + soff
+                db = desc_b0 + soff
+                acc = wgmma_fence(acc)
+                acc = mma(acc, smem, da, db)              # k16 steps: +32 bytes each
+                acc = mma(acc, smem, da + 2, db + 2)
+                acc = mma(acc, smem, da + 4, db + 4)
+                acc = mma(acc, smem, da + 6, db + 6)
+                wgmma_commit()
+                acc = wgmma_wait(acc, 1)
+            ck += 1
+            cs = 0 if cs == stages - 1 else cs + 1
+            if ck < ktiles:
+                continue
+
+            # Tile done. Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups
+            # write zeros); the ring keeps filling for the next tile meanwhile.
             acc = wgmma_wait(acc, 0)
-            cp_async_wait(0)
-            cuda.syncthreads()                 # both warpgroups done with the ring
-
-            # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
             store_f32_tuple(c, acc)
             r = row0 + frag_row
             if swiglu_epilogue:
@@ -186,7 +228,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     col = col0 + 8 * j + frag_col
                     out[(r * n_out + col) // 2] = pack_bf16x2(c[x], c[x + 1])
                     out[((r + 8) * n_out + col) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
-            t += cuda.gridDim.x
+            acc = f32_zeros(nacc)
+            ck = 0
+            ct += grid
+            if ct < total:
+                e, row0, nt = find_tile(offsets, num_experts, ct, n_tiles, BM)
+                col0 = nt * cols_per_tile
+                if uses_index:
+                    active = a_index[row0 + wg * 64] >= 0
+        cp_async_wait(0)
 
     kernel.smem_bytes = smem_bytes(bn, stages)
     kernel.threads = THREADS
