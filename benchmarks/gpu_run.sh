@@ -3,7 +3,7 @@
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite launch-suite demo bench-schedule bench-ffn
-#        bench-ffn-sweep bench-ffn-quick probe-wgmma bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
+#        bench-ffn-sweep bench-ffn-quick bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -52,7 +52,6 @@ for s in "$@"; do
     bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --out "$OUT/bench_ffn.json" ;;
     bench-ffn-sweep) step bench-ffn-sweep python3 benchmarks/bench_ffn.py --sweep \
          --presets kimi-k2.7 --tokens 4096 --routing uniform,skewed --out "$OUT/bench_ffn.json" ;;
-    probe-wgmma) step probe-wgmma python3 benchmarks/probe_wgmma.py --out "$OUT/probe_wgmma.json" ;;
     bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \
          --presets kimi-k2.7 --tokens 4096 --routing uniform --out "$OUT/bench_ffn_quick.json" ;;
     layer-suite) export SUITE=layer; step layer-suite torchrun --standalone \

@@ -21,6 +21,7 @@ import numpy as np
 from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count
 from .grouped_gemm_kernels import make_grouped_gemm
 from .grouped_gemm_wgmma_kernels import make_wgmma_grouped_gemm
+from .grouped_gemm_wgmma_kernels import THREADS as WGMMA_THREADS
 from .grouped_gemm_wgmma_kernels import smem_bytes as wgmma_smem_bytes
 
 MMA_KINDS = ("mma_sync", "wgmma")
@@ -37,7 +38,7 @@ class GemmConfig:
     ``mma`` picks the tensor-core path: ``"mma_sync"`` (warp-level m16n8k16, any sm_80+ GPU and
     the simulator's default) or ``"wgmma"`` (Hopper warpgroup MMA, the GPU default): then
     bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte swizzle row),
-    bn in {64, 128, 256}, stages >= 3.
+    bn in {64, 128, 256}, stages >= 2; 2 consumer warpgroups + 1 producer warp per block.
     """
     bm: int = 128
     bn: int = 128
@@ -61,7 +62,7 @@ class GemmConfig:
             req((self.bm, self.bk, self.wm, self.wn) == (128, 64, 2, 1),
                 "wgmma tiles are bm=128, bk=64, wm=2 (warpgroups), wn=1")
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
-            req(self.stages >= 3, "wgmma needs stages >= 3 (2 slices of slack in the ring)")
+            req(self.stages >= 2, "wgmma needs stages >= 2")
             req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
             return
         req(self.bk in (32, 64), "bk must be 32 or 64")
@@ -76,7 +77,7 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return self.wm * 128 if self.mma == "wgmma" else self.wm * self.wn * 32
+        return WGMMA_THREADS if self.mma == "wgmma" else self.wm * self.wn * 32
 
     @property
     def smem_bytes(self) -> int:

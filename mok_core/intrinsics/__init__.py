@@ -10,6 +10,8 @@
     wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
                   fence_proxy_async, f32_zeros, store_f32_tuple (the accumulator travels as a
                   UniTuple)
+    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, cp_async_mbarrier_arrive,
+                  trap
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
+    "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

@@ -516,3 +516,77 @@ def store_f32_tuple(typingctx, arr, acc):
             builder.store(builder.extract_value(args[1], i), ptr)
         return context.get_dummy_value()
     return types.void(arr, acc), codegen
+
+
+# ---- mbarriers (shared-memory arrive/wait barriers with phases) -------------------------------
+# Addresses are 32-bit shared byte addresses (``shared_addr`` + offset), 8-byte aligned; the
+# ``smem`` argument is the array they point into (the simulator twin keys its state on it).
+
+@intrinsic
+def mbarrier_init(typingctx, smem, addr, count):
+    """Initialise the mbarrier at ``addr``: phase 0, ``count`` arrivals complete a phase."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        n = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [a, n], "mbarrier.init.shared::cta.b64 [$0], $1;",
+             "r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr, count), codegen
+
+
+@intrinsic
+def mbarrier_arrive(typingctx, smem, addr):
+    """One arrival (release semantics: this thread's earlier accesses happen before)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        _asm(builder, ir.VoidType(), [a],
+             "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", "r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr), codegen
+
+
+@intrinsic
+def mbarrier_try_wait(typingctx, smem, addr, parity):
+    """1 once the phase of parity ``parity`` has completed (acquire), else 0 after a bounded
+    hardware wait; callers loop (with their own bound)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        p = context.cast(builder, args[2], sig.args[2], types.uint32)
+        return _asm(builder, _i32, [a, p],
+                    "{ .reg .pred d; mbarrier.try_wait.parity.shared::cta.b64 d, [$1], $2; "
+                    "selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
+    return types.uint32(smem, addr, parity), codegen
+
+
+@intrinsic
+def cp_async_mbarrier_arrive(typingctx, smem, addr):
+    """Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed
+    (``.noinc``: the arrival is counted in the barrier's expected count)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        _asm(builder, ir.VoidType(), [a], "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+             "r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr), codegen
+
+
+@intrinsic
+def trap(typingctx):
+    """Abort the kernel (the host sees a launch failure): for waits that can only time out
+    through a bug in the kernel itself."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "trap;", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(), codegen

@@ -281,3 +281,56 @@ def f32_zeros(n):
 
 def store_f32_tuple(arr, acc):
     _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)
+
+
+# ---- mbarriers ---------------------------------------------------------------------------------
+
+_mbarriers = {}
+
+
+def _mbar_key(smem, addr):
+    return (_raw(smem).__array_interface__["data"][0], int(addr))   # the block's shared memory
+
+
+def _mbar(smem, addr):
+    return _mbarriers.setdefault(_mbar_key(smem, addr), {"count": 0, "left": 0, "phase": 0})
+
+
+def mbarrier_init(smem, addr, count):
+    if int(addr) % 8:
+        raise ValueError(f"mbarrier at byte {addr}: must be 8-byte aligned")
+    with _lock:
+        _mbarriers[_mbar_key(smem, addr)] = {"count": int(count), "left": int(count),
+                                                   "phase": 0}
+
+
+def mbarrier_arrive(smem, addr):
+    with _lock:
+        b = _mbar(smem, addr)
+        if b["count"] == 0:
+            raise RuntimeError(f"mbarrier at byte {addr} used before mbarrier_init")
+        b["left"] -= 1
+        if b["left"] == 0:
+            b["phase"] += 1
+            b["left"] = b["count"]
+
+
+def mbarrier_try_wait(smem, addr, parity):
+    with _lock:
+        done = (_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1)
+    if not done:
+        time.sleep(0)                     # let the arriving threads run
+    return np.uint32(done)
+
+
+def cp_async_mbarrier_arrive(smem, addr):
+    groups = _pending()                   # this thread's copies land, then it arrives
+    for group in groups:
+        for dst, dsl, data in group:
+            dst[dsl] = data.view(dst.dtype)
+    groups[:] = [[]]
+    mbarrier_arrive(smem, addr)
+
+
+def trap():
+    raise RuntimeError("trap: a bounded wait inside a kernel timed out")

@@ -12,7 +12,7 @@ def f64(t):
 
 def _configs():
     from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_GEMM, GemmConfig
-    return {"wgmma256": WGMMA_GEMM, "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
+    return {"wgmma256": WGMMA_GEMM, "wgmma128": GemmConfig(128, 128, 64, 2, 1, 6, mma="wgmma"),
             "mma_sync": MMA_SYNC_GEMM}
 
 
