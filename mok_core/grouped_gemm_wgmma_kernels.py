@@ -4,18 +4,19 @@ Same contract as ``grouped_gemm_kernels`` (read its header: A / a_index / W / of
 out, the SWIGLU and plain epilogues, the persistent (expert, column tile, row tile) order);
 what differs is how a tile is computed.
 
-Roles (one block = 2 consumer warpgroups + 1 producer warp = 288 threads):
+Roles (one block = 2 consumer warpgroups + 1 producer warpgroup = 384 threads):
 
     consumer warpgroup g (warps 4g..4g+3): rows [64g, 64g + 64) of the 128-row tile, all BN
         columns (BN = 64, 128 or 256): per K slice 4 x wgmma m64nBNk16 from two shared-memory
         descriptors, FP32 accumulators in registers, then the epilogue straight to global.
-    producer warp (warp 8): all loads, cp.async 16 B into the ring (A rows gathered through
-        a_index, padding rows zero-filled without a load), never touches the accumulators.
+    producer warpgroup (warps 8-11): all loads, cp.async 16 B into the ring (A rows gathered
+        through a_index, padding rows zero-filled without a load); it hands most of its
+        registers to the consumers (setmaxnreg 48 / 232), which hold BN/2 accumulators each.
 
     ring     = STAGES slices of [A 128 x 64 | B BN x 64] bf16, 1024-byte aligned; a slice row is
                128 bytes and 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the 128-byte
                swizzle the descriptors name: start + 32 B per k16 step, 1024 B per 8 rows)
-    full[s]  = mbarrier, 32 arrivals: each producer lane's copies into stage s have landed
+    full[s]  = mbarrier, 128 arrivals: each producer thread's copies into stage s landed
                (cp.async.mbarrier.arrive.noinc)
     empty[s] = mbarrier, 8 arrivals: each consumer warp is done reading stage s
 
@@ -42,15 +43,21 @@ from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile, swiglu
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_proxy_async, mbarrier_arrive,
-                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
+                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, setmaxnreg_dec,
+                         setmaxnreg_inc, shared_addr,
                          store_f32_tuple, syncwarp, trap, wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16,
                          wgmma_m64n128k16_bf16, wgmma_m64n256k16_bf16, wgmma_wait)
 
 BM = 128                      # tile rows: 2 warpgroups x 64
 BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
 CONSUMERS = 256               # 2 warpgroups
-THREADS = CONSUMERS + 32      # + the producer warp
-MAX_REGISTERS = 224           # 9 warps x 32 x 224 <= 64K registers: one block per SM
+PRODUCERS = 128               # 1 warpgroup
+THREADS = CONSUMERS + PRODUCERS
+# Registers are granted per warpgroup: 3 x 128 x 168 fit an SM's 64K at launch; then the
+# producer gives back down to 48 and the consumers grow to 232 (128*48 + 256*232 = 64K).
+LAUNCH_REGISTERS = 168
+PRODUCER_REGISTERS = 48
+CONSUMER_REGISTERS = 232
 ROW_BYTES = BK * 2
 _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
 _SPIN_LIMIT = 1 << 26         # try_wait rounds before a wait is declared hung (seconds)
@@ -82,11 +89,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
     ring_bytes = stages * stage_bytes
-    a_rows_lane = BM // 4                   # a producer instruction covers 4 rows x 8 chunks
-    b_rows_lane = bn // 4
+    a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
+    b_rows_lane = bn // 16
     b_gate_lane = b_rows_lane // 2          # SWIGLU: B rows [0, BN/2) gate, then up
     uses_index = gather or padding_index
-    opts = {"max_registers": max_registers or MAX_REGISTERS}
+    # .maxntid 384 makes ptxas budget LAUNCH_REGISTERS at entry (setmaxnreg moves them later).
+    opts = {"max_registers": max_registers or LAUNCH_REGISTERS, "launch_bounds": (THREADS, 1)}
 
     @kjit(device=True, inline="always")
     def wait_phase(smem, bar, parity):
@@ -120,15 +128,16 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         empty0 = full0 + 8 * stages
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, 32)
+                mbarrier_init(smem, full0 + 8 * s, PRODUCERS)
                 mbarrier_init(smem, empty0 + 8 * s, CONSUMERS // 32)
         cuda.syncthreads()
 
         if tid >= CONSUMERS:
-            # ---------------- producer warp ----------------
-            lane = tid - CONSUMERS
-            row_in = lane // 8                  # this lane's rows: row_in + 4 j
-            chunk = lane % 8
+            # ---------------- producer warpgroup ----------------
+            setmaxnreg_dec(PRODUCER_REGISTERS)
+            p = tid - CONSUMERS
+            row_in = p // 8                     # this thread's rows: row_in + 16 j
+            chunk = p % 8
             a_src = cuda.local.array(a_rows_lane, int64)
             a_nb = cuda.local.array(a_rows_lane, int64)
             i = 0
@@ -136,7 +145,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             while t < total:
                 e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
                 for j in range(a_rows_lane):
-                    r = row0 + row_in + 4 * j
+                    r = row0 + row_in + 16 * j
                     src = a_index[r] if gather else r
                     a_nb[j] = 16
                     if src < 0:                 # padding row: zero-fill, no global read
@@ -144,7 +153,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                         src = 0
                     a_src[j] = src * K + chunk * 8
                 b_src = (e * n_w + nt * cols_per_tile + row_in) * K + chunk * 8
-                b_step = 4 * K
+                b_step = 16 * K
                 for kt in range(ktiles):
                     s = i % stages
                     if i >= stages:
@@ -152,13 +161,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     dst = ring + s * stage_bytes + row_in * ROW_BYTES
                     k0 = kt * BK
                     for j in range(a_rows_lane):
-                        r = row_in + 4 * j
-                        cp_async_16_at(smem, dst + 4 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16),
+                        r = row_in + 16 * j
+                        cp_async_16_at(smem, dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16),
                                        a, a_src[j] + k0, a_nb[j])
                     dst += a_stage
                     for j in range(b_rows_lane):
-                        r = row_in + 4 * j
-                        d = dst + 4 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16)
+                        r = row_in + 16 * j
+                        d = dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16)
                         if swiglu_epilogue and j >= b_gate_lane:
                             cp_async_16_at(smem, d, w1, b_src + (j - b_gate_lane) * b_step + k0,
                                            16)
@@ -172,6 +181,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             return
 
         # ---------------- consumer warpgroups ----------------
+        setmaxnreg_inc(CONSUMER_REGISTERS)
         wg = tid // 128
         lane = tid % 32
         frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows

@@ -11,7 +11,7 @@
                   fence_proxy_async, f32_zeros, store_f32_tuple (the accumulator travels as a
                   UniTuple)
     mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, cp_async_mbarrier_arrive,
-                  trap
+                  trap; setmaxnreg_inc, setmaxnreg_dec (warp-specialised register split)
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -29,6 +29,7 @@ __all__ = [
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
+    "setmaxnreg_inc", "setmaxnreg_dec",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

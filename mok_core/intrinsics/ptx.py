@@ -590,3 +590,25 @@ def trap(typingctx):
         _asm(builder, ir.VoidType(), [], "trap;", "~{memory}", True)
         return context.get_dummy_value()
     return types.void(), codegen
+
+
+def _setmaxnreg(direction):
+    def impl(typingctx, count):
+        if not isinstance(count, types.IntegerLiteral):
+            return None
+        n = int(count.literal_value)
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], f"setmaxnreg.{direction}.sync.aligned.u32 {n};",
+                 "~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(count), codegen
+    impl.__name__ = f"setmaxnreg_{direction}"
+    impl.__doc__ = (f"Warpgroup-wide: {direction}rease this warpgroup's per-thread register "
+                    "budget to ``count`` (compile-time, multiple of 8): producer warpgroups "
+                    "give registers to the MMA warpgroups.")
+    return intrinsic(impl)
+
+
+setmaxnreg_inc = _setmaxnreg("inc")
+setmaxnreg_dec = _setmaxnreg("dec")

@@ -334,3 +334,11 @@ def cp_async_mbarrier_arrive(smem, addr):
 
 def trap():
     raise RuntimeError("trap: a bounded wait inside a kernel timed out")
+
+
+def setmaxnreg_inc(count):
+    pass
+
+
+def setmaxnreg_dec(count):
+    pass
