@@ -11,7 +11,7 @@ Roles (one block = 2 consumer warpgroups + 1 producer warpgroup = 384 threads):
         descriptors, FP32 accumulators in registers, then the epilogue straight to global.
     producer warpgroup (warps 8-11): all loads, cp.async 16 B into the ring (A rows gathered
         through a_index, padding rows zero-filled without a load); it hands most of its
-        registers to the consumers (setmaxnreg 48 / 232), which hold BN/2 accumulators each.
+        registers to the consumers (setmaxnreg 48 / 224), which hold BN/2 accumulators each.
 
     ring     = STAGES slices of [A 128 x 64 | B BN x 64] bf16, 1024-byte aligned; a slice row is
                128 bytes and 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the 128-byte
@@ -54,13 +54,17 @@ CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
 THREADS = CONSUMERS + PRODUCERS
 # Registers are granted per warpgroup: 3 x 128 x 168 fit an SM's 64K at launch; then the
-# producer gives back down to 48 and the consumers grow to 232 (128*48 + 256*232 = 64K).
+# producer gives back down to 48 and the consumers grow to 224 out of what it freed (the
+# block's pool is what it got at launch: 256 * (224 - 168) <= 128 * (168 - 48), else the
+# consumers' setmaxnreg.inc would wait forever).
 LAUNCH_REGISTERS = 168
 PRODUCER_REGISTERS = 48
-CONSUMER_REGISTERS = 232
+CONSUMER_REGISTERS = 224
+assert CONSUMERS * (CONSUMER_REGISTERS - LAUNCH_REGISTERS) <= \
+    PRODUCERS * (LAUNCH_REGISTERS - PRODUCER_REGISTERS)
 ROW_BYTES = BK * 2
 _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
-_SPIN_LIMIT = 1 << 26         # try_wait rounds before a wait is declared hung (seconds)
+_SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
 
 # Matrix descriptor bits (PTX ISA, "matrix descriptor"): start address >> 4 in [13:0],
 # leading byte offset >> 4 in [29:16] (unused for swizzled K-major; 1 by convention),
