@@ -11,7 +11,7 @@ Roles (one block = 2 consumer warpgroups + 1 producer warpgroup = 384 threads):
         descriptors, FP32 accumulators in registers, then the epilogue straight to global.
     producer warpgroup (warps 8-11): all loads, cp.async 16 B into the ring (A rows gathered
         through a_index, padding rows zero-filled without a load); it hands most of its
-        registers to the consumers (setmaxnreg 48 / 224), which hold BN/2 accumulators each.
+        registers to the consumers (setmaxnreg 72 / 216), which hold BN/2 accumulators each.
 
     ring     = STAGES slices of [A 128 x 64 | B BN x 64] bf16, 1024-byte aligned; a slice row is
                128 bytes and 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the 128-byte
@@ -54,12 +54,12 @@ CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
 THREADS = CONSUMERS + PRODUCERS
 # Registers are granted per warpgroup: 3 x 128 x 168 fit an SM's 64K at launch; then the
-# producer gives back down to 48 and the consumers grow to 224 out of what it freed (the
+# producer gives back down to 72 and the consumers grow to 216 out of what it freed (the
 # block's pool is what it got at launch: 256 * (224 - 168) <= 128 * (168 - 48), else the
 # consumers' setmaxnreg.inc would wait forever).
 LAUNCH_REGISTERS = 168
-PRODUCER_REGISTERS = 48
-CONSUMER_REGISTERS = 224
+PRODUCER_REGISTERS = 72
+CONSUMER_REGISTERS = 216
 assert CONSUMERS * (CONSUMER_REGISTERS - LAUNCH_REGISTERS) <= \
     PRODUCERS * (LAUNCH_REGISTERS - PRODUCER_REGISTERS)
 ROW_BYTES = BK * 2
@@ -142,8 +142,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             p = tid - CONSUMERS
             row_in = p // 8                     # this thread's rows: row_in + 16 j
             chunk = p % 8
-            a_src = cuda.local.array(a_rows_lane, int64)
-            a_nb = cuda.local.array(a_rows_lane, int64)
+            a_src = cuda.local.array(a_rows_lane, int64)     # < 0: padding row
             i = 0
             t = cuda.blockIdx.x
             while t < total:
@@ -151,11 +150,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 for j in range(a_rows_lane):
                     r = row0 + row_in + 16 * j
                     src = a_index[r] if gather else r
-                    a_nb[j] = 16
-                    if src < 0:                 # padding row: zero-fill, no global read
-                        a_nb[j] = 0
-                        src = 0
-                    a_src[j] = src * K + chunk * 8
+                    a_src[j] = src * K + chunk * 8 if src >= 0 else -1
                 b_src = (e * n_w + nt * cols_per_tile + row_in) * K + chunk * 8
                 b_step = 16 * K
                 for kt in range(ktiles):
@@ -166,8 +161,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     k0 = kt * BK
                     for j in range(a_rows_lane):
                         r = row_in + 16 * j
+                        src = a_src[j]          # padding row: zero-fill, no global read
                         cp_async_16_at(smem, dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16),
-                                       a, a_src[j] + k0, a_nb[j])
+                                       a, max(src, 0) + k0, 16 if src >= 0 else 0)
                     dst += a_stage
                     for j in range(b_rows_lane):
                         r = row_in + 16 * j
