@@ -27,9 +27,8 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers)
 SWEEP = [
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),
-    (128, 256, 64, 2, 1, 3, 1, 0, "wgmma"),
-    (128, 128, 64, 2, 1, 6, 1, 0, "wgmma"),
     (128, 128, 64, 2, 1, 4, 1, 0, "wgmma"),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma_ws"),
     (64, 128, 32, 2, 2, 4, 2, 0),                  # the best mma.sync tile, for comparison
 ]
 

@@ -58,8 +58,8 @@ for s in "$@"; do
          --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
          tests/gpu/test_layer_gpu.py; rank_logs layer ;;
     bench-layer-4096) step bench-layer-4096 torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/bench_layer.py --tokens 4096 \
-         --gemm-from benchmarks/results/bench_ffn_sweep.json --out "$OUT/bench_layer.json" ;;
+         benchmarks/bench_layer.py --tokens 4096 --gemm-from "$OUT/bench_ffn_sweep.json" \
+         --out "$OUT/bench_layer.json" ;;
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --gemm-from "$OUT/bench_ffn_sweep.json" \

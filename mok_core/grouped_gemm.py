@@ -20,11 +20,10 @@ import numpy as np
 
 from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count
 from .grouped_gemm_kernels import make_grouped_gemm
-from .grouped_gemm_wgmma_kernels import make_wgmma_grouped_gemm
-from .grouped_gemm_wgmma_kernels import THREADS as WGMMA_THREADS
-from .grouped_gemm_wgmma_kernels import smem_bytes as wgmma_smem_bytes
+from . import grouped_gemm_wgmma_kernels as _wgmma
+from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
 
-MMA_KINDS = ("mma_sync", "wgmma")
+MMA_KINDS = ("mma_sync", "wgmma", "wgmma_ws")
 
 
 @dataclass(frozen=True)
@@ -36,9 +35,10 @@ class GemmConfig:
     SM. ``bm`` must divide ``MoKConfig.row_align``.
 
     ``mma`` picks the tensor-core path: ``"mma_sync"`` (warp-level m16n8k16, any sm_80+ GPU and
-    the simulator's default) or ``"wgmma"`` (Hopper warpgroup MMA, the GPU default): then
-    bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte swizzle row),
-    bn in {64, 128, 256}, stages >= 2; 2 consumer warpgroups + 1 producer warp per block.
+    the simulator's default), ``"wgmma"`` (Hopper warpgroup MMA, all threads load, the GPU
+    default) or ``"wgmma_ws"`` (warp-specialised: a producer warpgroup loads, mbarriers). For
+    both wgmma kinds bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte
+    swizzle row), bn in {64, 128, 256}; stages >= 3 ("wgmma") or >= 2 ("wgmma_ws").
     """
     bm: int = 128
     bn: int = 128
@@ -58,11 +58,12 @@ class GemmConfig:
         req(self.blocks_per_sm >= 1, "blocks_per_sm must be >= 1")
         req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
             "max_registers must be 0 or in [32, 255]")
-        if self.mma == "wgmma":
+        if self.mma != "mma_sync":
             req((self.bm, self.bk, self.wm, self.wn) == (128, 64, 2, 1),
                 "wgmma tiles are bm=128, bk=64, wm=2 (warpgroups), wn=1")
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
-            req(self.stages >= 2, "wgmma needs stages >= 2")
+            least = 3 if self.mma == "wgmma" else 2
+            req(self.stages >= least, f"{self.mma} needs stages >= {least}")
             req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
             return
         req(self.bk in (32, 64), "bk must be 32 or 64")
@@ -77,12 +78,14 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return WGMMA_THREADS if self.mma == "wgmma" else self.wm * self.wn * 32
+        if self.mma == "mma_sync":
+            return self.wm * self.wn * 32
+        return (_wgmma if self.mma == "wgmma" else _wgmma_ws).THREADS
 
     @property
     def smem_bytes(self) -> int:
-        if self.mma == "wgmma":
-            return wgmma_smem_bytes(self.bn, self.stages)
+        if self.mma != "mma_sync":
+            return (_wgmma if self.mma == "wgmma" else _wgmma_ws).smem_bytes(self.bn, self.stages)
         return (self.bm + self.bn) * self.bk * 2 * self.stages
 
 
@@ -95,8 +98,12 @@ DEFAULT_GEMM = SIM_GEMM if SIM else WGMMA_GEMM
 @lru_cache(maxsize=None)
 def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
     if cfg.mma == "wgmma":
-        return make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
-                                       max_registers=cfg.max_registers)
+        return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
+                                              max_registers=cfg.max_registers)
+    if cfg.mma == "wgmma_ws":
+        return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
+                                                    padding_index,
+                                                    max_registers=cfg.max_registers)
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather,
                              max_registers=cfg.max_registers)
 
@@ -172,7 +179,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
                 name_n="hidden size H")
     if row_index is not None:
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
-    use_index = row_index is not None and config.mma == "wgmma"
+    use_index = row_index is not None and config.mma != "mma_sync"
     kern = _kernel(config, False, False, use_index)
     index = row_index if use_index else nr             # unused without an index
     max_tiles = (C // config.bm) * (H // config.bn)

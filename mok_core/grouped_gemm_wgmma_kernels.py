@@ -1,70 +1,48 @@
-"""Device bodies of the grouped expert GEMMs on Hopper warpgroup MMA (``wgmma``), warp-specialised.
+"""Device bodies of the grouped expert GEMMs on Hopper warpgroup MMA (``wgmma``).
 
 Same contract as ``grouped_gemm_kernels`` (read its header: A / a_index / W / off / num_rows /
 out, the SWIGLU and plain epilogues, the persistent (expert, column tile, row tile) order);
-what differs is how a tile is computed.
+what differs is how a tile is computed:
 
-Roles (one block = 2 consumer warpgroups + 1 producer warpgroup = 384 threads):
+    block    = 2 warpgroups (256 threads); warpgroup g owns rows [64g, 64g + 64) of the
+               128-row tile and all BN columns (BN = 64, 128 or 256)
+    K slice  = 64 bf16 = one 128-byte row per tile row: the unit of wgmma's 128-byte swizzle
+    ring     = STAGES slices of [A 128 x 64 | B BN x 64] in shared memory, 1024-byte aligned,
+               16-byte chunk c of row r stored at chunk c ^ (r % 8) (what the descriptors say)
+    loads    = all 256 threads, cp.async 16 B (A rows gathered through a_index, padding rows
+               zero-filled without a load), PREFETCH = STAGES - 2 slices ahead
+    MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 from two descriptors
+               (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
-    consumer warpgroup g (warps 4g..4g+3): rows [64g, 64g + 64) of the 128-row tile, all BN
-        columns (BN = 64, 128 or 256): per K slice 4 x wgmma m64nBNk16 from two shared-memory
-        descriptors, FP32 accumulators in registers, then the epilogue straight to global.
-    producer warpgroup (warps 8-11): all loads, cp.async 16 B into the ring (A rows gathered
-        through a_index, padding rows zero-filled without a load); it hands most of its
-        registers to the consumers (setmaxnreg 72 / 216), which hold BN/2 accumulators each.
+Task order of one K step (kt), every thread:
 
-    ring     = STAGES slices of [A 128 x 64 | B BN x 64] bf16, 1024-byte aligned; a slice row is
-               128 bytes and 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the 128-byte
-               swizzle the descriptors name: start + 32 B per k16 step, 1024 B per 8 rows)
-    full[s]  = mbarrier, 128 arrivals: each producer thread's copies into stage s landed
-               (cp.async.mbarrier.arrive.noinc)
-    empty[s] = mbarrier, 8 arrivals: each consumer warp is done reading stage s
+    1. cp.async.wait  -> my chunks of slice kt landed;  fence.proxy.async (wgmma reads through
+                         the async proxy);  __syncthreads -> everyone's chunks landed, and every
+                         warpgroup has retired the wgmmas of slice kt-2 (step 4 below)
+    2. issue loads of slice kt + PREFETCH into the stage of slice kt - 2 (free, by 1.)
+    3. wgmma.fence; 4 wgmmas on slice kt; commit          (tensor cores busy on kt ...)
+    4. wgmma.wait(1)  -> slice kt-1's group retired       (... while kt-1 drains)
 
-Task order. Both roles walk the block's tiles b, b + grid, ... and their K slices in the same
-order; step i uses stage i % STAGES with phase (i / STAGES) & 1:
-
-    producer: wait empty[s] (not on the first lap) -> issue the slice's chunks -> arrive full[s]
-    consumer: wait full[s] -> fence.proxy.async -> wgmma.fence, 4 wgmmas, commit
-              -> wgmma.wait(1): the previous slice's MMAs retired -> arrive empty[previous]
-              (tile end: wait(0), release this slice too, epilogue while the producer already
-              fills the next tile's slices)
-
-So loads run up to STAGES slices ahead, no block-wide barrier in the loop, and tensor cores
-always have the next group queued. A warpgroup whose 64 rows are all padding
-(a_index[first row] < 0; padding sits at the end of each expert's segment) skips its MMAs
-(it still takes part in the barriers) and writes zeros. Every wait is bounded: a wait that
-times out can only be a bug in this kernel, and it traps (the host sees a launch failure)
-instead of hanging. FP32 accumulation, K in fixed order, one owner per output tile:
-deterministic.
+A warpgroup whose 64 rows are all padding (a_index[first row] < 0, padding sits at the end of
+each expert's segment) skips its MMAs and writes zeros. FP32 accumulation, K in fixed order,
+one owner per output tile: deterministic.
 """
-from numba import cuda, float32, int64, uint16
+from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile, swiglu
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
-                         cp_async_wait, f32_zeros, fence_proxy_async, mbarrier_arrive,
-                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, setmaxnreg_dec,
-                         setmaxnreg_inc, shared_addr,
-                         store_f32_tuple, syncwarp, trap, wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16,
-                         wgmma_m64n128k16_bf16, wgmma_m64n256k16_bf16, wgmma_wait)
+from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
+                         fence_proxy_async, pack_bf16x2, shared_addr, store_f32_tuple, wgmma_commit, wgmma_fence,
+                         wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_m64n256k16_bf16,
+                         wgmma_wait)
 
 BM = 128                      # tile rows: 2 warpgroups x 64
 BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
-CONSUMERS = 256               # 2 warpgroups
-PRODUCERS = 128               # 1 warpgroup
-THREADS = CONSUMERS + PRODUCERS
-# Registers are granted per warpgroup: 3 x 128 x 168 fit an SM's 64K at launch; then the
-# producer gives back down to 72 and the consumers grow to 216 out of what it freed (the
-# block's pool is what it got at launch: 256 * (224 - 168) <= 128 * (168 - 48), else the
-# consumers' setmaxnreg.inc would wait forever).
-LAUNCH_REGISTERS = 168
-PRODUCER_REGISTERS = 72
-CONSUMER_REGISTERS = 216
-assert CONSUMERS * (CONSUMER_REGISTERS - LAUNCH_REGISTERS) <= \
-    PRODUCERS * (LAUNCH_REGISTERS - PRODUCER_REGISTERS)
+THREADS = 256
 ROW_BYTES = BK * 2
+_PASS_ROWS = THREADS // 8     # rows covered when every thread copies one 16-byte chunk
+_PASS_BYTES = _PASS_ROWS * ROW_BYTES
 _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
-_SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
 
 # Matrix descriptor bits (PTX ISA, "matrix descriptor"): start address >> 4 in [13:0],
 # leading byte offset >> 4 in [29:16] (unused for swizzled K-major; 1 by convention),
@@ -74,8 +52,8 @@ _DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
 def smem_bytes(bn, stages):
-    """Dynamic shared memory of one block: the ring, 2 x STAGES mbarriers, alignment slack."""
-    return stages * (BM + bn) * ROW_BYTES + 16 * stages + 1024
+    """Dynamic shared memory of one block (the ring + slack to align it to 1024 bytes)."""
+    return stages * (BM + bn) * ROW_BYTES + 1024
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
@@ -85,126 +63,97 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
     """
-    assert bn in _WGMMA and stages >= 2
+    assert bn in _WGMMA and stages >= 3
     mma = _WGMMA[bn]
-    nacc = bn // 2                          # fp32 accumulators per consumer thread
+    nacc = bn // 2                          # fp32 accumulators per thread
     groups = bn // 8                        # 8-column groups in a thread's fragment
     half = groups // 2                      # SWIGLU: gate groups, then up groups
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
-    ring_bytes = stages * stage_bytes
-    a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
-    b_rows_lane = bn // 16
-    b_gate_lane = b_rows_lane // 2          # SWIGLU: B rows [0, BN/2) gate, then up
+    prefetch = stages - 2
+    in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
+    a_passes = BM // _PASS_ROWS
+    b_passes = bn // _PASS_ROWS
+    b_gate_passes = b_passes // 2
     uses_index = gather or padding_index
-    # .maxntid 384 makes ptxas budget LAUNCH_REGISTERS at entry (setmaxnreg moves them later).
-    opts = {"max_registers": max_registers or LAUNCH_REGISTERS, "launch_bounds": (THREADS, 1)}
+    opts = {"max_registers": max_registers} if max_registers else {}
 
     @kjit(device=True, inline="always")
-    def wait_phase(smem, bar, parity):
-        n = 0
-        while mbarrier_try_wait(smem, bar, parity) == 0:
-            n += 1
-            if n == _SPIN_LIMIT:
-                trap()
-
-    @kjit(device=True, inline="always")
-    def release(smem, bar, lane):
-        """This warp is done with a stage: one arrival, after every lane got here."""
-        syncwarp()
-        if lane == 0:
-            mbarrier_arrive(smem, bar)
+    def load_slice(smem, soff, a, w0, w1, dst0, a_src, a_nb, b_src, b_pass_elems, k0):
+        """Issue this thread's cp.async chunks of one K slice: A passes, then B passes
+        (SWIGLU: the first half of B's rows are gate rows, the second half the up rows)."""
+        for i in range(a_passes):
+            cp_async_16_at(smem, dst0 + soff + i * _PASS_BYTES, a, a_src[i] + k0, a_nb[i])
+        for i in range(b_passes):
+            d = dst0 + soff + a_stage + i * _PASS_BYTES
+            if swiglu_epilogue and i >= b_gate_passes:
+                cp_async_16_at(smem, d, w1, b_src + (i - b_gate_passes) * b_pass_elems + k0, 16)
+            else:
+                cp_async_16_at(smem, d, w0, b_src + i * b_pass_elems + k0, 16)
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
+        wg = tid // 128
+        lane = tid % 32
+        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
+        frag_col = 2 * (lane % 4)
         num_experts = offsets.shape[0] - 1
         cols_per_tile = bn // 2 if swiglu_epilogue else bn
         n_tiles = n_out // cols_per_tile
         total = (num_rows[0] // BM) * n_tiles
         ktiles = K // BK
-        grid = cuda.gridDim.x
 
+        # The ring, aligned to the swizzle atom; where this thread's 16-byte chunks land in
+        # pass 0 (pass i adds i * _PASS_BYTES: 32 rows on, same row % 8, same swizzle).
         sbase = shared_addr(smem)
         ring = sbase + (1024 - sbase % 1024) % 1024
-        full0 = ring + ring_bytes               # full[s] at full0 + 8 s, empty[s] after them
-        empty0 = full0 + 8 * stages
-        if tid == 0:
-            for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, PRODUCERS)
-                mbarrier_init(smem, empty0 + 8 * s, CONSUMERS // 32)
-        cuda.syncthreads()
-
-        if tid >= CONSUMERS:
-            # ---------------- producer warpgroup ----------------
-            setmaxnreg_dec(PRODUCER_REGISTERS)
-            p = tid - CONSUMERS
-            row_in = p // 8                     # this thread's rows: row_in + 16 j
-            chunk = p % 8
-            a_src = cuda.local.array(a_rows_lane, int64)     # < 0: padding row
-            i = 0
-            t = cuda.blockIdx.x
-            while t < total:
-                e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
-                for j in range(a_rows_lane):
-                    r = row0 + row_in + 16 * j
-                    src = a_index[r] if gather else r
-                    a_src[j] = src * K + chunk * 8 if src >= 0 else -1
-                b_src = (e * n_w + nt * cols_per_tile + row_in) * K + chunk * 8
-                b_step = 16 * K
-                for kt in range(ktiles):
-                    s = i % stages
-                    if i >= stages:
-                        wait_phase(smem, empty0 + 8 * s, (i // stages - 1) & 1)
-                    dst = ring + s * stage_bytes + row_in * ROW_BYTES
-                    k0 = kt * BK
-                    for j in range(a_rows_lane):
-                        r = row_in + 16 * j
-                        src = a_src[j]          # padding row: zero-fill, no global read
-                        cp_async_16_at(smem, dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16),
-                                       a, max(src, 0) + k0, 16 if src >= 0 else 0)
-                    dst += a_stage
-                    for j in range(b_rows_lane):
-                        r = row_in + 16 * j
-                        d = dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16)
-                        if swiglu_epilogue and j >= b_gate_lane:
-                            cp_async_16_at(smem, d, w1, b_src + (j - b_gate_lane) * b_step + k0,
-                                           16)
-                        else:
-                            cp_async_16_at(smem, d, w0, b_src + j * b_step + k0, 16)
-                    cp_async_mbarrier_arrive(smem, full0 + 8 * s)
-                    i += 1
-                t += grid
-            cp_async_commit()
-            cp_async_wait(0)
-            return
-
-        # ---------------- consumer warpgroups ----------------
-        setmaxnreg_inc(CONSUMER_REGISTERS)
-        wg = tid // 128
-        lane = tid % 32
-        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
-        frag_col = 2 * (lane % 4)
+        ld_row = tid // 8
+        ld_chunk = tid % 8
+        dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
         desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
         desc_b0 = int64(_DESC_HIGH) + int64((ring + a_stage) >> 4)
-        c = cuda.local.array(nacc, float32)     # the accumulator, for the epilogue's loop
-        i = 0
+        b_pass_elems = int64(_PASS_ROWS) * K
+
+        a_src = cuda.local.array(a_passes, int64)
+        a_nb = cuda.local.array(a_passes, int32)
+        c = cuda.local.array(nacc, float32)    # the accumulator, for the epilogue's loop
+
         t = cuda.blockIdx.x
         while t < total:
             e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
             col0 = nt * cols_per_tile
+            for i in range(a_passes):
+                r = row0 + ld_row + i * _PASS_ROWS
+                src = a_index[r] if gather else r
+                a_nb[i] = 16
+                if src < 0:                    # padding row: zero-fill, no global read
+                    a_nb[i] = 0
+                    src = 0
+                a_src[i] = src * K + ld_chunk * 8
+            b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
             active = True
             if uses_index:
                 active = a_index[row0 + wg * 64] >= 0
+
             acc = f32_zeros(nacc)
-            prev = -1                           # stage whose MMAs may still be running
+            for s in range(prefetch):
+                if s < ktiles:
+                    load_slice(smem, s * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
+                               b_pass_elems, s * BK)
+                cp_async_commit()
             for kt in range(ktiles):
-                s = i % stages
-                wait_phase(smem, full0 + 8 * s, (i // stages) & 1)
+                cp_async_wait(in_flight)
+                fence_proxy_async()
+                cuda.syncthreads()
+                nxt = kt + prefetch
+                if nxt < ktiles:
+                    load_slice(smem, (nxt % stages) * stage_bytes, a, w0, w1, dst0, a_src, a_nb,
+                               b_src, b_pass_elems, nxt * BK)
+                cp_async_commit()
                 if active:
-                    fence_proxy_async()
-                    soff = (s * stage_bytes) >> 4
+                    soff = ((kt % stages) * stage_bytes) >> 4
                     da = desc_a0 + soff
                     db = desc_b0 + soff
                     acc = wgmma_fence(acc)
@@ -214,15 +163,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     acc = mma(acc, smem, da + 6, db + 6)
                     wgmma_commit()
                     acc = wgmma_wait(acc, 1)
-                    if prev >= 0:
-                        release(smem, empty0 + 8 * prev, lane)
-                    prev = s
-                else:
-                    release(smem, empty0 + 8 * s, lane)
-                i += 1
             acc = wgmma_wait(acc, 0)
-            if prev >= 0:
-                release(smem, empty0 + 8 * prev, lane)
+            cp_async_wait(0)
+            cuda.syncthreads()                 # both warpgroups done with the ring
 
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
             store_f32_tuple(c, acc)
@@ -243,7 +186,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     col = col0 + 8 * j + frag_col
                     out[(r * n_out + col) // 2] = pack_bf16x2(c[x], c[x + 1])
                     out[((r + 8) * n_out + col) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
-            t += grid
+            t += cuda.gridDim.x
 
     kernel.smem_bytes = smem_bytes(bn, stages)
     kernel.threads = THREADS

@@ -13,8 +13,9 @@ from mok_core.grouped_gemm import GemmConfig, down, gate_up_swiglu
 
 # Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
 CFG = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
-# The wgmma kernel's smallest tile (two 64-row warpgroups, 64 columns, 2-slice ring).
-WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma")
+# The wgmma kernels' smallest tiles (two 64-row warpgroups, 64 columns, 3- / 2-slice ring).
+WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
+WGMMA_WS_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws")
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -52,11 +53,13 @@ def rel_l1(got, want):
     # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile,
     # K of 3 and 2 slices (the ring wraps), clamp on and off.
     (WGMMA_CFG, [40, 0, 150], None), (WGMMA_CFG, [70, 1], 1.5),
-], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp"])
+    (WGMMA_WS_CFG, [40, 0, 150], 1.5),
+], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
+        "wgmma-ws-clamp"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
-    H, I = (192, 128) if cfg.mma == "wgmma" else (64, 32)
+    H, I = (64, 32) if cfg.mma == "mma_sync" else (192, 128)
     off, C, a_index = layout(counts, cfg.bm, 1, rng, n_src)
     x = bits(rng.standard_normal((n_src, H)))
     wg = bits(rng.standard_normal((E, I, H)) / 8)

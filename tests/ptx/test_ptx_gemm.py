@@ -41,3 +41,22 @@ def test_wgmma_gemm_lowers_for_sm90a(bn, stages, swiglu):
     assert count(ptx, r"fence\.proxy\.async\.shared::cta") == 1
     loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
     assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
+
+
+@pytest.mark.parametrize("bn,stages", [(256, 4), (128, 6)])
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_wgmma_ws_gemm_lowers_for_sm90a(bn, stages, swiglu):
+    """Warp-specialised wgmma kernel: launch bounds (384 threads) reach the PTX, the register
+    hand-over and the mbarrier protocol are there, the MMAs are the same 4 per slice."""
+    from numba import cuda
+
+    from mok_core.grouped_gemm_wgmma_ws_kernels import (CONSUMER_REGISTERS, PRODUCER_REGISTERS,
+                                                        THREADS, make_wgmma_ws_grouped_gemm)
+    kern = make_wgmma_ws_grouped_gemm(bn, stages, swiglu, swiglu, True)
+    ptx, _ = cuda.compile_ptx(kern.py_func, SIG, cc=(9, 0, "a"), launch_bounds=(THREADS, 1))
+    assert f".maxntid {THREADS}, 1, 1" in ptx
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, rf"setmaxnreg\.dec\.sync\.aligned\.u32 {PRODUCER_REGISTERS};") == 1
+    assert count(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32 {CONSUMER_REGISTERS};") == 1
+    assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") == 1
+    assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2
