@@ -29,6 +29,7 @@ torch/JAX adapters view their bf16 tensors as uint16, zero-copy):
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,8 +100,14 @@ def _fingerprint(shape: LayerShape, T: int, config: MoKConfig, gemm: GemmConfig)
     vals = [shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
             shape.topk, shape.ep_size, T, config.row_align, config.minibatch_size,
             config.macrobatch_size, int(config.capacity_factor * 1e6), gemm.bm, gemm.bn,
-            gemm.bk, hash(config) & 0x7FFFFFFF, hash(gemm) & 0x7FFFFFFF]
+            gemm.bk, _digest(config), _digest(gemm)]
     return np.array(vals, np.int32)
+
+
+def _digest(cfg) -> int:
+    """Same value in every process (``hash`` of a dataclass with a str field is salted per
+    process, which made ranks 'disagree' on an identical GemmConfig)."""
+    return zlib.crc32(repr(cfg).encode()) & 0x7FFFFFFF
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
