@@ -32,9 +32,9 @@ from numba import cuda, float32, int32, int64, uint16
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile, swiglu
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
-                         fence_proxy_async, pack_bf16x2, shared_addr, store_f32_tuple, wgmma_commit, wgmma_fence,
-                         wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_m64n256k16_bf16,
-                         wgmma_wait)
+                         fence_proxy_async, pack_bf16x2, shared_addr, store_f32_tuple,
+                         wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
+                         wgmma_m64n256k16_bf16, wgmma_wait)
 
 BM = 128                      # tile rows: 2 warpgroups x 64
 BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
@@ -51,6 +51,53 @@ _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n2
 _DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
+def make_tile_ops(bn, swiglu_epilogue):
+    """The two per-warpgroup steps both wgmma kernels share (compile-time BN and epilogue):
+
+    ``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-wide K slice = wgmma.fence, 4 x
+    wgmma m64nBNk16 (the k16 steps are 32 bytes apart: +2 in the descriptor's address field),
+    commit; the caller decides how long to let it run (``wgmma_wait``).
+    ``store_tile(out, c, acc, r, col, n_out, limit)``: waits nothing; the fragment of this thread
+    (rows r and r + 8, columns col + 8j (+1)) -> bf16 pairs in ``out`` (SWIGLU: gate columns
+    [0, BN/2) and up columns [BN/2, BN) of the tile pair up into BN/2 hidden columns); ``c`` is
+    a float32 local array of BN/2 to loop over.
+    """
+    mma = _WGMMA[bn]
+    groups = bn // 8                        # 8-column groups in a thread's fragment
+    half = groups // 2                      # SWIGLU: gate groups, then up groups
+
+    @kjit(device=True, inline="always")
+    def mma_slice(acc, smem, da, db):
+        acc = wgmma_fence(acc)
+        acc = mma(acc, smem, da, db)
+        acc = mma(acc, smem, da + 2, db + 2)
+        acc = mma(acc, smem, da + 4, db + 4)
+        acc = mma(acc, smem, da + 6, db + 6)
+        wgmma_commit()
+        return acc
+
+    @kjit(device=True, inline="always")
+    def store_tile(out, c, acc, r, col, n_out, limit):
+        store_f32_tuple(c, acc)
+        if swiglu_epilogue:
+            for j in range(half):
+                x = 4 * j
+                y = 4 * (j + half)
+                cj = col + 8 * j
+                out[(r * n_out + cj) // 2] = pack_bf16x2(
+                    swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
+                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(
+                    swiglu(c[x + 2], c[y + 2], limit), swiglu(c[x + 3], c[y + 3], limit))
+        else:
+            for j in range(groups):
+                x = 4 * j
+                cj = col + 8 * j
+                out[(r * n_out + cj) // 2] = pack_bf16x2(c[x], c[x + 1])
+                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
+
+    return mma_slice, store_tile
+
+
 def smem_bytes(bn, stages):
     """Dynamic shared memory of one block (the ring + slack to align it to 1024 bytes)."""
     return stages * (BM + bn) * ROW_BYTES + 1024
@@ -64,10 +111,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
     """
     assert bn in _WGMMA and stages >= 3
-    mma = _WGMMA[bn]
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
     nacc = bn // 2                          # fp32 accumulators per thread
-    groups = bn // 8                        # 8-column groups in a thread's fragment
-    half = groups // 2                      # SWIGLU: gate groups, then up groups
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
     prefetch = stages - 2
@@ -154,38 +199,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 cp_async_commit()
                 if active:
                     soff = ((kt % stages) * stage_bytes) >> 4
-                    da = desc_a0 + soff
-                    db = desc_b0 + soff
-                    acc = wgmma_fence(acc)
-                    acc = mma(acc, smem, da, db)              # k16 steps: +32 bytes each
-                    acc = mma(acc, smem, da + 2, db + 2)
-                    acc = mma(acc, smem, da + 4, db + 4)
-                    acc = mma(acc, smem, da + 6, db + 6)
-                    wgmma_commit()
-                    acc = wgmma_wait(acc, 1)
+                    acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff), 1)
             acc = wgmma_wait(acc, 0)
             cp_async_wait(0)
             cuda.syncthreads()                 # both warpgroups done with the ring
 
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_f32_tuple(c, acc)
-            r = row0 + frag_row
-            if swiglu_epilogue:
-                for j in range(half):
-                    x = 4 * j
-                    y = 4 * (j + half)
-                    col = col0 + 8 * j + frag_col
-                    out[(r * n_out + col) // 2] = pack_bf16x2(
-                        swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
-                    out[((r + 8) * n_out + col) // 2] = pack_bf16x2(
-                        swiglu(c[x + 2], c[y + 2], limit),
-                        swiglu(c[x + 3], c[y + 3], limit))
-            else:
-                for j in range(groups):
-                    x = 4 * j
-                    col = col0 + 8 * j + frag_col
-                    out[(r * n_out + col) // 2] = pack_bf16x2(c[x], c[x + 1])
-                    out[((r + 8) * n_out + col) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
+            store_tile(out, c, acc, row0 + frag_row, col0 + frag_col, n_out, limit)
             t += cuda.gridDim.x
 
     kernel.smem_bytes = smem_bytes(bn, stages)

@@ -41,13 +41,12 @@ deterministic.
 from numba import cuda, float32, int64, uint16
 
 from .cuda_compat import kjit
-from .grouped_gemm_kernels import find_tile, swiglu
-from .grouped_gemm_wgmma_kernels import _DESC_HIGH, _WGMMA, BK, BM, ROW_BYTES
+from .grouped_gemm_kernels import find_tile
+from .grouped_gemm_wgmma_kernels import _DESC_HIGH, _WGMMA, BK, BM, ROW_BYTES, make_tile_ops
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_proxy_async, mbarrier_arrive,
-                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, setmaxnreg_dec,
-                         setmaxnreg_inc, shared_addr, store_f32_tuple, syncwarp, trap,
-                         wgmma_commit, wgmma_fence, wgmma_wait)
+                         mbarrier_init, mbarrier_try_wait, setmaxnreg_dec, setmaxnreg_inc,
+                         shared_addr, syncwarp, trap, wgmma_wait)
 
 CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
@@ -77,10 +76,8 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
     """
     assert bn in _WGMMA and stages >= 2
-    mma = _WGMMA[bn]
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
     nacc = bn // 2                          # fp32 accumulators per consumer thread
-    groups = bn // 8                        # 8-column groups in a thread's fragment
-    half = groups // 2                      # SWIGLU: gate groups, then up groups
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
     ring_bytes = stages * stage_bytes
@@ -196,15 +193,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                 if active:
                     fence_proxy_async()
                     soff = (s * stage_bytes) >> 4
-                    da = desc_a0 + soff
-                    db = desc_b0 + soff
-                    acc = wgmma_fence(acc)
-                    acc = mma(acc, smem, da, db)              # k16 steps: +32 bytes each
-                    acc = mma(acc, smem, da + 2, db + 2)
-                    acc = mma(acc, smem, da + 4, db + 4)
-                    acc = mma(acc, smem, da + 6, db + 6)
-                    wgmma_commit()
-                    acc = wgmma_wait(acc, 1)
+                    acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff), 1)
                     if prev >= 0:
                         release(smem, empty0 + 8 * prev, lane)
                     prev = s
@@ -216,24 +205,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                 release(smem, empty0 + 8 * prev, lane)
 
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_f32_tuple(c, acc)
-            r = row0 + frag_row
-            if swiglu_epilogue:
-                for j in range(half):
-                    x = 4 * j
-                    y = 4 * (j + half)
-                    col = col0 + 8 * j + frag_col
-                    out[(r * n_out + col) // 2] = pack_bf16x2(
-                        swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
-                    out[((r + 8) * n_out + col) // 2] = pack_bf16x2(
-                        swiglu(c[x + 2], c[y + 2], limit),
-                        swiglu(c[x + 3], c[y + 3], limit))
-            else:
-                for j in range(groups):
-                    x = 4 * j
-                    col = col0 + 8 * j + frag_col
-                    out[(r * n_out + col) // 2] = pack_bf16x2(c[x], c[x + 1])
-                    out[((r + 8) * n_out + col) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
+            store_tile(out, c, acc, row0 + frag_row, col0 + frag_col, n_out, limit)
             t += grid
 
     kernel.smem_bytes = smem_bytes(bn, stages)

@@ -130,14 +130,22 @@ red_add_release_gpu = _release_update(
     "Atomic add with release semantics (GPU scope): publish 'my rows are written'.")
 
 
-@intrinsic
-def syncwarp(typingctx):
-    """Barrier of the 32 lanes of a warp, which also orders their shared/global memory accesses
-    (``bar.warp.sync``): lanes exchange values through shared memory around it."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(), codegen
+def _statement(name, text, doc):
+    """An asm statement with no operands, ordered against memory (side effect + clobber)."""
+    def impl(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(), codegen
+    impl.__doc__ = doc
+    impl.__name__ = name
+    return intrinsic(impl)
+
+
+syncwarp = _statement(
+    "syncwarp", "bar.warp.sync -1;",
+    "Barrier of the 32 lanes of a warp, which also orders their shared/global memory accesses "
+    "(``bar.warp.sync``): lanes exchange values through shared memory around it.")
 
 
 @intrinsic
@@ -353,12 +361,9 @@ def cp_async_16(typingctx, smem, sidx, gmem, gidx, src_bytes):
     return types.void(smem, sidx, gmem, gidx, src_bytes), codegen
 
 
-@intrinsic
-def cp_async_commit(typingctx):
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(), codegen
+cp_async_commit = _statement(
+    "cp_async_commit", "cp.async.commit_group;",
+    "Close this thread's cp.async copies issued so far into one group.")
 
 
 @intrinsic
@@ -415,13 +420,9 @@ wgmma_fence = _acc_passthrough(
     "Before a warpgroup's first wgmma of a batch: orders earlier register/shared writes.")
 
 
-@intrinsic
-def wgmma_commit(typingctx):
-    """Close the batch of wgmmas issued so far into one group (per warpgroup)."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "wgmma.commit_group.sync.aligned;", "~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(), codegen
+wgmma_commit = _statement(
+    "wgmma_commit", "wgmma.commit_group.sync.aligned;",
+    "Close the batch of wgmmas issued so far into one group (per warpgroup).")
 
 
 @intrinsic
@@ -442,14 +443,10 @@ def wgmma_wait(typingctx, acc, pending):
     return acc(acc, pending), codegen
 
 
-@intrinsic
-def fence_proxy_async(typingctx):
-    """Make this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to
-    the async proxy that wgmma reads its operands through."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "fence.proxy.async.shared::cta;", "~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(), codegen
+fence_proxy_async = _statement(
+    "fence_proxy_async", "fence.proxy.async.shared::cta;",
+    "Make this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to the "
+    "async proxy that wgmma reads its operands through.")
 
 
 @intrinsic
@@ -490,9 +487,10 @@ def _wgmma_bf16(n):
             return _tuple(context, builder, sig, res, nacc)
         return acc(acc, smem, desc_a, desc_b), codegen
     impl.__doc__ = (f"acc += A(64x16) . B(16x{n}), one warpgroup; A, B from shared memory "
-                    "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte swizzle. Thread t of the "
-                    "warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) and columns "
-                    "8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, 8j + 2*(t%4) + c].")
+                    "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte "
+                    "swizzle. Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) "
+                    "and columns 8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, "
+                    "8j + 2*(t%4) + c].")
     impl.__name__ = f"wgmma_m64n{n}k16_bf16"
     return intrinsic(impl)
 
@@ -537,18 +535,29 @@ def mbarrier_init(typingctx, smem, addr, count):
     return types.void(smem, addr, count), codegen
 
 
-@intrinsic
-def mbarrier_arrive(typingctx, smem, addr):
-    """One arrival (release semantics: this thread's earlier accesses happen before)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
+def _mbarrier_op(name, text, doc):
+    """An mbarrier operation that takes only the barrier's shared address ($0)."""
+    def impl(typingctx, smem, addr):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        _asm(builder, ir.VoidType(), [a],
-             "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", "r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            _asm(builder, ir.VoidType(), [a], text, "r,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(smem, addr), codegen
+    impl.__doc__ = doc
+    impl.__name__ = name
+    return intrinsic(impl)
+
+
+mbarrier_arrive = _mbarrier_op(
+    "mbarrier_arrive", "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }",
+    "One arrival (release semantics: this thread's earlier accesses happen before).")
+cp_async_mbarrier_arrive = _mbarrier_op(
+    "cp_async_mbarrier_arrive", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+    "Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed "
+    "(``.noinc``: the arrival is counted in the barrier's expected count).")
 
 
 @intrinsic
@@ -567,29 +576,10 @@ def mbarrier_try_wait(typingctx, smem, addr, parity):
     return types.uint32(smem, addr, parity), codegen
 
 
-@intrinsic
-def cp_async_mbarrier_arrive(typingctx, smem, addr):
-    """Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed
-    (``.noinc``: the arrival is counted in the barrier's expected count)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        _asm(builder, ir.VoidType(), [a], "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
-             "r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr), codegen
-
-
-@intrinsic
-def trap(typingctx):
-    """Abort the kernel (the host sees a launch failure): for waits that can only time out
-    through a bug in the kernel itself."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "trap;", "~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(), codegen
+trap = _statement(
+    "trap", "trap;",
+    "Abort the kernel (the host sees a launch failure): for waits that can only time out through "
+    "a bug in the kernel itself.")
 
 
 def _setmaxnreg(direction):
