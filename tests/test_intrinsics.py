@@ -5,7 +5,7 @@ The same file runs on a GPU (``pytest tests/test_intrinsics.py`` without the sim
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
@@ -14,6 +14,9 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
                                  ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, shared_addr, st_release_sys, st_v4)
+from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
+                                 mbarrier_try_wait, store_f32_tuple, wgmma_commit, wgmma_fence,
+                                 wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_wait)
 
 
 def bf16_bits(a):
@@ -237,3 +240,95 @@ def test_cp_async_twin_is_asynchronous():
     out = np.zeros(2, np.uint16)
     _cp_async_no_wait[1, 32](np.full(8, 9, np.uint16), out)
     assert list(out) == [7, 9]
+
+
+# ---- wgmma from swizzled shared memory -----------------------------------------------------------
+
+_WGMMA_N = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16}
+
+
+def _make_wgmma_slice(n):
+    """One warpgroup: A [64, 64] and B [n, 64] (bf16, K-major) staged with plain stores in the
+    128-byte-swizzled layout, then one K slice = 4 wgmma k16 steps through descriptors whose
+    start address advances 32 bytes per step -- exactly what the GEMM kernels do."""
+    from mok_core.grouped_gemm_wgmma_kernels import _DESC_HIGH
+    mma = _WGMMA_N[n]
+    elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
+    nacc = n // 2
+
+    @kjit
+    def kernel(a, b, d):
+        sm = cuda.shared.array(elems, uint16)
+        t = cuda.threadIdx.x
+        base = shared_addr(sm)
+        pad = (1024 - base % 1024) % 1024
+        for idx in range(t, (64 + n) * 8, 128):
+            r = idx // 8
+            ch = idx % 8
+            dst = pad // 2 + r * 64 + (ch ^ (r % 8)) * 8
+            for e in range(8):
+                if r < 64:
+                    sm[dst + e] = a[r * 64 + ch * 8 + e]
+                else:
+                    sm[dst + e] = b[(r - 64) * 64 + ch * 8 + e]
+        fence_proxy_async()
+        cuda.syncthreads()
+        da = int64(_DESC_HIGH) + int64((base + pad) >> 4)
+        db = int64(_DESC_HIGH) + int64((base + pad + 64 * 128) >> 4)
+        acc = wgmma_fence(f32_zeros(nacc))
+        acc = mma(acc, sm, da, db)
+        acc = mma(acc, sm, da + 2, db + 2)
+        acc = mma(acc, sm, da + 4, db + 4)
+        acc = mma(acc, sm, da + 6, db + 6)
+        wgmma_commit()
+        acc = wgmma_wait(acc, 0)
+        c = cuda.local.array(nacc, float32)
+        store_f32_tuple(c, acc)
+        row = 16 * (t // 32) + (t % 32) // 4
+        col = 2 * (t % 4)
+        for j in range(n // 8):
+            for h in range(2):
+                for q in range(2):
+                    d[(row + 8 * h) * n + 8 * j + col + q] = c[4 * j + 2 * h + q]
+    return kernel
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_descriptors_swizzle_and_fragments(n):
+    from mok_core.cuda_compat import SIM
+    if not SIM and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    rng = np.random.default_rng(n)
+    A = bf16_bits(rng.standard_normal((64, 64)))
+    B = bf16_bits(rng.standard_normal((n, 64)))
+    D = to_dev(np.full(64 * n, np.nan, np.float32))
+    _make_wgmma_slice(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
+    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T
+    np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+# ---- mbarrier phases -----------------------------------------------------------------------------
+
+@kjit
+def _mbarrier_phases(out):
+    bar = cuda.shared.array(1, uint64)
+    data = cuda.shared.array(2, int32)
+    t = cuda.threadIdx.x
+    addr = shared_addr(bar)
+    if t == 0:
+        mbarrier_init(bar, addr, 2)
+    cuda.syncthreads()
+    if t < 2:
+        data[t] = 10 + t
+        mbarrier_arrive(bar, addr)          # release: the write above is visible to waiters
+    if t == 2:
+        while mbarrier_try_wait(bar, addr, 0) == 0:
+            pass
+        out[0] = data[0] + data[1]
+        out[1] = mbarrier_try_wait(bar, addr, 1)     # phase 1 has not completed
+
+
+def test_mbarrier_phase_completes_after_count_arrivals():
+    out = to_dev(np.full(2, -1, np.int32))
+    _mbarrier_phases[1, 32](out)
+    assert list(to_host(out)) == [21, 0]

@@ -31,3 +31,19 @@ def test_intrinsic_lowers(name):
     ptx = compile_sm90(kernel, sig)
     for p in patterns:
         assert count(ptx, p) >= 1, f"{p} missing from {name} PTX"
+
+
+def test_wgmma_and_mbarrier_kernels_lower_for_sm90a():
+    """The wgmma unit kernel (sm_90a only) and the mbarrier one compile to what they promise."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice(64).py_func, (u16, u16, f32), cc=(9, 0, "a"))
+    for p in (r"wgmma\.fence\.sync\.aligned", r"wgmma\.mma_async\.sync\.aligned\.m64n64k16",
+              r"wgmma\.commit_group", r"wgmma\.wait_group\.sync\.aligned 0",
+              r"fence\.proxy\.async\.shared::cta"):
+        assert count(ptx, p) >= 1, f"{p} missing"
+    assert count(ptx, r"wgmma\.mma_async") == 4
+    ptx = compile_sm90(ti._mbarrier_phases, (i32,))
+    for p in (r"mbarrier\.init\.shared::cta\.b64", r"mbarrier\.arrive\.shared::cta\.b64",
+              r"mbarrier\.try_wait\.parity\.shared::cta\.b64"):
+        assert count(ptx, p) >= 1, f"{p} missing"
