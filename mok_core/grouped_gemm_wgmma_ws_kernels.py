@@ -83,7 +83,8 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     ring_bytes = stages * stage_bytes
     a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
     b_rows_lane = bn // 16
-    b_gate_lane = b_rows_lane // 2          # SWIGLU: B rows [0, BN/2) gate, then up
+    b_first = b_rows_lane // 2 if swiglu_epilogue else b_rows_lane   # rows from w0 (gate)
+    _PASS_BYTES = 16 * ROW_BYTES            # 16 rows on: the next row of this thread
     uses_index = gather or padding_index
     # .maxntid 384 makes ptxas budget LAUNCH_REGISTERS at entry (setmaxnreg moves them later).
     opts = {"max_registers": max_registers or LAUNCH_REGISTERS, "launch_bounds": (THREADS, 1)}
@@ -128,8 +129,9 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             # ---------------- producer warpgroup ----------------
             setmaxnreg_dec(PRODUCER_REGISTERS)
             p = tid - CONSUMERS
-            row_in = p // 8                     # this thread's rows: row_in + 16 j
-            chunk = p % 8
+            row_in = p // 8                     # this thread's rows: row_in + 16 j, so
+            chunk = p % 8                       # every row has the same swizzle (16 j % 8 = 0)
+            lane_dst = ring + row_in * ROW_BYTES + ((chunk ^ (row_in % 8)) * 16)
             a_src = cuda.local.array(a_rows_lane, int64)     # < 0: padding row
             i = 0
             t = cuda.blockIdx.x
@@ -145,22 +147,19 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                     s = i % stages
                     if i >= stages:
                         wait_phase(smem, empty0 + 8 * s, (i // stages - 1) & 1)
-                    dst = ring + s * stage_bytes + row_in * ROW_BYTES
+                    dst = lane_dst + s * stage_bytes
                     k0 = kt * BK
                     for j in range(a_rows_lane):
-                        r = row_in + 16 * j
                         src = a_src[j]          # padding row: zero-fill, no global read
-                        cp_async_16_at(smem, dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16),
-                                       a, max(src, 0) + k0, 16 if src >= 0 else 0)
+                        cp_async_16_at(smem, dst + j * _PASS_BYTES, a, max(src, 0) + k0,
+                                       16 if src >= 0 else 0)
                     dst += a_stage
-                    for j in range(b_rows_lane):
-                        r = row_in + 16 * j
-                        d = dst + 16 * j * ROW_BYTES + ((chunk ^ (r % 8)) * 16)
-                        if swiglu_epilogue and j >= b_gate_lane:
-                            cp_async_16_at(smem, d, w1, b_src + (j - b_gate_lane) * b_step + k0,
-                                           16)
-                        else:
-                            cp_async_16_at(smem, d, w0, b_src + j * b_step + k0, 16)
+                    src = b_src + k0
+                    for j in range(b_first):     # B rows from w0 (SWIGLU: the gate rows) ...
+                        cp_async_16_at(smem, dst + j * _PASS_BYTES, w0, src + j * b_step, 16)
+                    for j in range(b_rows_lane - b_first):     # ... then the up rows from w1
+                        cp_async_16_at(smem, dst + (b_first + j) * _PASS_BYTES, w1,
+                                       src + j * b_step, 16)
                     cp_async_mbarrier_arrive(smem, full0 + 8 * s)
                     i += 1
                 t += grid
