@@ -3,12 +3,16 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_layer.py [--presets ...]
              [--tokens 2048,4096,8192] [--iters 30] [--out benchmarks/results/bench_layer.json]
 
+Baselines: torch_native (NCCL all_to_all_single, host-synced splits) and, where this torch has
+it, torch_symm_mem (the same forward over symmetric-memory all_to_all_vdev, splits on device);
+a baseline that is unavailable or fails its check gets a line in "baseline_notes", not a time.
+
 Per preset and tokens/rank: each implementation is first checked against float64 on sampled
-tokens (rel-L1 <= 0.005), then timed: per iteration (routing all-gather + schedule + forward
-for ours; the whole forward for the baseline) CUDA events, max over ranks, median over
-iterations after warm-up. Floor = max(FLOPs / dense cuBLAS rate, NVLink bytes / peer-copy rate),
-both rates measured in this run; NVLink bytes = deduplicated dispatch + combine rows that cross
-GPUs (from our schedule).
+tokens (rel-L1 <= 0.005 ours, 0.01 baselines), then timed: per iteration (routing all-gather +
+schedule + forward for ours; the whole forward for a baseline) CUDA events, max over ranks,
+median over iterations after warm-up. Floor = max(FLOPs / dense cuBLAS rate,
+NVLink bytes / peer-copy rate), both rates measured in this run; NVLink bytes = deduplicated
+dispatch + combine rows that cross GPUs (from our schedule).
 """
 from __future__ import annotations
 
@@ -53,7 +57,32 @@ def check(out, x, ids, w, shared, shape, pick, dev):
     return float((out[pick].double() - ref).abs().sum() / ref.abs().sum())
 
 
-def run_case(name, T, iters, warmup, rates, gemm):
+def symm_mem_baseline(shared, wg, wu, wd, T, shape, x, ids, w, pick, dev):
+    """(TorchSymmMemEP or None, rel-L1, note): built and checked like torch_native; any failure
+    becomes the note, and all ranks agree before anyone times it."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.baselines import torch_symm_mem as tsm
+    base, err = None, float("nan")
+    ok, note = tsm.available()
+    if ok:
+        try:
+            base = tsm.TorchSymmMemEP(*shared, wg, wu, wd, tokens=T, topk=shape.topk)
+            err = check(base.forward(x, ids, w), x, ids, w, shared, shape, pick, dev)
+            ok = err < 1e-2
+            note = "" if ok else f"fails the correctness gate (rel-L1 {err:.2e})"
+        except Exception as e:                  # noqa: BLE001 - recorded, not fatal
+            ok, note = False, f"{type(e).__name__}: {e}"
+    agree = torch.tensor([int(ok)], device=dev)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+    if not agree.item():
+        return None, err, note or "failed on another rank"
+    syncs = tsm.count_host_syncs(lambda: base.forward(x, ids, w))
+    return base, err, f"{syncs} host syncs seen by torch's sync-debug mode in one forward"
+
+
+def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False):
     import torch
     import torch.distributed as dist
 
@@ -84,10 +113,18 @@ def run_case(name, T, iters, warmup, rates, gemm):
             if not err < tol:
                 raise RuntimeError(f"{name} T={T}: {label} fails the correctness gate "
                                    f"(rel-L1 {err:.2e})")
+        symm, err_symm, note = None, None, "not run (opt-in: --symm-mem)"
+        if symm_mem:
+            symm, err_symm, note = symm_mem_baseline(shared, wg, wu, wd, T, shape, x, ids, w,
+                                                     pick, dev)
         dist.barrier()
         t_ours = rank_max_median(time_iters(ours, iters, warmup))
-        dist.barrier()
-        t_base = rank_max_median(time_iters(lambda: base.forward(x, ids, w), iters, warmup))
+        times = {}
+        for label, b in (("torch_native", base), ("torch_symm_mem", symm)):
+            if b is not None:
+                dist.barrier()
+                times[label] = rank_max_median(time_iters(lambda: b.forward(x, ids, w), iters,
+                                                          warmup))
         lw.check()
         # Floor from this rank's actual routed work and NVLink bytes.
         sc = lw.schedule.to_host()
@@ -108,10 +145,18 @@ def run_case(name, T, iters, warmup, rates, gemm):
         torch.cuda.synchronize()
         lw.comm.free()
     return {"preset": name, "tokens_per_rank": T, "ep": R, "ours_ms": t_ours,
-            "baselines": {"torch_native": t_base}, "floor_ms": floor,
-            "speedup_vs_best_baseline": t_base / t_ours, "ours_over_floor": t_ours / floor,
-            "ours_rel_l1": err_ours, "baseline_rel_l1": err_base, "gpu": gpu_name(),
+            "baselines": times, "baseline_notes": {"torch_symm_mem": note}, "floor_ms": floor,
+            "speedup_vs_best_baseline": min(times.values()) / t_ours,
+            "ours_over_floor": t_ours / floor, "ours_rel_l1": err_ours,
+            "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
             "gemm": str(gemm)}
+
+
+BASELINE_LABELS = {"torch_native": "torch native EP", "torch_symm_mem": "torch symm-mem EP"}
+
+
+def baseline_names(rows):
+    return [b for b in BASELINE_LABELS if any(b in r["baselines"] for r in rows)]
 
 
 def plot(rows, path):
@@ -122,13 +167,16 @@ def plot(rows, path):
     except ImportError:
         return
     labels = [f"{r['preset']}\nT={r['tokens_per_rank']}" for r in rows]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
-    ax.bar([i - 0.27 for i in xs], [r["ours_ms"] for r in rows], 0.27, label="MoK-Py")
-    ax.bar(list(xs), [r["baselines"]["torch_native"] for r in rows], 0.27,
-           label="torch native EP")
-    ax.bar([i + 0.27 for i in xs], [r["floor_ms"] for r in rows], 0.27, label="floor")
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    bars = [("MoK-Py", [r["ours_ms"] for r in rows])]
+    bars += [(BASELINE_LABELS[b], [r["baselines"].get(b, 0.0) for r in rows])
+             for b in baseline_names(rows)]
+    bars.append(("floor", [r["floor_ms"] for r in rows]))
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(bars) * len(rows)), 4))
+    for j, (label, ys) in enumerate(bars):
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in range(len(rows))], ys, width,
+               label=label)
+    ax.set_xticks(list(range(len(rows))), labels, fontsize=7)
     ax.set_ylabel("forward ms (max over ranks, median)")
     ax.legend()
     fig.tight_layout()
@@ -143,6 +191,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--gemm-from", default="",
                     help="bench_ffn sweep JSON: use its fastest GEMM config")
+    ap.add_argument("--symm-mem", action="store_true",
+                    help="also run the torch symmetric-memory (NVSHMEM all_to_all_vdev) baseline "
+                         "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
@@ -172,19 +223,23 @@ def main(argv=None):
         for T in map(int, args.tokens.split(",")):
             if rank0:
                 progress(f"layer {name} T={T}")
-            rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm))
+            rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm,
+                                 args.symm_mem))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
-                progress(f"  ours {r['ours_ms']:.2f} ms  torch {r['baselines']['torch_native']:.2f}"
-                         f" ms  floor {r['floor_ms']:.2f} ms  speedup "
-                         f"{r['speedup_vs_best_baseline']:.2f}x")
+                base = "  ".join(f"{b} {ms:.2f} ms" for b, ms in r["baselines"].items())
+                progress(f"  ours {r['ours_ms']:.2f} ms  {base}  floor {r['floor_ms']:.2f} ms  "
+                         f"speedup {r['speedup_vs_best_baseline']:.2f}x  "
+                         f"(symm-mem: {r['baseline_notes']['torch_symm_mem']})")
     if rank0:
         write_json(args.out, rows)
         plot(rows, args.out.replace(".json", ".png"))
-        flat = [dict(r, torch_native_ms=r["baselines"]["torch_native"]) for r in rows]
-        print(table(flat, ["preset", "tokens_per_rank", "ep", "ours_ms", "torch_native_ms",
-                           "floor_ms", "speedup_vs_best_baseline", "ours_over_floor"]))
+        names = baseline_names(rows)
+        flat = [dict(r, **{f"{b}_ms": r["baselines"].get(b) for b in names}) for r in rows]
+        print(table(flat, ["preset", "tokens_per_rank", "ep", "ours_ms",
+                           *(f"{b}_ms" for b in names), "floor_ms", "speedup_vs_best_baseline",
+                           "ours_over_floor"]))
     bootstrap.finalize()
     dist.destroy_process_group()
 

@@ -3,7 +3,7 @@
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite launch-suite demo bench-schedule bench-ffn
-#        bench-ffn-sweep bench-ffn-quick bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
+#        bench-ffn-sweep bench-ffn-quick bench-layer-symm bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -60,6 +60,9 @@ for s in "$@"; do
     bench-layer-4096) step bench-layer-4096 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --tokens 4096 --gemm-from "$OUT/bench_ffn_sweep.json" \
          --out "$OUT/bench_layer.json" ;;
+    bench-layer-symm) step bench-layer-symm torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --presets kimi-k2.7 --tokens 4096 --iters 10 --symm-mem \
+         --out "$OUT/bench_layer_symm.json" ;;
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --gemm-from "$OUT/bench_ffn_sweep.json" \

@@ -1,5 +1,6 @@
-"""The torch-native EP baseline (benchmarks/baselines) is a correct MoE layer: one process,
-gloo, CPU tensors, vs the float64 reference -- so the GPU benchmark compares like with like."""
+"""The EP baselines (benchmarks/baselines) are correct MoE layers: one process, gloo, CPU
+tensors, vs the float64 reference -- so the GPU benchmark compares like with like. The
+symmetric-memory one runs with its exchange replaced by the one-rank copy (no NVSHMEM here)."""
 import socket
 
 import pytest
@@ -35,3 +36,53 @@ def test_torch_native_baseline_matches_reference(gloo_world_of_one, limit):
     ref = reference_tokens(x, ids, w, shared, lambda e: synthetic.expert_weights(shape, e, "cpu"),
                            limit)
     assert float((out.double() - ref).abs().sum() / ref.abs().sum()) < 1e-2
+
+
+def test_symm_mem_bookkeeping_real_numbers():
+    """Send plan and expert layout of the symmetric-memory baseline, on device-style tensors."""
+    from benchmarks.baselines.torch_symm_mem import expert_layout, row_width, send_plan
+    # 2 ranks x 2 experts; slot order t*k + j; -1 masked -> sorted last, never sent.
+    order, counts = send_plan(torch.tensor([[0, 3], [-1, 2], [1, -1]]), 2, 2)
+    assert order.tolist() == [0, 4, 1, 3, 2, 5] and counts.tolist() == [2, 2]
+    # 6 received rows (source 0: 4, source 1: 2) then 2 stale ones; 3 experts, groups of 4.
+    recv_e = torch.tensor([2, 0, 2, 1, 0, 2, 9, 9], dtype=torch.int32)
+    pos, offs = expert_layout(recv_e, torch.tensor(6), 3, align=4)
+    assert offs.tolist() == [4, 8, 12]
+    assert pos.tolist() == [8, 0, 9, 4, 1, 10, 12, 13]
+    # Exchanged rows: hidden + an int32, bytes a multiple of 16 and of 64 // ranks.
+    assert row_width(7168, 2) == 7184 and row_width(7168, 1) == 7200
+    for ranks in range(1, 9):
+        b = 2 * row_width(4096, ranks)
+        assert b % 16 == 0 and b % max(64 // ranks, 1) == 0
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+def test_torch_symm_mem_baseline_matches_reference(gloo_world_of_one, limit):
+    """The whole symm-mem forward on one rank, its exchange replaced by the copy that
+    all_to_all_vdev to oneself is (plain tensors instead of symmetric ones)."""
+    from benchmarks.baselines.torch_symm_mem import TorchSymmMemEP
+
+    class Loopback(TorchSymmMemEP):
+        def _buffer(self, shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        def _exchange(self, inp, out, in_splits, splits_offsets):
+            out.copy_(inp)                   # one rank: recv and send have the same shape
+            splits_offsets[0] = in_splits
+            splits_offsets[1] = 0
+
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=1)
+    x, ids, w = synthetic.rank_inputs(shape, 40, 0, "cpu", masked=0.1, skew=0.5)
+    wg, wu, wd = synthetic.local_expert_weights(shape, 0, "cpu")
+    shared = synthetic.shared_weights(shape, "cpu")
+    base = Loopback(*shared, wg, wu, wd, tokens=48, topk=2)     # built for more than used
+    out = base.forward(x, ids, w, swiglu_limit=limit)
+    again = base.forward(x, ids, w, swiglu_limit=limit)          # stale buffers from call 1
+    ref = reference_tokens(x, ids, w, shared, lambda e: synthetic.expert_weights(shape, e, "cpu"),
+                           limit)
+    assert float((out.double() - ref).abs().sum() / ref.abs().sum()) < 1e-2
+    assert torch.equal(out, again)
+    assert (ids < 0).any()                   # the masked path was exercised
+    from benchmarks.baselines.torch_native import TorchNativeEP
+    assert torch.equal(out, TorchNativeEP(*shared, wg, wu, wd).forward(x, ids, w, limit))
