@@ -128,8 +128,8 @@ def main(argv=None):
                     help="time SWEEP configs on kimi-k2.7 first, then run with the fastest")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
     args = ap.parse_args(argv)
-    from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
-    cfg = DEFAULT_GEMM
+    from mok_core.grouped_gemm import GemmConfig, default_gemm
+    cfg = default_gemm()
     if args.gemm:
         cfg = parse_gemm(args.gemm)
     rng = np.random.default_rng(0)

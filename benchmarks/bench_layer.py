@@ -196,8 +196,8 @@ def main(argv=None):
                          "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
-    from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
-    gemm = DEFAULT_GEMM
+    from mok_core.grouped_gemm import GemmConfig
+    gemm = None                                  # default_gemm() once a device is selected
     if args.gemm_from and os.path.exists(args.gemm_from):
         import json
         trial = json.load(open(args.gemm_from))
@@ -214,6 +214,8 @@ def main(argv=None):
     from mok_comm import bootstrap
     bootstrap.init("torch")
     rates = ceilings()
+    from mok_core.grouped_gemm import default_gemm
+    gemm = gemm or default_gemm()
     rank0 = dist.get_rank() == 0
     if rank0:
         progress(f"GEMM tiles: {gemm}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import as_device_array, device_empty, device_full, upload
-from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.grouped_gemm import GemmConfig, default_gemm, down, gate_up_swiglu
 from mok_core.schedule import Schedule
 from mok_core.schedule import build_schedule as _schedule_kernels
 
@@ -111,13 +111,14 @@ def _digest(cfg) -> int:
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
-                  gemm: GemmConfig = DEFAULT_GEMM, verify: bool = True,
+                  gemm: GemmConfig | None = None, verify: bool = True,
                   stream=0) -> LayerWorkspace:
     """Allocate the layer workspace on ``heap`` (collective on NVSHMEM: every rank calls it
     with the same arguments). With ``verify`` (default) the ranks compare fingerprints of their
     shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
     sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)"""
     T = tokens_per_rank
+    gemm = gemm or default_gemm()
     if heap.ep_size != shape.ep_size:
         raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
     if config.row_align % gemm.bm:

@@ -92,11 +92,32 @@ class GemmConfig:
 WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
-DEFAULT_GEMM = SIM_GEMM if SIM else WGMMA_GEMM
+
+
+def default_gemm() -> GemmConfig:
+    """The tiles used when a caller passes none: wgmma on Hopper (sm_90 -- wgmma exists only
+    there), mma.sync on other GPUs (sm_80+), small mma.sync tiles on the simulator. Asks the
+    current device, so call it where a CUDA context exists (at launch or workspace creation)."""
+    if SIM:
+        return SIM_GEMM
+    from numba import cuda
+    return WGMMA_GEMM if cuda.get_current_device().compute_capability == (9, 0) \
+        else MMA_SYNC_GEMM
+
+
+def _require_arch(cfg: GemmConfig):
+    if cfg.mma == "mma_sync" or SIM:
+        return
+    from numba import cuda
+    cc = cuda.get_current_device().compute_capability
+    if cc != (9, 0):
+        raise ValueError(f"GemmConfig(mma={cfg.mma!r}) needs a Hopper GPU (sm_90); this device "
+                         f"is sm_{cc[0]}{cc[1]}: use mma='mma_sync' (e.g. MMA_SYNC_GEMM)")
 
 
 @lru_cache(maxsize=None)
 def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
+    _require_arch(cfg)
     if cfg.mma == "wgmma":
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
                                               max_registers=cfg.max_registers)
@@ -120,7 +141,7 @@ def _check_offsets(expert_offsets, num_rows, num_experts):
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
-                   swiglu_limit=None, config: GemmConfig = DEFAULT_GEMM, stream=0):
+                   swiglu_limit=None, config: GemmConfig | None = None, stream=0):
     """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16.
 
     Arguments:
@@ -132,6 +153,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
         swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
     """
+    config = config or default_gemm()
     x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
     A_rows, H = x.shape
     w_gate = as_device_array(w_gate, "w_gate", dtype=np.uint16, ndim=3)
@@ -156,7 +178,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
 
 
 def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
-         config: GemmConfig = DEFAULT_GEMM, stream=0):
+         config: GemmConfig | None = None, stream=0):
     """y[r] = hidden[r] W_down[e]^T, bf16.
 
     Arguments:
@@ -167,6 +189,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
         row_index: optional int32 [C], < 0 on padding rows (the gate/up ``a_index``): lets the
             wgmma kernel skip all-padding half tiles (their y rows are written as zeros).
     """
+    config = config or default_gemm()
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, ndim=2)
     C, I = hidden.shape
     w_down = as_device_array(w_down, "w_down", dtype=np.uint16, ndim=3)

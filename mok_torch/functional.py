@@ -15,7 +15,7 @@ from mok_comm import functional as F
 from mok_comm.heap import LocalHeap, NvshmemHeap
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
-from mok_core.grouped_gemm import DEFAULT_GEMM, GemmConfig
+from mok_core.grouped_gemm import GemmConfig
 
 
 def _stream():
@@ -46,7 +46,7 @@ def _bits(t, name):
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(), *,
-                  gemm: GemmConfig = DEFAULT_GEMM, heap=None) -> F.LayerWorkspace:
+                  gemm: GemmConfig | None = None, heap=None) -> F.LayerWorkspace:
     """Layer workspace for this rank. EP = 1: local buffers, no NVSHMEM. EP > 1: NVSHMEM is
     initialised from the running torch.distributed group (or ``mok_comm.launch``'s environment)
     and every rank of the world is one EP rank. Collective: all ranks call it alike."""
