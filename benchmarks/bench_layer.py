@@ -82,7 +82,58 @@ def symm_mem_baseline(shared, wg, wu, wd, T, shape, x, ids, w, pick, dev):
     return base, err, f"{syncs} host syncs seen by torch's sync-debug mode in one forward"
 
 
-def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False):
+def step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, iters):
+    """{step: ms}: every launch group of our layer timed alone with CUDA events (routing
+    all-gather, barriers, schedule, publish x, shared FFN, dispatch, routed GEMMs, combine,
+    epilogue), median over ``iters``, max over ranks. Barriers include waiting for the slower
+    rank, so they show imbalance too."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common import numba_stream
+    from mok_comm import functional as F
+    from mok_comm import ops
+    s = numba_stream()
+    u16 = torch.uint16
+    publish, schedule = F.schedule_phases(lw, ids, s)
+    phases, _ = F.forward_phases(cfg, lw, lw.schedule, x.view(u16), w,
+                                 *[t.view(u16) if t is not None else None for t in shared],
+                                 wg.view(u16), wu.view(u16),
+                                 wd.view(u16), stream=s)
+
+    def barrier():
+        ops.barrier(lw.comm, s)
+    steps = [("routing all-gather", publish), ("barrier", barrier), ("schedule", schedule)]
+    for i, phase in enumerate(phases):
+        if i:
+            steps.append(("barrier", barrier))
+        steps += [(fn.__name__.replace("_", " "), fn) for fn in phase.steps]
+    samples = [[] for _ in steps]
+    for it in range(iters + 2):
+        dist.barrier()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
+        ev[0].record()
+        for j, (_, fn) in enumerate(steps):
+            fn()
+            ev[j + 1].record()
+        torch.cuda.synchronize()
+        if it >= 2:                                  # 2 warm-up rounds
+            for j in range(len(steps)):
+                samples[j].append(ev[j].elapsed_time(ev[j + 1]))
+    med = torch.tensor([statistics.median(x) for x in samples], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    out = {}
+    for (label, _), ms in zip(steps, med.tolist()):
+        key, n = label, 2
+        while key in out:                            # barrier, barrier 2, ...
+            key, n = f"{label} {n}", n + 1
+        out[key] = ms
+    return out
+
+
+def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False):
     import torch
     import torch.distributed as dist
 
@@ -125,6 +176,12 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False):
                 dist.barrier()
                 times[label] = rank_max_median(time_iters(lambda: b.forward(x, ids, w), iters,
                                                           warmup))
+        steps = {}
+        if breakdown:
+            try:
+                steps = step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, 10)
+            except Exception as e:                  # noqa: BLE001 - diagnostics only
+                progress(f"  breakdown failed: {type(e).__name__}: {e}")
         lw.check()
         # Floor from this rank's actual routed work and NVLink bytes.
         sc = lw.schedule.to_host()
@@ -149,7 +206,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False):
             "speedup_vs_best_baseline": min(times.values()) / t_ours,
             "ours_over_floor": t_ours / floor, "ours_rel_l1": err_ours,
             "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
-            "gemm": str(gemm)}
+            "gemm": str(gemm), "breakdown_ms": steps}
 
 
 BASELINE_LABELS = {"torch_native": "torch native EP", "torch_symm_mem": "torch symm-mem EP"}
@@ -194,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--symm-mem", action="store_true",
                     help="also run the torch symmetric-memory (NVSHMEM all_to_all_vdev) baseline "
                          "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     from mok_core.grouped_gemm import GemmConfig
@@ -226,7 +285,7 @@ def main(argv=None):
             if rank0:
                 progress(f"layer {name} T={T}")
             rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm,
-                                 args.symm_mem))
+                                 args.symm_mem, args.breakdown))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
@@ -234,6 +293,10 @@ def main(argv=None):
                 progress(f"  ours {r['ours_ms']:.2f} ms  {base}  floor {r['floor_ms']:.2f} ms  "
                          f"speedup {r['speedup_vs_best_baseline']:.2f}x  "
                          f"(symm-mem: {r['baseline_notes']['torch_symm_mem']})")
+                if r["breakdown_ms"]:
+                    progress("  steps: " + ", ".join(f"{k} {v:.3f}"
+                                                     for k, v in r["breakdown_ms"].items())
+                             + f" (sum {sum(r['breakdown_ms'].values()):.2f} ms)")
     if rank0:
         write_json(args.out, rows)
         plot(rows, args.out.replace(".json", ".png"))

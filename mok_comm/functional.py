@@ -239,29 +239,51 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
     g = lw.gemm
 
-    def phase0():
+    def publish_x():
         ops.publish_x(lw.comm, x, w, stream)
-        if I_s:
-            gate_up_swiglu(x, lw.shared_index, sg.reshape((1, I_s, H)), su.reshape((1, I_s, H)),
-                           lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
-                           swiglu_limit=swiglu_limit, config=g, stream=stream)
-            down(lw.hidden_shared, sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
-                 lw.y_shared, row_index=lw.shared_index, config=g, stream=stream)
 
-    def phase1():
+    def shared_gate_up():
+        gate_up_swiglu(x, lw.shared_index, sg.reshape((1, I_s, H)), su.reshape((1, I_s, H)),
+                       lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
+                       swiglu_limit=swiglu_limit, config=g, stream=stream)
+
+    def shared_down():
+        down(lw.hidden_shared, sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
+             lw.y_shared, row_index=lw.shared_index, config=g, stream=stream)
+
+    def dispatch():
         ops.dispatch(lw.comm, schedule, stream)
         ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
+
+    def routed_gate_up():
         gate_up_swiglu(lw.comm.x_recv, lw.gather_index, wg, wu, schedule.expert_offsets,
                        schedule.num_rows, lw.hidden, swiglu_limit=swiglu_limit, config=g,
                        stream=stream)
+
+    def routed_down():
         down(lw.hidden, wd, schedule.expert_offsets, schedule.num_rows, lw.y,
              row_index=lw.gather_index, config=g, stream=stream)
+
+    def combine():
         ops.combine(lw.comm, schedule, lw.y, stream)
 
-    def phase2():
+    def epilogue():
         ops.epilogue(lw.comm, w, out, lw.y_shared[:T] if I_s else None, stream)
 
+    shared_steps = [shared_gate_up, shared_down] if I_s else []
+    phase0 = _phase(publish_x, *shared_steps)
+    phase1 = _phase(dispatch, routed_gate_up, routed_down, combine)
+    phase2 = _phase(epilogue)
     return [phase0, phase1, phase2], out
+
+
+def _phase(*steps):
+    """A phase = its launches in order; ``.steps`` exposes them one by one (per-step timing)."""
+    def run():
+        for step in steps:
+            step()
+    run.steps = steps
+    return run
 
 
 def forward(config: MoKConfig, workspace: LayerWorkspace, schedule: Schedule, x, router_weights,
