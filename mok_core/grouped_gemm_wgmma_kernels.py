@@ -14,7 +14,8 @@ what differs is how a tile is computed:
     MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 from two descriptors
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
-Task order of one K step (kt), every thread:
+Task order of one K step (kt), every thread (a tile's first PREFETCH slices are requested
+before the previous tile's epilogue, so their latency hides behind its stores):
 
     1. cp.async.wait  -> my chunks of slice kt landed;  fence.proxy.async (wgmma reads through
                          the async proxy);  __syncthreads -> everyone's chunks landed, and every
@@ -136,6 +137,33 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             else:
                 cp_async_16_at(smem, d, w0, b_src + i * b_pass_elems + k0, 16)
 
+    @kjit(device=True, inline="always")
+    def tile_start(smem, a, a_index, w0, w1, offsets, t, n_tiles, K, n_w, ktiles, dst0, a_src,
+                   a_nb, b_pass_elems, ld_row, ld_chunk, wg):
+        """Tile t: where this thread's chunks come from (A rows gathered; padding rows
+        zero-filled, no read), whether its warpgroup has real rows, and its first PREFETCH
+        slices requested. Returns (first row, first output column, B source, active)."""
+        e, row0, nt = find_tile(offsets, offsets.shape[0] - 1, t, n_tiles, BM)
+        col0 = nt * (bn // 2 if swiglu_epilogue else bn)
+        for i in range(a_passes):
+            r = row0 + ld_row + i * _PASS_ROWS
+            src = a_index[r] if gather else r
+            a_nb[i] = 16
+            if src < 0:
+                a_nb[i] = 0
+                src = 0
+            a_src[i] = src * K + ld_chunk * 8
+        b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
+        active = True
+        if uses_index:
+            active = a_index[row0 + wg * 64] >= 0
+        for s in range(prefetch):
+            if s < ktiles:
+                load_slice(smem, s * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
+                           b_pass_elems, s * BK)
+            cp_async_commit()
+        return row0, col0, b_src, active
+
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
@@ -144,9 +172,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         lane = tid % 32
         frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
         frag_col = 2 * (lane % 4)
-        num_experts = offsets.shape[0] - 1
-        cols_per_tile = bn // 2 if swiglu_epilogue else bn
-        n_tiles = n_out // cols_per_tile
+        n_tiles = n_out // (bn // 2 if swiglu_epilogue else bn)
         total = (num_rows[0] // BM) * n_tiles
         ktiles = K // BK
 
@@ -165,29 +191,19 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         a_nb = cuda.local.array(a_passes, int32)
         c = cuda.local.array(nacc, float32)    # the accumulator, for the epilogue's loop
 
+        # Tile loop. A tile's first PREFETCH slices are requested before the previous tile's
+        # epilogue runs (the ring is free by then), so their latency hides behind its stores.
         t = cuda.blockIdx.x
+        row0 = 0
+        col0 = 0
+        b_src = 0
+        active = True
+        if t < total:
+            row0, col0, b_src, active = tile_start(smem, a, a_index, w0, w1, offsets, t,
+                                                   n_tiles, K, n_w, ktiles, dst0, a_src, a_nb,
+                                                   b_pass_elems, ld_row, ld_chunk, wg)
         while t < total:
-            e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
-            col0 = nt * cols_per_tile
-            for i in range(a_passes):
-                r = row0 + ld_row + i * _PASS_ROWS
-                src = a_index[r] if gather else r
-                a_nb[i] = 16
-                if src < 0:                    # padding row: zero-fill, no global read
-                    a_nb[i] = 0
-                    src = 0
-                a_src[i] = src * K + ld_chunk * 8
-            b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
-            active = True
-            if uses_index:
-                active = a_index[row0 + wg * 64] >= 0
-
             acc = f32_zeros(nacc)
-            for s in range(prefetch):
-                if s < ktiles:
-                    load_slice(smem, s * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
-                               b_pass_elems, s * BK)
-                cp_async_commit()
             for kt in range(ktiles):
                 cp_async_wait(in_flight)
                 fence_proxy_async()
@@ -204,9 +220,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             cp_async_wait(0)
             cuda.syncthreads()                 # both warpgroups done with the ring
 
-            # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_tile(out, c, acc, row0 + frag_row, col0 + frag_col, n_out, limit)
+            out_row = row0 + frag_row
+            out_col = col0 + frag_col
             t += cuda.gridDim.x
+            if t < total:                      # next tile's first slices: in flight now
+                row0, col0, b_src, active = tile_start(smem, a, a_index, w0, w1, offsets, t,
+                                                       n_tiles, K, n_w, ktiles, dst0, a_src,
+                                                       a_nb, b_pass_elems, ld_row, ld_chunk, wg)
+            # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
+            store_tile(out, c, acc, out_row, out_col, n_out, limit)
 
     kernel.smem_bytes = smem_bytes(bn, stages)
     kernel.threads = THREADS
