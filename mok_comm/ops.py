@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_core.cuda_compat import SIM, as_device_array, fill, multiprocessor_count
+from mok_core.cuda_compat import SIM, as_device_array, fill, launch, multiprocessor_count
 
 from .kernels.allgather import push_ids_kernel
 from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
 from .kernels.combine import push_combine_kernel
-from .kernels.dispatch import pull_dispatch_kernel
+from .kernels.dispatch import (BULK_CHUNK, BULK_WARPS, bulk_smem_bytes,
+                               pull_dispatch_bulk_kernel, pull_dispatch_kernel)
 from .kernels.epilogue import combine_epilogue_kernel
 from .kernels.publish import publish_x_kernel
 from .workspace import Workspace
@@ -98,18 +99,35 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
                               ws.config.spin_timeout_cycles, ws.errors)
 
 
-def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
+DISPATCH_VARIANTS = ("ld", "bulk")
+
+
+def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
+             bulk_chunk=BULK_CHUNK) -> None:
     """Pull the rows this rank's experts need into ``ws.x_recv`` (row ``r*T + t``).
 
     Afterwards the GEMM A rows of the expert-sorted space are
     ``x_recv[src_rank*T + src_token]`` (see ``gather_index``); ``ws.ready[q]`` reaches
     ``schedule.minibatch_rows[q]`` once minibatch q's tokens are staged.
+    ``variant``: "ld" (32 lanes of 16-byte loads per row; the layer's default) or "bulk"
+    (lane 0 moves the row with bulk async copies through shared memory, ``bulk_chunk`` bytes
+    at a time; same result).
     """
+    if variant not in DISPATCH_VARIANTS:
+        raise ValueError(f"variant={variant!r}: must be one of {DISPATCH_VARIANTS}")
+    if bulk_chunk <= 0 or bulk_chunk % 16:
+        raise ValueError(f"bulk_chunk={bulk_chunk}: must be a positive multiple of 16 bytes")
     fill(ws.ready, 0, stream)
-    pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
-        np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
-        np.int64(ws.config.minibatch_size))
+    args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
+            np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
+            np.int64(ws.config.minibatch_size))
+    if variant == "ld":
+        pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+        return
+    blocks = num_blocks or (2 if SIM else 3 * multiprocessor_count())
+    launch(pull_dispatch_bulk_kernel, blocks, 32 * BULK_WARPS, stream,
+           bulk_smem_bytes(bulk_chunk), *args, np.int64(bulk_chunk),
+           np.int64(ws.config.spin_timeout_cycles), ws.errors)
 
 
 def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None) -> None:

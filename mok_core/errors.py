@@ -55,6 +55,7 @@ COUNTER_NAMES = {
     1: "x_routed_ready",
     2: "y_routed_ready",
     3: "combine_done",
+    4: "dispatch_bulk_copy",
 }
 
 

@@ -14,12 +14,12 @@ from helpers import to_dev
 from mok_comm import ops
 from mok_comm.emulation import EmulatedGroup
 from mok_core.config import MoKConfig
-from mok_core.cuda_compat import SIM, to_host
+from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule
 
 
-def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg):
+def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     group = EmulatedGroup(R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E, config=cfg)
     wss = group.workspaces
     scheds = [Schedule.allocate(rank=r, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
@@ -32,7 +32,8 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg):
     group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
     group.barrier()
     group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
-    group.each(lambda r, ws: ops.dispatch(ws, scheds[r]))
+    # bulk: 32-byte chunks, so a 64-byte row moves in two (the GPU default is 8 KiB)
+    group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32))
     group.each(lambda r, ws: ops.gather_index(ws, scheds[r], index[r]))
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
@@ -46,9 +47,14 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg):
     return group, scheds, np.stack([to_host(o) for o in out])
 
 
-@pytest.mark.parametrize("R", [2, 3, 4])
-@pytest.mark.parametrize("case", ["skewed", "masked_and_empty_rank"])
-def test_round_trip_exact(R, case):
+@pytest.mark.parametrize("R,case,variant", [
+    (2, "skewed", "ld"), (3, "skewed", "ld"), (4, "skewed", "ld"),
+    (2, "masked_and_empty_rank", "ld"), (3, "masked_and_empty_rank", "ld"),
+    (4, "masked_and_empty_rank", "ld"),
+    # bulk-copy dispatch (rows in two chunks); R = 3 with masked routes and an empty rank
+    (3, "masked_and_empty_rank", "bulk"), (2, "skewed", "bulk"),
+])
+def test_round_trip_exact(R, case, variant):
     rng = np.random.default_rng(R * 10 + len(case))
     T, H, k, E = 24, 32, 3, 2 * R
     skew, masked, empty = (0.7, 0.0, ()) if case == "skewed" else (0.0, 0.3, (R - 1,))
@@ -57,7 +63,7 @@ def test_round_trip_exact(R, case):
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
     cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
-    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)
+    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant)
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
 
     # Dispatch progress counters: every real row counted once, in its minibatch -- the totals

@@ -18,11 +18,23 @@ local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer t
 Rows move as 16-byte loads/stores per lane with up to eight loads in flight per lane (unrolled
 by hand: the compiler cannot hoist loads of a peer buffer over stores it cannot prove apart).
 """
-from numba import cuda
+from numba import cuda, uint16
 
+from mok_core import errors as err
 from mok_core.cuda_compat import kjit
-from mok_core.intrinsics import ld_v4, red_add_release_gpu, st_v4, syncwarp
+from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, clock64,
+                                 ld_v4, mbarrier_arrive_expect_tx, mbarrier_init,
+                                 mbarrier_try_wait, red_add_release_gpu, shared_addr, st_v4,
+                                 syncwarp)
 
+COUNTER_BULK_COPY = 4           # errors.COUNTER_NAMES: a bulk row copy that never landed
+BULK_WARPS = 8                  # warps per block of the bulk variant
+BULK_CHUNK = 8192               # default bytes of shared memory per warp (rows move in chunks)
+
+
+def bulk_smem_bytes(chunk):
+    """Dynamic shared memory of a bulk-dispatch block: a chunk buffer + an mbarrier per warp."""
+    return BULK_WARPS * (chunk + 8)
 
 
 @kjit(device=True, inline="always")
@@ -64,6 +76,17 @@ def copy_row(src, src_off, dst, dst_off, width, lane):
         j += 32
 
 
+@kjit(device=True, inline="always")
+def publish_rows(recv_row, first, k, ready, minibatch_rows, lane):
+    """After this warp's copy of a token: fence, then count its local rows as ready."""
+    cuda.threadfence()
+    syncwarp()                                  # every lane's stores precede the release
+    for s in range(lane, k, 32):
+        row = recv_row[first + s]
+        if row >= 0:
+            red_add_release_gpu(ready, row // minibatch_rows, 1)
+
+
 @kjit
 def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
     """Launch: grid = comm blocks, block = 32 * warps threads.
@@ -87,10 +110,64 @@ def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch
             r = u // T
             if r != me:
                 copy_row(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
-            cuda.threadfence()
-            syncwarp()                              # every lane's stores precede the release
-            for s in range(lane, k, 32):
-                row = recv_row[first + s]
-                if row >= 0:
-                    red_add_release_gpu(ready, row // minibatch_rows, 1)
+            publish_rows(recv_row, first, k, ready, minibatch_rows, lane)
+        u += cuda.gridDim.x * warps
+
+
+@kjit
+def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows,
+                              chunk, timeout_cycles, errors):
+    """Variant of ``pull_dispatch_kernel`` (same arguments + the bounded-wait pair, same result)
+    where lane 0 of each warp moves a row with bulk async copies instead of 32 lanes of
+    16-byte loads: peer x -> shared memory (``cp.async.bulk``, landing counted in bytes on the
+    warp's mbarrier) -> x_recv (bulk store), ``chunk`` bytes (multiple of 16) at a time. The SM's copy engine
+    issues the NVLink requests, so in-flight bytes are no longer bounded by lanes x loads.
+
+    Launch: block = 32 * BULK_WARPS threads, dynamic shared memory ``bulk_smem_bytes(chunk)``. A chunk
+    that has not landed after ``timeout_cycles`` is recorded in ``errors`` (rank, counter
+    'dispatch_bulk_copy', peer) and the row is left unwritten (the host raises)."""
+    smem = cuda.shared.array(0, uint16)
+    warps = cuda.blockDim.x // 32
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    base = shared_addr(smem)
+    buf = base + warp * chunk
+    bar = base + warps * chunk + 8 * warp
+    if lane == 0:
+        mbarrier_init(smem, bar, 1)
+    cuda.syncthreads()
+    phase = 0
+    row_bytes = H * 2
+    n_tokens = recv_row.shape[0] // k
+    u = cuda.blockIdx.x * warps + warp
+    while u < n_tokens:
+        first = u * k
+        needed = False
+        for s in range(k):
+            if recv_row[first + s] >= 0:
+                needed = True
+        if needed:                                  # uniform over the warp
+            r = u // T
+            if r != me and lane == 0:
+                off = 0
+                while off < row_bytes:
+                    n = min(chunk, row_bytes - off)
+                    mbarrier_arrive_expect_tx(smem, bar, n)
+                    bulk_load(smem, buf, peer_x[r], (u % T) * H + off // 2, n, bar)
+                    start = clock64()
+                    while mbarrier_try_wait(smem, bar, phase) == 0:
+                        if clock64() - start > timeout_cycles:
+                            cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
+                            errors[err.TIMEOUT_RANK] = me
+                            errors[err.TIMEOUT_COUNTER] = COUNTER_BULK_COPY
+                            errors[err.TIMEOUT_EXPECTED] = n
+                            errors[err.TIMEOUT_SEEN] = off
+                            errors[err.TIMEOUT_PEER] = r
+                            return
+                    phase ^= 1
+                    bulk_store(x_recv, u * H + off // 2, smem, buf, n)
+                    bulk_commit()
+                    bulk_wait(0)                    # buffer free again, row chunk written
+                    off += n
+            publish_rows(recv_row, first, k, ready, minibatch_rows, lane)
         u += cuda.gridDim.x * warps

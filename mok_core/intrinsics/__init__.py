@@ -12,6 +12,8 @@
                   UniTuple)
     mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, cp_async_mbarrier_arrive,
                   trap; setmaxnreg_inc, setmaxnreg_dec (warp-specialised register split)
+    bulk copies:  mbarrier_arrive_expect_tx, bulk_load (global or peer -> shared, completes
+                  an mbarrier's byte count), bulk_store, bulk_commit, bulk_wait (shared -> global)
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
     "setmaxnreg_inc", "setmaxnreg_dec",
+    "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

@@ -602,3 +602,83 @@ def _setmaxnreg(direction):
 
 setmaxnreg_inc = _setmaxnreg("inc")
 setmaxnreg_dec = _setmaxnreg("dec")
+
+
+# ---- bulk async copies (the copy engine inside the SM: no per-lane requests) -----------------
+
+@intrinsic
+def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
+    """One arrival that also announces ``tx_bytes`` of bulk copies the phase must wait for."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)
+            and isinstance(tx_bytes, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        n = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [a, n],
+             "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }",
+             "r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr, tx_bytes), codegen
+
+
+@intrinsic
+def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
+    """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
+    or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
+    transaction count of the mbarrier at ``bar``."""
+    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
+            and isinstance(gidx, types.Integer) and isinstance(nbytes, types.Integer)
+            and isinstance(bar, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        b = context.cast(builder, args[5], sig.args[5], types.uint32)
+        _asm(builder, ir.VoidType(), [s32, gptr, n, b],
+             "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
+             "mbarrier::complete_tx::bytes [$0], [g], $2, [$3]; }", "r,l,r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, gmem, gidx, nbytes, bar), codegen
+
+
+@intrinsic
+def bulk_store(typingctx, gmem, gidx, smem, saddr, nbytes):
+    """Copy ``nbytes`` (multiple of 16) from the shared byte address ``saddr`` to
+    ``gmem[gidx:]``; tracked by ``bulk_commit`` / ``bulk_wait`` groups."""
+    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
+            and isinstance(gidx, types.Integer) and isinstance(nbytes, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        gptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        _asm(builder, ir.VoidType(), [gptr, s32, n],
+             "{ .reg .u64 g; cvta.to.global.u64 g, $0; "
+             "cp.async.bulk.global.shared::cta.bulk_group [g], [$1], $2; }", "l,r,r,~{memory}",
+             True)
+        return context.get_dummy_value()
+    return types.void(gmem, gidx, smem, saddr, nbytes), codegen
+
+
+bulk_commit = _statement(
+    "bulk_commit", "cp.async.bulk.commit_group;",
+    "Close this thread's bulk stores issued so far into one group.")
+
+
+@intrinsic
+def bulk_wait(typingctx, pending):
+    """Wait until at most ``pending`` (compile-time) bulk store groups are incomplete (their
+    writes done; a fence then publishes them to other threads)."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = int(pending.literal_value)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"cp.async.bulk.wait_group {n};", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(pending), codegen

@@ -293,7 +293,17 @@ def _mbar_key(smem, addr):
 
 
 def _mbar(smem, addr):
-    return _mbarriers.setdefault(_mbar_key(smem, addr), {"count": 0, "left": 0, "phase": 0})
+    b = _mbarriers.get(_mbar_key(smem, addr))
+    if b is None:
+        raise RuntimeError(f"mbarrier at byte {addr} used before mbarrier_init")
+    return b
+
+
+def _settle(b):
+    """A phase completes when all arrivals are in and no announced bytes are outstanding."""
+    if b["left"] == 0 and b["tx"] == 0:
+        b["phase"] += 1
+        b["left"] = b["count"]
 
 
 def mbarrier_init(smem, addr, count):
@@ -301,18 +311,22 @@ def mbarrier_init(smem, addr, count):
         raise ValueError(f"mbarrier at byte {addr}: must be 8-byte aligned")
     with _lock:
         _mbarriers[_mbar_key(smem, addr)] = {"count": int(count), "left": int(count),
-                                                   "phase": 0}
+                                             "phase": 0, "tx": 0}
 
 
 def mbarrier_arrive(smem, addr):
     with _lock:
         b = _mbar(smem, addr)
-        if b["count"] == 0:
-            raise RuntimeError(f"mbarrier at byte {addr} used before mbarrier_init")
         b["left"] -= 1
-        if b["left"] == 0:
-            b["phase"] += 1
-            b["left"] = b["count"]
+        _settle(b)
+
+
+def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
+    with _lock:
+        b = _mbar(smem, addr)
+        b["tx"] += int(tx_bytes)
+        b["left"] -= 1
+        _settle(b)
 
 
 def mbarrier_try_wait(smem, addr, parity):
@@ -330,6 +344,54 @@ def cp_async_mbarrier_arrive(smem, addr):
             dst[dsl] = data.view(dst.dtype)
     groups[:] = [[]]
     mbarrier_arrive(smem, addr)
+
+
+def _bulk_bytes(arr, idx, nbytes):
+    raw = _raw(arr)
+    start = int(idx) * raw.itemsize
+    if nbytes % 16 or start % 16 or nbytes <= 0:
+        raise ValueError(f"bulk copy of {nbytes} bytes at byte {start}: sizes and addresses "
+                         "must be positive multiples of 16")
+    flat = raw.view(np.uint8)
+    if start + nbytes > flat.size:
+        raise IndexError(f"bulk copy of {nbytes} bytes at byte {start} outside {flat.size}")
+    return flat, slice(start, start + nbytes)
+
+
+def bulk_load(smem, saddr, gmem, gidx, nbytes, bar):
+    src, ssl = _bulk_bytes(gmem, gidx, int(nbytes))
+    dst, dsl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
+    dst[dsl] = src[ssl]                   # lands at once; the barrier's byte count settles it
+    with _lock:
+        b = _mbar(smem, bar)
+        b["tx"] -= int(nbytes)
+        _settle(b)
+
+
+def _bulk_groups():
+    t = threading.current_thread()
+    if not hasattr(t, "mok_bulk"):
+        t.mok_bulk = [[]]
+    return t.mok_bulk
+
+
+def bulk_store(gmem, gidx, smem, saddr, nbytes):
+    src, ssl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
+    dst, dsl = _bulk_bytes(gmem, gidx, int(nbytes))
+    _bulk_groups()[-1].append((dst, dsl, src[ssl].copy()))    # lands at bulk_wait
+
+
+def bulk_commit():
+    _bulk_groups().append([])
+
+
+def bulk_wait(pending):
+    groups = _bulk_groups()
+    closed = groups[:-1]
+    while len(closed) > pending:
+        for dst, dsl, data in closed.pop(0):
+            dst[dsl] = data
+    groups[:-1] = closed
 
 
 def trap():

@@ -16,8 +16,8 @@ def _inputs(R, T, seed):
     return ids
 
 
-@pytest.mark.parametrize("T", [4096, 8192])
-def test_round_trip_real_shape(nvshmem_world, T):
+@pytest.mark.parametrize("T,variant", [(4096, "ld"), (8192, "ld"), (4096, "bulk")])
+def test_round_trip_real_shape(nvshmem_world, T, variant):
     import torch
     from numba import cuda
 
@@ -49,7 +49,7 @@ def test_round_trip_real_shape(nvshmem_world, T):
         ops.publish_tokens(ws, x.view(u16), d_ids, stream=s)
         ops.barrier(ws, stream=s)
         build_schedule(sched, ws.ids_table, stream=s)
-        ops.dispatch(ws, sched, stream=s)
+        ops.dispatch(ws, sched, stream=s, variant=variant)
         ops.gather_index(ws, sched, idx, stream=s)
         identity_expert_kernel[264, 256, s](ws.x_recv.reshape(ws.x_recv.size), idx,
                                             sched.num_rows, y.view(u16).reshape(-1), H)
