@@ -14,6 +14,8 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
                                  ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, shared_addr, st_release_sys, st_v4)
+from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
+                                 mbarrier_arrive_expect_tx)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
                                  mbarrier_try_wait, store_f32_tuple, wgmma_commit, wgmma_fence,
                                  wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_wait)
@@ -332,3 +334,32 @@ def test_mbarrier_phase_completes_after_count_arrivals():
     out = to_dev(np.full(2, -1, np.int32))
     _mbarrier_phases[1, 32](out)
     assert list(to_host(out)) == [21, 0]
+
+
+# ---- bulk async copies ---------------------------------------------------------------------------
+
+@kjit
+def _bulk_copy(src, dst, first, nbytes):
+    """Thread 0: src[first:] -> shared (mbarrier counts the bytes) -> dst, twice 'nbytes'."""
+    buf = cuda.shared.array(68, uint16)            # 128 bytes of data, then the mbarrier
+    if cuda.threadIdx.x == 0:
+        s = shared_addr(buf)
+        b = s + 128
+        mbarrier_init(buf, b, 1)
+        phase = 0
+        for part in range(2):
+            mbarrier_arrive_expect_tx(buf, b, nbytes)
+            bulk_load(buf, s, src, first + part * (nbytes // 2), nbytes, b)
+            while mbarrier_try_wait(buf, b, phase) == 0:
+                pass
+            phase ^= 1
+            bulk_store(dst, part * (nbytes // 2), buf, s, nbytes)
+            bulk_commit()
+            bulk_wait(0)
+
+
+def test_bulk_copy_through_shared_memory():
+    src = np.arange(200, dtype=np.uint16)
+    dst = to_dev(np.zeros(128, np.uint16))
+    _bulk_copy[1, 32](to_dev(src), dst, 16, 128)          # 64 bf16 per part, from element 16
+    np.testing.assert_array_equal(to_host(dst), src[16:144])

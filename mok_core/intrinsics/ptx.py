@@ -627,7 +627,8 @@ def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
 def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
     """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
     or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
-    transaction count of the mbarrier at ``bar``."""
+    transaction count of the mbarrier at ``bar`` (an address inside ``smem`` too: the twin
+    finds the barrier through that array)."""
     if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
             and isinstance(gidx, types.Integer) and isinstance(nbytes, types.Integer)
             and isinstance(bar, types.Integer)):
