@@ -1,4 +1,5 @@
-"""Device side of the error word: reset it on the stream (no host copy, graph-capturable)."""
+"""Device side of the error word: reset it on the stream (no host copy, graph-capturable) and
+record a bounded wait that expired."""
 from numba import cuda
 
 from . import errors as err
@@ -25,3 +26,15 @@ def reset_error_word(word, stream=0) -> None:
         word[...] = err.initial_error_word()
         return
     _reset_kernel[1, err.ERROR_WORDS, stream](word)
+
+
+@kjit(device=True)
+def record_timeout(errors, rank, counter, expected, seen, peer):
+    """One thread: flag a spin-wait timeout with what it waited for (``errors.describe`` names
+    the counter via ``COUNTER_NAMES``); the host raises ``MoKError`` at the next check."""
+    cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
+    errors[err.TIMEOUT_RANK] = rank
+    errors[err.TIMEOUT_COUNTER] = counter
+    errors[err.TIMEOUT_EXPECTED] = expected
+    errors[err.TIMEOUT_SEEN] = seen
+    errors[err.TIMEOUT_PEER] = peer

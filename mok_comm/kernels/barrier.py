@@ -12,8 +12,8 @@ counting. Kernel boundaries order the data: everything the stream wrote before t
 """
 from numba import cuda
 
-from mok_core import errors as err
 from mok_core.cuda_compat import kjit
+from mok_core.errors_kernels import record_timeout
 from mok_core.intrinsics import clock64, ld_acquire_sys, nanosleep, st_release_sys
 
 COUNTER_BARRIER = 0
@@ -38,12 +38,7 @@ def wait(me, target, flags, timeout_cycles, errors):
         seen = ld_acquire_sys(flags, p)
         while seen < target:
             if clock64() - start > timeout_cycles:
-                cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
-                errors[err.TIMEOUT_RANK] = me
-                errors[err.TIMEOUT_COUNTER] = COUNTER_BARRIER
-                errors[err.TIMEOUT_EXPECTED] = target
-                errors[err.TIMEOUT_SEEN] = seen
-                errors[err.TIMEOUT_PEER] = p
+                record_timeout(errors, me, COUNTER_BARRIER, target, seen, p)
                 return False
             nanosleep(64)
             seen = ld_acquire_sys(flags, p)

@@ -20,8 +20,8 @@ by hand: the compiler cannot hoist loads of a peer buffer over stores it cannot 
 """
 from numba import cuda, uint16
 
-from mok_core import errors as err
 from mok_core.cuda_compat import kjit
+from mok_core.errors_kernels import record_timeout
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, clock64,
                                  ld_v4, mbarrier_arrive_expect_tx, mbarrier_init,
                                  mbarrier_try_wait, red_add_release_gpu, shared_addr, st_v4,
@@ -77,6 +77,15 @@ def copy_row(src, src_off, dst, dst_off, width, lane):
 
 
 @kjit(device=True, inline="always")
+def token_needed(recv_row, first, k):
+    """Does token ``first // k`` route to any expert of this rank?"""
+    for s in range(k):
+        if recv_row[first + s] >= 0:
+            return True
+    return False
+
+
+@kjit(device=True, inline="always")
 def publish_rows(recv_row, first, k, ready, minibatch_rows, lane):
     """After this warp's copy of a token: fence, then count its local rows as ready."""
     cuda.threadfence()
@@ -102,10 +111,7 @@ def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch
     u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
     while u < n_tokens:
         first = u * k
-        needed = False
-        for s in range(k):
-            if recv_row[first + s] >= 0:
-                needed = True
+        needed = token_needed(recv_row, first, k)
         if needed:                                  # uniform over the warp: same loads
             r = u // T
             if r != me:
@@ -142,10 +148,7 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
     u = cuda.blockIdx.x * warps + warp
     while u < n_tokens:
         first = u * k
-        needed = False
-        for s in range(k):
-            if recv_row[first + s] >= 0:
-                needed = True
+        needed = token_needed(recv_row, first, k)
         if needed:                                  # uniform over the warp
             r = u // T
             if r != me and lane == 0:
@@ -156,13 +159,8 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
                     bulk_load(smem, buf, peer_x[r], (u % T) * H + off // 2, n, bar)
                     start = clock64()
                     while mbarrier_try_wait(smem, bar, phase) == 0:
-                        if clock64() - start > timeout_cycles:
-                            cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
-                            errors[err.TIMEOUT_RANK] = me
-                            errors[err.TIMEOUT_COUNTER] = COUNTER_BULK_COPY
-                            errors[err.TIMEOUT_EXPECTED] = n
-                            errors[err.TIMEOUT_SEEN] = off
-                            errors[err.TIMEOUT_PEER] = r
+                        if clock64() - start > timeout_cycles:    # expected bytes, row offset
+                            record_timeout(errors, me, COUNTER_BULK_COPY, n, off, r)
                             return
                     phase ^= 1
                     bulk_store(x_recv, u * H + off // 2, smem, buf, n)
