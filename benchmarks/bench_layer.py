@@ -133,7 +133,26 @@ def step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, iters):
     return out
 
 
-def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False):
+def graph_time(step, iters, warmup):
+    """Median (max over ranks) ms of replaying a CUDA graph of ``step`` (schedule + forward):
+    the layer without Python launch overhead, as a captured training step runs it."""
+    import torch
+    import torch.distributed as dist
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                       # warm up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    dist.barrier()
+    return rank_max_median(time_iters(graph.replay, iters, warmup))
+
+
+def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
+             graph=False):
     import torch
     import torch.distributed as dist
 
@@ -170,6 +189,12 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
                                                      pick, dev)
         dist.barrier()
         t_ours = rank_max_median(time_iters(ours, iters, warmup))
+        t_graph = float("nan")
+        if graph:
+            try:
+                t_graph = graph_time(ours, iters, warmup)
+            except Exception as e:                  # noqa: BLE001 - diagnostics only
+                progress(f"  CUDA-graph timing failed: {type(e).__name__}: {e}")
         times = {}
         for label, b in (("torch_native", base), ("torch_symm_mem", symm)):
             if b is not None:
@@ -202,6 +227,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         torch.cuda.synchronize()
         lw.comm.free()
     return {"preset": name, "tokens_per_rank": T, "ep": R, "ours_ms": t_ours,
+            "ours_graph_ms": t_graph,
             "baselines": times, "baseline_notes": {"torch_symm_mem": note}, "floor_ms": floor,
             "speedup_vs_best_baseline": min(times.values()) / t_ours,
             "ours_over_floor": t_ours / floor, "ours_rel_l1": err_ours,
@@ -251,6 +277,8 @@ def main(argv=None):
     ap.add_argument("--symm-mem", action="store_true",
                     help="also run the torch symmetric-memory (NVSHMEM all_to_all_vdev) baseline "
                          "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time our layer as a CUDA-graph replay (ours_graph_ms)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
@@ -285,7 +313,7 @@ def main(argv=None):
             if rank0:
                 progress(f"layer {name} T={T}")
             rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm,
-                                 args.symm_mem, args.breakdown))
+                                 args.symm_mem, args.breakdown, args.graph))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
@@ -293,6 +321,8 @@ def main(argv=None):
                 progress(f"  ours {r['ours_ms']:.2f} ms  {base}  floor {r['floor_ms']:.2f} ms  "
                          f"speedup {r['speedup_vs_best_baseline']:.2f}x  "
                          f"(symm-mem: {r['baseline_notes']['torch_symm_mem']})")
+                if r["ours_graph_ms"] == r["ours_graph_ms"]:      # not NaN
+                    progress(f"  ours as a CUDA-graph replay {r['ours_graph_ms']:.2f} ms")
                 if r["breakdown_ms"]:
                     progress("  steps: " + ", ".join(f"{k} {v:.3f}"
                                                      for k, v in r["breakdown_ms"].items())
@@ -302,7 +332,7 @@ def main(argv=None):
         plot(rows, args.out.replace(".json", ".png"))
         names = baseline_names(rows)
         flat = [dict(r, **{f"{b}_ms": r["baselines"].get(b) for b in names}) for r in rows]
-        print(table(flat, ["preset", "tokens_per_rank", "ep", "ours_ms",
+        print(table(flat, ["preset", "tokens_per_rank", "ep", "ours_ms", "ours_graph_ms",
                            *(f"{b}_ms" for b in names), "floor_ms", "speedup_vs_best_baseline",
                            "ours_over_floor"]))
     bootstrap.finalize()

@@ -59,7 +59,7 @@ for s in "$@"; do
          tests/gpu/test_layer_gpu.py; rank_logs layer ;;
     bench-layer-4096) step bench-layer-4096 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --tokens 4096 --gemm-from "$OUT/bench_ffn_sweep.json" \
-         --breakdown --out "$OUT/bench_layer.json" ;;
+         --breakdown --graph --out "$OUT/bench_layer.json" ;;
     bench-layer-symm) step bench-layer-symm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets kimi-k2.7 --tokens 4096 --iters 10 --symm-mem \
          --out "$OUT/bench_layer_symm.json" ;;
