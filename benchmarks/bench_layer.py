@@ -283,14 +283,12 @@ def main(argv=None):
                     help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
-    from mok_core.grouped_gemm import GemmConfig
-    gemm = None                                  # default_gemm() once a device is selected
+    gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
     if args.gemm_from and os.path.exists(args.gemm_from):
         import json
-        trial = json.load(open(args.gemm_from))
-        if trial:
-            best = min(trial, key=lambda r: r["ours_ms"])["gemm"]
-            gemm = eval(best, {"GemmConfig": GemmConfig})     # our own repr, written by bench_ffn
+
+        from benchmarks.bench_ffn import fastest_per_preset
+        gemm_of = fastest_per_preset(json.load(open(args.gemm_from)))
     import torch
     import torch.distributed as dist
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -302,17 +300,19 @@ def main(argv=None):
     bootstrap.init("torch")
     rates = ceilings()
     from mok_core.grouped_gemm import default_gemm
-    gemm = gemm or default_gemm()
+    gemm = default_gemm()                        # presets the sweep did not cover
     rank0 = dist.get_rank() == 0
     if rank0:
-        progress(f"GEMM tiles: {gemm}")
+        progress(f"GEMM tiles: {gemm_of or gemm}")
         progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull")
     rows = []
     for name in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):
             if rank0:
                 progress(f"layer {name} T={T}")
-            rows.append(run_case(name, T, args.iters, args.warmup, rates, gemm,
+            # a preset the sweep covered uses its fastest tiles; else kimi's; else the default
+            tiles = gemm_of.get(name, gemm_of.get("kimi-k2.7", gemm))
+            rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
                                  args.symm_mem, args.breakdown, args.graph))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out

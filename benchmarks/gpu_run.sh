@@ -49,7 +49,8 @@ for s in "$@"; do
          -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py; rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \
          --out "$OUT/bench_schedule.json" ;;
-    bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --out "$OUT/bench_ffn.json" ;;
+    bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --sweep-all \
+         --out "$OUT/bench_ffn.json" ;;
     bench-ffn-sweep) step bench-ffn-sweep python3 benchmarks/bench_ffn.py --sweep \
          --presets kimi-k2.7 --tokens 4096 --routing uniform,skewed --out "$OUT/bench_ffn.json" ;;
     bench-ffn-quick) step bench-ffn-quick python3 benchmarks/bench_ffn.py \

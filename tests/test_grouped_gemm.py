@@ -136,3 +136,17 @@ def test_rejects_bad_shapes():
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):
         GemmConfig(**kwargs)
+
+
+def test_sweep_picks_fastest_tiles_per_preset():
+    """bench_ffn's sweep -> per-preset tiles (what bench_layer runs each preset with)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_ffn import fastest_per_preset
+    a, b = WGMMA_CFG, GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+    trial = [{"preset": "kimi-k2.7", "gemm": str(a), "ours_ms": 9.0},
+             {"preset": "kimi-k2.7", "gemm": str(b), "ours_ms": 9.5},
+             {"preset": "qwen3.5-397b", "gemm": str(a), "ours_ms": 4.6},
+             {"preset": "qwen3.5-397b", "gemm": str(b), "ours_ms": 4.1}]
+    assert fastest_per_preset(trial) == {"kimi-k2.7": a, "qwen3.5-397b": b}
