@@ -116,6 +116,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
+    ring_bytes = stages * stage_bytes
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = BM // _PASS_ROWS
@@ -204,18 +205,22 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                                    b_pass_elems, ld_row, ld_chunk, wg)
         while t < total:
             acc = f32_zeros(nacc)
-            for kt in range(ktiles):
+            cs = 0                             # ring offsets of the slice computed / loaded:
+            ls = prefetch * stage_bytes        # rolled by compare-and-wrap (a modulo of the
+            for kt in range(ktiles):           # 64-bit counter cost ~25 instructions a slice)
                 cp_async_wait(in_flight)
                 fence_proxy_async()
                 cuda.syncthreads()
                 nxt = kt + prefetch
                 if nxt < ktiles:
-                    load_slice(smem, (nxt % stages) * stage_bytes, a, w0, w1, dst0, a_src, a_nb,
-                               b_src, b_pass_elems, nxt * BK)
+                    load_slice(smem, ls, a, w0, w1, dst0, a_src, a_nb, b_src, b_pass_elems,
+                               nxt * BK)
                 cp_async_commit()
                 if active:
-                    soff = ((kt % stages) * stage_bytes) >> 4
+                    soff = cs >> 4
                     acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff), 1)
+                cs = 0 if cs == ring_bytes - stage_bytes else cs + stage_bytes
+                ls = 0 if ls == ring_bytes - stage_bytes else ls + stage_bytes
             acc = wgmma_wait(acc, 0)
             cp_async_wait(0)
             cuda.syncthreads()                 # both warpgroups done with the ring
