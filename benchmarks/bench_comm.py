@@ -4,7 +4,7 @@
 
 Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world size):
   dispatch   our pull dispatch (each (token, rank) crosses NVLink once); "dispatch_bulk": the
-             same with bulk async copies (ops.dispatch(variant="bulk"))
+             same with bulk async copies (ops.dispatch(variant="bulk")); likewise "combine_bulk"
   combine    our push combine (each (token, slot) row goes home)
   copy       copy-engine peer copy of the same bytes (pull for dispatch, push for combine)
   nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
@@ -76,6 +76,9 @@ def run_case(T, iters, warmup):
                                          iters, warmup, pre=bar))
     t_comb = rank_max_median(time_iters(lambda: ops.combine(ws, sched, y.view(u16), stream=s),
                                          iters, warmup, pre=bar))
+    t_comb_bulk = rank_max_median(time_iters(
+        lambda: ops.combine(ws, sched, y.view(u16), stream=s, variant="bulk"), iters, warmup,
+        pre=bar))
     ws.check()
 
     # Copy-engine ceiling: same bytes, peer view through NVSHMEM's torch interop.
@@ -115,6 +118,7 @@ def run_case(T, iters, warmup):
     gb = lambda b, ms: b / ms / 1e6  # noqa: E731
     row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(),
            "dispatch_ms": t_disp, "dispatch_bulk_ms": t_bulk, "combine_ms": t_comb,
+           "combine_bulk_ms": t_comb_bulk,
            "copy_pull_ms": t_pull,
            "copy_push_ms": t_push, "nccl_ms": t_nccl,
            "dispatch_bytes": dispatch_bytes, "dispatch_bytes_without_dedup": pair_bytes,
@@ -126,6 +130,8 @@ def run_case(T, iters, warmup):
     row["dispatch_ratio_to_copy"] = row["dispatch_gbps"] / row["copy_gbps"]
     row["dispatch_bulk_gbps"] = gb(dispatch_bytes, t_bulk)          # variant="bulk", same rows
     row["dispatch_bulk_ratio_to_copy"] = row["dispatch_bulk_gbps"] / row["copy_gbps"]
+    row["combine_bulk_gbps"] = gb(combine_bytes, t_comb_bulk)
+    row["combine_bulk_ratio_to_copy"] = row["combine_bulk_gbps"] / row["copy_push_gbps"]
     row["combine_ratio_to_copy"] = row["combine_gbps"] / row["copy_push_gbps"]
     row["speedup_vs_nccl"] = t_nccl / t_disp
     return row
@@ -156,7 +162,7 @@ def main(argv=None):
         write_json(args.out, rows)
         print(table(rows, ["tokens_per_rank", "ep", "dispatch_gbps", "combine_gbps",
                            "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
-                           "dispatch_bulk_ratio_to_copy",
+                           "dispatch_bulk_ratio_to_copy", "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
         print(table(rows, ["tokens_per_rank", "dispatch_ms", "combine_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))

@@ -24,9 +24,9 @@ from mok_core.cuda_compat import SIM, as_device_array, fill, launch, multiproces
 
 from .kernels.allgather import push_ids_kernel
 from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
-from .kernels.combine import push_combine_kernel
-from .kernels.dispatch import (BULK_CHUNK, BULK_WARPS, bulk_smem_bytes,
-                               pull_dispatch_bulk_kernel, pull_dispatch_kernel)
+from .kernels.bulk import BULK_CHUNK, BULK_WARPS, bulk_smem_bytes
+from .kernels.combine import push_combine_bulk_kernel, push_combine_kernel
+from .kernels.dispatch import pull_dispatch_bulk_kernel, pull_dispatch_kernel
 from .kernels.epilogue import combine_epilogue_kernel
 from .kernels.publish import publish_x_kernel
 from .workspace import Workspace
@@ -99,7 +99,21 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
                               ws.config.spin_timeout_cycles, ws.errors)
 
 
-DISPATCH_VARIANTS = ("ld", "bulk")
+COPY_VARIANTS = ("ld", "bulk")
+
+
+def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
+    """Launch a ``variant="bulk"`` comm kernel: its chunk, bounded wait and error word last."""
+    if bulk_chunk <= 0 or bulk_chunk % 16:
+        raise ValueError(f"bulk_chunk={bulk_chunk}: must be a positive multiple of 16 bytes")
+    blocks = num_blocks or (2 if SIM else 3 * multiprocessor_count())
+    launch(kernel, blocks, 32 * BULK_WARPS, stream, bulk_smem_bytes(bulk_chunk), *args,
+           np.int64(bulk_chunk), np.int64(ws.config.spin_timeout_cycles), ws.errors)
+
+
+def _check_variant(variant):
+    if variant not in COPY_VARIANTS:
+        raise ValueError(f"variant={variant!r}: must be one of {COPY_VARIANTS}")
 
 
 def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
@@ -113,29 +127,30 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     (lane 0 moves the row with bulk async copies through shared memory, ``bulk_chunk`` bytes
     at a time; same result).
     """
-    if variant not in DISPATCH_VARIANTS:
-        raise ValueError(f"variant={variant!r}: must be one of {DISPATCH_VARIANTS}")
-    if bulk_chunk <= 0 or bulk_chunk % 16:
-        raise ValueError(f"bulk_chunk={bulk_chunk}: must be a positive multiple of 16 bytes")
+    _check_variant(variant)
     fill(ws.ready, 0, stream)
     args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
             np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
             np.int64(ws.config.minibatch_size))
     if variant == "ld":
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
-        return
-    blocks = num_blocks or (2 if SIM else 3 * multiprocessor_count())
-    launch(pull_dispatch_bulk_kernel, blocks, 32 * BULK_WARPS, stream,
-           bulk_smem_bytes(bulk_chunk), *args, np.int64(bulk_chunk),
-           np.int64(ws.config.spin_timeout_cycles), ws.errors)
+    else:
+        _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
 
 
-def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None) -> None:
-    """Push expert outputs ``y`` (uint16 [capacity, H], expert-sorted rows) home."""
+def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None, variant="ld",
+            bulk_chunk=BULK_CHUNK) -> None:
+    """Push expert outputs ``y`` (uint16 [capacity, H], expert-sorted rows) home.
+    ``variant`` as in ``dispatch`` ("bulk": y row -> shared memory -> the source's row)."""
+    _check_variant(variant)
     y = as_device_array(y, "y", dtype=np.uint16, shape=(ws.capacity, ws.hidden))
-    push_combine_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        _flat(y), schedule.src_rank, schedule.src_token, schedule.src_slot, schedule.num_rows,
-        ws.peer_combine, np.int64(ws.hidden), np.int64(ws.topk))
+    args = (_flat(y), schedule.src_rank, schedule.src_token, schedule.src_slot,
+            schedule.num_rows, ws.peer_combine, np.int64(ws.hidden), np.int64(ws.topk))
+    if variant == "ld":
+        push_combine_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+    else:
+        _bulk_launch(push_combine_bulk_kernel, ws, num_blocks, stream, bulk_chunk, ws.rank,
+                     *args)
 
 
 def epilogue(ws: Workspace, router_weights, out, y_shared=None, stream=0) -> None:

@@ -56,6 +56,7 @@ COUNTER_NAMES = {
     2: "y_routed_ready",
     3: "combine_done",
     4: "dispatch_bulk_copy",
+    5: "combine_bulk_copy",
 }
 
 

@@ -32,13 +32,13 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
     group.barrier()
     group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
-    # bulk: 32-byte chunks, so a 64-byte row moves in two (the GPU default is 8 KiB)
+    # bulk (dispatch and combine): 32-byte chunks, so a 64-byte row moves in two (GPU: 8 KiB)
     group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32))
     group.each(lambda r, ws: ops.gather_index(ws, scheds[r], index[r]))
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
         y[r].reshape(y[r].size), H))
-    group.each(lambda r, ws: ops.combine(ws, scheds[r], y[r]))
+    group.each(lambda r, ws: ops.combine(ws, scheds[r], y[r], variant=variant, bulk_chunk=32))
     group.barrier()
     group.each(lambda r, ws: ops.epilogue(ws, to_dev(w[r]), out[r], to_dev(ys[r])))
     group.check()
@@ -51,7 +51,7 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     (2, "skewed", "ld"), (3, "skewed", "ld"), (4, "skewed", "ld"),
     (2, "masked_and_empty_rank", "ld"), (3, "masked_and_empty_rank", "ld"),
     (4, "masked_and_empty_rank", "ld"),
-    # bulk-copy dispatch (rows in two chunks); R = 3 with masked routes and an empty rank
+    # bulk-copy dispatch + combine (rows in two chunks); R = 3 with masked routes, empty rank
     (3, "masked_and_empty_rank", "bulk"), (2, "skewed", "bulk"),
 ])
 def test_round_trip_exact(R, case, variant):

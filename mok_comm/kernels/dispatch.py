@@ -22,20 +22,11 @@ from numba import cuda, uint16
 
 from mok_core.cuda_compat import kjit
 from mok_core.errors_kernels import record_timeout
-from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, clock64,
-                                 ld_v4, mbarrier_arrive_expect_tx, mbarrier_init,
-                                 mbarrier_try_wait, red_add_release_gpu, shared_addr, st_v4,
-                                 syncwarp)
+from mok_core.intrinsics import ld_v4, red_add_release_gpu, st_v4, syncwarp
+
+from .bulk import copy_row_bulk, warp_buffer
 
 COUNTER_BULK_COPY = 4           # errors.COUNTER_NAMES: a bulk row copy that never landed
-BULK_WARPS = 8                  # warps per block of the bulk variant
-BULK_CHUNK = 8192               # default bytes of shared memory per warp (rows move in chunks)
-
-
-def bulk_smem_bytes(chunk):
-    """Dynamic shared memory of a bulk-dispatch block: a chunk buffer + an mbarrier per warp."""
-    return BULK_WARPS * (chunk + 8)
-
 
 @kjit(device=True, inline="always")
 def copy_row(src, src_off, dst, dst_off, width, lane):
@@ -123,49 +114,29 @@ def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch
 @kjit
 def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows,
                               chunk, timeout_cycles, errors):
-    """Variant of ``pull_dispatch_kernel`` (same arguments + the bounded-wait pair, same result)
-    where lane 0 of each warp moves a row with bulk async copies instead of 32 lanes of
-    16-byte loads: peer x -> shared memory (``cp.async.bulk``, landing counted in bytes on the
-    warp's mbarrier) -> x_recv (bulk store), ``chunk`` bytes (multiple of 16) at a time. The SM's copy engine
-    issues the NVLink requests, so in-flight bytes are no longer bounded by lanes x loads.
+    """Variant of ``pull_dispatch_kernel`` (same arguments + the bounded-wait pair, same
+    result): lane 0 of each warp moves the row with bulk async copies (``kernels.bulk``),
+    ``chunk`` bytes at a time.
 
-    Launch: block = 32 * BULK_WARPS threads, dynamic shared memory ``bulk_smem_bytes(chunk)``. A chunk
-    that has not landed after ``timeout_cycles`` is recorded in ``errors`` (rank, counter
-    'dispatch_bulk_copy', peer) and the row is left unwritten (the host raises)."""
+    Launch: block = 32 * BULK_WARPS threads, dynamic shared memory ``bulk_smem_bytes(chunk)``.
+    A chunk that has not landed after ``timeout_cycles`` is recorded in ``errors`` (rank,
+    counter 'dispatch_bulk_copy', row bytes expected / copied, peer) and the warp stops."""
     smem = cuda.shared.array(0, uint16)
+    buf, bar = warp_buffer(smem, chunk)
     warps = cuda.blockDim.x // 32
-    warp = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
-    base = shared_addr(smem)
-    buf = base + warp * chunk
-    bar = base + warps * chunk + 8 * warp
-    if lane == 0:
-        mbarrier_init(smem, bar, 1)
-    cuda.syncthreads()
     phase = 0
-    row_bytes = H * 2
     n_tokens = recv_row.shape[0] // k
-    u = cuda.blockIdx.x * warps + warp
+    u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
     while u < n_tokens:
         first = u * k
-        needed = token_needed(recv_row, first, k)
-        if needed:                                  # uniform over the warp
+        if token_needed(recv_row, first, k):      # uniform over the warp
             r = u // T
             if r != me and lane == 0:
-                off = 0
-                while off < row_bytes:
-                    n = min(chunk, row_bytes - off)
-                    mbarrier_arrive_expect_tx(smem, bar, n)
-                    bulk_load(smem, buf, peer_x[r], (u % T) * H + off // 2, n, bar)
-                    start = clock64()
-                    while mbarrier_try_wait(smem, bar, phase) == 0:
-                        if clock64() - start > timeout_cycles:    # expected bytes, row offset
-                            record_timeout(errors, me, COUNTER_BULK_COPY, n, off, r)
-                            return
-                    phase ^= 1
-                    bulk_store(x_recv, u * H + off // 2, smem, buf, n)
-                    bulk_commit()
-                    bulk_wait(0)                    # buffer free again, row chunk written
-                    off += n
+                phase, done = copy_row_bulk(smem, buf, bar, phase, peer_x[r], (u % T) * H,
+                                            x_recv, u * H, H, chunk, timeout_cycles)
+                if done < 2 * H:
+                    record_timeout(errors, me, COUNTER_BULK_COPY, 2 * H, done, r)
+                    return
             publish_rows(recv_row, first, k, ready, minibatch_rows, lane)
         u += cuda.gridDim.x * warps

@@ -53,7 +53,7 @@ def test_round_trip_real_shape(nvshmem_world, T, variant):
         ops.gather_index(ws, sched, idx, stream=s)
         identity_expert_kernel[264, 256, s](ws.x_recv.reshape(ws.x_recv.size), idx,
                                             sched.num_rows, y.view(u16).reshape(-1), H)
-        ops.combine(ws, sched, y.view(u16), stream=s)
+        ops.combine(ws, sched, y.view(u16), stream=s, variant=variant)
         ops.barrier(ws, stream=s)
         ops.epilogue(ws, w, out.view(u16), ys.view(u16), stream=s)
 
