@@ -150,3 +150,23 @@ def test_sweep_picks_fastest_tiles_per_preset():
              {"preset": "qwen3.5-397b", "gemm": str(a), "ours_ms": 4.6},
              {"preset": "qwen3.5-397b", "gemm": str(b), "ours_ms": 4.1}]
     assert fastest_per_preset(trial) == {"kimi-k2.7": a, "qwen3.5-397b": b}
+
+
+def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
+    """wgmma exists only on sm_90: a wgmma config on another GPU is a clear error before any
+    compile, and the default tiles follow the device (simulator: small mma.sync tiles)."""
+    import mok_core.grouped_gemm as gg
+    assert gg.default_gemm() == gg.SIM_GEMM
+
+    class Device:
+        compute_capability = (10, 0)
+    from numba import cuda
+    monkeypatch.setattr(gg, "SIM", False)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: Device())
+    assert gg.default_gemm() == gg.MMA_SYNC_GEMM
+    with pytest.raises(ValueError, match="needs a Hopper GPU.*sm_100"):
+        gg._require_arch(gg.WGMMA_GEMM)
+    gg._require_arch(gg.MMA_SYNC_GEMM)                        # fine anywhere
+    Device.compute_capability = (9, 0)
+    assert gg.default_gemm() == gg.WGMMA_GEMM
+    gg._require_arch(gg.WGMMA_GEMM)
