@@ -52,9 +52,9 @@ CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
 THREADS = CONSUMERS + PRODUCERS
 # Registers are granted per warpgroup: 3 x 128 x 168 fit an SM's 64K at launch; then the
-# producer gives back down to 72 and the consumers grow to 216 out of what it freed (the
-# block's pool is what it got at launch: 256 * (224 - 168) <= 128 * (168 - 48), else the
-# consumers' setmaxnreg.inc would wait forever).
+# producer gives back down to 72 and the consumers grow to 216 out of what it freed. The
+# block's pool is only what it got at launch, so the growth must fit in what the producer
+# frees (the assert), else the consumers' setmaxnreg.inc waits forever (seen: 48 / 232).
 LAUNCH_REGISTERS = 168
 PRODUCER_REGISTERS = 72
 CONSUMER_REGISTERS = 216
@@ -84,7 +84,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
     b_rows_lane = bn // 16
     b_first = b_rows_lane // 2 if swiglu_epilogue else b_rows_lane   # rows from w0 (gate)
-    _PASS_BYTES = 16 * ROW_BYTES            # 16 rows on: the next row of this thread
+    pass_bytes = 16 * ROW_BYTES            # 16 rows on: the next row of this thread
     uses_index = gather or padding_index
     # .maxntid 384 makes ptxas budget LAUNCH_REGISTERS at entry (setmaxnreg moves them later).
     opts = {"max_registers": max_registers or LAUNCH_REGISTERS, "launch_bounds": (THREADS, 1)}
@@ -151,14 +151,14 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                     k0 = kt * BK
                     for j in range(a_rows_lane):
                         src = a_src[j]          # padding row: zero-fill, no global read
-                        cp_async_16_at(smem, dst + j * _PASS_BYTES, a, max(src, 0) + k0,
+                        cp_async_16_at(smem, dst + j * pass_bytes, a, max(src, 0) + k0,
                                        16 if src >= 0 else 0)
                     dst += a_stage
                     src = b_src + k0
                     for j in range(b_first):     # B rows from w0 (SWIGLU: the gate rows) ...
-                        cp_async_16_at(smem, dst + j * _PASS_BYTES, w0, src + j * b_step, 16)
+                        cp_async_16_at(smem, dst + j * pass_bytes, w0, src + j * b_step, 16)
                     for j in range(b_rows_lane - b_first):     # ... then the up rows from w1
-                        cp_async_16_at(smem, dst + (b_first + j) * _PASS_BYTES, w1,
+                        cp_async_16_at(smem, dst + (b_first + j) * pass_bytes, w1,
                                        src + j * b_step, 16)
                     cp_async_mbarrier_arrive(smem, full0 + 8 * s)
                     i += 1
