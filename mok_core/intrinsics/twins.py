@@ -181,11 +181,23 @@ def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
     cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
 
 
-def _pending():
+def _groups(kind):
+    """This thread's async copies of one kind ("cp_async" or "bulk") as a list of groups, the
+    last one open; an entry (dst, slice, data) lands only when a wait covers its group."""
     t = threading.current_thread()
-    if not hasattr(t, "mok_cp_async"):
-        t.mok_cp_async = [[]]             # list of groups; the last one is open
-    return t.mok_cp_async
+    attr = f"mok_{kind}"
+    if not hasattr(t, attr):
+        setattr(t, attr, [[]])
+    return getattr(t, attr)
+
+
+def _land(groups, pending):
+    """Land the oldest closed groups until at most ``pending`` stay in flight."""
+    closed = groups[:-1]
+    while len(closed) > pending:
+        for dst, dsl, data in closed.pop(0):
+            dst[dsl] = data
+    groups[:-1] = closed
 
 
 def cp_async_16(smem, sidx, gmem, gidx, src_bytes):
@@ -194,20 +206,15 @@ def cp_async_16(smem, sidx, gmem, gidx, src_bytes):
     if src_bytes:
         src, ssl = _chunk(gmem, gidx)
         data[:src_bytes] = np.ascontiguousarray(src[ssl]).view(np.uint8)[:src_bytes]
-    _pending()[-1].append((dst, dsl, data))
+    _groups("cp_async")[-1].append((dst, dsl, data.view(dst.dtype)))
 
 
 def cp_async_commit():
-    _pending().append([])
+    _groups("cp_async").append([])
 
 
 def cp_async_wait(pending):
-    groups = _pending()
-    closed = groups[:-1]
-    while len(closed) > pending:
-        for dst, dsl, data in closed.pop(0):
-            dst[dsl] = data.view(dst.dtype)
-    groups[:-1] = closed
+    _land(_groups("cp_async"), pending)
 
 
 # ---- Hopper warpgroup MMA (wgmma) --------------------------------------------------------------
@@ -338,11 +345,8 @@ def mbarrier_try_wait(smem, addr, parity):
 
 
 def cp_async_mbarrier_arrive(smem, addr):
-    groups = _pending()                   # this thread's copies land, then it arrives
-    for group in groups:
-        for dst, dsl, data in group:
-            dst[dsl] = data.view(dst.dtype)
-    groups[:] = [[]]
+    cp_async_commit()                     # all of this thread's copies land, then it arrives
+    cp_async_wait(0)
     mbarrier_arrive(smem, addr)
 
 
@@ -368,30 +372,18 @@ def bulk_load(smem, saddr, gmem, gidx, nbytes, bar):
         _settle(b)
 
 
-def _bulk_groups():
-    t = threading.current_thread()
-    if not hasattr(t, "mok_bulk"):
-        t.mok_bulk = [[]]
-    return t.mok_bulk
-
-
 def bulk_store(gmem, gidx, smem, saddr, nbytes):
     src, ssl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
     dst, dsl = _bulk_bytes(gmem, gidx, int(nbytes))
-    _bulk_groups()[-1].append((dst, dsl, src[ssl].copy()))    # lands at bulk_wait
+    _groups("bulk")[-1].append((dst, dsl, src[ssl].copy()))      # lands at bulk_wait
 
 
 def bulk_commit():
-    _bulk_groups().append([])
+    _groups("bulk").append([])
 
 
 def bulk_wait(pending):
-    groups = _bulk_groups()
-    closed = groups[:-1]
-    while len(closed) > pending:
-        for dst, dsl, data in closed.pop(0):
-            dst[dsl] = data
-    groups[:-1] = closed
+    _land(_groups("bulk"), pending)
 
 
 def trap():
