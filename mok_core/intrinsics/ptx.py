@@ -19,7 +19,6 @@ _i32 = ir.IntType(32)
 _i64 = ir.IntType(64)
 _f32 = ir.FloatType()
 _u32x4 = types.UniTuple(types.uint32, 4)
-_u32x2 = types.UniTuple(types.uint32, 2)
 _f32x4 = types.UniTuple(types.float32, 4)
 
 
@@ -262,35 +261,32 @@ def mma_bf16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 _TO_SHARED = "{ .reg .u64 g; .reg .u32 s; cvta.to.shared.u64 g, $%d; cvt.u32.u64 s, g; %s [s]; }"
 
 
-@intrinsic
-def ldmatrix_x4(typingctx, smem, idx):
-    """Four 8x8 b16 matrices from shared memory, one warp; lane L gives the address of row L%8
-    of matrix L/8 (``smem[idx]``, 16-byte aligned); returns this lane's 4 fragments."""
-    if not (_is_1d(smem) and isinstance(idx, types.Integer)):
-        return None
+def _ldmatrix(n, doc):
+    """``ldmatrix .x{n}`` at element ``idx`` of a shared array: n 8x8 b16 matrices, one warp."""
+    regs = ",".join(f"${i}" for i in range(n))
+    ret = types.UniTuple(types.uint32, n)
 
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        text = _TO_SHARED % (4, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3},")
-        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [ptr], text,
-                   "=r,=r,=r,=r,l,~{memory}", True)
-        return _tuple(context, builder, sig, res, 4)
-    return _u32x4(smem, idx), codegen
+    def impl(typingctx, smem, idx):
+        if not (_is_1d(smem) and isinstance(idx, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+            text = _TO_SHARED % (n, f"ldmatrix.sync.aligned.m8n8.x{n}.shared.b16 {{{regs}}},")
+            res = _asm(builder, ir.LiteralStructType([_i32] * n), [ptr], text,
+                       ",".join(["=r"] * n) + ",l,~{memory}", True)
+            return _tuple(context, builder, sig, res, n)
+        return ret(smem, idx), codegen
+    impl.__doc__ = doc
+    impl.__name__ = f"ldmatrix_x{n}"
+    return intrinsic(impl)
 
 
-@intrinsic
-def ldmatrix_x2(typingctx, smem, idx):
-    """Two 8x8 b16 matrices (lanes 0-15 give row addresses); returns 2 fragments."""
-    if not (_is_1d(smem) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        text = _TO_SHARED % (2, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0,$1},")
-        res = _asm(builder, ir.LiteralStructType([_i32] * 2), [ptr], text,
-                   "=r,=r,l,~{memory}", True)
-        return _tuple(context, builder, sig, res, 2)
-    return _u32x2(smem, idx), codegen
+ldmatrix_x4 = _ldmatrix(
+    4, "Four 8x8 b16 matrices from shared memory, one warp; lane L gives the address of row "
+       "L%8 of matrix L/8 (``smem[idx]``, 16-byte aligned); returns this lane's 4 fragments.")
+ldmatrix_x2 = _ldmatrix(
+    2, "Two 8x8 b16 matrices (lanes 0-15 give row addresses); returns 2 fragments.")
 
 
 @intrinsic
