@@ -26,14 +26,14 @@ def simulator_demo() -> int:
     from mok_comm.functional import forward_phases, schedule_phases
     from mok_core.config import LayerShape, MoKConfig
     from mok_core.cuda_compat import to_host
-    from mok_core.grouped_gemm import GemmConfig
+    from mok_core.grouped_gemm import SIM_GEMM
     from mok_core.reference import moe_forward
 
     R, T = 2, 32
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=8,
                        topk=3, ep_size=R)
     cfg = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
-    gemm = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+    gemm = SIM_GEMM
     rng = np.random.default_rng(0)
     E, k, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
     bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731

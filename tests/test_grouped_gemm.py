@@ -9,10 +9,10 @@ import pytest
 
 from helpers import to_dev
 from mok_core.cuda_compat import to_host
-from mok_core.grouped_gemm import GemmConfig, down, gate_up_swiglu
+from mok_core.grouped_gemm import SIM_GEMM, GemmConfig, down, gate_up_swiglu
 
 # Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
-CFG = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+CFG = SIM_GEMM
 # The wgmma kernels' smallest tiles (two 64-row warpgroups, 64 columns, 3- / 2-slice ring).
 WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WGMMA_WS_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws")

@@ -5,7 +5,7 @@ The same file runs on a GPU (``pytest tests/test_intrinsics.py`` without the sim
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint64
 
 from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
@@ -105,6 +105,32 @@ def test_acquire_release_and_counter():
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------
 
+@kjit(device=True)
+def _mma_into(a0, a1, a2, a3, b0, b1, c, d, lane):
+    """d[16x8] = A . B + c[16x8] from this lane's fragments (layout: ``mma_bf16_16816``)."""
+    g = lane // 4
+    t = lane % 4
+    d0, d1, d2, d3 = mma_bf16_16816(a0, a1, a2, a3, b0, b1, c[g * 8 + 2 * t],
+                                    c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                                    c[(g + 8) * 8 + 2 * t + 1])
+    d[g * 8 + 2 * t] = d0
+    d[g * 8 + 2 * t + 1] = d1
+    d[(g + 8) * 8 + 2 * t] = d2
+    d[(g + 8) * 8 + 2 * t + 1] = d3
+
+
+def _check_mma_tile(kernel, seed):
+    """Run a one-warp m16n8k16 test kernel on random operands; compare with float64."""
+    rng = np.random.default_rng(seed)
+    A = bf16_bits(rng.standard_normal((16, 16)))
+    B = bf16_bits(rng.standard_normal((8, 16)))          # [n, k]
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = to_dev(np.full(128, np.nan, np.float32))
+    kernel[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
+    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
+    np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
+
+
 @kjit
 def _mma_tile(a, b, c, d):
     """One warp: D[16x8] = A[16x16] @ B[8x16]^T + C, operands staged through shared memory."""
@@ -122,26 +148,11 @@ def _mma_tile(a, b, c, d):
     a0, a1, a2, a3 = ldmatrix_x4(sa, row * 16 + col)
     # B^T stored [n, k]: two 8x8 matrices (k 0-7), (k 8-15); lanes 0-15 give the rows.
     b0, b1 = ldmatrix_x2(sb, (lane % 8) * 16 + ((lane // 8) % 2) * 8)
-    g = lane // 4
-    t = lane % 4
-    d0, d1, d2, d3 = mma_bf16_16816(a0, a1, a2, a3, b0, b1, c[g * 8 + 2 * t],
-                                    c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
-                                    c[(g + 8) * 8 + 2 * t + 1])
-    d[g * 8 + 2 * t] = d0
-    d[g * 8 + 2 * t + 1] = d1
-    d[(g + 8) * 8 + 2 * t] = d2
-    d[(g + 8) * 8 + 2 * t + 1] = d3
+    _mma_into(a0, a1, a2, a3, b0, b1, c, d, lane)
 
 
 def test_mma_with_ldmatrix():
-    rng = np.random.default_rng(2)
-    A = bf16_bits(rng.standard_normal((16, 16)))
-    B = bf16_bits(rng.standard_normal((8, 16)))          # [n, k]
-    C = rng.standard_normal((16, 8)).astype(np.float32)
-    D = to_dev(np.full(128, np.nan, np.float32))
-    _mma_tile[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
-    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
-    np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
+    _check_mma_tile(_mma_tile, 2)
 
 
 @kjit
@@ -166,26 +177,11 @@ def _mma_tile_at(a, b, c, d):
     n = lane % 8
     kh = (lane // 8) % 2
     b0, b1, b2, b3 = ldmatrix_x4_at(sb, base_b + (n * 16 + kh * 8) * 2)
-    g = lane // 4
-    t = lane % 4
-    d0, d1, d2, d3 = mma_bf16_16816(a0, a1, a2, a3, b0, b1, c[g * 8 + 2 * t],
-                                    c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
-                                    c[(g + 8) * 8 + 2 * t + 1])
-    d[g * 8 + 2 * t] = d0
-    d[g * 8 + 2 * t + 1] = d1
-    d[(g + 8) * 8 + 2 * t] = d2
-    d[(g + 8) * 8 + 2 * t + 1] = d3
+    _mma_into(a0, a1, a2, a3, b0, b1, c, d, lane)
 
 
 def test_shared_address_variants():
-    rng = np.random.default_rng(8)
-    A = bf16_bits(rng.standard_normal((16, 16)))
-    B = bf16_bits(rng.standard_normal((8, 16)))
-    C = rng.standard_normal((16, 8)).astype(np.float32)
-    D = to_dev(np.full(128, np.nan, np.float32))
-    _mma_tile_at[1, 32](to_dev(A.ravel()), to_dev(B.ravel()), to_dev(C.ravel()), D)
-    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T + C
-    np.testing.assert_allclose(to_host(D).reshape(16, 8), want, rtol=1e-5, atol=1e-5)
+    _check_mma_tile(_mma_tile_at, 8)
 
 
 # ---- cp.async with zero fill -------------------------------------------------------------------

@@ -12,9 +12,9 @@ from mok_comm.heap import EmulatedHeap
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
-from mok_core.grouped_gemm import GemmConfig
+from mok_core.grouped_gemm import SIM_GEMM
 
-GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
 CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
 
 

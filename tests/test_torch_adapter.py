@@ -7,13 +7,13 @@ import torch
 import mok_torch
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
-from mok_core.grouped_gemm import GemmConfig
+from mok_core.grouped_gemm import SIM_GEMM
 from mok_core.reference import moe_forward
 from mok_torch import synthetic
 from mok_torch.reference import reference_tokens
 
 DEV = "cpu" if SIM else "cuda"
-GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
+GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
 CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
