@@ -64,16 +64,16 @@ class GemmConfig:
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
-            req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
-            return
-        req(self.bk in (32, 64), "bk must be 32 or 64")
-        req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
-        req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
-        req(self.stages >= 2, "stages must be >= 2")
-        threads = self.wm * self.wn * 32
-        req(threads <= 1024, "too many warps")
-        req((self.bm * self.bk // 8) % threads == 0 and (self.bn * self.bk // 8) % threads == 0,
-            "tile chunks must divide evenly over threads")
+        else:
+            req(self.bk in (32, 64), "bk must be 32 or 64")
+            req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
+            req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
+            req(self.stages >= 2, "stages must be >= 2")
+            threads = self.wm * self.wn * 32
+            req(threads <= 1024, "too many warps")
+            req((self.bm * self.bk // 8) % threads == 0
+                and (self.bn * self.bk // 8) % threads == 0,
+                "tile chunks must divide evenly over threads")
         req(self.smem_bytes <= 227 * 1024, "shared memory over 227 KiB")
 
     @property
@@ -129,15 +129,26 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
                              max_registers=cfg.max_registers)
 
 
-def _grid(cfg: GemmConfig, max_tiles: int) -> int:
-    return max(1, min(max_tiles, multiprocessor_count() * cfg.blocks_per_sm))
-
-
-def _check_offsets(expert_offsets, num_rows, num_experts):
-    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32,
-                          shape=(num_experts + 1,))
+def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
+    """A [rows, K] and W [E, N, K] (uint16, K must agree; ``dims`` = the letters of N and K in
+    messages), offsets [E + 1] and num_rows [1] (int32): checked device views + E, N, K."""
+    a = as_device_array(a, a_name, dtype=np.uint16, ndim=2)
+    K = a.shape[1]
+    w = as_device_array(w, w_name, dtype=np.uint16, ndim=3)
+    E, N, K2 = w.shape
+    if K2 != K:
+        raise ValueError(f"{w_name}: expected [E, {dims[0]}, {K}] ({dims[1]} of {a_name}), "
+                         f"got {tuple(w.shape)}")
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
-    return off, nr
+    return a, w, off, nr, E, N, K
+
+
+def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, *args):
+    """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles."""
+    tiles = (C // cfg.bm) * (N // n_tile)
+    grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
+    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
@@ -154,27 +165,20 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
     """
     config = config or default_gemm()
-    x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
-    A_rows, H = x.shape
-    w_gate = as_device_array(w_gate, "w_gate", dtype=np.uint16, ndim=3)
-    E, I, H2 = w_gate.shape
-    if H2 != H:
-        raise ValueError(f"w_gate: expected [E, I, {H}] (H of x), got {tuple(w_gate.shape)}")
+    x, w_gate, off, nr, E, I, H = _operands(x, "x", w_gate, "w_gate", "IH", expert_offsets,
+                                            num_rows)
     w_up = as_device_array(w_up, "w_up", dtype=np.uint16, shape=(E, I, H))
     a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
     C = a_index.shape[0]
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
-    off, nr = _check_offsets(expert_offsets, num_rows, E)
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     if not limit > 0:
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
     _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
-    kern = _kernel(config, True, True, True)
-    max_tiles = (C // config.bm) * (I // (config.bn // 2))
-    launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
-           _flat(x), a_index, _flat(w_gate), _flat(w_up), off, nr, _flat32(hidden),
-           np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
+    _launch(_kernel(config, True, True, True), config, C, I, config.bn // 2, stream,
+            _flat(x), a_index, _flat(w_gate), _flat(w_up), off, nr, _flat32(hidden),
+            np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
 
 
 def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
@@ -190,25 +194,19 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
             wgmma kernel skip all-padding half tiles (their y rows are written as zeros).
     """
     config = config or default_gemm()
-    hidden = as_device_array(hidden, "hidden", dtype=np.uint16, ndim=2)
-    C, I = hidden.shape
-    w_down = as_device_array(w_down, "w_down", dtype=np.uint16, ndim=3)
-    E, H, I2 = w_down.shape
-    if I2 != I:
-        raise ValueError(f"w_down: expected [E, H, {I}] (I of hidden), got {tuple(w_down.shape)}")
+    hidden, w_down, off, nr, E, H, I = _operands(hidden, "hidden", w_down, "w_down", "HI",
+                                                 expert_offsets, num_rows)
+    C = hidden.shape[0]
     y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
-    off, nr = _check_offsets(expert_offsets, num_rows, E)
     _check_dims(config, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
                 name_n="hidden size H")
     if row_index is not None:
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
     use_index = row_index is not None and config.mma != "mma_sync"
-    kern = _kernel(config, False, False, use_index)
     index = row_index if use_index else nr             # unused without an index
-    max_tiles = (C // config.bm) * (H // config.bn)
-    launch(kern, _grid(config, max_tiles), config.threads, stream, config.smem_bytes,
-           _flat(hidden), index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
-           np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
+    _launch(_kernel(config, False, False, use_index), config, C, H, config.bn, stream,
+            _flat(hidden), index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
+            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
 
 
 def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):
