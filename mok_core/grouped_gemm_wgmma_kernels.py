@@ -99,6 +99,43 @@ def make_tile_ops(bn, swiglu_epilogue):
     return mma_slice, store_tile
 
 
+def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
+    """The cp.async side both wgmma kernels share. A loading thread owns one 16-byte chunk
+    column of ``a_rows`` A rows and ``b_rows`` B rows of every K slice, its rows a fixed step
+    apart (so they share one swizzle):
+
+    ``a_sources(a_index, first_row, row_step, K, chunk, a_src, a_nb)``: per tile, the element
+    offset of each of its A chunks (row through ``a_index`` when gathering) and the bytes to
+    read (16; 0 for a padding row, which cp.async zero-fills -- kept apart from the offset so
+    the K loop does no per-chunk selects).
+    ``load_slice(smem, dst, dst_step, a_stage, a, w0, w1, a_src, a_nb, b_src, b_step, k0)``: one
+    slice's A chunks (padding rows zero-filled, no global read), then its B chunks at
+    ``dst + a_stage`` (SWIGLU: the first half of B's rows from w0 = gate, the rest from w1).
+    """
+    b_first = b_rows // 2 if swiglu_epilogue else b_rows
+
+    @kjit(device=True, inline="always")
+    def a_sources(a_index, first_row, row_step, K, chunk, a_src, a_nb):
+        for j in range(a_rows):
+            r = first_row + row_step * j
+            src = a_index[r] if gather else r
+            a_nb[j] = 16 if src >= 0 else 0
+            a_src[j] = max(src, 0) * K + chunk * 8
+
+    @kjit(device=True, inline="always")
+    def load_slice(smem, dst, dst_step, a_stage, a, w0, w1, a_src, a_nb, b_src, b_step, k0):
+        for j in range(a_rows):
+            cp_async_16_at(smem, dst + j * dst_step, a, a_src[j] + k0, a_nb[j])
+        dst += a_stage
+        src = b_src + k0
+        for j in range(b_first):
+            cp_async_16_at(smem, dst + j * dst_step, w0, src + j * b_step, 16)
+        for j in range(b_rows - b_first):
+            cp_async_16_at(smem, dst + (b_first + j) * dst_step, w1, src + j * b_step, 16)
+
+    return a_sources, load_slice
+
+
 def smem_bytes(bn, stages):
     """Dynamic shared memory of one block (the ring + slack to align it to 1024 bytes)."""
     return stages * (BM + bn) * ROW_BYTES + 1024
@@ -119,24 +156,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ring_bytes = stages * stage_bytes
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
-    a_passes = BM // _PASS_ROWS
-    b_passes = bn // _PASS_ROWS
-    b_gate_passes = b_passes // 2
+    a_passes = BM // _PASS_ROWS            # A rows per loading thread (a compile-time size)
+    a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
+                                              bn // _PASS_ROWS)
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
-
-    @kjit(device=True, inline="always")
-    def load_slice(smem, soff, a, w0, w1, dst0, a_src, a_nb, b_src, b_pass_elems, k0):
-        """Issue this thread's cp.async chunks of one K slice: A passes, then B passes
-        (SWIGLU: the first half of B's rows are gate rows, the second half the up rows)."""
-        for i in range(a_passes):
-            cp_async_16_at(smem, dst0 + soff + i * _PASS_BYTES, a, a_src[i] + k0, a_nb[i])
-        for i in range(b_passes):
-            d = dst0 + soff + a_stage + i * _PASS_BYTES
-            if swiglu_epilogue and i >= b_gate_passes:
-                cp_async_16_at(smem, d, w1, b_src + (i - b_gate_passes) * b_pass_elems + k0, 16)
-            else:
-                cp_async_16_at(smem, d, w0, b_src + i * b_pass_elems + k0, 16)
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, offsets, t, n_tiles, K, n_w, ktiles, dst0, a_src,
@@ -146,22 +170,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         slices requested. Returns (first row, first output column, B source, active)."""
         e, row0, nt = find_tile(offsets, offsets.shape[0] - 1, t, n_tiles, BM)
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
-        for i in range(a_passes):
-            r = row0 + ld_row + i * _PASS_ROWS
-            src = a_index[r] if gather else r
-            a_nb[i] = 16
-            if src < 0:
-                a_nb[i] = 0
-                src = 0
-            a_src[i] = src * K + ld_chunk * 8
+        a_sources(a_index, row0 + ld_row, _PASS_ROWS, K, ld_chunk, a_src, a_nb)
         b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
         active = True
         if uses_index:
             active = a_index[row0 + wg * 64] >= 0
         for s in range(prefetch):
             if s < ktiles:
-                load_slice(smem, s * stage_bytes, a, w0, w1, dst0, a_src, a_nb, b_src,
-                           b_pass_elems, s * BK)
+                load_slice(smem, dst0 + s * stage_bytes, _PASS_BYTES, a_stage, a, w0, w1,
+                           a_src, a_nb, b_src, b_pass_elems, s * BK)
             cp_async_commit()
         return row0, col0, b_src, active
 
@@ -201,8 +218,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         active = True
         if t < total:
             row0, col0, b_src, active = tile_start(smem, a, a_index, w0, w1, offsets, t,
-                                                   n_tiles, K, n_w, ktiles, dst0, a_src, a_nb,
-                                                   b_pass_elems, ld_row, ld_chunk, wg)
+                                                   n_tiles, K, n_w, ktiles, dst0, a_src,
+                                                   a_nb, b_pass_elems, ld_row, ld_chunk, wg)
         while t < total:
             acc = f32_zeros(nacc)
             cs = 0                             # ring offsets of the slice computed / loaded:
@@ -213,8 +230,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 cuda.syncthreads()
                 nxt = kt + prefetch
                 if nxt < ktiles:
-                    load_slice(smem, ls, a, w0, w1, dst0, a_src, a_nb, b_src, b_pass_elems,
-                               nxt * BK)
+                    load_slice(smem, dst0 + ls, _PASS_BYTES, a_stage, a, w0, w1, a_src, a_nb,
+                               b_src, b_pass_elems, nxt * BK)
                 cp_async_commit()
                 if active:
                     soff = cs >> 4

@@ -38,15 +38,16 @@ times out can only be a bug in this kernel, and it traps (the host sees a launch
 instead of hanging. FP32 accumulation, K in fixed order, one owner per output tile:
 deterministic.
 """
-from numba import cuda, float32, int64, uint16
+from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile
-from .grouped_gemm_wgmma_kernels import _DESC_HIGH, _WGMMA, BK, BM, ROW_BYTES, make_tile_ops
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
-                         cp_async_wait, f32_zeros, fence_proxy_async, mbarrier_arrive,
-                         mbarrier_init, mbarrier_try_wait, setmaxnreg_dec, setmaxnreg_inc,
-                         shared_addr, syncwarp, trap, wgmma_wait)
+from .grouped_gemm_wgmma_kernels import (_DESC_HIGH, _WGMMA, BK, BM, ROW_BYTES, make_slice_loader,
+                                         make_tile_ops)
+from .intrinsics import (cp_async_commit, cp_async_mbarrier_arrive, cp_async_wait, f32_zeros,
+                         fence_proxy_async, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
+                         setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp, trap,
+                         wgmma_wait)
 
 CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
@@ -76,14 +77,13 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
     """
     assert bn in _WGMMA and stages >= 2
+    a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
     mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
+    a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_rows_lane, bn // 16)
     nacc = bn // 2                          # fp32 accumulators per consumer thread
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
     ring_bytes = stages * stage_bytes
-    a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
-    b_rows_lane = bn // 16
-    b_first = b_rows_lane // 2 if swiglu_epilogue else b_rows_lane   # rows from w0 (gate)
     pass_bytes = 16 * ROW_BYTES            # 16 rows on: the next row of this thread
     uses_index = gather or padding_index
     # .maxntid 384 makes ptxas budget LAUNCH_REGISTERS at entry (setmaxnreg moves them later).
@@ -132,34 +132,21 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             row_in = p // 8                     # this thread's rows: row_in + 16 j, so
             chunk = p % 8                       # every row has the same swizzle (16 j % 8 = 0)
             lane_dst = ring + row_in * ROW_BYTES + ((chunk ^ (row_in % 8)) * 16)
-            a_src = cuda.local.array(a_rows_lane, int64)     # < 0: padding row
+            a_src = cuda.local.array(a_rows_lane, int64)
+            a_nb = cuda.local.array(a_rows_lane, int32)
             i = 0
             t = cuda.blockIdx.x
             while t < total:
                 e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
-                for j in range(a_rows_lane):
-                    r = row0 + row_in + 16 * j
-                    src = a_index[r] if gather else r
-                    a_src[j] = src * K + chunk * 8 if src >= 0 else -1
+                a_sources(a_index, row0 + row_in, 16, K, chunk, a_src, a_nb)
                 b_src = (e * n_w + nt * cols_per_tile + row_in) * K + chunk * 8
                 b_step = 16 * K
                 for kt in range(ktiles):
                     s = i % stages
                     if i >= stages:
                         wait_phase(smem, empty0 + 8 * s, (i // stages - 1) & 1)
-                    dst = lane_dst + s * stage_bytes
-                    k0 = kt * BK
-                    for j in range(a_rows_lane):
-                        src = a_src[j]          # padding row: zero-fill, no global read
-                        cp_async_16_at(smem, dst + j * pass_bytes, a, max(src, 0) + k0,
-                                       16 if src >= 0 else 0)
-                    dst += a_stage
-                    src = b_src + k0
-                    for j in range(b_first):     # B rows from w0 (SWIGLU: the gate rows) ...
-                        cp_async_16_at(smem, dst + j * pass_bytes, w0, src + j * b_step, 16)
-                    for j in range(b_rows_lane - b_first):     # ... then the up rows from w1
-                        cp_async_16_at(smem, dst + (b_first + j) * pass_bytes, w1,
-                                       src + j * b_step, 16)
+                    load_slice(smem, lane_dst + s * stage_bytes, pass_bytes, a_stage, a, w0, w1,
+                               a_src, a_nb, b_src, b_step, kt * BK)
                     cp_async_mbarrier_arrive(smem, full0 + 8 * s)
                     i += 1
                 t += grid
