@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (gpu_name, gumbel_topk_ids, numba_stream, progress,  # noqa: E402
-                               rank_max_median, table, time_iters, write_json)
+from benchmarks.common import (comm_setup, gpu_name, gumbel_topk_ids,  # noqa: E402
+                               numba_stream, progress, rank_max_median, table, time_iters,
+                               write_json)
 
 H, E, K = 7168, 384, 8
 
@@ -34,20 +35,14 @@ def run_case(T, iters, warmup):
     import torch.distributed as td
 
     from mok_comm import ops
-    from mok_comm.heap import NvshmemHeap
-    from mok_comm.workspace import create_workspace
     from mok_core.config import MoKConfig
-    from mok_core.schedule import Schedule, build_schedule
+    from mok_core.schedule import build_schedule
     R, me = td.get_world_size(), td.get_rank()
     ids = gumbel_topk_ids(np.random.default_rng(T), R, T, E, K)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     s = numba_stream()
     cfg = MoKConfig(capacity_factor=1.0)
-    heap = NvshmemHeap(stream=s)
-    ws = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, config=cfg,
-                          stream=s)
-    sched = Schedule.allocate(rank=me, ep_size=R, tokens_per_rank=T, topk=K, num_experts=E,
-                              config=cfg, capacity=ws.capacity)
+    heap, ws, sched = comm_setup(T, H, K, E, cfg, s)
     y = torch.randn(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
     u16 = torch.uint16
     d_ids = torch.from_numpy(ids[me]).cuda()

@@ -136,17 +136,10 @@ def step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, iters):
 def graph_time(step, iters, warmup):
     """Median (max over ranks) ms of replaying a CUDA graph of ``step`` (schedule + forward):
     the layer without Python launch overhead, as a captured training step runs it."""
-    import torch
     import torch.distributed as dist
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                       # warm up on the capture stream
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+
+    from benchmarks.common import capture_graph
+    graph, _ = capture_graph(step)
     dist.barrier()
     return rank_max_median(time_iters(graph.replay, iters, warmup))
 

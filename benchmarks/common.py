@@ -26,6 +26,37 @@ def numba_stream():
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+def comm_setup(tokens, hidden, topk, num_experts, config, stream):
+    """The comm protocol on its own (no layer), on the NVSHMEM heap: (heap, workspace,
+    schedule sized to the workspace). ``heap.free()`` releases both."""
+    from mok_comm.heap import NvshmemHeap
+    from mok_comm.workspace import create_workspace
+    from mok_core.schedule import Schedule
+    heap = NvshmemHeap(stream=stream)
+    ws = create_workspace(heap, tokens_per_rank=tokens, hidden=hidden, topk=topk,
+                          num_experts=num_experts, config=config, stream=stream)
+    sched = Schedule.allocate(rank=ws.rank, ep_size=ws.ep_size, tokens_per_rank=tokens,
+                              topk=topk, num_experts=num_experts, config=config,
+                              capacity=ws.capacity)
+    return heap, ws, sched
+
+
+def capture_graph(step):
+    """(CUDA graph, its output) of ``step()`` on the current torch stream, after one warm-up
+    run on a side stream (what torch.cuda.graph needs); replay with ``graph.replay()``."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def time_iters(fn, iters=20, warmup=3, pre=None):
     """Per-iteration device times in ms (CUDA events around each call of ``fn``; ``pre`` runs
     untimed before each, e.g. a barrier that lines the ranks up)."""

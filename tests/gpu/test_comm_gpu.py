@@ -3,7 +3,7 @@ and a peer that never arrives. Run with >= 2 processes (torchrun or mok_comm.lau
 import numpy as np
 import pytest
 
-from comm_support import bf16_bits, identity_expert_kernel, make_routing, reference_round_trip
+from comm_support import identity_expert_kernel, reference_round_trip
 
 H, E, K = 7168, 384, 8
 
@@ -21,12 +21,10 @@ def test_round_trip_real_shape(nvshmem_world, T, variant):
     import torch
     from numba import cuda
 
-    from benchmarks.common import numba_stream
+    from benchmarks.common import comm_setup, numba_stream
     from mok_comm import ops
-    from mok_comm.heap import NvshmemHeap
-    from mok_comm.workspace import create_workspace
     from mok_core.config import MoKConfig
-    from mok_core.schedule import Schedule, build_schedule
+    from mok_core.schedule import build_schedule
     R, me = nvshmem_world.world_size, nvshmem_world.rank
     ids = _inputs(R, T, seed=T)
     g = torch.Generator(device="cuda").manual_seed(100 + me)
@@ -35,11 +33,7 @@ def test_round_trip_real_shape(nvshmem_world, T, variant):
     ys = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
     s = numba_stream()
     cfg = MoKConfig(capacity_factor=1.0)
-    heap = NvshmemHeap(stream=s)
-    ws = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=K, num_experts=E, config=cfg,
-                          stream=s)
-    sched = Schedule.allocate(rank=me, ep_size=R, tokens_per_rank=T, topk=K, num_experts=E,
-                              config=cfg, capacity=ws.capacity)
+    heap, ws, sched = comm_setup(T, H, K, E, cfg, s)
     idx = cuda.device_array(ws.capacity, np.int32)
     y = torch.empty(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
     d_ids = torch.from_numpy(ids[me]).cuda()

@@ -18,6 +18,7 @@ def test_layer_preset(torch_world, preset_name):
     import torch
 
     import mok_torch
+    from benchmarks.common import capture_graph
     from mok_core.config import MoKConfig, preset
     from mok_torch import synthetic
     from mok_torch.reference import reference_tokens
@@ -49,15 +50,7 @@ def test_layer_preset(torch_world, preset_name):
         assert err < 5e-3, f"rel-L1 {err:.2e}"
 
         # CUDA graph: capture schedule + forward once, replay, compare with eager.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()                                            # warm on the capture stream
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
+        graph, static_out = capture_graph(step)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
