@@ -94,22 +94,14 @@ def step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, iters):
 
     from benchmarks.common import numba_stream
     from mok_comm import functional as F
-    from mok_comm import ops
     s = numba_stream()
     u16 = torch.uint16
-    publish, schedule = F.schedule_phases(lw, ids, s)
     phases, _ = F.forward_phases(cfg, lw, lw.schedule, x.view(u16), w,
                                  *[t.view(u16) if t is not None else None for t in shared],
-                                 wg.view(u16), wu.view(u16),
-                                 wd.view(u16), stream=s)
-
-    def barrier():
-        ops.barrier(lw.comm, s)
-    steps = [("routing all-gather", publish), ("barrier", barrier), ("schedule", schedule)]
-    for i, phase in enumerate(phases):
-        if i:
-            steps.append(("barrier", barrier))
-        steps += [(fn.__name__.replace("_", " "), fn) for fn in phase.steps]
+                                 wg.view(u16), wu.view(u16), wd.view(u16), stream=s)
+    steps = [(name.replace("_", " "), fn)
+             for part in (F.schedule_phases(lw, ids, s), phases)
+             for name, fn in F.with_barriers(part, lw.comm, s)]
     samples = [[] for _ in steps]
     for it in range(iters + 2):
         dist.barrier()

@@ -186,28 +186,26 @@ def schedule_phases(lw: LayerWorkspace, topk_ids, stream=0):
     if np.dtype(ids.dtype) == np.int64:
         n = T * k
 
-        def publish():
+        def routing_allgather():
             if n:
                 ids_to_int32_kernel[min(256, -(-n // 256)), 256, stream](
                     ids.reshape(n), lw.ids32.reshape(n))
             ops.publish_ids(lw.comm, lw.ids32, stream)
     elif np.dtype(ids.dtype) == np.int32:
-        def publish():
+        def routing_allgather():
             ops.publish_ids(lw.comm, ids, stream)
     else:
         raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
 
     def schedule():
         _schedule_kernels(lw.schedule, lw.comm.ids_table, stream=stream)
-    return [publish, schedule]
+    return [routing_allgather, schedule]
 
 
 def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
     """Routing all-gather + this rank's schedule (see ``mok_core.schedule``), on the device."""
-    publish, schedule = schedule_phases(lw, topk_ids, stream)
-    publish()
-    ops.barrier(lw.comm, stream)
-    schedule()
+    for _, launch in with_barriers(schedule_phases(lw, topk_ids, stream), lw.comm, stream):
+        launch()
     return lw.schedule
 
 
@@ -277,6 +275,19 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
     return [phase0, phase1, phase2], out
 
 
+def with_barriers(phases, comm, stream=0):
+    """(name, launch) of every launch group of ``phases`` in order (a phase's own ``.steps``
+    when it has them), with the cross-rank barrier on ``comm`` between consecutive phases --
+    how ``build_schedule`` and ``forward`` run, and what a per-step timer walks."""
+    def barrier():
+        ops.barrier(comm, stream)
+    for i, phase in enumerate(phases):
+        if i:
+            yield "barrier", barrier
+        for step in getattr(phase, "steps", (phase,)):
+            yield step.__name__, step
+
+
 def _phase(*steps):
     """A phase = its launches in order; ``.steps`` exposes them one by one (per-step timing)."""
     def run():
@@ -302,10 +313,8 @@ def forward(config: MoKConfig, workspace: LayerWorkspace, schedule: Schedule, x,
     phases, out = forward_phases(config, workspace, schedule, x, router_weights, w_shared_gate,
                                  w_shared_up, w_shared_down, w_gate, w_up, w_down,
                                  swiglu_limit, out, stream)
-    for i, phase in enumerate(phases):
-        if i:
-            ops.barrier(workspace.comm, stream)
-        phase()
+    for _, launch in with_barriers(phases, workspace.comm, stream):
+        launch()
     return out, _context(workspace, schedule)
 
 
@@ -320,4 +329,5 @@ def context_of(lw: LayerWorkspace) -> ForwardContext:
 
 
 __all__ = ["ForwardContext", "LayerWorkspace", "build_schedule", "context_of", "forward",
-           "forward_phases", "get_workspace", "schedule_phases", "verify_ranks_agree"]
+           "forward_phases", "get_workspace", "schedule_phases", "verify_ranks_agree",
+           "with_barriers"]
