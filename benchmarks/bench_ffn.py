@@ -24,11 +24,14 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
                                progress, routing_counts, table, time_iters, write_json)
 
 
-# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers)
+# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma)
 SWEEP = [
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),
-    (128, 128, 64, 2, 1, 4, 1, 0, "wgmma"),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True),
+    (128, 128, 64, 2, 1, 6, 1, 0, "wgmma", True),
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma_ws"),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma_ws", True),
+    (128, 128, 64, 2, 1, 6, 1, 0, "wgmma_ws", True),
     (64, 128, 32, 2, 2, 4, 2, 0),                  # the best mma.sync tile, for comparison
 ]
 
@@ -44,9 +47,13 @@ def fastest_per_preset(trial):
 
 
 def parse_gemm(text):
-    """'bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]' -> GemmConfig."""
+    """'bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma,tma]' -> GemmConfig."""
     from mok_core.grouped_gemm import GemmConfig
-    return GemmConfig(*[int(v) if v.strip().isdigit() else v.strip() for v in text.split(",")])
+
+    def value(v):
+        v = v.strip()
+        return int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+    return GemmConfig(*[value(v) for v in text.split(",")])
 
 
 def run_case(preset_name, T, skew, gemm_cfg, iters, rng):

@@ -18,10 +18,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count
+from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count, upload
 from .grouped_gemm_kernels import make_grouped_gemm
 from . import grouped_gemm_wgmma_kernels as _wgmma
 from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
+from .tensor_map import tensor_maps
 
 MMA_KINDS = ("mma_sync", "wgmma", "wgmma_ws")
 
@@ -38,7 +39,10 @@ class GemmConfig:
     the simulator's default), ``"wgmma"`` (Hopper warpgroup MMA, all threads load, the GPU
     default) or ``"wgmma_ws"`` (warp-specialised: a producer warpgroup loads, mbarriers). For
     both wgmma kinds bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte
-    swizzle row), bn in {64, 128, 256}; stages >= 3 ("wgmma") or >= 2 ("wgmma_ws").
+    swizzle row), bn in {64, 128, 256}; stages >= 3 ("wgmma") or >= 2 ("wgmma_ws"). ``tma``
+    (wgmma kinds only): the weight tiles come by TMA from tensor maps (``mok_core.tensor_map``,
+    built once per weight array) instead of per-thread cp.async; A rows stay cp.async (they
+    are gathered).
     """
     bm: int = 128
     bn: int = 128
@@ -49,6 +53,7 @@ class GemmConfig:
     blocks_per_sm: int = 1
     max_registers: int = 0          # 0: compiler's choice; else cap (more warps per SM)
     mma: str = "mma_sync"
+    tma: bool = False               # wgmma kinds: weight (B) tiles by TMA boxes, not cp.async
 
     def __post_init__(self):
         def req(cond, msg):
@@ -65,6 +70,7 @@ class GemmConfig:
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
+            req(not self.tma, "tma needs a wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -120,11 +126,12 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
     _require_arch(cfg)
     if cfg.mma == "wgmma":
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
-                                              max_registers=cfg.max_registers)
+                                              max_registers=cfg.max_registers, tma_b=cfg.tma)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
-                                                    max_registers=cfg.max_registers)
+                                                    max_registers=cfg.max_registers,
+                                                    tma_b=cfg.tma)
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather,
                              max_registers=cfg.max_registers)
 
@@ -144,11 +151,28 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
     return a, w, off, nr, E, N, K
 
 
-def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, *args):
-    """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles."""
+def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *rest):
+    """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
+    kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
+    boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down); unused without
+    ``cfg.tma`` (then a 16-element placeholder)."""
     tiles = (C // cfg.bm) * (N // n_tile)
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
-    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
+    args = (_flat(a), a_index, _flat(w0), _flat(w1))
+    if cfg.mma != "mma_sync":
+        if cfg.tma:
+            box = cfg.bn // 2 if w1 is not w0 else cfg.bn
+            maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
+                                for w in ((w0, w1) if w1 is not w0 else (w0,))], box, stream)
+        else:
+            maps = _placeholder_maps()
+        args += (maps,)
+    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args, *rest)
+
+
+@lru_cache(maxsize=None)
+def _placeholder_maps():
+    return upload(np.zeros(16, np.uint64))
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
@@ -177,7 +201,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     _check_dims(config, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
     _launch(_kernel(config, True, True, True), config, C, I, config.bn // 2, stream,
-            _flat(x), a_index, _flat(w_gate), _flat(w_up), off, nr, _flat32(hidden),
+            x, a_index, w_gate, w_up, off, nr, _flat32(hidden),
             np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
 
 
@@ -205,7 +229,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
     use_index = row_index is not None and config.mma != "mma_sync"
     index = row_index if use_index else nr             # unused without an index
     _launch(_kernel(config, False, False, use_index), config, C, H, config.bn, stream,
-            _flat(hidden), index, _flat(w_down), _flat(w_down), off, nr, _flat32(y),
+            hidden, index, w_down, w_down, off, nr, _flat32(y),
             np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
 
 

@@ -10,14 +10,18 @@ what differs is how a tile is computed:
     ring     = STAGES slices of [A 128 x 64 | B BN x 64] in shared memory, 1024-byte aligned,
                16-byte chunk c of row r stored at chunk c ^ (r % 8) (what the descriptors say)
     loads    = all 256 threads, cp.async 16 B (A rows gathered through a_index, padding rows
-               zero-filled without a load), PREFETCH = STAGES - 2 slices ahead
+               zero-filled without a load), PREFETCH = STAGES - 2 slices ahead;
+               TMA variant (``tma_b``): B comes as one TMA box per slice (SWIGLU: a gate box
+               and an up box) issued by thread 0, landing swizzled and completing on the
+               stage's mbarrier full[s]; A stays cp.async (it is gathered)
     MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 from two descriptors
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
 Task order of one K step (kt), every thread (a tile's first PREFETCH slices are requested
 before the previous tile's epilogue, so their latency hides behind its stores):
 
-    1. cp.async.wait  -> my chunks of slice kt landed;  fence.proxy.async (wgmma reads through
+    1. cp.async.wait  -> my chunks of slice kt landed;  (TMA: wait full[stage of kt])
+                         fence.proxy.async (wgmma reads through
                          the async proxy);  __syncthreads -> everyone's chunks landed, and every
                          warpgroup has retired the wgmmas of slice kt-2 (step 4 below)
     2. issue loads of slice kt + PREFETCH into the stage of slice kt - 2 (free, by 1.)
@@ -33,8 +37,10 @@ from numba import cuda, float32, int32, int64, uint16
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile, swiglu
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
-                         fence_proxy_async, pack_bf16x2, shared_addr, store_f32_tuple,
-                         wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
+                         fence_mbarrier_init, fence_proxy_async, mbarrier_arrive_expect_tx,
+                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
+                         store_f32_tuple, tensormap_acquire, tma_load_2d, trap, wgmma_commit,
+                         wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                          wgmma_m64n256k16_bf16, wgmma_wait)
 
 BM = 128                      # tile rows: 2 warpgroups x 64
@@ -136,17 +142,54 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
     return a_sources, load_slice
 
 
+_SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
+
+
+@kjit(device=True, inline="always")
+def wait_phase(smem, bar, parity):
+    """Until the mbarrier at ``bar`` completed the phase of ``parity``. Bounded: only a bug in
+    the kernel itself can make it time out, and then it traps (a launch failure, not a hang)."""
+    n = 0
+    while mbarrier_try_wait(smem, bar, parity) == 0:
+        n += 1
+        if n == _SPIN_LIMIT:
+            trap()
+
+
+def make_tma_b_loader(bn, swiglu_epilogue):
+    """``tma_b(smem, dst, tmaps, bar, row, k0)``: one thread's TMA of a slice's B operand (BN
+    weight rows x 64 K values) to the shared byte address ``dst``, completing on the mbarrier
+    ``bar`` (armed here with the slice's bytes). SWIGLU: BN/2 gate rows from map 0 and BN/2 up
+    rows from map 1, both starting at weight row ``row``; else BN rows of map 0. The maps carry
+    the 128-byte swizzle, so the box lands in the layout the B descriptor reads."""
+    half_bytes = (bn // 2) * ROW_BYTES
+
+    @kjit(device=True, inline="always")
+    def tma_b(smem, dst, tmaps, bar, row, k0):
+        mbarrier_arrive_expect_tx(smem, bar, bn * ROW_BYTES)
+        tma_load_2d(smem, dst, tmaps, 0, k0, row, bar)
+        if swiglu_epilogue:
+            tma_load_2d(smem, dst + half_bytes, tmaps, 16, k0, row, bar)
+
+    return tma_b
+
+
 def smem_bytes(bn, stages):
-    """Dynamic shared memory of one block (the ring + slack to align it to 1024 bytes)."""
-    return stages * (BM + bn) * ROW_BYTES + 1024
+    """Dynamic shared memory of one block (the ring, STAGES mbarriers for the TMA variant,
+    slack to align the ring to 1024 bytes)."""
+    return stages * (BM + bn) * ROW_BYTES + 8 * stages + 1024
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0):
+                            max_registers=0, tma_b=False):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
+    ``tma_b``: thread 0 loads each slice's B (weights) with TMA boxes from the tensor maps in
+    ``tmaps`` (completing on the stage's mbarrier ``full[s]``) instead of every thread issuing
+    cp.async chunks for it; A stays cp.async (it may be gathered). Step 1 then also waits
+    ``full[s]`` (phase bit per stage, flipped at each wait).
     """
     assert bn in _WGMMA and stages >= 3
     mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
@@ -158,32 +201,45 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = BM // _PASS_ROWS            # A rows per loading thread (a compile-time size)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
-                                              bn // _PASS_ROWS)
+                                              0 if tma_b else bn // _PASS_ROWS)
+    tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
 
     @kjit(device=True, inline="always")
-    def tile_start(smem, a, a_index, w0, w1, offsets, t, n_tiles, K, n_w, ktiles, dst0, a_src,
-                   a_nb, b_pass_elems, ld_row, ld_chunk, wg):
+    def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
+                   b_pass_elems, b_row, tid):
+        """Slice at K offset k0 into ring stage st: A (and B unless TMA) by every thread's
+        cp.async; with TMA, thread 0 arms full[st] and issues B's box(es)."""
+        load_slice(smem, dst0 + st * stage_bytes, _PASS_BYTES, a_stage, a, w0, w1, a_src, a_nb,
+                   b_src, b_pass_elems, k0)
+        if tma_b and tid == 0:
+            tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0)
+
+    @kjit(device=True, inline="always")
+    def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
+                   full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid):
         """Tile t: where this thread's chunks come from (A rows gathered; padding rows
         zero-filled, no read), whether its warpgroup has real rows, and its first PREFETCH
-        slices requested. Returns (first row, first output column, B source, active)."""
+        slices requested. Returns (first row, first output column, B source, B's first weight
+        row, active)."""
         e, row0, nt = find_tile(offsets, offsets.shape[0] - 1, t, n_tiles, BM)
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
         a_sources(a_index, row0 + ld_row, _PASS_ROWS, K, ld_chunk, a_src, a_nb)
-        b_src = (e * n_w + col0 + ld_row) * K + ld_chunk * 8
+        b_row = e * n_w + col0
+        b_src = (b_row + ld_row) * K + ld_chunk * 8
         active = True
         if uses_index:
             active = a_index[row0 + wg * 64] >= 0
         for s in range(prefetch):
             if s < ktiles:
-                load_slice(smem, dst0 + s * stage_bytes, _PASS_BYTES, a_stage, a, w0, w1,
-                           a_src, a_nb, b_src, b_pass_elems, s * BK)
+                load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
+                           b_src, b_pass_elems, b_row, tid)
             cp_async_commit()
-        return row0, col0, b_src, active
+        return row0, col0, b_src, b_row, active
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         wg = tid // 128
@@ -198,12 +254,23 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         # pass 0 (pass i adds i * _PASS_BYTES: 32 rows on, same row % 8, same swizzle).
         sbase = shared_addr(smem)
         ring = sbase + (1024 - sbase % 1024) % 1024
+        full0 = ring + ring_bytes               # TMA: full[s] at full0 + 8 s
         ld_row = tid // 8
         ld_chunk = tid % 8
         dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
         desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
         desc_b0 = int64(_DESC_HIGH) + int64((ring + a_stage) >> 4)
         b_pass_elems = int64(_PASS_ROWS) * K
+        if tma_b:
+            if tid == 0:
+                for s in range(stages):
+                    mbarrier_init(smem, full0 + 8 * s, 1)
+                tensormap_acquire(tmaps, 0)
+                if swiglu_epilogue:
+                    tensormap_acquire(tmaps, 16)
+                fence_mbarrier_init()
+            cuda.syncthreads()
+        phases = 0                              # TMA: bit s = parity of full[s]'s next phase
 
         a_src = cuda.local.array(a_passes, int64)
         a_nb = cuda.local.array(a_passes, int32)
@@ -215,29 +282,33 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         row0 = 0
         col0 = 0
         b_src = 0
+        b_row = 0
         active = True
         if t < total:
-            row0, col0, b_src, active = tile_start(smem, a, a_index, w0, w1, offsets, t,
-                                                   n_tiles, K, n_w, ktiles, dst0, a_src,
-                                                   a_nb, b_pass_elems, ld_row, ld_chunk, wg)
+            row0, col0, b_src, b_row, active = tile_start(
+                smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
+                full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
         while t < total:
             acc = f32_zeros(nacc)
-            cs = 0                             # ring offsets of the slice computed / loaded:
-            ls = prefetch * stage_bytes        # rolled by compare-and-wrap (a modulo of the
-            for kt in range(ktiles):           # 64-bit counter cost ~25 instructions a slice)
+            cst = 0                            # ring stages of the slice computed / loaded
+            lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
+            for kt in range(ktiles):
                 cp_async_wait(in_flight)
+                if tma_b:
+                    wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
+                    phases ^= 1 << cst
                 fence_proxy_async()
                 cuda.syncthreads()
                 nxt = kt + prefetch
                 if nxt < ktiles:
-                    load_slice(smem, dst0 + ls, _PASS_BYTES, a_stage, a, w0, w1, a_src, a_nb,
-                               b_src, b_pass_elems, nxt * BK)
+                    load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
+                               a_nb, b_src, b_pass_elems, b_row, tid)
                 cp_async_commit()
                 if active:
-                    soff = cs >> 4
+                    soff = (cst * stage_bytes) >> 4
                     acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff), 1)
-                cs = 0 if cs == ring_bytes - stage_bytes else cs + stage_bytes
-                ls = 0 if ls == ring_bytes - stage_bytes else ls + stage_bytes
+                cst = 0 if cst == stages - 1 else cst + 1
+                lst = 0 if lst == stages - 1 else lst + 1
             acc = wgmma_wait(acc, 0)
             cp_async_wait(0)
             cuda.syncthreads()                 # both warpgroups done with the ring
@@ -246,9 +317,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             out_col = col0 + frag_col
             t += cuda.gridDim.x
             if t < total:                      # next tile's first slices: in flight now
-                row0, col0, b_src, active = tile_start(smem, a, a_index, w0, w1, offsets, t,
-                                                       n_tiles, K, n_w, ktiles, dst0, a_src,
-                                                       a_nb, b_pass_elems, ld_row, ld_chunk, wg)
+                row0, col0, b_src, b_row, active = tile_start(
+                    smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
+                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
             store_tile(out, c, acc, out_row, out_col, n_out, limit)
 

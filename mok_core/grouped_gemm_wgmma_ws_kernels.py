@@ -13,6 +13,8 @@ Roles (one block = 2 consumer warpgroups + 1 producer warpgroup = 384 threads):
     producer warpgroup (warps 8-11): all loads, cp.async 16 B into the ring (A rows gathered
         through a_index, padding rows zero-filled without a load); it hands most of its
         registers to the consumers (setmaxnreg 72 / 216), which hold BN/2 accumulators each.
+        TMA variant (``tma_b``): B (weights) arrives as TMA boxes that producer thread 0
+        issues (full[s] then counts 129 arrivals: its arm-with-bytes arrival too).
 
     ring     = STAGES slices of [A 128 x 64 | B BN x 64] bf16, 1024-byte aligned; a slice row is
                128 bytes and 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the 128-byte
@@ -43,11 +45,11 @@ from numba import cuda, float32, int32, int64, uint16
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import find_tile
 from .grouped_gemm_wgmma_kernels import (_DESC_HIGH, _WGMMA, BK, BM, ROW_BYTES, make_slice_loader,
-                                         make_tile_ops)
+                                         make_tile_ops, make_tma_b_loader, wait_phase)
 from .intrinsics import (cp_async_commit, cp_async_mbarrier_arrive, cp_async_wait, f32_zeros,
-                         fence_proxy_async, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
-                         setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp, trap,
-                         wgmma_wait)
+                         fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_init,
+                         setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
+                         tensormap_acquire, wgmma_wait)
 
 CONSUMERS = 256               # 2 warpgroups
 PRODUCERS = 128               # 1 warpgroup
@@ -61,7 +63,6 @@ PRODUCER_REGISTERS = 72
 CONSUMER_REGISTERS = 216
 assert CONSUMERS * (CONSUMER_REGISTERS - LAUNCH_REGISTERS) <= \
     PRODUCERS * (LAUNCH_REGISTERS - PRODUCER_REGISTERS)
-_SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
 
 
 def smem_bytes(bn, stages):
@@ -70,16 +71,22 @@ def smem_bytes(bn, stages):
 
 
 def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0):
+                               max_registers=0, tma_b=False):
     """Build one warp-specialised wgmma grouped-GEMM specialisation (all compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
+    ``tma_b``: producer thread 0 loads B (weights) as TMA boxes from the maps in ``tmaps``
+    (one more arrival on full[s], which also waits for the boxes' bytes); the producer
+    warpgroup's cp.async then carries only A.
     """
     assert bn in _WGMMA and stages >= 2
     a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
     mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
-    a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_rows_lane, bn // 16)
+    a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_rows_lane,
+                                              0 if tma_b else bn // 16)
+    tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
+    full_count = PRODUCERS + (1 if tma_b else 0)
     nacc = bn // 2                          # fp32 accumulators per consumer thread
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
@@ -90,14 +97,6 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     opts = {"max_registers": max_registers or LAUNCH_REGISTERS, "launch_bounds": (THREADS, 1)}
 
     @kjit(device=True, inline="always")
-    def wait_phase(smem, bar, parity):
-        n = 0
-        while mbarrier_try_wait(smem, bar, parity) == 0:
-            n += 1
-            if n == _SPIN_LIMIT:
-                trap()
-
-    @kjit(device=True, inline="always")
     def release(smem, bar, lane):
         """This warp is done with a stage: one arrival, after every lane got here."""
         syncwarp()
@@ -105,7 +104,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             mbarrier_arrive(smem, bar)
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
@@ -121,8 +120,9 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
         empty0 = full0 + 8 * stages
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, PRODUCERS)
+                mbarrier_init(smem, full0 + 8 * s, full_count)
                 mbarrier_init(smem, empty0 + 8 * s, CONSUMERS // 32)
+            fence_mbarrier_init()
         cuda.syncthreads()
 
         if tid >= CONSUMERS:
@@ -134,12 +134,17 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             lane_dst = ring + row_in * ROW_BYTES + ((chunk ^ (row_in % 8)) * 16)
             a_src = cuda.local.array(a_rows_lane, int64)
             a_nb = cuda.local.array(a_rows_lane, int32)
+            if tma_b and p == 0:
+                tensormap_acquire(tmaps, 0)
+                if swiglu_epilogue:
+                    tensormap_acquire(tmaps, 16)
             i = 0
             t = cuda.blockIdx.x
             while t < total:
                 e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
                 a_sources(a_index, row0 + row_in, 16, K, chunk, a_src, a_nb)
-                b_src = (e * n_w + nt * cols_per_tile + row_in) * K + chunk * 8
+                b_row = e * n_w + nt * cols_per_tile
+                b_src = (b_row + row_in) * K + chunk * 8
                 b_step = 16 * K
                 for kt in range(ktiles):
                     s = i % stages
@@ -147,6 +152,9 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                         wait_phase(smem, empty0 + 8 * s, (i // stages - 1) & 1)
                     load_slice(smem, lane_dst + s * stage_bytes, pass_bytes, a_stage, a, w0, w1,
                                a_src, a_nb, b_src, b_step, kt * BK)
+                    if tma_b and p == 0:
+                        tma_b_load(smem, ring + s * stage_bytes + a_stage, tmaps, full0 + 8 * s,
+                                   b_row, kt * BK)
                     cp_async_mbarrier_arrive(smem, full0 + 8 * s)
                     i += 1
                 t += grid

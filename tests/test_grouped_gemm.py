@@ -16,6 +16,10 @@ CFG = SIM_GEMM
 # The wgmma kernels' smallest tiles (two 64-row warpgroups, 64 columns, 3- / 2-slice ring).
 WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WGMMA_WS_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws")
+# The same with the weight tiles loaded by TMA (tensor maps, mbarrier byte counts).
+WGMMA_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True)
+WGMMA_WS_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws",
+                              tma=True)
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -54,8 +58,9 @@ def rel_l1(got, want):
     # K of 3 and 2 slices (the ring wraps), clamp on and off.
     (WGMMA_CFG, [40, 0, 150], None), (WGMMA_CFG, [70, 1], 1.5),
     (WGMMA_WS_CFG, [40, 0, 150], 1.5),
+    (WGMMA_TMA_CFG, [40, 0, 150], 1.5), (WGMMA_WS_TMA_CFG, [70, 1], None),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
-        "wgmma-ws-clamp"])
+        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50

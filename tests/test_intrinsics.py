@@ -15,7 +15,8 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, shared_addr, st_release_sys, st_v4)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
-                                 mbarrier_arrive_expect_tx)
+                                 fence_mbarrier_init, mbarrier_arrive_expect_tx,
+                                 tensormap_acquire, tma_load_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
                                  mbarrier_try_wait, store_f32_tuple, wgmma_commit, wgmma_fence,
                                  wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_wait)
@@ -359,3 +360,42 @@ def test_bulk_copy_through_shared_memory():
     dst = to_dev(np.zeros(128, np.uint16))
     _bulk_copy[1, 32](to_dev(src), dst, 16, 128)          # 64 bf16 per part, from element 16
     np.testing.assert_array_equal(to_host(dst), src[16:144])
+
+
+# ---- TMA box loads -------------------------------------------------------------------------------
+
+@kjit
+def _tma_box(tmaps, out, x, y, rows):
+    """Thread 0: one TMA box (rows x 64 bf16) at (x, y) -> shared (swizzled, 1024-byte aligned),
+    then every thread reads it back un-swizzled into out [rows, 64]."""
+    buf = cuda.shared.array(4096 + 512 + 8, uint16)   # 8 KB box + alignment slack + mbarrier
+    s = shared_addr(buf)
+    ring = s + (1024 - s % 1024) % 1024
+    bar = ring + 8192
+    if cuda.threadIdx.x == 0:
+        mbarrier_init(buf, bar, 1)
+        fence_mbarrier_init()
+        tensormap_acquire(tmaps, 0)
+        mbarrier_arrive_expect_tx(buf, bar, rows * 128)
+        tma_load_2d(buf, ring, tmaps, 0, x, y, bar)
+    cuda.syncthreads()
+    while mbarrier_try_wait(buf, bar, 0) == 0:
+        pass
+    base = (ring - s) // 2                             # element offset of the box
+    for i in range(cuda.threadIdx.x, rows * 64, cuda.blockDim.x):
+        r = i // 64
+        c = i % 64
+        out[i] = buf[base + r * 64 + ((c // 8) ^ (r % 8)) * 8 + c % 8]
+
+
+def test_tma_box_is_swizzled_and_zero_filled_past_the_tensor():
+    from mok_core.tensor_map import tensor_maps
+    rows, cols, box = 20, 128, 16
+    src = (np.arange(rows * cols) % 65521).astype(np.uint16).reshape(rows, cols)
+    dsrc = to_dev(src)
+    maps = tensor_maps([dsrc], box)
+    out = to_dev(np.full(box * 64, 0xFFFF, np.uint16))
+    _tma_box[1, 128](maps, out, 64, 10, box)          # rows 10..25: the last 6 are past the end
+    want = np.zeros((box, 64), np.uint16)
+    want[:10] = src[10:20, 64:128]
+    np.testing.assert_array_equal(to_host(out).reshape(box, 64), want)

@@ -679,3 +679,54 @@ def bulk_wait(typingctx, pending):
         _asm(builder, ir.VoidType(), [], f"cp.async.bulk.wait_group {n};", "~{memory}", True)
         return context.get_dummy_value()
     return types.void(pending), codegen
+
+
+# ---- TMA: tensor-map box loads (one instruction moves a whole swizzled tile) ------------------
+# A tensor map (128 bytes, built on the host by ``mok_core.tensor_map``) lives in global memory
+# in a uint64 array, map i at element 16 i; the instructions take its generic address.
+
+@intrinsic
+def tensormap_acquire(typingctx, tmaps, elem):
+    """Make the tensor map at ``tmaps[elem:elem + 16]`` (written by the host, generic proxy)
+    visible to this thread's TMA loads: the tensormap proxy is not acquired at kernel start
+    (PTX memory model), so every thread that issues TMA runs this once before its first use."""
+    if not (_is_1d(tmaps) and isinstance(elem, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        _asm(builder, ir.VoidType(), [p],
+             "fence.proxy.tensormap::generic.acquire.sys [$0], 128;", "l,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(tmaps, elem), codegen
+
+
+@intrinsic
+def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
+    """Load one box of the 2-D tensor map at ``tmaps[elem:]`` whose origin is (x = column,
+    the contiguous dimension; y = row) into the shared byte address ``saddr`` (1024-byte
+    aligned: the map's 128-byte swizzle is laid out from there); the box's bytes complete on
+    the mbarrier at ``bar``. Parts of the box outside the tensor are zero-filled (and still
+    counted in the bytes)."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and isinstance(saddr, types.Integer)
+            and isinstance(elem, types.Integer) and isinstance(x, types.Integer)
+            and isinstance(y, types.Integer) and isinstance(bar, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        p = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        cx = context.cast(builder, args[4], sig.args[4], types.int32)
+        cy = context.cast(builder, args[5], sig.args[5], types.int32)
+        b = context.cast(builder, args[6], sig.args[6], types.uint32)
+        _asm(builder, ir.VoidType(), [s32, p, cx, cy, b],
+             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+             " [$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, tmaps, elem, x, y, bar), codegen
+
+
+fence_mbarrier_init = _statement(
+    "fence_mbarrier_init", "fence.mbarrier_init.release.cluster;",
+    "Make this thread's mbarrier.init visible to the async proxy (the TMA unit completes bytes "
+    "on those barriers); a block barrier follows.")

@@ -386,6 +386,62 @@ def bulk_wait(pending):
     _land(_groups("bulk"), pending)
 
 
+# ---- TMA (tensor-map box loads) ----------------------------------------------------------------
+#
+# On the simulator a "tensor map" is a handle into this registry (``mok_core.tensor_map``
+# registers the 2-D array and box); the twin cuts the box out, zero-fills what lies outside the
+# tensor and writes it with the 128-byte swizzle the real TMA unit uses.
+
+_tensor_maps = {}
+TMAP_MAGIC = 0x4D4F4B544D4150          # "MOKTMAP": element 0 of a simulator tensor map
+
+
+def register_tensor_map(array2d, box_rows, box_cols):
+    """Handle of a simulator tensor map over ``array2d`` (uint16 [rows, cols]) and a
+    [box_rows, box_cols] box."""
+    with _lock:
+        handle = len(_tensor_maps) + 1
+        _tensor_maps[handle] = (array2d, int(box_rows), int(box_cols))
+    return handle
+
+
+def tensormap_acquire(tmaps, elem):
+    pass
+
+
+def fence_mbarrier_init():
+    pass
+
+
+def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
+    raw_maps = _raw(tmaps)
+    elem = int(elem)
+    if elem % 16 or int(raw_maps[elem]) != TMAP_MAGIC:
+        raise ValueError(f"tma_load_2d: no tensor map at element {elem}")
+    src, rows, cols = _tensor_maps[int(raw_maps[elem + 1])]
+    src = _raw(src)
+    saddr, x, y = int(saddr), int(x), int(y)
+    if saddr % 1024:
+        raise ValueError(f"tma_load_2d: destination byte {saddr} is not 1024-byte aligned")
+    if cols * src.itemsize != 128:
+        raise ValueError("tma_load_2d twin: only 128-byte box rows (the 128-byte swizzle)")
+    box = np.zeros((rows, cols), src.dtype)
+    r0, r1 = max(y, 0), min(y + rows, src.shape[0])
+    c0, c1 = max(x, 0), min(x + cols, src.shape[1])
+    if r0 < r1 and c0 < c1:
+        box[r0 - y:r1 - y, c0 - x:c1 - x] = src[r0:r1, c0:c1]
+    dst = _raw(smem).view(np.uint8)
+    chunks = box.view(np.uint8).reshape(rows, 8, 16)
+    for r in range(rows):
+        base = saddr + r * 128
+        order = np.arange(8) ^ (r % 8)                 # chunk c lands at chunk c ^ (r % 8)
+        dst[base:base + 128].reshape(8, 16)[order] = chunks[r]
+    with _lock:
+        b = _mbar(smem, bar)
+        b["tx"] -= rows * 128
+        _settle(b)
+
+
 def trap():
     raise RuntimeError("trap: a bounded wait inside a kernel timed out")
 

@@ -14,12 +14,15 @@ def _configs():
     from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_GEMM, GemmConfig
     return {"wgmma256": WGMMA_GEMM, "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
             "wgmma_ws": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws"),
+            "wgmma_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True),
+            "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
             "mma_sync": MMA_SYNC_GEMM}
 
 
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 @pytest.mark.parametrize("limit", [None, 4.0])
-@pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "mma_sync"])
+@pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
+                                      "wgmma_ws_tma", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 

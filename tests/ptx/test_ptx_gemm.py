@@ -1,13 +1,15 @@
 """Grouped GEMM specialisations compile for sm_90 with no local-memory traffic (the
 accumulators and fragments must live in registers)."""
 import pytest
-from numba import float32, int32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32, uint64
 
 from mok_core.grouped_gemm_kernels import make_grouped_gemm
 from ptx_util import compile_sm90, count
 
 SIG = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
        int64, int64, int64, float32)
+# wgmma kernels also take the weights' tensor maps (uint64 [16 per map]) after w1.
+WG_SIG = SIG[:4] + (uint64[::1],) + SIG[4:]
 
 
 @pytest.mark.parametrize("tile", [(128, 128, 32, 2, 4, 4), (128, 128, 64, 2, 4, 3),
@@ -34,7 +36,7 @@ def test_wgmma_gemm_lowers_for_sm90a(bn, stages, swiglu):
 
     from mok_core.grouped_gemm_wgmma_kernels import make_wgmma_grouped_gemm
     kern = make_wgmma_grouped_gemm(bn, stages, swiglu, swiglu, True)
-    ptx, _ = cuda.compile_ptx(kern.py_func, SIG, cc=(9, 0, "a"))
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"))
     assert ".target sm_90a" in ptx
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
@@ -53,10 +55,62 @@ def test_wgmma_ws_gemm_lowers_for_sm90a(bn, stages, swiglu):
     from mok_core.grouped_gemm_wgmma_ws_kernels import (CONSUMER_REGISTERS, PRODUCER_REGISTERS,
                                                         THREADS, make_wgmma_ws_grouped_gemm)
     kern = make_wgmma_ws_grouped_gemm(bn, stages, swiglu, swiglu, True)
-    ptx, _ = cuda.compile_ptx(kern.py_func, SIG, cc=(9, 0, "a"), launch_bounds=(THREADS, 1))
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), launch_bounds=(THREADS, 1))
     assert f".maxntid {THREADS}, 1, 1" in ptx
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, rf"setmaxnreg\.dec\.sync\.aligned\.u32 {PRODUCER_REGISTERS};") == 1
     assert count(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32 {CONSUMER_REGISTERS};") == 1
     assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") == 1
     assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["wgmma", "wgmma_ws"])
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
+    """TMA weight tiles: one thread acquires the maps (gate/up: two), arms full[s] with the
+    slice's bytes and issues the boxes (two for gate/up); no cp.async is left for B, and it
+    assembles (ptxas, when the toolkit is installed)."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    from mok_core import grouped_gemm_wgmma_ws_kernels as wsk
+    if ws:
+        kern = wsk.make_wgmma_ws_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True)
+        opts = {"launch_bounds": (wsk.THREADS, 1)}
+    else:
+        kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True)
+        opts = {}
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
+    boxes = 2 if swiglu else 1
+    tma = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier"
+    assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") == boxes
+    assert count(ptx, r"mbarrier\.arrive\.expect_tx") >= 1
+    assert count(ptx, tma) >= boxes and count(ptx, tma) % boxes == 0
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16") == 4
+    assemble_sm90a(ptx)
+
+
+def assemble_sm90a(ptx):
+    """ptxas the PTX for sm_90a (skipped where no CUDA toolkit is installed)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    exe = None
+    try:                                    # the toolkit that matches numba's PTX version first
+        import nvidia.cu13
+        cand = Path(nvidia.cu13.__path__[0]) / "bin" / "ptxas"
+        exe = str(cand) if cand.exists() else None
+    except ImportError:
+        pass
+    exe = exe or shutil.which("ptxas")
+    if exe is None:
+        pytest.skip("ptxas not installed")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([exe, "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
+        if "Unsupported .version" in r.stderr:
+            pytest.skip(f"{exe} is older than the PTX numba emits")
+        assert r.returncode == 0, r.stderr[-2000:]

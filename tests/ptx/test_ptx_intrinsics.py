@@ -1,6 +1,6 @@
 """The intrinsics lower to the instructions they promise (sm_90 PTX, no GPU needed)."""
 import pytest
-from numba import float32, int32, uint16, uint32
+from numba import float32, int32, uint16, uint32, uint64
 
 import test_intrinsics as ti
 from ptx_util import compile_sm90, count
@@ -24,6 +24,10 @@ CASES = {
                    r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                    r"mbarrier\.arrive\.expect_tx", r"cp\.async\.bulk\.commit_group",
                    r"cp\.async\.bulk\.wait_group 0"]),
+    "tma": (ti._tma_box, (uint64[::1], u16, int32, int32, int32),
+            [r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
+             r"complete_tx::bytes", r"fence\.proxy\.tensormap::generic\.acquire\.sys",
+             r"fence\.mbarrier_init\.release\.cluster", r"mbarrier\.arrive\.expect_tx"]),
     "cp_async": (ti._cp_async_rows, (u16, i32, u16, int32),
                  [r"cp\.async\.cg\.shared\.global", r"cp\.async\.commit_group",
                   r"cp\.async\.wait_group 0"]),

@@ -1,0 +1,104 @@
+"""TMA tensor maps for the grouped GEMMs' weight tiles (host side).
+
+A tensor map is the 128-byte descriptor a Hopper TMA load reads: the global tensor (address,
+extents, row stride), the box one instruction moves and the shared-memory swizzle. We build
+them for 2-D bf16 views [rows, cols] of the weights with a [box_rows, 64] box (64 bf16 = 128
+bytes = one swizzle row) and the 128-byte swizzle -- exactly the ring layout the wgmma
+descriptors read (16-byte chunk c of row r at chunk c ^ (r % 8), 1024-byte aligned stages).
+
+Maps live in a device uint64 array, 16 elements (128 bytes) per map, map i at element 16 i;
+kernels take that array (``tensormap_acquire`` + ``tma_load_2d``). Encoding goes straight to
+``libcuda``'s ``cuTensorMapEncodeTiled`` through ctypes, writing into a 128-byte-aligned NumPy
+buffer (the driver requires the alignment; we do not rely on a Python wrapper object's). On the
+simulator a map is a handle into the twins' registry (``intrinsics.twins.register_tensor_map``).
+
+Maps are cached per (address, shape, box): building one costs a driver call and an upload,
+which must not happen inside a CUDA-graph capture -- the first (eager) call of a shape builds
+them. A map only encodes the address and extents, so a cached map stays right for any array
+later placed at the same address with the same shape.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .cuda_compat import SIM, upload
+
+BOX_COLS = 64                      # 64 bf16 = 128 bytes: the swizzle atom's row
+MAP_ELEMS = 16                     # uint64 elements per map
+
+# cuda.h enums (stable driver ABI)
+_BFLOAT16 = 9                      # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZERO = 0                 # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out of bounds reads 0
+
+_cache: dict = {}
+_encode_fn = None
+
+
+def _address(arr) -> int:
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
+def _driver_encode():
+    global _encode_fn
+    if _encode_fn is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        f = lib.cuTensorMapEncodeTiled
+        p64, p32 = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, p64, p64,
+                      p32, p32, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _encode_fn = f
+    return _encode_fn
+
+
+def encode_2d(arr2d, box_rows: int) -> np.ndarray:
+    """The 128 bytes (uint64 [16]) of a tensor map over the row-major bf16 (uint16) device array
+    ``arr2d`` [rows, cols] with a [box_rows, 64] box and the 128-byte swizzle."""
+    rows, cols = arr2d.shape
+    if not (1 <= box_rows <= 256):
+        raise ValueError(f"box_rows={box_rows}: a TMA box has 1..256 rows")
+    if cols % BOX_COLS:
+        raise ValueError(f"cols={cols}: must be a multiple of {BOX_COLS}")
+    if SIM:
+        from .intrinsics import twins
+        m = np.zeros(MAP_ELEMS, np.uint64)
+        m[0] = twins.TMAP_MAGIC
+        m[1] = twins.register_tensor_map(arr2d, box_rows, BOX_COLS)
+        return m
+    addr = _address(arr2d)
+    if addr % 16:
+        raise ValueError("a TMA tensor must start 16-byte aligned")
+    buf = np.zeros(2 * MAP_ELEMS, np.uint64)
+    k = (-buf.ctypes.data % 128) // 8
+    out = buf[k:k + MAP_ELEMS]                          # 128-byte aligned
+    dims = (ctypes.c_uint64 * 2)(cols, rows)            # innermost first
+    strides = (ctypes.c_uint64 * 1)(cols * 2)           # bytes, dimension 0 left out
+    box = (ctypes.c_uint32 * 2)(BOX_COLS, box_rows)
+    elem_strides = (ctypes.c_uint32 * 2)(1, 1)
+    rc = _driver_encode()(out.ctypes.data, _BFLOAT16, 2, addr, dims, strides, box, elem_strides,
+                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a "
+                           f"[{rows}, {cols}] bf16 tensor, box [{box_rows}, {BOX_COLS}]")
+    return out.copy()
+
+
+def tensor_maps(arrays2d, box_rows: int, stream=0):
+    """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached."""
+    key = tuple((_address(a) if not SIM else id(a), a.shape) for a in arrays2d) + (box_rows,)
+    hit = _cache.get(key)
+    if hit is None:
+        host = np.concatenate([encode_2d(a, box_rows) for a in arrays2d])
+        # The simulator keys on id(): keep those arrays alive. On the GPU keep no reference
+        # (weights must be freeable); the key is the address.
+        hit = _cache[key] = (upload(host, stream), arrays2d if SIM else None)
+    return hit[0]
+
+
+def clear_cache() -> None:
+    _cache.clear()
