@@ -10,7 +10,9 @@ Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world s
   nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
              read on the host first, as torch EP code does
 GB/s = bytes that cross NVLink (local rows excluded) / time; time per iteration = max over ranks,
-median over iterations.
+median over iterations. Ours and the copy engine are timed as CUDA-graph replays (device time,
+as inside the layer's captured forward; ``*_eager_ms`` has them launched from Python too);
+NCCL runs eagerly (its host-synced splits cannot be captured).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (comm_setup, gpu_name, gumbel_topk_ids,  # noqa: E402
-                               numba_stream, progress, rank_max_median, table, time_iters,
+from benchmarks.common import (capture_graph, comm_setup, gpu_name,  # noqa: E402
+                               gumbel_topk_ids, numba_stream, progress, rank_max_median, table, time_iters,
                                write_json)
 
 H, E, K = 7168, 384, 8
@@ -64,31 +66,39 @@ def run_case(T, iters, warmup):
     combine_bytes = int(remote.sum()) * row_bytes
 
     bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
-    t_disp = rank_max_median(time_iters(lambda: ops.dispatch(ws, sched, stream=s), iters,
-                                         warmup, pre=bar))
-    t_bulk = rank_max_median(time_iters(lambda: ops.dispatch(ws, sched, stream=s,
-                                                             variant="bulk"),
-                                         iters, warmup, pre=bar))
-    t_comb = rank_max_median(time_iters(lambda: ops.combine(ws, sched, y.view(u16), stream=s),
-                                         iters, warmup, pre=bar))
-    t_comb_bulk = rank_max_median(time_iters(
-        lambda: ops.combine(ws, sched, y.view(u16), stream=s, variant="bulk"), iters, warmup,
-        pre=bar))
-    ws.check()
-
-    # Copy-engine ceiling: same bytes, peer view through NVSHMEM's torch interop.
+    cur = numba_stream            # launch on torch's current stream (graph capture needs it)
     peer = (me + 1) % R
     nrow = max(1, dispatch_bytes // row_bytes)
-    src = nvs.tensor((max(nrow, combine_bytes // row_bytes), H), dtype=torch.bfloat16)
+    ncomb = max(1, combine_bytes // row_bytes)
+    src = nvs.tensor((max(nrow, ncomb), H), dtype=torch.bfloat16)
     src.normal_()
     dst = torch.empty_like(src)
     pv = nvs.get_peer_tensor(src, peer)
     torch.cuda.synchronize()
-    td.barrier()
-    t_pull = rank_max_median(time_iters(lambda: dst[:nrow].copy_(pv[:nrow]), iters, warmup))
-    ncomb = max(1, combine_bytes // row_bytes)
-    td.barrier()
-    t_push = rank_max_median(time_iters(lambda: pv[:ncomb].copy_(dst[:ncomb]), iters, warmup))
+    steps = {
+        "dispatch": lambda: ops.dispatch(ws, sched, stream=cur()),
+        "dispatch_bulk": lambda: ops.dispatch(ws, sched, stream=cur(), variant="bulk"),
+        "combine": lambda: ops.combine(ws, sched, y.view(u16), stream=cur()),
+        "combine_bulk": lambda: ops.combine(ws, sched, y.view(u16), stream=cur(),
+                                            variant="bulk"),
+        "copy_pull": lambda: dst[:nrow].copy_(pv[:nrow]),
+        "copy_push": lambda: pv[:ncomb].copy_(dst[:ncomb]),
+    }
+    # Each step twice: launched from Python (eager: the host's launch latency is inside the
+    # events when the GPU outruns it) and replayed as a CUDA graph (device time; how the step
+    # runs inside the layer's captured forward). Ratios use the graph times of both sides.
+    eager, graph = {}, {}
+    for name, step in steps.items():
+        td.barrier()
+        eager[name] = rank_max_median(time_iters(step, iters, warmup, pre=bar))
+        g, _ = capture_graph(step)
+        td.barrier()
+        graph[name] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
+        del g
+    ws.check()
+    t_disp, t_bulk, t_comb, t_comb_bulk, t_pull, t_push = (
+        graph[n] for n in ("dispatch", "dispatch_bulk", "combine", "combine_bulk", "copy_pull",
+                           "copy_push"))
 
     # NCCL all_to_all_single of the routed rows, host-synced splits.
     dest = ids[me] // (E // R)
@@ -112,6 +122,7 @@ def run_case(T, iters, warmup):
     heap.free()
     gb = lambda b, ms: b / ms / 1e6  # noqa: E731
     row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(),
+           **{f"{n}_eager_ms": v for n, v in eager.items()},
            "dispatch_ms": t_disp, "dispatch_bulk_ms": t_bulk, "combine_ms": t_comb,
            "combine_bulk_ms": t_comb_bulk,
            "copy_pull_ms": t_pull,
@@ -159,7 +170,8 @@ def main(argv=None):
                            "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
                            "dispatch_bulk_ratio_to_copy", "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
-        print(table(rows, ["tokens_per_rank", "dispatch_ms", "combine_ms", "nccl_ms",
+        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_eager_ms", "combine_ms",
+                           "combine_eager_ms", "copy_pull_ms", "copy_push_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))
     bootstrap.finalize()
     td.destroy_process_group()

@@ -2,8 +2,10 @@
 # One GPU-host session: build (JIT), test and benchmark in one call, logs and JSON under $OUT,
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
-# Steps: env cpu-suite cpu-core gpu-suite launch-suite demo bench-schedule bench-ffn
-#        bench-ffn-sweep bench-ffn-quick bench-layer-symm bench-layer bench-comm  (STEP_TIMEOUT seconds each, default 240)
+# Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
+#        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
+#        bench-layer-4096 bench-layer-symm bench-layer bench-comm probe-host
+#        (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -45,6 +47,11 @@ for s in "$@"; do
          tests/test_comm_emulated.py tests/test_schedule.py ;;
     gpu-suite) export SUITE=gpu; step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu; rank_logs gpu ;;
+    gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
+         --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
+    intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
+    probe-host) step probe-host torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/probe_host.py ;;
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
          -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py; rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \

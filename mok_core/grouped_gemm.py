@@ -122,16 +122,17 @@ def _require_arch(cfg: GemmConfig):
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool):
+def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, push=False):
     _require_arch(cfg)
     if cfg.mma == "wgmma":
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
-                                              max_registers=cfg.max_registers, tma_b=cfg.tma)
+                                              max_registers=cfg.max_registers, tma_b=cfg.tma,
+                                              push=push)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
                                                     max_registers=cfg.max_registers,
-                                                    tma_b=cfg.tma)
+                                                    tma_b=cfg.tma, push=push)
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu, gather,
                              max_registers=cfg.max_registers)
 
@@ -151,11 +152,13 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
     return a, w, off, nr, E, N, K
 
 
-def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *rest):
+def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *rest,
+            route=None):
     """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
     kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
-    boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down); unused without
-    ``cfg.tma`` (then a 16-element placeholder)."""
+    boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down; unused without
+    ``cfg.tma``: then a 16-element placeholder) and the push route (rank, token, slot, peers,
+    k; placeholders when None)."""
     tiles = (C // cfg.bm) * (N // n_tile)
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
     args = (_flat(a), a_index, _flat(w0), _flat(w1))
@@ -167,7 +170,11 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *re
         else:
             maps = _placeholder_maps()
         args += (maps,)
-    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args, *rest)
+    args += rest
+    if cfg.mma != "mma_sync":
+        nr = rest[1]                                   # num_rows: an int32 placeholder
+        args += route if route is not None else (nr, nr, nr, (rest[2],), np.int64(0))
+    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
 
 
 @lru_cache(maxsize=None)
@@ -205,7 +212,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
             np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
 
 
-def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
+def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
          config: GemmConfig | None = None, stream=0):
     """y[r] = hidden[r] W_down[e]^T, bf16.
 
@@ -213,24 +220,44 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None,
         hidden: uint16 [C, I] (expert-sorted rows, padding rows zero).
         w_down: uint16 [E, H, I].
         expert_offsets, num_rows: as in ``gate_up_swiglu``.
-        y: uint16 [C, H] output.
+        y: uint16 [C, H] output (unused, may be None, with ``push``).
         row_index: optional int32 [C], < 0 on padding rows (the gate/up ``a_index``): lets the
             wgmma kernel skip all-padding half tiles (their y rows are written as zeros).
+        push: optional ``(src_rank, src_token, src_slot, peer_combine, k)`` -- the combine
+            fused into the epilogue (wgmma kinds only): row r goes straight to
+            ``peer_combine[src_rank[r]]`` (tuple over ranks of uint16 [T*k*H]) at row
+            ``src_token[r] * k + src_slot[r]``; rows with src_rank < 0 are dropped. The bits
+            equal ``down`` into y followed by ``mok_comm.ops.combine``.
     """
     config = config or default_gemm()
     hidden, w_down, off, nr, E, H, I = _operands(hidden, "hidden", w_down, "w_down", "HI",
                                                  expert_offsets, num_rows)
     C = hidden.shape[0]
-    y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
     _check_dims(config, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
                 name_n="hidden size H")
+    route = None
+    if push is not None:
+        if config.mma == "mma_sync":
+            raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
+                             "writes y; combine it with mok_comm.ops.combine)")
+        rank, token, slot, peers, k = push
+        rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
+                             ((rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
+        peers = tuple(_flat(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1))
+                      .view(np.uint32) for p in peers)
+        if any(p.shape[0] % (H // 2) for p in peers):
+            raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
+        route = (rank, token, slot, peers, np.int64(k))
+        y = nr                                         # unused placeholder
+    else:
+        y = _flat32(as_device_array(y, "y", dtype=np.uint16, shape=(C, H)))
     if row_index is not None:
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
     use_index = row_index is not None and config.mma != "mma_sync"
     index = row_index if use_index else nr             # unused without an index
-    _launch(_kernel(config, False, False, use_index), config, C, H, config.bn, stream,
-            hidden, index, w_down, w_down, off, nr, _flat32(y),
-            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf))
+    _launch(_kernel(config, False, False, use_index, route is not None), config, C, H,
+            config.bn, stream, hidden, index, w_down, w_down, off, nr, y,
+            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf), route=route)
 
 
 def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):

@@ -58,16 +58,20 @@ _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n2
 _DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
-def make_tile_ops(bn, swiglu_epilogue):
+def make_tile_ops(bn, swiglu_epilogue, push=False):
     """The two per-warpgroup steps both wgmma kernels share (compile-time BN and epilogue):
 
     ``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-wide K slice = wgmma.fence, 4 x
     wgmma m64nBNk16 (the k16 steps are 32 bytes apart: +2 in the descriptor's address field),
     commit; the caller decides how long to let it run (``wgmma_wait``).
-    ``store_tile(out, c, acc, r, col, n_out, limit)``: waits nothing; the fragment of this thread
-    (rows r and r + 8, columns col + 8j (+1)) -> bf16 pairs in ``out`` (SWIGLU: gate columns
-    [0, BN/2) and up columns [BN/2, BN) of the tile pair up into BN/2 hidden columns); ``c`` is
-    a float32 local array of BN/2 to loop over.
+    ``store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
+    k)``: waits nothing; the fragment of this thread (rows r and r + 8, columns col + 8j (+1))
+    -> bf16 pairs in ``out`` (SWIGLU: gate columns [0, BN/2) and up columns [BN/2, BN) of the
+    tile pair up into BN/2 hidden columns); ``c`` is a float32 local array of BN/2 to loop over.
+    ``push`` (the down GEMM fused with the combine): row r's pairs go instead straight into its
+    source rank's combine buffer ``peers[route_rank[r]]`` (uint32 view of [T*k, H] bf16) at row
+    ``route_token[r] * k + route_slot[r]`` -- over NVLink for a peer; padding rows (rank < 0)
+    are dropped. Same bits as writing y and pushing its rows afterwards.
     """
     mma = _WGMMA[bn]
     groups = bn // 8                        # 8-column groups in a thread's fragment
@@ -84,7 +88,8 @@ def make_tile_ops(bn, swiglu_epilogue):
         return acc
 
     @kjit(device=True, inline="always")
-    def store_tile(out, c, acc, r, col, n_out, limit):
+    def store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
+                   k):
         store_f32_tuple(c, acc)
         if swiglu_epilogue:
             for j in range(half):
@@ -95,6 +100,16 @@ def make_tile_ops(bn, swiglu_epilogue):
                     swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
                 out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(
                     swiglu(c[x + 2], c[y + 2], limit), swiglu(c[x + 3], c[y + 3], limit))
+        elif push:
+            for h in range(2):                  # rows r, r + 8: pairs 2h, 2h + 1 of a group
+                row = r + 8 * h
+                src = route_rank[row]
+                if src >= 0:
+                    dst = peers[src]
+                    base = ((route_token[row] * k + route_slot[row]) * n_out + col) // 2
+                    for j in range(groups):
+                        x = 4 * j + 2 * h
+                        dst[base + 4 * j] = pack_bf16x2(c[x], c[x + 1])
         else:
             for j in range(groups):
                 x = 4 * j
@@ -181,7 +196,7 @@ def smem_bytes(bn, stages):
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0, tma_b=False):
+                            max_registers=0, tma_b=False, push=False):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -190,9 +205,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``tmaps`` (completing on the stage's mbarrier ``full[s]``) instead of every thread issuing
     cp.async chunks for it; A stays cp.async (it may be gathered). Step 1 then also waits
     ``full[s]`` (phase bit per stage, flipped at each wait).
+    ``push``: the epilogue sends rows home (``make_tile_ops``); else the route arguments are
+    unused placeholders.
     """
     assert bn in _WGMMA and stages >= 3
-    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = BM * ROW_BYTES
     stage_bytes = (BM + bn) * ROW_BYTES
@@ -239,7 +256,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         return row0, col0, b_src, b_row, active
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit):
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
+               route_rank, route_token, route_slot, peers, k):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         wg = tid // 128
@@ -321,7 +339,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                     full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_tile(out, c, acc, out_row, out_col, n_out, limit)
+            store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank, route_token,
+                       route_slot, peers, k)
 
     kernel.smem_bytes = smem_bytes(bn, stages)
     kernel.threads = THREADS

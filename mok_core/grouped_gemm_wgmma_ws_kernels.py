@@ -71,18 +71,19 @@ def smem_bytes(bn, stages):
 
 
 def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                               max_registers=0, tma_b=False):
+                               max_registers=0, tma_b=False, push=False):
     """Build one warp-specialised wgmma grouped-GEMM specialisation (all compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
     rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
     ``tma_b``: producer thread 0 loads B (weights) as TMA boxes from the maps in ``tmaps``
     (one more arrival on full[s], which also waits for the boxes' bytes); the producer
-    warpgroup's cp.async then carries only A.
+    warpgroup's cp.async then carries only A. ``push``: the epilogue sends rows home
+    (``make_tile_ops``).
     """
     assert bn in _WGMMA and stages >= 2
     a_rows_lane = BM // 16                  # a producer pass covers 16 rows x 8 chunks
-    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue)
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_rows_lane,
                                               0 if tma_b else bn // 16)
     tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
@@ -104,7 +105,8 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             mbarrier_arrive(smem, bar)
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit):
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
+               route_rank, route_token, route_slot, peers, k):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
@@ -199,7 +201,8 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                 release(smem, empty0 + 8 * prev, lane)
 
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_tile(out, c, acc, row0 + frag_row, col0 + frag_col, n_out, limit)
+            store_tile(out, c, acc, row0 + frag_row, col0 + frag_col, n_out, limit, route_rank,
+                       route_token, route_slot, peers, k)
             t += grid
 
     kernel.smem_bytes = smem_bytes(bn, stages)

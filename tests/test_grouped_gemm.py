@@ -175,3 +175,34 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     Device.compute_capability = (9, 0)
     assert gg.default_gemm() == gg.WGMMA_GEMM
     gg._require_arch(gg.WGMMA_GEMM)
+
+
+@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG], ids=["wgmma", "wgmma-ws-tma"])
+def test_down_push_equals_down_then_scatter(cfg):
+    """down(push=...) -- the combine fused into the epilogue -- writes each real row's bits
+    to its source rank's combine row token * k + slot and nothing else."""
+    rng = np.random.default_rng(11)
+    counts, E, H, I, R, T, k = [70, 0, 140], 3, 128, 64, 2, 64, 4
+    off, C, a_index = layout(counts, 128, 0, rng, 1)
+    real = np.flatnonzero(a_index >= 0)
+    slots = rng.permutation(R * T * k)[:real.size]        # unique (rank, token, slot) per row
+    src_rank = np.full(C, -1, np.int32)
+    src_token = np.zeros(C, np.int32)
+    src_slot = np.zeros(C, np.int32)
+    src_rank[real], rem = slots // (T * k), slots % (T * k)
+    src_token[real], src_slot[real] = rem // k, rem % k
+    h = bits(rng.standard_normal((C, I)))
+    h[a_index < 0] = 0
+    wd = bits(rng.standard_normal((E, H, I)) / 6)
+    nr = np.array([off[-1]], np.int32)
+    y = to_dev(np.full((C, H), POISON, np.uint16))
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(nr), y, row_index=to_dev(a_index),
+         config=cfg)
+    yh = to_host(y)
+    peers = tuple(to_dev(np.full(T * k * H, POISON, np.uint16)) for _ in range(R))
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(nr), None, row_index=to_dev(a_index),
+         push=(to_dev(src_rank), to_dev(src_token), to_dev(src_slot), peers, k), config=cfg)
+    want = np.full((R, T * k, H), POISON, np.uint16)
+    want[src_rank[real], src_token[real] * k + src_slot[real]] = yh[real]
+    got = np.stack([to_host(p).reshape(T * k, H) for p in peers])
+    np.testing.assert_array_equal(got, want)

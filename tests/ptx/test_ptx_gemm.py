@@ -1,15 +1,20 @@
 """Grouped GEMM specialisations compile for sm_90 with no local-memory traffic (the
 accumulators and fragments must live in registers)."""
 import pytest
-from numba import float32, int32, int64, uint16, uint32, uint64
+from numba import float32, int32, int64, types, uint16, uint32, uint64
 
 from mok_core.grouped_gemm_kernels import make_grouped_gemm
 from ptx_util import compile_sm90, count
 
 SIG = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
        int64, int64, int64, float32)
-# wgmma kernels also take the weights' tensor maps (uint64 [16 per map]) after w1.
-WG_SIG = SIG[:4] + (uint64[::1],) + SIG[4:]
+# wgmma kernels also take the weights' tensor maps (uint64 [16 per map]) after w1, and the
+# push route last (placeholders here: int32 arrays, a 1-tuple of the output).
+_ROUTE = (int32[::1], int32[::1], int32[::1])
+WG_SIG = SIG[:4] + (uint64[::1],) + SIG[4:] + _ROUTE + (types.UniTuple(uint32[::1], 1), int64)
+# down fused with the combine: out is a placeholder, the route is real (2 ranks).
+PUSH_SIG = WG_SIG[:7] + (int32[::1],) + WG_SIG[8:12] + _ROUTE + (types.UniTuple(uint32[::1], 2),
+                                                                   int64)
 
 
 @pytest.mark.parametrize("tile", [(128, 128, 32, 2, 4, 4), (128, 128, 64, 2, 4, 3),
@@ -114,3 +119,24 @@ def assemble_sm90a(ptx):
         if "Unsupported .version" in r.stderr:
             pytest.skip(f"{exe} is older than the PTX numba emits")
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["wgmma", "wgmma_ws"])
+def test_down_push_lowers_for_sm90a(ws):
+    """The combine fused into the down GEMM's epilogue: same MMAs, stores through the peer
+    tuple, no local-memory traffic in the K loop; assembles."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    from mok_core import grouped_gemm_wgmma_ws_kernels as wsk
+    if ws:
+        kern = wsk.make_wgmma_ws_grouped_gemm(256, 4, False, False, True, tma_b=True, push=True)
+        opts = {"launch_bounds": (wsk.THREADS, 1)}
+    else:
+        kern = wk.make_wgmma_grouped_gemm(256, 4, False, False, True, tma_b=True, push=True)
+        opts = {}
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG, cc=(9, 0, "a"), **opts)
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16") == 4
+    loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
+    assert count(loop, r"ld\.local|st\.local") == 0
+    assemble_sm90a(ptx)
