@@ -19,6 +19,12 @@ separated by device-side barriers (the only cross-GPU synchronisation):
 ``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
 simulator, one GPU) can run each phase on every rank before the barrier.
 
+The same launches, regrouped, make the *step* of the graphed fast path (``mok_torch.graphed``):
+``step_io`` gives the launches that read the caller's per-step tensors (prologue: publish ids +
+publish x; epilogue), ``step_core_phases`` everything between them (schedule, shared FFN on the
+published copy ``x_buf``, dispatch .. combine), which reads only the workspace and the weights
+and is therefore capturable once and replayable with new inputs; ``step_phases`` = all four.
+
 Shapes (per rank; T tokens, H hidden, I / I_s routed / shared intermediate, E_local experts
 here, k top-k, C schedule capacity) and dtypes (bf16 travels as uint16 bits at this level; the
 torch/JAX adapters view their bf16 tensors as uint16, zero-copy):
@@ -53,7 +59,8 @@ class LayerWorkspace:
     """Everything one layer shape needs on one rank, allocated once from shapes.
 
     comm: the symmetric ``Workspace``; schedule: this rank's ``Schedule``; device buffers:
-    ids32 [T, k], gather_index [C], hidden [C, I], y [C, H], shared_index [T_pad] (row -> token,
+    ids32 [T, k], gather_index [C], hidden [C, I], y [C, H] (None when the combine is fused
+    into the down GEMM), shared_index [T_pad] (row -> token,
     -1 past T), shared_offsets [2], shared_rows [1], hidden_shared [T_pad, I_s],
     y_shared [T_pad, H], out [T, H] (the default output; overwritten by the next call).
     """
@@ -148,7 +155,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
         ids32=device_empty((T, k), i32, stream),
         gather_index=device_full((C,), -1, i32, stream),
         hidden=device_empty((C, I), u16, stream),
-        y=device_empty((C, H), u16, stream),
+        y=(None if _fused_combine(config, gemm) else device_empty((C, H), u16, stream)),
         shared_index=upload(shared_index, stream),
         shared_offsets=upload(np.array([0, T_pad], i32), stream),
         shared_rows=upload(np.array([T_pad], i32), stream),
@@ -181,6 +188,12 @@ def verify_ranks_agree(lw: LayerWorkspace, stream=0):
 
 def schedule_phases(lw: LayerWorkspace, topk_ids, stream=0):
     """[publish ids, build schedule] -- a barrier goes between them."""
+    return [_routing_allgather_step(lw, topk_ids, stream), _schedule_step(lw, stream)]
+
+
+def _routing_allgather_step(lw: LayerWorkspace, topk_ids, stream):
+    """Launch: this rank's ids (int64 cast to int32 into ``lw.ids32`` first) into row ``rank``
+    of every rank's ids table. Reads the caller's ``topk_ids``."""
     T, k = lw.tokens_per_rank, lw.shape.topk
     ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(T, k))
     if np.dtype(ids.dtype) == np.int64:
@@ -196,10 +209,14 @@ def schedule_phases(lw: LayerWorkspace, topk_ids, stream=0):
             ops.publish_ids(lw.comm, ids, stream)
     else:
         raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
+    return routing_allgather
 
+
+def _schedule_step(lw: LayerWorkspace, stream):
+    """Launch: this rank's schedule from the (complete) ids table -- workspace only."""
     def schedule():
         _schedule_kernels(lw.schedule, lw.comm.ids_table, stream=stream)
-    return [routing_allgather, schedule]
+    return schedule
 
 
 def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
@@ -209,70 +226,207 @@ def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
     return lw.schedule
 
 
-def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x, router_weights,
-                   w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                   swiglu_limit=None, out=None, stream=0):
-    """Validate every input, then return the forward's three phases (barriers between) and the
-    output array. Nothing is launched before all inputs have passed their checks."""
+class _Weights(NamedTuple):
+    """Checked device views of one rank's layer weights (shared ones None when I_s = 0)."""
+    sg: object
+    su: object
+    sd: object
+    wg: object
+    wu: object
+    wd: object
+    swiglu_limit: object
+
+
+def _check_config(config: MoKConfig, lw: LayerWorkspace):
     if config != lw.config:
         raise ValueError("config differs from the one the workspace was built with")
-    if schedule is not lw.schedule:
-        raise ValueError("schedule was not built on this workspace (use build_schedule(lw, ...))")
-    s, T = lw.shape, lw.tokens_per_rank
-    H, I, I_s, k, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.topk, \
-        s.experts_per_rank
+
+
+def _check_x(lw: LayerWorkspace, x, router_weights):
+    T, H, k = lw.tokens_per_rank, lw.shape.hidden, lw.shape.topk
+    return (as_device_array(x, "x", dtype=np.uint16, shape=(T, H)),
+            as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k)))
+
+
+def _check_out(lw: LayerWorkspace, out):
+    T, H = lw.tokens_per_rank, lw.shape.hidden
+    return lw.out if out is None else as_device_array(out, "out", dtype=np.uint16, shape=(T, H))
+
+
+def _check_weights(lw: LayerWorkspace, w_shared_gate, w_shared_up, w_shared_down, w_gate,
+                   w_up, w_down, swiglu_limit) -> _Weights:
+    s = lw.shape
+    H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
     u16 = np.uint16
-    x = as_device_array(x, "x", dtype=u16, shape=(T, H))
-    w = as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k))
     wg = as_device_array(w_gate, "w_gate", dtype=u16, shape=(E_l, I, H))
     wu = as_device_array(w_up, "w_up", dtype=u16, shape=(E_l, I, H))
     wd = as_device_array(w_down, "w_down", dtype=u16, shape=(E_l, H, I))
+    sg = su = sd = None
     if I_s:
         sg = as_device_array(w_shared_gate, "w_shared_gate", dtype=u16, shape=(I_s, H))
         su = as_device_array(w_shared_up, "w_shared_up", dtype=u16, shape=(I_s, H))
         sd = as_device_array(w_shared_down, "w_shared_down", dtype=u16, shape=(H, I_s))
-    out = lw.out if out is None else as_device_array(out, "out", dtype=u16, shape=(T, H))
+    return _Weights(sg, su, sd, wg, wu, wd, swiglu_limit)
+
+
+def _check_limit(swiglu_limit):
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float))
                                          and math.isfinite(swiglu_limit) and swiglu_limit > 0):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
-    g = lw.gemm
 
+
+def _publish_x_step(lw: LayerWorkspace, x, w, stream):
+    """Launch: x -> this rank's slice of the staging buffer (``lw.comm.x_buf``) + NaN/Inf check
+    of x and the router weights. Reads the caller's ``x`` and ``router_weights``."""
     def publish_x():
         ops.publish_x(lw.comm, x, w, stream)
+    return publish_x
+
+
+def _shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
+    """Launches of the shared expert FFN on the [T, H] token rows ``x`` -> ``lw.y_shared``
+    (none when I_s = 0). ``x`` is the caller's input (eager forward) or ``lw.comm.x_buf``, the
+    published copy of it (the step): the same bits either way."""
+    H, I_s = lw.shape.hidden, lw.shape.shared_intermediate
+    if not I_s:
+        return []
+    g = lw.gemm
 
     def shared_gate_up():
-        gate_up_swiglu(x, lw.shared_index, sg.reshape((1, I_s, H)), su.reshape((1, I_s, H)),
+        gate_up_swiglu(x, lw.shared_index, W.sg.reshape((1, I_s, H)), W.su.reshape((1, I_s, H)),
                        lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
-                       swiglu_limit=swiglu_limit, config=g, stream=stream)
+                       swiglu_limit=W.swiglu_limit, config=g, stream=stream)
 
     def shared_down():
-        down(lw.hidden_shared, sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
+        down(lw.hidden_shared, W.sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
              lw.y_shared, row_index=lw.shared_index, config=g, stream=stream)
+    return [shared_gate_up, shared_down]
+
+
+def _fused_combine(config: MoKConfig, gemm: GemmConfig) -> bool:
+    return config.fuse_combine and gemm.mma != "mma_sync"
+
+
+def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
+    """Launches from dispatch to combine: workspace and weights only, no caller input. With
+    ``config.fuse_combine`` and a wgmma GEMM the down GEMM's epilogue pushes the rows home
+    itself (no y, no combine launch)."""
+    g = lw.gemm
+    fused = _fused_combine(lw.config, g)
 
     def dispatch():
         ops.dispatch(lw.comm, schedule, stream)
         ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
 
     def routed_gate_up():
-        gate_up_swiglu(lw.comm.x_recv, lw.gather_index, wg, wu, schedule.expert_offsets,
-                       schedule.num_rows, lw.hidden, swiglu_limit=swiglu_limit, config=g,
+        gate_up_swiglu(lw.comm.x_recv, lw.gather_index, W.wg, W.wu, schedule.expert_offsets,
+                       schedule.num_rows, lw.hidden, swiglu_limit=W.swiglu_limit, config=g,
                        stream=stream)
 
     def routed_down():
-        down(lw.hidden, wd, schedule.expert_offsets, schedule.num_rows, lw.y,
+        down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, lw.y,
              row_index=lw.gather_index, config=g, stream=stream)
 
     def combine():
         ops.combine(lw.comm, schedule, lw.y, stream)
 
-    def epilogue():
-        ops.epilogue(lw.comm, w, out, lw.y_shared[:T] if I_s else None, stream)
+    def routed_down_push():
+        down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, None,
+             row_index=lw.gather_index, push=(schedule.src_rank, schedule.src_token,
+                                              schedule.src_slot, lw.comm.peer_combine,
+                                              lw.shape.topk), config=g, stream=stream)
+    if fused:
+        return [dispatch, routed_gate_up, routed_down_push]
+    return [dispatch, routed_gate_up, routed_down, combine]
 
-    shared_steps = [shared_gate_up, shared_down] if I_s else []
-    phase0 = _phase(publish_x, *shared_steps)
-    phase1 = _phase(dispatch, routed_gate_up, routed_down, combine)
-    phase2 = _phase(epilogue)
+
+def _epilogue_step(lw: LayerWorkspace, w, out, stream):
+    """Launch: out = y_shared + sum_j w_j y_j. Reads the caller's ``router_weights``."""
+    T = lw.tokens_per_rank
+    y_shared = lw.y_shared[:T] if lw.shape.shared_intermediate else None
+
+    def epilogue():
+        ops.epilogue(lw.comm, w, out, y_shared, stream)
+    return epilogue
+
+
+def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x, router_weights,
+                   w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                   swiglu_limit=None, out=None, stream=0):
+    """Validate every input, then return the forward's three phases (barriers between) and the
+    output array. Nothing is launched before all inputs have passed their checks."""
+    _check_config(config, lw)
+    if schedule is not lw.schedule:
+        raise ValueError("schedule was not built on this workspace (use build_schedule(lw, ...))")
+    x, w = _check_x(lw, x, router_weights)
+    W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                       swiglu_limit)
+    out = _check_out(lw, out)
+    _check_limit(swiglu_limit)
+    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_shared_steps(lw, x, W, stream))
+    phase1 = _phase(*_routed_steps(lw, schedule, W, stream))
+    phase2 = _phase(_epilogue_step(lw, w, out, stream))
     return [phase0, phase1, phase2], out
+
+
+# --- the whole step (schedule + forward) split for CUDA-graph capture -------------------------
+
+def step_io(lw: LayerWorkspace, topk_ids, x, router_weights, out=None, stream=0):
+    """The launches of a step that read the caller's per-step tensors, checked:
+    ``(prologue, epilogue, out)``.
+
+    prologue: routing all-gather (ids -> every rank's ids table) + ``publish_x`` (x -> this
+    rank's staging slice ``lw.comm.x_buf``, NaN/Inf check of x and router weights).
+    epilogue: out = y_shared + sum_j w_j y_j (reads router_weights, writes ``out``).
+    Everything between them (``step_core_phases``) reads only the workspace and the weights,
+    so it can be captured once in a CUDA graph and replayed with new x / ids / weights
+    tensors every step."""
+    prologue_ids = _routing_allgather_step(lw, topk_ids, stream)
+    x, w = _check_x(lw, x, router_weights)
+    out = _check_out(lw, out)
+    return _phase(prologue_ids, _publish_x_step(lw, x, w, stream)), \
+        _phase(_epilogue_step(lw, w, out, stream)), out
+
+
+def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_shared_up,
+                     w_shared_down, w_gate, w_up, w_down, swiglu_limit=None, stream=0):
+    """The step between prologue and epilogue as two phases (a barrier before, between and
+    after them, see ``run_step_core``): [schedule, shared FFN on ``lw.comm.x_buf``] and
+    [dispatch, gather index, routed gate/up, routed down, combine]. No caller input is read:
+    the shared expert takes its tokens from this rank's staging slice, which ``publish_x``
+    (prologue) filled with the same bits. Weights are checked here."""
+    _check_config(config, lw)
+    W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                       swiglu_limit)
+    _check_limit(swiglu_limit)
+    return [_phase(_schedule_step(lw, stream), *_shared_steps(lw, lw.comm.x_buf, W, stream)),
+            _phase(*_routed_steps(lw, lw.schedule, W, stream))]
+
+
+def run_step_core(core_phases, comm, stream=0):
+    """barrier, core phase 0, barrier, core phase 1, barrier (what a step's graph holds)."""
+    ops.barrier(comm, stream)
+    for _, launch in with_barriers(core_phases, comm, stream):
+        launch()
+    ops.barrier(comm, stream)
+
+
+def step_phases(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weights,
+                w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                swiglu_limit=None, out=None, stream=0):
+    """The whole step (``build_schedule`` + ``forward``) in the order of the graphed fast path,
+    as four phases with a barrier between consecutive ones, and the output array:
+
+        [publish ids, publish x] | [schedule, shared FFN (from x_buf)] |
+        [dispatch .. combine] | [epilogue]
+
+    Same kernels, same data and the same three barriers as ``build_schedule`` + ``forward``;
+    only ``publish_x`` moves before the first barrier (safe: see ``mok_torch.graphed``). The
+    output equals ``forward``'s bit for bit. Everything is checked before anything launches."""
+    prologue, epilogue, out = step_io(lw, topk_ids, x, router_weights, out, stream)
+    core = step_core_phases(config, lw, w_shared_gate, w_shared_up, w_shared_down, w_gate,
+                            w_up, w_down, swiglu_limit, stream)
+    return [prologue, *core, epilogue], out
 
 
 def with_barriers(phases, comm, stream=0):
@@ -329,5 +483,5 @@ def context_of(lw: LayerWorkspace) -> ForwardContext:
 
 
 __all__ = ["ForwardContext", "LayerWorkspace", "build_schedule", "context_of", "forward",
-           "forward_phases", "get_workspace", "schedule_phases", "verify_ranks_agree",
-           "with_barriers"]
+           "forward_phases", "get_workspace", "run_step_core", "schedule_phases",
+           "step_core_phases", "step_io", "step_phases", "verify_ranks_agree", "with_barriers"]

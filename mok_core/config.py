@@ -122,6 +122,9 @@ class MoKConfig:
             M tile spans two experts. Power of two.
         spin_timeout_cycles: bound on any spin-wait in a kernel (SM clock cycles); when it
             expires the kernel records (rank, counter, expected, seen) and exits.
+        fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma GEMMs)
+            instead of writing y and running the combine kernel after it; same bits. The
+            mma.sync GEMM always combines separately.
     """
     fwd_num_comm_sms: int = 24
     bwd_num_comm_sms: int = 24
@@ -130,6 +133,7 @@ class MoKConfig:
     capacity_factor: float = 0.5
     row_align: int = 128
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
+    fuse_combine: bool = True
 
     def __post_init__(self):
         for f in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
@@ -153,6 +157,8 @@ class MoKConfig:
         _require(_is_int(self.spin_timeout_cycles) and 0 < self.spin_timeout_cycles < 1 << 62,
                  "spin_timeout_cycles", "must be a positive int below 2**62",
                  self.spin_timeout_cycles)
+        _require(isinstance(self.fuse_combine, bool), "fuse_combine", "must be a bool",
+                 self.fuse_combine)
 
     def schedule_capacity(self, tokens_per_rank: int, topk: int, ep_size: int,
                           experts_per_rank: int) -> int:

@@ -7,7 +7,15 @@ CUDA array interface), kernels launched on torch's current stream.
     out, ctx = mok_torch.forward(config, lw, sched, x, router_weights,
                                  w_shared_gate, w_shared_up, w_shared_down,
                                  w_gate, w_up, w_down, swiglu_limit=None)
+
+The fast path (training loops): the same step captured as a CUDA graph once, with new x / ids /
+router-weight tensors every call (see ``mok_torch.graphed``):
+
+    step = mok_torch.compile_step(config, lw, w_shared_gate, w_shared_up, w_shared_down,
+                                  w_gate, w_up, w_down, swiglu_limit=None)
+    out = step(x, topk_ids, router_weights)           # == forward's out, bit for bit
 """
 from .functional import build_schedule, forward, get_workspace
+from .graphed import LayerStep, compile_step
 
-__all__ = ["build_schedule", "forward", "get_workspace"]
+__all__ = ["LayerStep", "build_schedule", "compile_step", "forward", "get_workspace"]

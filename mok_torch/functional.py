@@ -64,13 +64,18 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = M
                            stream=_stream())
 
 
-def build_schedule(lw: F.LayerWorkspace, topk_ids: torch.Tensor):
-    """Routing all-gather + schedule. topk_ids: int64 or int32 [T, k], -1 = masked route."""
+def _ids(topk_ids):
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids: expected a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"topk_ids: expected dtype torch.int64 or torch.int32, got "
                         f"{topk_ids.dtype}")
-    ids = _check(topk_ids, "topk_ids", topk_ids.dtype)
-    return F.build_schedule(lw, ids, stream=_stream())
+    return _check(topk_ids, "topk_ids", topk_ids.dtype)
+
+
+def build_schedule(lw: F.LayerWorkspace, topk_ids: torch.Tensor):
+    """Routing all-gather + schedule. topk_ids: int64 or int32 [T, k], -1 = masked route."""
+    return F.build_schedule(lw, _ids(topk_ids), stream=_stream())
 
 
 def forward(config: MoKConfig, lw: F.LayerWorkspace, schedule, x, router_weights,

@@ -22,7 +22,7 @@ def u16(a):
     return np.ascontiguousarray(np.asarray(a).view(np.uint16))
 
 
-def run_layer(lws, inp, limit=None, ids=None):
+def run_layer(lws, inp, limit=None, ids=None, cfg=CFG):
     R = len(lws)
     E_l = lws[0].shape.experts_per_rank
     ids = inp["ids"] if ids is None else ids
@@ -32,7 +32,7 @@ def run_layer(lws, inp, limit=None, ids=None):
     phases = []
     for r, lw in enumerate(lws):
         sl = slice(r * E_l, (r + 1) * E_l)
-        p, _ = forward_phases(CFG, lw, lw.schedule, to_dev(u16(inp["x"][r])), to_dev(inp["w"][r]),
+        p, _ = forward_phases(cfg, lw, lw.schedule, to_dev(u16(inp["x"][r])), to_dev(inp["w"][r]),
                               to_dev(u16(inp["w_sg"])), to_dev(u16(inp["w_su"])),
                               to_dev(u16(inp["w_sd"])), to_dev(u16(inp["w_g"][sl])),
                               to_dev(u16(inp["w_u"][sl])), to_dev(u16(inp["w_d"][sl])),
@@ -63,6 +63,30 @@ def test_forward_matches_float64_reference(R, limit):
     assert rel_l1(as_f64(got), want) < 5e-3
     again = run_layer(lws, inp, limit)                  # same workspaces, second step
     np.testing.assert_array_equal(again, got)
+
+
+def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
+    """The Hopper path: wgmma GEMMs with TMA weight tiles, and the down GEMM pushing rows home
+    from its epilogue (no y, no combine launch) -- same bits as the separate combine, and
+    the float64 bar."""
+    from dataclasses import replace
+
+    from mok_core.grouped_gemm import GemmConfig
+    gemm = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True)
+    cfg = MoKConfig(row_align=128, minibatch_size=128, macrobatch_size=512, capacity_factor=1.0)
+    rng = np.random.default_rng(9)
+    R, T = 2, 12
+    shape = LayerShape(hidden=128, intermediate=64, shared_intermediate=64, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T)
+    outs = {}
+    for fused in (True, False):
+        c = replace(cfg, fuse_combine=fused)
+        lws = emulated_layer(shape, T, c, gemm)
+        assert (lws[0].y is None) == fused
+        outs[fused] = run_layer(lws, inp, cfg=c)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    assert rel_l1(as_f64(outs[True]), reference_out(inp, None)) < 5e-3
 
 
 def test_int64_ids_and_rank_without_tokens():

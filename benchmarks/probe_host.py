@@ -1,0 +1,117 @@
+"""Host-overhead probe: how long the host takes to *issue* one layer step (no synchronisation).
+
+    OUT=/tmp torchrun --standalone --nproc-per-node=2 benchmarks/probe_host.py
+                      [--preset kimi-k2.7] [--tokens 4096]
+
+Builds the layer like bench_layer (synthetic weights and inputs, default MoKConfig) and reports
+per rank: the host wall time (time.perf_counter) of issuing one eager build_schedule + forward
+and one mok_torch.compile_step call, mean over 20 calls after warm-up, without synchronising
+(the GPU runs behind; ``steady`` = the 20 calls plus the final synchronise, per call), and a
+cProfile of 10 eager calls (top 25 by cumulative and by own time) in
+$OUT/probe_host_rank{r}.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+N_ISSUE, N_PROFILE, WARMUP = 20, 10, 3
+
+
+def issue_times(fn, n):
+    """(mean host ms per call over n unsynchronised calls, steady ms per call incl. the sync)."""
+    import torch
+    import torch.distributed as dist
+    torch.cuda.synchronize()
+    dist.barrier()
+    times, outs = [], []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = time.perf_counter()
+        outs.append(fn())
+        times.append(time.perf_counter() - a)
+    torch.cuda.synchronize()
+    steady = (time.perf_counter() - t0) / n
+    return 1e3 * sum(times) / n, 1e3 * steady
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kimi-k2.7")
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    from numba import cuda
+    cuda.select_device(local)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+    from mok_comm import bootstrap
+    bootstrap.init("torch")
+
+    import mok_torch
+    from mok_core.config import MoKConfig, preset
+    from mok_torch import synthetic
+    R, me, T = dist.get_world_size(), dist.get_rank(), args.tokens
+    shape = preset(args.preset, ep_size=R)
+    dev = torch.device("cuda", local)
+    cfg = MoKConfig()
+    x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
+    wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
+    shared = synthetic.shared_weights(shape, dev)
+    lw = mok_torch.get_workspace(shape, T, cfg)
+    step = mok_torch.compile_step(cfg, lw, *shared, wg, wu, wd)
+
+    def eager():
+        sched = mok_torch.build_schedule(lw, ids)
+        return mok_torch.forward(cfg, lw, sched, x, w, *shared, wg, wu, wd)[0]
+
+    def compiled():
+        return step(x, ids, w)
+
+    try:
+        for _ in range(WARMUP):
+            eager()
+            compiled()                  # first call: eager core + capture; then replays
+        eager_ms, eager_steady = issue_times(eager, N_ISSUE)
+        step_ms, step_steady = issue_times(compiled, N_ISSUE)
+        torch.cuda.synchronize()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(N_PROFILE):
+            eager()
+        prof.disable()
+        torch.cuda.synchronize()
+        lw.check()
+        report = io.StringIO()
+        head = (f"{args.preset} T={T} EP={R} rank {me}: host issue per call (mean of {N_ISSUE}, "
+                f"no sync): eager {eager_ms:.3f} ms, compiled step {step_ms:.3f} ms; steady "
+                f"per call incl. final sync: eager {eager_steady:.3f} ms, compiled step "
+                f"{step_steady:.3f} ms (captures: {step.captures})")
+        report.write(head + "\n\n")
+        for key in ("cumulative", "tottime"):
+            report.write(f"--- cProfile of {N_PROFILE} eager calls, top 25 by {key} ---\n")
+            pstats.Stats(prof, stream=report).sort_stats(key).print_stats(25)
+        path = os.path.join(os.environ.get("OUT", "/tmp"), f"probe_host_rank{me}.txt")
+        with open(path, "w") as f:
+            f.write(report.getvalue())
+        print(head + f"\n  profile: {path}", flush=True)
+    finally:
+        torch.cuda.synchronize()
+        step = None
+        lw.comm.free()
+        bootstrap.finalize()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
