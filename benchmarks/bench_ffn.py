@@ -26,13 +26,9 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
 
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma)
 SWEEP = [
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True),
-    (128, 128, 64, 2, 1, 6, 1, 0, "wgmma", True),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma_ws"),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma_ws", True),
-    (128, 128, 64, 2, 1, 6, 1, 0, "wgmma_ws", True),
-    (64, 128, 32, 2, 2, 4, 2, 0),                  # the best mma.sync tile, for comparison
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
+    (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # WGMMA_128_GEMM
 ]
 
 
@@ -67,7 +63,7 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
     counts_all, _ = routing_counts(rng, 2 * T, E, k, skew)
     counts = counts_all[:E_l]                                   # rank 0's experts
     rows = int(counts.sum())
-    off = padded_layout(counts, gemm_cfg.bm)
+    off = padded_layout(counts, gemm_cfg.row_unit)
     C = int(off[-1])
     dev = "cuda"
     bf = torch.bfloat16
@@ -158,9 +154,9 @@ def main(argv=None):
         trial = []
         for p in sweep_presets:
             for spec in SWEEP:
-                c = GemmConfig(*spec)
-                progress(f"sweep {p} {c}")
+                progress(f"sweep {p} {spec}")
                 try:
+                    c = GemmConfig(*spec)
                     trial.append(run_case(p, 4096, "uniform", c, args.iters, rng))
                 except Exception as exc:
                     progress(f"  failed: {type(exc).__name__}: {exc}")

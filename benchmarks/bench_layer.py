@@ -151,7 +151,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     R, me = dist.get_world_size(), dist.get_rank()
     shape = preset(name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = MoKConfig()
+    cfg = MoKConfig(row_align=max(64, gemm.row_unit) if gemm else 64)
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)

@@ -125,12 +125,13 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
     shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
     sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)"""
     T = tokens_per_rank
-    gemm = gemm or default_gemm()
+    gemm = gemm or default_gemm(shape.ep_size * tokens_per_rank * shape.topk /
+                                shape.num_experts)
     if heap.ep_size != shape.ep_size:
         raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
-    if config.row_align % gemm.bm:
-        raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of the GEMM "
-                         f"row tile {gemm.bm}")
+    if config.row_align % gemm.row_unit:
+        raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
+                         f"{gemm.row_unit} for {gemm}")
     H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
     for name, n, tile in (("hidden", H, gemm.bk), ("hidden", H, gemm.bn),
                           ("intermediate", I, gemm.bk), ("intermediate", I, gemm.bn // 2)):

@@ -131,7 +131,7 @@ class MoKConfig:
     minibatch_size: int = 4096
     macrobatch_size: int = 131072
     capacity_factor: float = 0.5
-    row_align: int = 128
+    row_align: int = 64
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
     fuse_combine: bool = True
 

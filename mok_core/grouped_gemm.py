@@ -38,8 +38,11 @@ class GemmConfig:
     ``mma`` picks the tensor-core path: ``"mma_sync"`` (warp-level m16n8k16, any sm_80+ GPU and
     the simulator's default), ``"wgmma"`` (Hopper warpgroup MMA, all threads load, the GPU
     default) or ``"wgmma_ws"`` (warp-specialised: a producer warpgroup loads, mbarriers). For
-    both wgmma kinds bm = 128 (wm = 2 warpgroups of 64 rows, wn = 1), bk = 64 (the 128-byte
-    swizzle row), bn in {64, 128, 256}; stages >= 3 ("wgmma") or >= 2 ("wgmma_ws"). ``tma``
+    the wgmma kinds wm = bm / 64 warpgroups of 64 rows, wn = 1, bk = 64 (the 128-byte swizzle
+    row), bn in {64, 128, 256}; bm = 128, or 192 for "wgmma" with ``tma`` (3 warpgroups: an
+    expert of up to 192 rows reads each weight tile once); stages >= 3 ("wgmma") or >= 2
+    ("wgmma_ws"). ``row_unit``: what expert segments must be padded to (MoKConfig.row_align
+    a multiple of it): bm for mma.sync, 64 for "wgmma", 128 for "wgmma_ws". ``tma``
     (wgmma kinds only): the weight tiles come by TMA from tensor maps (``mok_core.tensor_map``,
     built once per weight array) instead of per-thread cp.async; A rows stay cp.async (they
     are gathered).
@@ -64,8 +67,11 @@ class GemmConfig:
         req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
             "max_registers must be 0 or in [32, 255]")
         if self.mma != "mma_sync":
-            req((self.bm, self.bk, self.wm, self.wn) == (128, 64, 2, 1),
-                "wgmma tiles are bm=128, bk=64, wm=2 (warpgroups), wn=1")
+            req((self.bk, self.wn) == (64, 1) and self.bm in (128, 192)
+                and self.wm == self.bm // 64,
+                "wgmma tiles are bm=128 or 192, bk=64, wm=bm/64 (warpgroups), wn=1")
+            req(self.bm == 128 or (self.mma == "wgmma" and self.tma),
+                "bm=192 needs mma='wgmma' with tma=True")
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
@@ -86,29 +92,51 @@ class GemmConfig:
     def threads(self) -> int:
         if self.mma == "mma_sync":
             return self.wm * self.wn * 32
-        return (_wgmma if self.mma == "wgmma" else _wgmma_ws).THREADS
+        return 2 * self.bm if self.mma == "wgmma" else _wgmma_ws.THREADS
 
     @property
     def smem_bytes(self) -> int:
-        if self.mma != "mma_sync":
-            return (_wgmma if self.mma == "wgmma" else _wgmma_ws).smem_bytes(self.bn, self.stages)
+        if self.mma == "wgmma":
+            return _wgmma.smem_bytes(self.bn, self.stages, self.bm)
+        if self.mma == "wgmma_ws":
+            return _wgmma_ws.smem_bytes(self.bn, self.stages)
         return (self.bm + self.bn) * self.bk * 2 * self.stages
 
+    @property
+    def row_unit(self) -> int:
+        """Expert segments must be padded to a multiple of this many rows."""
+        return {"mma_sync": self.bm, "wgmma": 64, "wgmma_ws": 128}[self.mma]
 
-WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+
+# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once.
+WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
+# Hopper, 2 warpgroups: better where experts hold 193..256 rows (two 128-row tiles, no idle
+# warpgroup; 192 + 64 would read the weights twice as well).
+WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
 
-def default_gemm() -> GemmConfig:
+def default_gemm(rows_per_expert: float | None = None) -> GemmConfig:
     """The tiles used when a caller passes none: wgmma on Hopper (sm_90 -- wgmma exists only
     there), mma.sync on other GPUs (sm_80+), small mma.sync tiles on the simulator. Asks the
-    current device, so call it where a CUDA context exists (at launch or workspace creation)."""
+    current device, so call it where a CUDA context exists (at launch or workspace creation).
+
+    ``rows_per_expert`` (the expected mean, e.g. R*T*k/E for a layer) picks the Hopper row
+    tile: weight traffic from L2 bounds these GEMMs and every row tile of an expert reads its
+    weights once, so 192-row tiles unless they need as many tiles as 128-row ones for a mean
+    expert above 192 rows (then 128: no warpgroup idles in a 192 + 64 split). Measured on
+    H200 (NOTES.md): 192 wins at 128-192 and 320+ rows per expert, 128 at ~255."""
     if SIM:
         return SIM_GEMM
     from numba import cuda
-    return WGMMA_GEMM if cuda.get_current_device().compute_capability == (9, 0) \
-        else MMA_SYNC_GEMM
+    if cuda.get_current_device().compute_capability != (9, 0):
+        return MMA_SYNC_GEMM
+    if rows_per_expert is not None and rows_per_expert > 192:
+        padded = -(-int(math.ceil(rows_per_expert)) // 64) * 64
+        if -(-padded // 192) >= -(-padded // 128):
+            return WGMMA_128_GEMM
+    return WGMMA_GEMM
 
 
 def _require_arch(cfg: GemmConfig):
@@ -127,7 +155,7 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
     if cfg.mma == "wgmma":
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
                                               max_registers=cfg.max_registers, tma_b=cfg.tma,
-                                              push=push)
+                                              push=push, bm=cfg.bm)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
@@ -152,15 +180,18 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
     return a, w, off, nr, E, N, K
 
 
-def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *rest,
+def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off, *rest,
             route=None):
     """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
     kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
     boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down; unused without
     ``cfg.tma``: then a 16-element placeholder) and the push route (rank, token, slot, peers,
     k; placeholders when None)."""
-    tiles = (C // cfg.bm) * (N // n_tile)
+    tiles = (C // cfg.row_unit) * (N // n_tile)        # an upper bound on the tiles
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
+    if cfg.mma == "wgmma" and off.shape[0] - 1 > _wgmma.MAX_EXPERTS:
+        raise ValueError(f"{off.shape[0] - 1} experts in one launch: the wgmma kernel's tile "
+                         f"table holds {_wgmma.MAX_EXPERTS}")
     args = (_flat(a), a_index, _flat(w0), _flat(w1))
     if cfg.mma != "mma_sync":
         if cfg.tma:
@@ -170,10 +201,10 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, *re
         else:
             maps = _placeholder_maps()
         args += (maps,)
-    args += rest
+    args += (off,) + rest
     if cfg.mma != "mma_sync":
-        nr = rest[1]                                   # num_rows: an int32 placeholder
-        args += route if route is not None else (nr, nr, nr, (rest[2],), np.int64(0))
+        nr = rest[0]                                   # num_rows: an int32 placeholder
+        args += route if route is not None else (nr, nr, nr, (rest[1],), np.int64(0))
     launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
 
 
@@ -190,7 +221,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         x: uint16 (bf16 bits) [A_rows, H] -- source rows (token staging buffer or local x).
         a_index: int32 [C]: row of x for each expert-sorted row; -1 = padding (zeros).
         w_gate, w_up: uint16 [E, I, H].
-        expert_offsets: int32 [E + 1] padded offsets (multiples of config.bm);
+        expert_offsets: int32 [E + 1] padded offsets (multiples of config.row_unit);
         num_rows: int32 [1] rows in use (device; never read by the host).
         hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
         swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
@@ -261,9 +292,9 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
 
 
 def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):
-    if C % cfg.bm:
-        raise ValueError(f"rows {C}: must be a multiple of the GEMM row tile {cfg.bm} "
-                         "(MoKConfig.row_align must be a multiple of GemmConfig.bm)")
+    if C % cfg.row_unit:
+        raise ValueError(f"rows {C}: must be a multiple of {cfg.row_unit} for {cfg} "
+                         "(MoKConfig.row_align must be a multiple of GemmConfig.row_unit)")
     if K % cfg.bk:
         raise ValueError(f"{name_k}={K}: must be a multiple of {cfg.bk}")
     if N % n_tile:

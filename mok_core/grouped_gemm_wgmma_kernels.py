@@ -4,12 +4,15 @@ Same contract as ``grouped_gemm_kernels`` (read its header: A / a_index / W / of
 out, the SWIGLU and plain epilogues, the persistent (expert, column tile, row tile) order);
 what differs is how a tile is computed:
 
-    block    = 2 warpgroups (256 threads); warpgroup g owns rows [64g, 64g + 64) of the
-               128-row tile and all BN columns (BN = 64, 128 or 256)
+    block    = BM / 64 warpgroups (BM = 128: 256 threads; BM = 192: 384); warpgroup g owns
+               rows [64g, 64g + 64) of the tile and all BN columns (BN = 64, 128 or 256)
+    tiles    = up to BM rows of one expert: experts' rows are padded to multiples of 64 and
+               cut into ceil(rows / BM) tiles (a per-expert table in shared memory maps tile
+               ids to experts); a warpgroup whose rows lie past the expert stays idle
     K slice  = 64 bf16 = one 128-byte row per tile row: the unit of wgmma's 128-byte swizzle
-    ring     = STAGES slices of [A 128 x 64 | B BN x 64] in shared memory, 1024-byte aligned,
+    ring     = STAGES slices of [A BM x 64 | B BN x 64] in shared memory, 1024-byte aligned,
                16-byte chunk c of row r stored at chunk c ^ (r % 8) (what the descriptors say)
-    loads    = all 256 threads, cp.async 16 B (A rows gathered through a_index, padding rows
+    loads    = all threads, cp.async 16 B (A rows gathered through a_index, padding rows
                zero-filled without a load), PREFETCH = STAGES - 2 slices ahead;
                TMA variant (``tma_b``): B comes as one TMA box per slice (SWIGLU: a gate box
                and an up box) issued by thread 0, landing swizzled and completing on the
@@ -35,7 +38,7 @@ one owner per output tile: deterministic.
 from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
-from .grouped_gemm_kernels import find_tile, swiglu
+from .grouped_gemm_kernels import swiglu
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
@@ -45,10 +48,8 @@ from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zer
 
 BM = 128                      # tile rows: 2 warpgroups x 64
 BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
-THREADS = 256
+THREADS = 256                 # at BM = 128 (2 warpgroups); 384 at BM = 192
 ROW_BYTES = BK * 2
-_PASS_ROWS = THREADS // 8     # rows covered when every thread copies one 16-byte chunk
-_PASS_BYTES = _PASS_ROWS * ROW_BYTES
 _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
 
 # Matrix descriptor bits (PTX ISA, "matrix descriptor"): start address >> 4 in [13:0],
@@ -125,10 +126,11 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
     column of ``a_rows`` A rows and ``b_rows`` B rows of every K slice, its rows a fixed step
     apart (so they share one swizzle):
 
-    ``a_sources(a_index, first_row, row_step, K, chunk, a_src, a_nb)``: per tile, the element
-    offset of each of its A chunks (row through ``a_index`` when gathering) and the bytes to
-    read (16; 0 for a padding row, which cp.async zero-fills -- kept apart from the offset so
-    the K loop does no per-chunk selects).
+    ``a_sources(a_index, first_row, row_step, row_end, K, chunk, a_src, a_nb)``: per tile, the
+    element offset of each of its A chunks (row through ``a_index`` when gathering) and the
+    bytes to read (16; 0 for a padding row or a row at/after ``row_end`` -- the next expert's --,
+    which cp.async zero-fills -- kept apart from the offset so the K loop does no per-chunk
+    selects).
     ``load_slice(smem, dst, dst_step, a_stage, a, w0, w1, a_src, a_nb, b_src, b_step, k0)``: one
     slice's A chunks (padding rows zero-filled, no global read), then its B chunks at
     ``dst + a_stage`` (SWIGLU: the first half of B's rows from w0 = gate, the rest from w1).
@@ -136,10 +138,12 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
     b_first = b_rows // 2 if swiglu_epilogue else b_rows
 
     @kjit(device=True, inline="always")
-    def a_sources(a_index, first_row, row_step, K, chunk, a_src, a_nb):
+    def a_sources(a_index, first_row, row_step, row_end, K, chunk, a_src, a_nb):
         for j in range(a_rows):
             r = first_row + row_step * j
-            src = a_index[r] if gather else r
+            src = -1
+            if r < row_end:
+                src = a_index[r] if gather else r
             a_nb[j] = 16 if src >= 0 else 0
             a_src[j] = max(src, 0) * K + chunk * 8
 
@@ -189,14 +193,49 @@ def make_tma_b_loader(bn, swiglu_epilogue):
     return tma_b
 
 
-def smem_bytes(bn, stages):
-    """Dynamic shared memory of one block (the ring, STAGES mbarriers for the TMA variant,
-    slack to align the ring to 1024 bytes)."""
-    return stages * (BM + bn) * ROW_BYTES + 8 * stages + 1024
+MAX_EXPERTS = 512             # per launch: the tile table in shared memory is sized for it
+_TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarriers 8-aligned after
+
+
+def smem_bytes(bn, stages, bm=BM):
+    """Dynamic shared memory of one block: the per-expert tile table (uint16 [E + 1]), STAGES
+    mbarriers (TMA variant), slack to align the ring to 1024 bytes, the ring."""
+    return _TABLE_BYTES + 8 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
+
+
+@kjit(device=True, inline="always")
+def tile_table(smem, offsets, num_experts, bm):
+    """Thread 0 writes first[e] = row tiles of experts < e (uint16 smem[0 .. E]): an expert's
+    rows (padded to a multiple of 64) are cut into ceil(rows / bm) tiles that never cross into
+    the next expert, so bm need not divide the padding. The caller syncs."""
+    if cuda.threadIdx.x == 0:
+        acc = 0
+        for e in range(num_experts):
+            smem[e] = acc
+            acc += (offsets[e + 1] - offsets[e] + bm - 1) // bm
+        smem[num_experts] = acc
+
+
+@kjit(device=True, inline="always")
+def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm):
+    """Tile id -> (expert, first row, column tile, end of the expert's rows); order (expert,
+    column tile, row tile), the expert's first tile id = first[e] * n_tiles."""
+    lo = 0
+    hi = num_experts - 1
+    while lo < hi:                         # last expert whose first tile id <= t
+        mid = (lo + hi + 1) // 2
+        if int64(smem[mid]) * n_tiles <= t:
+            lo = mid
+        else:
+            hi = mid - 1
+    first = int64(smem[lo])
+    m_tiles = int64(smem[lo + 1]) - first
+    local = t - first * n_tiles
+    return lo, offsets[lo] + (local % m_tiles) * bm, local // m_tiles, offsets[lo + 1]
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0, tma_b=False, push=False):
+                            max_registers=0, tma_b=False, push=False, bm=BM):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -207,28 +246,39 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``full[s]`` (phase bit per stage, flipped at each wait).
     ``push``: the epilogue sends rows home (``make_tile_ops``); else the route arguments are
     unused placeholders.
+    ``bm``: 128 (2 warpgroups) or 192 (3 warpgroups, 384 threads, B by TMA). Experts' rows are
+    padded to multiples of 64; a tile is up to bm rows of one expert (``tile_table``): with
+    192, an expert of <= 192 rows loads each weight slice once instead of twice -- the B
+    traffic from L2, which bounds these GEMMs, falls by up to a third.
     """
-    assert bn in _WGMMA and stages >= 3
+    assert bn in _WGMMA and stages >= 3 and bm in (128, 192)
+    n_wg = bm // 64
+    threads = 128 * n_wg
+    pass_rows = threads // 8                # rows covered when every thread copies one chunk
+    pass_bytes = pass_rows * ROW_BYTES
+    assert tma_b or bn % pass_rows == 0, "B by cp.async needs BN rows to split evenly"
     mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
     nacc = bn // 2                          # fp32 accumulators per thread
-    a_stage = BM * ROW_BYTES
-    stage_bytes = (BM + bn) * ROW_BYTES
+    a_stage = bm * ROW_BYTES
+    stage_bytes = (bm + bn) * ROW_BYTES
     ring_bytes = stages * stage_bytes
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
-    a_passes = BM // _PASS_ROWS            # A rows per loading thread (a compile-time size)
+    a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
-                                              0 if tma_b else bn // _PASS_ROWS)
+                                              0 if tma_b else bn // pass_rows)
     tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
+    if n_wg == 3:
+        opts["launch_bounds"] = (threads, 1)     # ptxas: fit 384 threads (<= 168 registers)
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
                    b_pass_elems, b_row, tid):
         """Slice at K offset k0 into ring stage st: A (and B unless TMA) by every thread's
         cp.async; with TMA, thread 0 arms full[st] and issues B's box(es)."""
-        load_slice(smem, dst0 + st * stage_bytes, _PASS_BYTES, a_stage, a, w0, w1, a_src, a_nb,
+        load_slice(smem, dst0 + st * stage_bytes, pass_bytes, a_stage, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, k0)
         if tma_b and tid == 0:
             tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0)
@@ -236,24 +286,28 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid):
-        """Tile t: where this thread's chunks come from (A rows gathered; padding rows
-        zero-filled, no read), whether its warpgroup has real rows, and its first PREFETCH
-        slices requested. Returns (first row, first output column, B source, B's first weight
-        row, active)."""
-        e, row0, nt = find_tile(offsets, offsets.shape[0] - 1, t, n_tiles, BM)
+        """Tile t: where this thread's chunks come from (A rows gathered; padding rows and
+        rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
+        expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
+        requested. Returns (first row, first output column, B source, B's first weight row,
+        active, owned)."""
+        e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
+                                                  n_tiles, bm)
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
-        a_sources(a_index, row0 + ld_row, _PASS_ROWS, K, ld_chunk, a_src, a_nb)
+        a_sources(a_index, row0 + ld_row, pass_rows, row_end, K, ld_chunk, a_src, a_nb)
         b_row = e * n_w + col0
         b_src = (b_row + ld_row) * K + ld_chunk * 8
-        active = True
-        if uses_index:
-            active = a_index[row0 + wg * 64] >= 0
+        first = row0 + wg * 64
+        owned = first < row_end
+        active = owned
+        if uses_index and owned:
+            active = a_index[first] >= 0
         for s in range(prefetch):
             if s < ktiles:
                 load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
                            b_src, b_pass_elems, b_row, tid)
             cp_async_commit()
-        return row0, col0, b_src, b_row, active
+        return row0, col0, b_src, b_row, active, owned
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
@@ -264,30 +318,33 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         lane = tid % 32
         frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
         frag_col = 2 * (lane % 4)
+        num_experts = offsets.shape[0] - 1
         n_tiles = n_out // (bn // 2 if swiglu_epilogue else bn)
-        total = (num_rows[0] // BM) * n_tiles
         ktiles = K // BK
 
-        # The ring, aligned to the swizzle atom; where this thread's 16-byte chunks land in
-        # pass 0 (pass i adds i * _PASS_BYTES: 32 rows on, same row % 8, same swizzle).
+        # Shared memory: the tile table, the TMA barriers, then the ring aligned to the
+        # swizzle atom; where this thread's 16-byte chunks land in pass 0 (pass i adds
+        # i * pass_bytes: pass_rows rows on, same row % 8, same swizzle).
         sbase = shared_addr(smem)
-        ring = sbase + (1024 - sbase % 1024) % 1024
-        full0 = ring + ring_bytes               # TMA: full[s] at full0 + 8 s
+        full0 = sbase + _TABLE_BYTES            # TMA: full[s] at full0 + 8 s
+        ring0 = full0 + 8 * stages
+        ring = ring0 + (1024 - ring0 % 1024) % 1024
         ld_row = tid // 8
         ld_chunk = tid % 8
         dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
         desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
         desc_b0 = int64(_DESC_HIGH) + int64((ring + a_stage) >> 4)
-        b_pass_elems = int64(_PASS_ROWS) * K
-        if tma_b:
-            if tid == 0:
-                for s in range(stages):
-                    mbarrier_init(smem, full0 + 8 * s, 1)
-                tensormap_acquire(tmaps, 0)
-                if swiglu_epilogue:
-                    tensormap_acquire(tmaps, 16)
-                fence_mbarrier_init()
-            cuda.syncthreads()
+        b_pass_elems = int64(pass_rows) * K
+        tile_table(smem, offsets, num_experts, bm)
+        if tma_b and tid == 0:
+            for s in range(stages):
+                mbarrier_init(smem, full0 + 8 * s, 1)
+            tensormap_acquire(tmaps, 0)
+            if swiglu_epilogue:
+                tensormap_acquire(tmaps, 16)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+        total = int64(smem[num_experts]) * n_tiles
         phases = 0                              # TMA: bit s = parity of full[s]'s next phase
 
         a_src = cuda.local.array(a_passes, int64)
@@ -302,8 +359,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         b_src = 0
         b_row = 0
         active = True
+        owned = True
         if t < total:
-            row0, col0, b_src, b_row, active = tile_start(
+            row0, col0, b_src, b_row, active, owned = tile_start(
                 smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                 full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
         while t < total:
@@ -329,19 +387,22 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 lst = 0 if lst == stages - 1 else lst + 1
             acc = wgmma_wait(acc, 0)
             cp_async_wait(0)
-            cuda.syncthreads()                 # both warpgroups done with the ring
+            cuda.syncthreads()                 # every warpgroup done with the ring
 
             out_row = row0 + frag_row
             out_col = col0 + frag_col
+            mine = owned
             t += cuda.gridDim.x
             if t < total:                      # next tile's first slices: in flight now
-                row0, col0, b_src, b_row, active = tile_start(
+                row0, col0, b_src, b_row, active, owned = tile_start(
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                     full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
-            # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros).
-            store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank, route_token,
-                       route_slot, peers, k)
+            # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
+            # a warpgroup past the expert's rows writes nothing: they are the next expert's).
+            if mine:
+                store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
+                           route_token, route_slot, peers, k)
 
-    kernel.smem_bytes = smem_bytes(bn, stages)
-    kernel.threads = THREADS
+    kernel.smem_bytes = smem_bytes(bn, stages, bm)
+    kernel.threads = threads
     return kernel

@@ -144,7 +144,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
             t = cuda.blockIdx.x
             while t < total:
                 e, row0, nt = find_tile(offsets, num_experts, t, n_tiles, BM)
-                a_sources(a_index, row0 + row_in, 16, K, chunk, a_src, a_nb)
+                a_sources(a_index, row0 + row_in, 16, offsets[e + 1], K, chunk, a_src, a_nb)
                 b_row = e * n_w + nt * cols_per_tile
                 b_src = (b_row + row_in) * K + chunk * 8
                 b_step = 16 * K

@@ -20,6 +20,7 @@ WGMMA_WS_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma
 WGMMA_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True)
 WGMMA_WS_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws",
                               tma=True)
+WGMMA192_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -59,13 +60,16 @@ def rel_l1(got, want):
     (WGMMA_CFG, [40, 0, 150], None), (WGMMA_CFG, [70, 1], 1.5),
     (WGMMA_WS_CFG, [40, 0, 150], 1.5),
     (WGMMA_TMA_CFG, [40, 0, 150], 1.5), (WGMMA_WS_TMA_CFG, [70, 1], None),
+    # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, one full
+    # 192-row tile, a 192 + 128 pair (the last warpgroup idle past the expert's end).
+    (WGMMA192_CFG, [40, 0, 150, 300], 1.5),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
-        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma"])
+        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
     H, I = (64, 32) if cfg.mma == "mma_sync" else (192, 128)
-    off, C, a_index = layout(counts, cfg.bm, 1, rng, n_src)
+    off, C, a_index = layout(counts, cfg.row_unit, 1, rng, n_src)
     x = bits(rng.standard_normal((n_src, H)))
     wg = bits(rng.standard_normal((E, I, H)) / 8)
     wu = bits(rng.standard_normal((E, I, H)) / 8)
@@ -175,6 +179,10 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     Device.compute_capability = (9, 0)
     assert gg.default_gemm() == gg.WGMMA_GEMM
     gg._require_arch(gg.WGMMA_GEMM)
+    # Row tile by the mean rows per expert: 192 unless 128-row tiles need no more tiles.
+    assert gg.WGMMA_GEMM.bm == 192 and gg.WGMMA_128_GEMM.bm == 128
+    for rows, bm in ((128, 192), (171, 192), (255, 128), (256, 128), (342, 192), (512, 192)):
+        assert gg.default_gemm(rows).bm == bm, rows
 
 
 @pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG], ids=["wgmma", "wgmma-ws-tma"])

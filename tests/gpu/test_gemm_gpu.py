@@ -11,10 +11,12 @@ def f64(t):
 
 
 def _configs():
-    from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_GEMM, GemmConfig
-    return {"wgmma256": WGMMA_GEMM, "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
+    from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_128_GEMM, GemmConfig
+    return {"wgmma256": WGMMA_128_GEMM,
+            "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
             "wgmma_ws": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws"),
             "wgmma_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True),
+            "wgmma192": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True),
             "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
             "mma_sync": MMA_SYNC_GEMM}
 
@@ -22,7 +24,7 @@ def _configs():
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 @pytest.mark.parametrize("limit", [None, 4.0])
 @pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
-                                      "wgmma_ws_tma", "mma_sync"])
+                                      "wgmma_ws_tma", "wgmma192", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
@@ -36,8 +38,8 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     rng = np.random.default_rng(7)
     counts = routing_counts(rng, 2 * T, E, k, "skewed")[0][:E_l]
     counts[3] = 0                                            # an empty expert
-    off = padded_layout(counts, cfg.bm)
-    C = int(off[-1]) + cfg.bm                       # one spare tile past num_rows
+    off = padded_layout(counts, cfg.row_unit)
+    C = int(off[-1]) + cfg.bm                       # spare rows past num_rows
     n_src = 2 * T
     a_index = np.full(C, -1, np.int32)
     for e in range(E_l):

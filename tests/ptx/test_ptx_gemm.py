@@ -140,3 +140,21 @@ def test_down_push_lowers_for_sm90a(ws):
     loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
     assert count(loop, r"ld\.local|st\.local") == 0
     assemble_sm90a(ptx)
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_wgmma_192_rows_lowers_for_sm90a(push):
+    """3 warpgroups (384 threads, launch bounds): 4 wgmmas per slice, the accumulator and the
+    loop state in registers in the K loop (ptxas: <= 168 registers), TMA for B; assembles."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, not push, not push, True, tma_b=True, push=push,
+                                      bm=192)
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
+                              launch_bounds=(384, 1))
+    assert ".maxntid 384, 1, 1" in ptx
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16") == 4
+    loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
+    assert count(loop, r"ld\.local|st\.local") == 0
+    assemble_sm90a(ptx)
