@@ -151,7 +151,10 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     R, me = dist.get_world_size(), dist.get_rank()
     shape = preset(name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = MoKConfig(row_align=max(64, gemm.row_unit) if gemm else 64)
+    if gemm is None:                       # what get_workspace would pick for this shape
+        from mok_core.grouped_gemm import default_gemm
+        gemm = default_gemm(R * T * shape.topk / shape.num_experts)
+    cfg = MoKConfig(row_align=max(64, gemm.row_unit))
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
@@ -301,19 +304,18 @@ def main(argv=None):
     from mok_comm import bootstrap
     bootstrap.init("torch")
     rates = ceilings()
-    from mok_core.grouped_gemm import default_gemm
-    gemm = default_gemm()                        # presets the sweep did not cover
     rank0 = dist.get_rank() == 0
     if rank0:
-        progress(f"GEMM tiles: {gemm_of or gemm}")
+        progress(f"GEMM tiles: {gemm_of or 'the library default per shape (default_gemm)'}")
         progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull")
     rows = []
     for name in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):
             if rank0:
                 progress(f"layer {name} T={T}")
-            # a preset the sweep covered uses its fastest tiles; else kimi's; else the default
-            tiles = gemm_of.get(name, gemm_of.get("kimi-k2.7", gemm))
+            # a preset the sweep covered uses its fastest tiles; else kimi's; else the
+            # library's choice for the shape (None)
+            tiles = gemm_of.get(name, gemm_of.get("kimi-k2.7"))
             rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
                                  args.symm_mem, args.breakdown, args.graph))
             if rank0:

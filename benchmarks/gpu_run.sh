@@ -73,8 +73,7 @@ for s in "$@"; do
          --out "$OUT/bench_layer_symm.json" ;;
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/bench_layer.py --gemm-from "$OUT/bench_ffn_sweep.json" \
-         --out "$OUT/bench_layer.json" ;;
+         benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;   # library tiles per shape
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;

@@ -261,7 +261,6 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = bm * ROW_BYTES
     stage_bytes = (bm + bn) * ROW_BYTES
-    ring_bytes = stages * stage_bytes
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
