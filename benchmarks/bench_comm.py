@@ -150,15 +150,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/bench_comm.json")
     args = ap.parse_args(argv)
-    import torch
-    import torch.distributed as td
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    from numba import cuda
-    cuda.select_device(local)
-    td.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+    from benchmarks.common import init_distributed
     from mok_comm import bootstrap
-    bootstrap.init("torch")
+    td = init_distributed()
     rows = []
     for T in map(int, args.tokens.split(",")):
         if td.get_rank() == 0:

@@ -294,15 +294,9 @@ def main(argv=None):
 
         from benchmarks.bench_ffn import fastest_per_preset
         gemm_of = fastest_per_preset(json.load(open(args.gemm_from)))
-    import torch
-    import torch.distributed as dist
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    from numba import cuda
-    cuda.select_device(local)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+    from benchmarks.common import init_distributed
     from mok_comm import bootstrap
-    bootstrap.init("torch")
+    dist = init_distributed()
     rates = ceilings()
     rank0 = dist.get_rank() == 0
     if rank0:

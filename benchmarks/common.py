@@ -26,6 +26,23 @@ def numba_stream():
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+def init_distributed():
+    """This torchrun process on GPU LOCAL_RANK (torch and numba), torch.distributed (gloo +
+    NCCL) and NVSHMEM over all processes. Returns ``torch.distributed``; tear down with
+    ``mok_comm.bootstrap.finalize()`` then ``destroy_process_group()``."""
+    import torch
+    import torch.distributed as dist
+    from numba import cuda
+
+    from mok_comm import bootstrap
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    cuda.select_device(local)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+    bootstrap.init("torch")
+    return dist
+
+
 def comm_setup(tokens, hidden, topk, num_experts, config, stream):
     """The comm protocol on its own (no layer), on the NVSHMEM heap: (heap, workspace,
     schedule sized to the workspace). ``heap.free()`` releases both."""

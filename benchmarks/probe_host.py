@@ -48,21 +48,17 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     args = ap.parse_args(argv)
     import torch
-    import torch.distributed as dist
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    from numba import cuda
-    cuda.select_device(local)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
+
+    from benchmarks.common import init_distributed
     from mok_comm import bootstrap
-    bootstrap.init("torch")
+    dist = init_distributed()
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
     from mok_torch import synthetic
     R, me, T = dist.get_world_size(), dist.get_rank(), args.tokens
     shape = preset(args.preset, ep_size=R)
-    dev = torch.device("cuda", local)
+    dev = torch.device("cuda", torch.cuda.current_device())
     cfg = MoKConfig()
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
