@@ -181,7 +181,7 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
 
 
 def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off, *rest,
-            route=None):
+            swiglu, route=None):
     """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
     kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
     boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down; unused without
@@ -192,12 +192,15 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     if cfg.mma == "wgmma" and off.shape[0] - 1 > _wgmma.MAX_EXPERTS:
         raise ValueError(f"{off.shape[0] - 1} experts in one launch: the wgmma kernel's tile "
                          f"table holds {_wgmma.MAX_EXPERTS}")
+    if cfg.mma == "wgmma" and C // 64 >= 1 << 16:
+        raise ValueError(f"rows {C}: the wgmma kernel's tile table counts row tiles in 16 bits "
+                         f"(at most {(1 << 16) * 64 - 1} rows per launch)")
     args = (_flat(a), a_index, _flat(w0), _flat(w1))
     if cfg.mma != "mma_sync":
-        if cfg.tma:
-            box = cfg.bn // 2 if w1 is not w0 else cfg.bn
+        if cfg.tma:                    # gate/up: a gate map and an up map of BN/2-row boxes
+            box = cfg.bn // 2 if swiglu else cfg.bn
             maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
-                                for w in ((w0, w1) if w1 is not w0 else (w0,))], box, stream)
+                                for w in ((w0, w1) if swiglu else (w0,))], box, stream)
         else:
             maps = _placeholder_maps()
         args += (maps,)
@@ -240,7 +243,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
                 name_n="intermediate I")
     _launch(_kernel(config, True, True, True), config, C, I, config.bn // 2, stream,
             x, a_index, w_gate, w_up, off, nr, _flat32(hidden),
-            np.int64(H), np.int64(I), np.int64(I), np.float32(limit))
+            np.int64(H), np.int64(I), np.int64(I), np.float32(limit), swiglu=True)
 
 
 def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
@@ -288,7 +291,8 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
     index = row_index if use_index else nr             # unused without an index
     _launch(_kernel(config, False, False, use_index, route is not None), config, C, H,
             config.bn, stream, hidden, index, w_down, w_down, off, nr, y,
-            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf), route=route)
+            np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf), swiglu=False,
+            route=route)
 
 
 def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):

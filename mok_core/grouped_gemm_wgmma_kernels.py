@@ -204,22 +204,26 @@ def smem_bytes(bn, stages, bm=BM):
 
 
 @kjit(device=True, inline="always")
-def tile_table(smem, offsets, num_experts, bm):
+def tile_table(smem, offsets, num_experts, bm, rows_cap):
     """Thread 0 writes first[e] = row tiles of experts < e (uint16 smem[0 .. E]): an expert's
     rows (padded to a multiple of 64) are cut into ceil(rows / bm) tiles that never cross into
-    the next expert, so bm need not divide the padding. The caller syncs."""
+    the next expert, so bm need not divide the padding. Offsets are clamped to ``rows_cap``
+    (the rows the buffers hold): after a capacity overflow -- flagged by the schedule -- the
+    GEMM stays inside its arrays (and its pushes inside real rows). The caller syncs."""
     if cuda.threadIdx.x == 0:
         acc = 0
         for e in range(num_experts):
             smem[e] = acc
-            acc += (offsets[e + 1] - offsets[e] + bm - 1) // bm
+            lo = min(offsets[e], rows_cap)
+            acc += (min(offsets[e + 1], rows_cap) - lo + bm - 1) // bm
         smem[num_experts] = acc
 
 
 @kjit(device=True, inline="always")
-def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm):
-    """Tile id -> (expert, first row, column tile, end of the expert's rows); order (expert,
-    column tile, row tile), the expert's first tile id = first[e] * n_tiles."""
+def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
+    """Tile id -> (expert, first row, column tile, end of the expert's rows, clamped to
+    ``rows_cap``); order (expert, column tile, row tile), the expert's first tile id =
+    first[e] * n_tiles."""
     lo = 0
     hi = num_experts - 1
     while lo < hi:                         # last expert whose first tile id <= t
@@ -231,7 +235,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm):
     first = int64(smem[lo])
     m_tiles = int64(smem[lo + 1]) - first
     local = t - first * n_tiles
-    return lo, offsets[lo] + (local % m_tiles) * bm, local // m_tiles, offsets[lo + 1]
+    return (lo, min(offsets[lo], rows_cap) + (local % m_tiles) * bm, local // m_tiles,
+            min(offsets[lo + 1], rows_cap))
 
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
@@ -284,14 +289,14 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                   full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid):
+                   full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap):
         """Tile t: where this thread's chunks come from (A rows gathered; padding rows and
         rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
         expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
         requested. Returns (first row, first output column, B source, B's first weight row,
         active, owned)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
-                                                  n_tiles, bm)
+                                                  n_tiles, bm, rows_cap)
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
         a_sources(a_index, row0 + ld_row, pass_rows, row_end, K, ld_chunk, a_src, a_nb)
         b_row = e * n_w + col0
@@ -334,7 +339,10 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
         desc_b0 = int64(_DESC_HIGH) + int64((ring + a_stage) >> 4)
         b_pass_elems = int64(pass_rows) * K
-        tile_table(smem, offsets, num_experts, bm)
+        # Rows the buffers hold: the output's (gate/up: hidden [C, n_out] as bf16 pairs) or
+        # A's (down: hidden [C, K]; its output may be a placeholder when pushing).
+        rows_cap = out.shape[0] * 2 // n_out if swiglu_epilogue else a.shape[0] // K
+        tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tma_b and tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, 1)
@@ -362,7 +370,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         if t < total:
             row0, col0, b_src, b_row, active, owned = tile_start(
                 smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
+                full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap)
         while t < total:
             acc = f32_zeros(nacc)
             cst = 0                            # ring stages of the slice computed / loaded
@@ -395,7 +403,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             if t < total:                      # next tile's first slices: in flight now
                 row0, col0, b_src, b_row, active, owned = tile_start(
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid)
+                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
             if mine:

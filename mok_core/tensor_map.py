@@ -40,6 +40,8 @@ _encode_fn = None
 
 
 def _address(arr) -> int:
+    if SIM:                                  # the simulator's device arrays are NumPy arrays
+        return int(arr.__array_interface__["data"][0])
     return int(arr.__cuda_array_interface__["data"][0])
 
 
@@ -90,14 +92,12 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
 
 def tensor_maps(arrays2d, box_rows: int, stream=0):
     """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached."""
-    key = tuple((_address(a) if not SIM else id(a), a.shape) for a in arrays2d) + (box_rows,)
-    hit = _cache.get(key)
-    if hit is None:
-        host = np.concatenate([encode_2d(a, box_rows) for a in arrays2d])
-        # The simulator keys on id(): keep those arrays alive. On the GPU keep no reference
-        # (weights must be freeable); the key is the address.
-        hit = _cache[key] = (upload(host, stream), arrays2d if SIM else None)
-    return hit[0]
+    key = tuple((_address(a), a.shape) for a in arrays2d) + (box_rows,)
+    maps = _cache.get(key)
+    if maps is None:                         # no reference kept: weights stay freeable
+        maps = _cache[key] = upload(np.concatenate([encode_2d(a, box_rows)
+                                                    for a in arrays2d]), stream)
+    return maps
 
 
 def clear_cache() -> None:

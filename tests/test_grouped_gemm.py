@@ -185,13 +185,15 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
         assert gg.default_gemm(rows).bm == bm, rows
 
 
-@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG], ids=["wgmma", "wgmma-ws-tma"])
+@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG, WGMMA192_CFG],
+                         ids=["wgmma", "wgmma-ws-tma", "wgmma192-tma"])
 def test_down_push_equals_down_then_scatter(cfg):
     """down(push=...) -- the combine fused into the epilogue -- writes each real row's bits
-    to its source rank's combine row token * k + slot and nothing else."""
+    to its source rank's combine row token * k + slot and nothing else (192-row tiles: the
+    idle warpgroups past an expert's end push nothing)."""
     rng = np.random.default_rng(11)
-    counts, E, H, I, R, T, k = [70, 0, 140], 3, 128, 64, 2, 64, 4
-    off, C, a_index = layout(counts, 128, 0, rng, 1)
+    counts, E, H, I, R, T, k = [70, 0, 140, 300], 4, 128, 64, 2, 128, 4
+    off, C, a_index = layout(counts, cfg.row_unit, 0, rng, 1)
     real = np.flatnonzero(a_index >= 0)
     slots = rng.permutation(R * T * k)[:real.size]        # unique (rank, token, slot) per row
     src_rank = np.full(C, -1, np.int32)
@@ -214,3 +216,14 @@ def test_down_push_equals_down_then_scatter(cfg):
     want[src_rank[real], src_token[real] * k + src_slot[real]] = yh[real]
     got = np.stack([to_host(p).reshape(T * k, H) for p in peers])
     np.testing.assert_array_equal(got, want)
+
+
+def test_wgmma_launch_limits_are_clear_errors():
+    """The wgmma kernel's per-expert tile table: more experts than it holds is an error before
+    any launch, not a corrupted table."""
+    E, H, I = 513, 64, 64
+    off = np.zeros(E + 1, np.int32)
+    nr = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match="513 experts in one launch"):
+        down(to_dev(np.zeros((64, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)),
+             to_dev(off), to_dev(nr), to_dev(np.zeros((64, H), np.uint16)), config=WGMMA_CFG)
