@@ -53,7 +53,8 @@ class Schedule:
         expert_rank_counts  [E_local, R]     routes per (local expert, source rank)
         expert_offsets      [E_local + 1]    first row of each local expert's padded segment;
                                              the last entry is the padded row count
-        num_rows            [1]              padded rows in use (= expert_offsets[-1])
+        num_rows            [1]              padded rows in use (= expert_offsets[-1]; both
+                                             clamped to the capacity after an overflow)
         src_rank, src_token, src_slot  [capacity]  source of each row; -1 on padding rows
         recv_row            [R, T, k]        row here of route (r, t, s); -1 if not ours
         dest_rank, dest_row [T, k]           for this rank's routes: expert rank and row there;

@@ -153,9 +153,11 @@ def expert_offsets_kernel(rank_counts, experts_per_rank, row_align, capacity, me
         d = idx // (experts_per_rank + 1)
         j = idx % (experts_per_rank + 1)
         start = expert_scan[d * experts_per_rank]
-        all_offsets[d, j] = expert_scan[d * experts_per_rank + j] - start
+        rows = expert_scan[d * experts_per_rank + j] - start
+        # Clamped: past an overflow (flagged below) every consumer of the offsets -- GEMM
+        # tiles, combine rows -- stays inside the capacity; placement drops those routes.
+        all_offsets[d, j] = min(rows, capacity)
         if j == experts_per_rank:
-            rows = expert_scan[d * experts_per_rank + j] - start
             if rows > capacity:
                 cuda.atomic.or_(errors, err.FLAGS, err.ERR_CAPACITY_OVERFLOW)
                 cuda.atomic.max(errors, err.OVERFLOW_ROWS, rows)

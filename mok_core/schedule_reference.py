@@ -102,8 +102,9 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
     return {
         "expert_counts": counts[me].sum(1).astype(np.int32),
         "expert_rank_counts": counts[me].astype(np.int32),
-        "expert_offsets": offsets[rank].astype(np.int32),
-        "num_rows": np.array([offsets[rank, -1]], np.int32),
+        # clamped to the capacity: after an overflow no consumer reads past the buffers
+        "expert_offsets": np.minimum(offsets[rank], capacity).astype(np.int32),
+        "num_rows": np.array([min(offsets[rank, -1], capacity)], np.int32),
         "src_rank": src_rank, "src_token": src_token, "src_slot": src_slot,
         "recv_row": recv_row, "dest_rank": dest_rank, "dest_row": dest_row,
         "minibatch_rows": np.bincount(pos[here] // minibatch_size,

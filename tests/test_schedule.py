@@ -246,6 +246,7 @@ def test_capacity_overflow_flagged_nothing_out_of_bounds():
     assert_same(got, ref)
     assert np.all(got["src_rank"] >= 0)               # the 32 rows that fit are real routes
     assert (got["recv_row"] >= 0).sum() == 32
+    assert got["num_rows"][0] == 32 and got["expert_offsets"].max() == 32   # clamped
     if guards:
         for full in guards.values():
             assert np.all(full[:64] == -777) and np.all(full[-64:] == -777)
