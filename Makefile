@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: test-sim test-ptx
 
 test-sim: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu --ignore=tests/ptx
+	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=8 tests --ignore=tests/gpu --ignore=tests/ptx
 
 test-ptx: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=0 $(PY) -m pytest -q -p no:cacheprovider tests/ptx
