@@ -41,6 +41,13 @@ def _tuple(context, builder, sig, res, n):
     return context.make_tuple(builder, sig.return_type, vals)
 
 
+def _named(impl, name, doc):
+    """The intrinsic an ``impl`` maker built, under its public name and docstring."""
+    impl.__name__ = name
+    impl.__doc__ = doc
+    return intrinsic(impl)
+
+
 # ---- 16-byte vector memory access ------------------------------------------------------------
 
 @intrinsic
@@ -92,9 +99,7 @@ def _acquire_load(scope, doc):
             return _asm(builder, _i32, [ptr], f"ld.acquire.{scope}.b32 $0, [$1];",
                         "=r,l,~{memory}", True)
         return arr.dtype(arr, idx), codegen
-    impl.__doc__ = doc
-    impl.__name__ = f"ld_acquire_{scope}"
-    return intrinsic(impl)
+    return _named(impl, f"ld_acquire_{scope}", doc)
 
 
 ld_acquire_sys = _acquire_load("sys", "Acquire load (system scope) of an int32 flag: sees "
@@ -115,9 +120,7 @@ def _release_update(name, ptx, doc):
             _asm(builder, ir.VoidType(), [ptr, val], ptx, "l,r,~{memory}", True)
             return context.get_dummy_value()
         return types.void(arr, idx, value), codegen
-    impl.__doc__ = doc
-    impl.__name__ = name
-    return intrinsic(impl)
+    return _named(impl, name, doc)
 
 
 st_release_sys = _release_update(
@@ -136,9 +139,7 @@ def _statement(name, text, doc):
             _asm(builder, ir.VoidType(), [], text, "~{memory}", True)
             return context.get_dummy_value()
         return types.void(), codegen
-    impl.__doc__ = doc
-    impl.__name__ = name
-    return intrinsic(impl)
+    return _named(impl, name, doc)
 
 
 syncwarp = _statement(
@@ -277,9 +278,7 @@ def _ldmatrix(n, doc):
                        ",".join(["=r"] * n) + ",l,~{memory}", True)
             return _tuple(context, builder, sig, res, n)
         return ret(smem, idx), codegen
-    impl.__doc__ = doc
-    impl.__name__ = f"ldmatrix_x{n}"
-    return intrinsic(impl)
+    return _named(impl, f"ldmatrix_x{n}", doc)
 
 
 ldmatrix_x4 = _ldmatrix(
@@ -406,9 +405,7 @@ def _acc_passthrough(name, text, doc):
                        f"{outs},{ties},~{{memory}}", True)
             return _tuple(context, builder, sig, res, n)
         return acc(acc), codegen
-    impl.__doc__ = doc
-    impl.__name__ = name
-    return intrinsic(impl)
+    return _named(impl, name, doc)
 
 
 wgmma_fence = _acc_passthrough(
@@ -482,13 +479,12 @@ def _wgmma_bf16(n):
                        f"{outs},{ties},l,l,r,~{{memory}}", True)
             return _tuple(context, builder, sig, res, nacc)
         return acc(acc, smem, desc_a, desc_b), codegen
-    impl.__doc__ = (f"acc += A(64x16) . B(16x{n}), one warpgroup; A, B from shared memory "
-                    "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte "
-                    "swizzle. Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) "
-                    "and columns 8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, "
-                    "8j + 2*(t%4) + c].")
-    impl.__name__ = f"wgmma_m64n{n}k16_bf16"
-    return intrinsic(impl)
+    return _named(impl, f"wgmma_m64n{n}k16_bf16",
+                  f"acc += A(64x16) . B(16x{n}), one warpgroup; A, B from shared memory "
+                  "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte "
+                  "swizzle. Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) "
+                  "and columns 8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, "
+                  "8j + 2*(t%4) + c].")
 
 
 wgmma_m64n64k16_bf16 = _wgmma_bf16(64)
@@ -542,9 +538,7 @@ def _mbarrier_op(name, text, doc):
             _asm(builder, ir.VoidType(), [a], text, "r,~{memory}", True)
             return context.get_dummy_value()
         return types.void(smem, addr), codegen
-    impl.__doc__ = doc
-    impl.__name__ = name
-    return intrinsic(impl)
+    return _named(impl, name, doc)
 
 
 mbarrier_arrive = _mbarrier_op(
@@ -589,11 +583,10 @@ def _setmaxnreg(direction):
                  "~{memory}", True)
             return context.get_dummy_value()
         return types.void(count), codegen
-    impl.__name__ = f"setmaxnreg_{direction}"
-    impl.__doc__ = (f"Warpgroup-wide: {direction}rease this warpgroup's per-thread register "
-                    "budget to ``count`` (compile-time, multiple of 8): producer warpgroups "
-                    "give registers to the MMA warpgroups.")
-    return intrinsic(impl)
+    return _named(impl, f"setmaxnreg_{direction}",
+                  f"Warpgroup-wide: {direction}rease this warpgroup's per-thread register "
+                  "budget to ``count`` (compile-time, multiple of 8): producer warpgroups "
+                  "give registers to the MMA warpgroups.")
 
 
 setmaxnreg_inc = _setmaxnreg("inc")
