@@ -1,5 +1,10 @@
 import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
+import pytest
 from numba import cuda
 
 
@@ -12,3 +17,25 @@ def compile_sm90(kernel, sig):
 
 def count(ptx, pattern):
     return len(re.findall(pattern, ptx))
+
+
+def assemble_sm90a(ptx):
+    """ptxas the PTX for sm_90a (skipped where no CUDA toolkit is installed)."""
+    exe = None
+    try:                                    # the toolkit that matches numba's PTX version first
+        import nvidia.cu13
+        cand = Path(nvidia.cu13.__path__[0]) / "bin" / "ptxas"
+        exe = str(cand) if cand.exists() else None
+    except ImportError:
+        pass
+    exe = exe or shutil.which("ptxas")
+    if exe is None:
+        pytest.skip("ptxas not installed")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([exe, "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
+        if "Unsupported .version" in r.stderr:
+            pytest.skip(f"{exe} is older than the PTX numba emits")
+        assert r.returncode == 0, r.stderr[-2000:]
