@@ -152,8 +152,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     shape = preset(name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
     if gemm is None:                       # what get_workspace would pick for this shape
-        from mok_core.grouped_gemm import default_gemm
-        gemm = default_gemm(R * T * shape.topk / shape.num_experts)
+        from mok_comm.functional import layer_gemm
+        gemm = layer_gemm(shape, T)
     cfg = MoKConfig(row_align=max(64, gemm.row_unit))
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)

@@ -117,6 +117,12 @@ def _digest(cfg) -> int:
     return zlib.crc32(repr(cfg).encode()) & 0x7FFFFFFF
 
 
+def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
+    """The GEMM tiles ``get_workspace`` uses when given none: ``default_gemm`` for the mean
+    rows per local expert, R*T*k/E (uniform routing)."""
+    return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
+
+
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
                   gemm: GemmConfig | None = None, verify: bool = True,
                   stream=0) -> LayerWorkspace:
@@ -125,8 +131,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
     shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
     sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)"""
     T = tokens_per_rank
-    gemm = gemm or default_gemm(shape.ep_size * tokens_per_rank * shape.topk /
-                                shape.num_experts)
+    gemm = gemm or layer_gemm(shape, tokens_per_rank)
     if heap.ep_size != shape.ep_size:
         raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
     if config.row_align % gemm.row_unit:
@@ -484,5 +489,6 @@ def context_of(lw: LayerWorkspace) -> ForwardContext:
 
 
 __all__ = ["ForwardContext", "LayerWorkspace", "build_schedule", "context_of", "forward",
-           "forward_phases", "get_workspace", "run_step_core", "schedule_phases",
-           "step_core_phases", "step_io", "step_phases", "verify_ranks_agree", "with_barriers"]
+           "forward_phases", "get_workspace", "layer_gemm", "run_step_core",
+           "schedule_phases", "step_core_phases", "step_io", "step_phases",
+           "verify_ranks_agree", "with_barriers"]
