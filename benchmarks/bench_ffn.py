@@ -52,43 +52,70 @@ def parse_gemm(text):
     return GemmConfig(*[value(v) for v in text.split(",")])
 
 
-def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
+def ffn_inputs(preset_name, T, skew, row_unit, rng):
+    """Rank 0's routed FFN at EP=2 (bf16 torch tensors on the GPU): x [rows, H] in expert
+    order, weights, the expert-sorted layout padded to ``row_unit`` (a_index: row of x or -1,
+    offsets, num_rows) and the outputs hidden [C, I], y [C, H]; plus counts and the shape."""
     import torch
 
     from mok_core.config import preset
-    from mok_core.grouped_gemm import down, gate_up_swiglu
     shape = preset(preset_name, ep_size=2)
     H, I, E, k = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
     E_l = E // 2
     counts_all, _ = routing_counts(rng, 2 * T, E, k, skew)
     counts = counts_all[:E_l]                                   # rank 0's experts
     rows = int(counts.sum())
-    off = padded_layout(counts, gemm_cfg.row_unit)
+    off = padded_layout(counts, row_unit)
     C = int(off[-1])
     dev = "cuda"
     bf = torch.bfloat16
-    x = torch.randn(rows, H, device=dev, dtype=bf)
-    wg = torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5
-    wu = torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5
-    wd = torch.randn(E_l, H, I, device=dev, dtype=bf) * I ** -0.5
-    # expert-sorted padded layout: real rows gather x rows in order, padding -> -1
     a_index = np.full(C, -1, np.int32)
     starts = np.concatenate([[0], np.cumsum(counts)])
     for e in range(E_l):
         a_index[off[e]:off[e] + counts[e]] = np.arange(starts[e], starts[e + 1])
-    d_index = torch.from_numpy(a_index).to(dev)
-    d_off = torch.from_numpy(off).to(dev)
-    d_nr = torch.tensor([C], dtype=torch.int32, device=dev)
-    hidden = torch.empty(C, I, device=dev, dtype=bf)
-    y = torch.empty(C, H, device=dev, dtype=bf)
+    return dict(
+        shape=shape, counts=counts, rows=rows, C=C,
+        x=torch.randn(rows, H, device=dev, dtype=bf),
+        wg=torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5,
+        wu=torch.randn(E_l, I, H, device=dev, dtype=bf) * H ** -0.5,
+        wd=torch.randn(E_l, H, I, device=dev, dtype=bf) * I ** -0.5,
+        index=torch.from_numpy(a_index).to(dev), off=torch.from_numpy(off).to(dev),
+        num_rows=torch.tensor([C], dtype=torch.int32, device=dev),
+        hidden=torch.empty(C, I, device=dev, dtype=bf),
+        y=torch.empty(C, H, device=dev, dtype=bf))
+
+
+def ffn_steps(d, gemm_cfg, stream):
+    """(gate_up, down) launches of our kernels over ``ffn_inputs``."""
+    from mok_core.grouped_gemm import down, gate_up_swiglu
+    import torch
     u16 = torch.uint16
-    stream = numba_stream()
+
+    def gate_up():
+        gate_up_swiglu(d["x"].view(u16), d["index"], d["wg"].view(u16), d["wu"].view(u16),
+                       d["off"], d["num_rows"], d["hidden"].view(u16), config=gemm_cfg,
+                       stream=stream)
+
+    def down_():
+        down(d["hidden"].view(u16), d["wd"].view(u16), d["off"], d["num_rows"],
+             d["y"].view(u16), row_index=d["index"], config=gemm_cfg, stream=stream)
+    return gate_up, down_
+
+
+def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
+    import torch
+
+    d = ffn_inputs(preset_name, T, skew, gemm_cfg.row_unit, rng)
+    shape, counts, rows, C = d["shape"], d["counts"], d["rows"], d["C"]
+    H, I = shape.hidden, shape.intermediate
+    wg, wu, wd = d["wg"], d["wu"], d["wd"]
+    dev = "cuda"
+    bf = torch.bfloat16
+    gate_up, down_ = ffn_steps(d, gemm_cfg, numba_stream())
 
     def ours():
-        gate_up_swiglu(x.view(u16), d_index, wg.view(u16), wu.view(u16), d_off, d_nr,
-                       hidden.view(u16), config=gemm_cfg, stream=stream)
-        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), row_index=d_index,
-             config=gemm_cfg, stream=stream)
+        gate_up()
+        down_()
 
     # grouped_mm baseline (offsets must be multiples of 16 rows)
     c16 = -(-counts // 16) * 16
@@ -124,7 +151,7 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
            "ours_tflops": flops / t_ours / 1e9, "grouped_mm_tflops": flops / t_gmm / 1e9,
            "cublas_tflops": flops / t_cub / 1e9, "ratio_vs_grouped_mm": t_gmm / t_ours,
            "gpu": gpu_name(), "gemm": str(gemm_cfg)}
-    del x, wg, wu, wd, hidden, y, x16, w_gu
+    del d, wg, wu, wd, x16, w_gu
     torch.cuda.empty_cache()
     return row
 

@@ -4,7 +4,8 @@
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
-#        bench-layer-4096 bench-layer-symm bench-layer bench-comm probe-host
+#        bench-layer-4096 bench-layer-symm bench-layer bench-comm probe-host probe-gemm
+#        (PROBE_PRESETS, PROBE_VARIANTS)
 #        (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
@@ -50,6 +51,9 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
+    probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py \
+         --presets "${PROBE_PRESETS:-kimi-k2.7}" --variants "${PROBE_VARIANTS:-base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8}" \
+         --out "$OUT/probe_gemm.json" ;;
     probe-host) step probe-host torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_host.py ;;
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_core.cuda_compat import SIM, as_device_array, fill, launch, multiprocessor_count
+from mok_core.cuda_compat import SIM, as_device_array, launch, multiprocessor_count
 
 from .kernels.allgather import push_ids_kernel
 from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
@@ -121,15 +121,15 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     """Pull the rows this rank's experts need into ``ws.x_recv`` (row ``r*T + t``).
 
     Afterwards the GEMM A rows of the expert-sorted space are
-    ``x_recv[src_rank*T + src_token]`` (see ``gather_index``); ``ws.ready[q]`` reaches
+    ``x_recv[src_rank*T + src_token]`` (see ``gather_index``); ``schedule.ready[q]``
+    (zeroed by ``build_schedule``: call it once per dispatch) reaches
     ``schedule.minibatch_rows[q]`` once minibatch q's tokens are staged.
     ``variant``: "ld" (32 lanes of 16-byte loads per row; the layer's default) or "bulk"
     (lane 0 moves the row with bulk async copies through shared memory, ``bulk_chunk`` bytes
     at a time; same result).
     """
     _check_variant(variant)
-    fill(ws.ready, 0, stream)
-    args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), ws.ready,
+    args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
             np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
             np.int64(ws.config.minibatch_size))
     if variant == "ld":

@@ -14,7 +14,6 @@ Symmetric (same shape on every rank; peer views are tuples indexed by rank):
     barrier_flags  int32  [R]          epoch each rank reached (see kernels/barrier.py)
 Local:
     barrier_epoch  int32 [1]           barriers this rank passed
-    ready          int32 [minibatches] dispatch progress per minibatch of expert-sorted rows
     errors         int32 [ERROR_WORDS] device error word (timeouts, non-finite input)
 """
 from __future__ import annotations
@@ -52,7 +51,6 @@ class Workspace:
     peer_barrier_flags: tuple
     barrier_epoch: object
     x_recv: object
-    ready: object
     errors: object
 
     @property
@@ -113,7 +111,6 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         peer_barrier_flags=peer_flags,
         barrier_epoch=device_full((1,), 0, i32, stream),
         x_recv=x_recv,
-        ready=device_full((-(-capacity // config.minibatch_size),), 0, i32, stream),
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
     )
     reset_error_word(ws.errors, stream)

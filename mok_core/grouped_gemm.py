@@ -45,7 +45,9 @@ class GemmConfig:
     a multiple of it): bm for mma.sync, 64 for "wgmma", 128 for "wgmma_ws". ``tma``
     (wgmma kinds only): the weight tiles come by TMA from tensor maps (``mok_core.tensor_map``,
     built once per weight array) instead of per-thread cp.async; A rows stay cp.async (they
-    are gathered).
+    are gathered). ``l2_prefetch`` ("wgmma" with ``tma``): weight boxes this many slices
+    past the newest load are prefetched into L2. ``probe``: measurement builds only, their
+    results are wrong (``grouped_gemm_wgmma_kernels.PROBES``; ``benchmarks/probe_gemm.py``).
     """
     bm: int = 128
     bn: int = 128
@@ -57,6 +59,8 @@ class GemmConfig:
     max_registers: int = 0          # 0: compiler's choice; else cap (more warps per SM)
     mma: str = "mma_sync"
     tma: bool = False               # wgmma kinds: weight (B) tiles by TMA boxes, not cp.async
+    l2_prefetch: int = 0            # "wgmma" + tma: L2 prefetch of the weights, slices ahead
+    probe: str = ""                 # measurement builds only (wrong results)
 
     def __post_init__(self):
         def req(cond, msg):
@@ -73,10 +77,17 @@ class GemmConfig:
             req(self.bm == 128 or (self.mma == "wgmma" and self.tma),
                 "bm=192 needs mma='wgmma' with tma=True")
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
+            req(self.l2_prefetch == 0 or (self.mma == "wgmma" and self.tma
+                                          and 0 < self.l2_prefetch <= 64),
+                "l2_prefetch needs mma='wgmma' with tma=True (and at most 64 slices)")
+            req(self.probe in _wgmma.PROBES and (not self.probe or self.mma == "wgmma")
+                and (self.probe != "no_b" or self.tma),
+                f"probe must be one of {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
-            req(not self.tma, "tma needs a wgmma kind")
+            req(not (self.tma or self.l2_prefetch or self.probe),
+                "tma, l2_prefetch and probe need a wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -155,7 +166,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
     if cfg.mma == "wgmma":
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
                                               max_registers=cfg.max_registers, tma_b=cfg.tma,
-                                              push=push, bm=cfg.bm)
+                                              push=push, bm=cfg.bm,
+                                              l2_prefetch=cfg.l2_prefetch, probe=cfg.probe)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,

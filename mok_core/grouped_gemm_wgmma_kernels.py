@@ -42,7 +42,8 @@ from .grouped_gemm_kernels import swiglu
 from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
-                         store_f32_tuple, tensormap_acquire, tma_load_2d, trap, wgmma_commit,
+                         store_f32_tuple, tensormap_acquire, tma_load_2d, tma_prefetch_2d, trap,
+                         wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                          wgmma_m64n256k16_bf16, wgmma_wait)
 
@@ -121,7 +122,7 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
     return mma_slice, store_tile
 
 
-def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
+def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows, read_a=True):
     """The cp.async side both wgmma kernels share. A loading thread owns one 16-byte chunk
     column of ``a_rows`` A rows and ``b_rows`` B rows of every K slice, its rows a fixed step
     apart (so they share one swizzle):
@@ -130,7 +131,7 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
     element offset of each of its A chunks (row through ``a_index`` when gathering) and the
     bytes to read (16; 0 for a padding row or a row at/after ``row_end`` -- the next expert's --,
     which cp.async zero-fills -- kept apart from the offset so the K loop does no per-chunk
-    selects).
+    selects). ``read_a=False`` (a measurement build) zero-fills every A chunk: no A traffic.
     ``load_slice(smem, dst, dst_step, a_stage, a, w0, w1, a_src, a_nb, b_src, b_step, k0)``: one
     slice's A chunks (padding rows zero-filled, no global read), then its B chunks at
     ``dst + a_stage`` (SWIGLU: the first half of B's rows from w0 = gate, the rest from w1).
@@ -144,7 +145,7 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows):
             src = -1
             if r < row_end:
                 src = a_index[r] if gather else r
-            a_nb[j] = 16 if src >= 0 else 0
+            a_nb[j] = 16 if src >= 0 and read_a else 0
             a_src[j] = max(src, 0) * K + chunk * 8
 
     @kjit(device=True, inline="always")
@@ -175,22 +176,34 @@ def wait_phase(smem, bar, parity):
             trap()
 
 
-def make_tma_b_loader(bn, swiglu_epilogue):
+def make_tma_b_loader(bn, swiglu_epilogue, read_b=True):
     """``tma_b(smem, dst, tmaps, bar, row, k0)``: one thread's TMA of a slice's B operand (BN
     weight rows x 64 K values) to the shared byte address ``dst``, completing on the mbarrier
     ``bar`` (armed here with the slice's bytes). SWIGLU: BN/2 gate rows from map 0 and BN/2 up
     rows from map 1, both starting at weight row ``row``; else BN rows of map 0. The maps carry
-    the 128-byte swizzle, so the box lands in the layout the B descriptor reads."""
+    the 128-byte swizzle, so the box lands in the layout the B descriptor reads.
+    ``prefetch_b(tmaps, row, k0)``: the same boxes into L2 only (no barrier, nothing to wait
+    for), issued some slices ahead so the load itself finds its weights in L2, not HBM.
+    ``read_b=False`` (a measurement build): the barrier completes with no bytes, no B traffic."""
     half_bytes = (bn // 2) * ROW_BYTES
 
     @kjit(device=True, inline="always")
     def tma_b(smem, dst, tmaps, bar, row, k0):
+        if not read_b:
+            mbarrier_arrive_expect_tx(smem, bar, 0)
+            return
         mbarrier_arrive_expect_tx(smem, bar, bn * ROW_BYTES)
         tma_load_2d(smem, dst, tmaps, 0, k0, row, bar)
         if swiglu_epilogue:
             tma_load_2d(smem, dst + half_bytes, tmaps, 16, k0, row, bar)
 
-    return tma_b
+    @kjit(device=True, inline="always")
+    def prefetch_b(tmaps, row, k0):
+        tma_prefetch_2d(tmaps, 0, k0, row)
+        if swiglu_epilogue:
+            tma_prefetch_2d(tmaps, 16, k0, row)
+
+    return tma_b, prefetch_b
 
 
 MAX_EXPERTS = 512             # per launch: the tile table in shared memory is sized for it
@@ -239,8 +252,12 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
+PROBES = ("", "no_a", "no_b", "no_mma", "mma_first")
+
+
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
-                            max_registers=0, tma_b=False, push=False, bm=BM):
+                            max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
+                            probe=""):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -255,8 +272,16 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     padded to multiples of 64; a tile is up to bm rows of one expert (``tile_table``): with
     192, an expert of <= 192 rows loads each weight slice once instead of twice -- the B
     traffic from L2, which bounds these GEMMs, falls by up to a third.
+    ``l2_prefetch`` (TMA only): thread 0 also asks for the weight boxes of the slice that many
+    slices past the newest load to be brought into L2 (``cp.async.bulk.prefetch``), so a
+    slice's TMA load waits on L2, not HBM, while the ring itself stays STAGES deep.
+    ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``): "no_a" /
+    "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
+    MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
+    those go to the stage of kt - 2).
     """
-    assert bn in _WGMMA and stages >= 3 and bm in (128, 192)
+    assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and probe in PROBES
+    assert tma_b or (l2_prefetch == 0 and probe != "no_b")
     n_wg = bm // 64
     threads = 128 * n_wg
     pass_rows = threads // 8                # rows covered when every thread copies one chunk
@@ -270,8 +295,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
-                                              0 if tma_b else bn // pass_rows)
-    tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
+                                              0 if tma_b else bn // pass_rows,
+                                              read_a=probe != "no_a")
+    tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b=probe != "no_b")
+    mma_first = probe == "mma_first"
+    skip_mma = probe == "no_mma"
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
     if n_wg == 3:
@@ -279,13 +307,16 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
-                   b_pass_elems, b_row, tid):
+                   b_pass_elems, b_row, tid, ktiles):
         """Slice at K offset k0 into ring stage st: A (and B unless TMA) by every thread's
-        cp.async; with TMA, thread 0 arms full[st] and issues B's box(es)."""
+        cp.async; with TMA, thread 0 arms full[st] and issues B's box(es) (and the L2 prefetch of
+        the slice ``l2_prefetch`` further)."""
         load_slice(smem, dst0 + st * stage_bytes, pass_bytes, a_stage, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, k0)
         if tma_b and tid == 0:
             tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0)
+            if l2_prefetch and k0 + l2_prefetch * BK < ktiles * BK:
+                prefetch_b(tmaps, b_row, k0 + l2_prefetch * BK)
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
@@ -306,11 +337,17 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         active = owned
         if uses_index and owned:
             active = a_index[first] >= 0
+        if skip_mma:
+            active = False
         for s in range(prefetch):
             if s < ktiles:
                 load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
-                           b_src, b_pass_elems, b_row, tid)
+                           b_src, b_pass_elems, b_row, tid, ktiles)
             cp_async_commit()
+        if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
+            for s in range(prefetch, prefetch + l2_prefetch):
+                if s < ktiles:
+                    prefetch_b(tmaps, b_row, s * BK)
         return row0, col0, b_src, b_row, active, owned
 
     @kjit(**opts)
@@ -382,14 +419,18 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     phases ^= 1 << cst
                 fence_proxy_async()
                 cuda.syncthreads()
+                soff = (cst * stage_bytes) >> 4
+                if mma_first and active:
+                    acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                 nxt = kt + prefetch
                 if nxt < ktiles:
                     load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
-                               a_nb, b_src, b_pass_elems, b_row, tid)
+                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                 cp_async_commit()
                 if active:
-                    soff = (cst * stage_bytes) >> 4
-                    acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff), 1)
+                    if not mma_first:
+                        acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+                    acc = wgmma_wait(acc, 1)
                 cst = 0 if cst == stages - 1 else cst + 1
                 lst = 0 if lst == stages - 1 else lst + 1
             acc = wgmma_wait(acc, 0)

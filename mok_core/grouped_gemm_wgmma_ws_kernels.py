@@ -86,7 +86,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
     mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_rows_lane,
                                               0 if tma_b else bn // 16)
-    tma_b_load = make_tma_b_loader(bn, swiglu_epilogue)
+    tma_b_load, _ = make_tma_b_loader(bn, swiglu_epilogue)
     full_count = PRODUCERS + (1 if tma_b else 0)
     nacc = bn // 2                          # fp32 accumulators per consumer thread
     a_stage = BM * ROW_BYTES

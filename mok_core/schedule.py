@@ -61,6 +61,8 @@ class Schedule:
                                              -1 for masked routes (dest_row -1 on overflow)
         minibatch_rows      [ceil(capacity / minibatch_size)]  real (non-padding) rows per
                                              minibatch: the count dispatch readiness reaches
+        ready               [ceil(capacity / minibatch_size)]  zeroed here; the pull dispatch
+                                             counts staged rows per minibatch into it
         errors              [ERROR_WORDS]    device error word (see mok_core.errors)
     Internal scratch: chunk_counts / chunk_base [R, C, E], rank_counts [E, R],
     expert_scan [E + 1], all_offsets [R, E_local + 1], live_tokens [R].
@@ -85,6 +87,7 @@ class Schedule:
     dest_rank: object
     dest_row: object
     minibatch_rows: object
+    ready: object
     errors: object
     chunk_counts: object
     chunk_base: object
@@ -135,6 +138,7 @@ class Schedule:
             dest_rank=device_empty((T, k), i32, stream),
             dest_row=device_empty((T, k), i32, stream),
             minibatch_rows=device_empty((-(-capacity // config.minibatch_size),), i32, stream),
+            ready=device_empty((-(-capacity // config.minibatch_size),), i32, stream),
             errors=device_empty((err.ERROR_WORDS,), i32, stream),
             chunk_counts=device_empty((R, C, E), i32, stream),
             chunk_base=device_empty((R, C, E), i32, stream),
@@ -183,7 +187,7 @@ def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream
     grid = (s.num_chunks, R)
     count_routes_kernel[grid, B, stream, 4 * E](ids, live, s.chunk_counts, s.src_rank,
                                                  s.src_token, s.src_slot, s.minibatch_rows,
-                                                 s.errors)
+                                                 s.ready, s.errors)
     scan_chunks_kernel[-(-(E * R) // B), B, stream](s.chunk_counts, s.chunk_base, s.rank_counts)
     expert_offsets_kernel[1, _OFFSETS_THREADS, stream](
         s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank, s.expert_scan,

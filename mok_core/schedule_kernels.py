@@ -42,7 +42,7 @@ def _record_bad_id(errors, e):
 
 @kjit
 def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src_slot,
-                        minibatch_rows, errors):
+                        minibatch_rows, ready, errors):
     """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[E].
 
     ids            int32 [R, T, k]    global expert per route, -1 masked
@@ -50,6 +50,8 @@ def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src
     chunk_counts   int32 [R, C, E]    out: routes of chunk c of rank r per global expert
     src_*          int32 [capacity]   out: every row set to -1 (padding) before placement
     minibatch_rows int32 [minibatches] out: zeroed (placement counts real rows into it)
+    ready          int32 [minibatches] out: zeroed (dispatch counts staged rows into it; zeroing
+                                       it here saves dispatch a launch of its own)
     errors         int32 [ERROR_WORDS]
     """
     hist = cuda.shared.array(0, int32)
@@ -87,6 +89,7 @@ def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src
         src_slot[row] = -1
     for q in range(flat, minibatch_rows.shape[0], stride):
         minibatch_rows[q] = 0
+        ready[q] = 0
 
 
 @kjit

@@ -68,11 +68,11 @@ def test_round_trip_exact(R, case, variant):
 
     # Dispatch progress counters: every real row counted once, in its minibatch -- the totals
     # the schedule announces.
-    for ws, s in zip(group.workspaces, scheds):
+    for s in scheds:
         src = to_host(s.src_rank)
         real_rows = np.nonzero(src >= 0)[0]
-        want = np.bincount(real_rows // cfg.minibatch_size, minlength=len(to_host(ws.ready)))
-        np.testing.assert_array_equal(to_host(ws.ready), want)
+        want = np.bincount(real_rows // cfg.minibatch_size, minlength=len(to_host(s.ready)))
+        np.testing.assert_array_equal(to_host(s.ready), want)
         np.testing.assert_array_equal(to_host(s.minibatch_rows), want)
 
 

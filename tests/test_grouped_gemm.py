@@ -21,6 +21,9 @@ WGMMA_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmm
 WGMMA_WS_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws",
                               tma=True)
 WGMMA192_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
+# + L2 prefetch of the weights 2 slices ahead, wgmmas issued before the slice's loads.
+WGMMA192_PF_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True,
+                             l2_prefetch=2, probe="mma_first")
 from mok_core.reference import swiglu
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
@@ -62,9 +65,10 @@ def rel_l1(got, want):
     (WGMMA_TMA_CFG, [40, 0, 150], 1.5), (WGMMA_WS_TMA_CFG, [70, 1], None),
     # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, one full
     # 192-row tile, a 192 + 128 pair (the last warpgroup idle past the expert's end).
-    (WGMMA192_CFG, [40, 0, 150, 300], 1.5),
+    (WGMMA192_CFG, [40, 0, 150, 300], 1.5), (WGMMA192_PF_CFG, [200, 0, 64], None),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
-        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp"])
+        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp",
+        "wgmma192-l2-prefetch-mma-first"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
@@ -142,7 +146,8 @@ def test_rejects_bad_shapes():
                        to_dev(hid), config=cfg)
 
 
-@pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1),
+@pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1), dict(l2_prefetch=2),
+                                    dict(probe="no_a"),
                                     dict(wm=8, wn=8, bm=128, bn=128)])
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):

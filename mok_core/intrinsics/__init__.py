@@ -15,7 +15,8 @@
     bulk copies:  mbarrier_arrive_expect_tx, bulk_load (global or peer -> shared, completes
                   an mbarrier's byte count), bulk_store, bulk_commit, bulk_wait (shared -> global)
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
-                  completes an mbarrier's byte count), fence_mbarrier_init
+                  completes an mbarrier's byte count), tma_prefetch_2d (the same box -> L2
+                  only), fence_mbarrier_init
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -35,7 +36,7 @@ __all__ = [
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",
-    "tensormap_acquire", "tma_load_2d", "fence_mbarrier_init",
+    "tensormap_acquire", "tma_load_2d", "tma_prefetch_2d", "fence_mbarrier_init",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

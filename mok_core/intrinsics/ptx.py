@@ -719,6 +719,26 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
     return types.void(smem, saddr, tmaps, elem, x, y, bar), codegen
 
 
+@intrinsic
+def tma_prefetch_2d(typingctx, tmaps, elem, x, y):
+    """Ask the TMA unit to bring one box of the 2-D tensor map at ``tmaps[elem:]`` (origin x =
+    column, y = row) into L2, nothing into shared memory and no completion to wait on: a
+    later ``tma_load_2d`` of the same box then finds it in L2 instead of HBM."""
+    if not (_is_1d(tmaps) and isinstance(elem, types.Integer) and isinstance(x, types.Integer)
+            and isinstance(y, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        cx = context.cast(builder, args[2], sig.args[2], types.int32)
+        cy = context.cast(builder, args[3], sig.args[3], types.int32)
+        _asm(builder, ir.VoidType(), [p, cx, cy],
+             "cp.async.bulk.prefetch.tensor.2d.L2.global.tile [$0, {$1, $2}];", "l,r,r,~{memory}",
+             True)
+        return context.get_dummy_value()
+    return types.void(tmaps, elem, x, y), codegen
+
+
 fence_mbarrier_init = _statement(
     "fence_mbarrier_init", "fence.mbarrier_init.release.cluster;",
     "Make this thread's mbarrier.init visible to the async proxy (the TMA unit completes bytes "

@@ -442,6 +442,13 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
+def tma_prefetch_2d(tmaps, elem, x, y):
+    """L2 is not modelled: only the map is checked (as the hardware faults on a bad one)."""
+    elem = int(elem)
+    if elem % 16 or int(_raw(tmaps)[elem]) != TMAP_MAGIC:
+        raise ValueError(f"tma_prefetch_2d: no tensor map at element {elem}")
+
+
 def trap():
     raise RuntimeError("trap: a bounded wait inside a kernel timed out")
 

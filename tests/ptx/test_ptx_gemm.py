@@ -95,6 +95,23 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     assemble_sm90a(ptx)
 
 
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_wgmma_l2_prefetch_lowers_for_sm90a(swiglu):
+    """``l2_prefetch``: the weight boxes some slices ahead go to L2 through the TMA unit (one
+    prefetch per box, in the K loop and at a tile's start); the 192-row kernel still
+    assembles."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=192,
+                                      l2_prefetch=4)
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), launch_bounds=(384, 1))
+    boxes = 2 if swiglu else 1
+    pf = count(ptx, r"cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global\.tile")
+    assert pf >= 2 * boxes and pf % boxes == 0
+    assemble_sm90a(ptx)
+
+
 
 @pytest.mark.parametrize("ws", [False, True], ids=["wgmma", "wgmma_ws"])
 def test_down_push_lowers_for_sm90a(ws):

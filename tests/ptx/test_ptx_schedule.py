@@ -10,7 +10,7 @@ a1, a2, a3 = int32[::1], int32[:, ::1], int32[:, :, ::1]
 i64 = types.int64
 
 CASES = {
-    "count_routes": (sk.count_routes_kernel, (a3, a1, a3, a1, a1, a1, a1, a1)),
+    "count_routes": (sk.count_routes_kernel, (a3, a1, a3, a1, a1, a1, a1, a1, a1)),
     "scan_chunks": (sk.scan_chunks_kernel, (a3, a3, a2)),
     "expert_offsets": (sk.expert_offsets_kernel, (a2, i64, i64, i64, i64, a1, a2, a1, a1)),
     "place_routes": (sk.place_routes_kernel,

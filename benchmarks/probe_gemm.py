@@ -1,0 +1,139 @@
+"""Where the grouped GEMMs' time goes: the library's kernel rebuilt with parts switched off.
+
+    python benchmarks/probe_gemm.py [--presets kimi-k2.7] [--tokens 4096] [--variants ...]
+
+For each preset (EP=2, rank 0's routed experts, uniform routing) and for its dense shared
+expert (one expert, T rows), times gate_up and down separately with the library's tiles for the
+shape (``functional.layer_gemm``) changed by one field:
+  base       as shipped
+  no_a       A chunks zero-filled, never read       (GemmConfig.probe; results are wrong)
+  no_b       weight boxes never loaded              (probe)
+  no_mma     no wgmma issued                        (probe)
+  mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
+  l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
+beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert).
+If a part switched off saves little, it is not what bounds the kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_ffn import ffn_inputs, ffn_steps  # noqa: E402
+from benchmarks.common import (gpu_name, median, numba_stream, progress, table,  # noqa: E402
+                               time_iters, write_json)
+
+VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
+
+
+def variant_config(base, name):
+    if name == "base":
+        return base
+    if name.startswith("l2pf"):
+        return dataclasses.replace(base, l2_prefetch=int(name[4:]))
+    return dataclasses.replace(base, probe=name)
+
+
+def dense_inputs(shape, T, row_unit):
+    """The shared expert as a one-expert grouped GEMM over T contiguous rows."""
+    import torch
+    H, I = shape.hidden, shape.shared_intermediate
+    C = -(-T // row_unit) * row_unit
+    index = np.where(np.arange(C) < T, np.arange(C), -1).astype(np.int32)
+    bf, dev = torch.bfloat16, "cuda"
+    return dict(
+        x=torch.randn(T, H, device=dev, dtype=bf),
+        wg=torch.randn(1, I, H, device=dev, dtype=bf) * H ** -0.5,
+        wu=torch.randn(1, I, H, device=dev, dtype=bf) * H ** -0.5,
+        wd=torch.randn(1, H, I, device=dev, dtype=bf) * I ** -0.5,
+        index=torch.from_numpy(index).to(dev),
+        off=torch.tensor([0, C], dtype=torch.int32, device=dev),
+        num_rows=torch.tensor([C], dtype=torch.int32, device=dev),
+        hidden=torch.empty(C, I, device=dev, dtype=bf), y=torch.empty(C, H, device=dev, dtype=bf))
+
+
+def torch_steps(d, dense):
+    """(gate_up, down) of the baseline on the same problem."""
+    import torch
+    I = d["wg"].shape[1]
+    if dense:
+        x, w_gu, wd = d["x"], torch.cat([d["wg"][0], d["wu"][0]]).t(), d["wd"][0].t()
+        h = torch.empty(x.shape[0], I, device="cuda", dtype=x.dtype)
+
+        def gate_up():
+            g, u = torch.mm(x, w_gu).split(I, dim=1)
+            h.copy_(torch.nn.functional.silu(g) * u)
+        return gate_up, lambda: torch.mm(h, wd)
+    counts = d["counts"]
+    c16 = -(-counts // 16) * 16
+    offs = torch.from_numpy(np.cumsum(c16).astype(np.int32)).cuda()
+    x16 = torch.randn(int(c16.sum()), d["x"].shape[1], device="cuda", dtype=d["x"].dtype)
+    w_gu = torch.cat([d["wg"], d["wu"]], dim=1).transpose(1, 2)
+    h = torch.empty(x16.shape[0], I, device="cuda", dtype=x16.dtype)
+
+    def gate_up():
+        g, u = torch._grouped_mm(x16, w_gu, offs=offs).split(I, dim=1)
+        h.copy_(torch.nn.functional.silu(g) * u)
+    return gate_up, lambda: torch._grouped_mm(h, d["wd"].transpose(1, 2), offs=offs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="kimi-k2.7")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--variants", default=VARIANTS)
+    ap.add_argument("--dense", default="deepseek-v4-pro",
+                    help="presets whose dense shared expert is probed too ('' for none)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/probe_gemm.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    from mok_comm.functional import layer_gemm
+    from mok_core.config import preset
+    T = args.tokens
+    stream = numba_stream()
+    cases = [(p, False) for p in args.presets.split(",")]
+    cases += [(p, True) for p in args.dense.split(",") if p]
+    rows = []
+    for name, dense in cases:
+        shape = preset(name, ep_size=2)
+        base = layer_gemm(shape, T)
+        if dense:
+            d = dense_inputs(shape, T, base.row_unit)
+            flops = 6.0 * T * shape.hidden * shape.shared_intermediate
+        else:
+            d = ffn_inputs(name, T, "uniform", base.row_unit, np.random.default_rng(0))
+            flops = 6.0 * d["rows"] * shape.hidden * shape.intermediate
+        case = f"{name} {'shared (dense)' if dense else 'routed'}"
+        tg, td = torch_steps(d, dense)
+        ref = (median(time_iters(tg, args.iters)), median(time_iters(td, args.iters)))
+        rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],
+                     "tflops": flops / sum(ref) / 1e9, "gpu": gpu_name()})
+        for v in args.variants.split(","):
+            cfg = variant_config(base, v)
+            progress(f"{case} {v}: {cfg}")
+            try:
+                gu, dn = ffn_steps(d, cfg, stream)
+                t = (median(time_iters(gu, args.iters)), median(time_iters(dn, args.iters)))
+            except Exception as exc:                     # keep the probe going
+                progress(f"  failed: {type(exc).__name__}: {exc}")
+                continue
+            rows.append({"case": case, "variant": v, "gate_up_ms": t[0], "down_ms": t[1],
+                         "tflops": flops / sum(t) / 1e9, "gpu": gpu_name(), "gemm": str(cfg)})
+            write_json(args.out, rows)
+        del d
+        torch.cuda.empty_cache()
+    write_json(args.out, rows)
+    print(table(rows, ["case", "variant", "gate_up_ms", "down_ms", "tflops"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
