@@ -79,7 +79,7 @@ for s in "$@"; do
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;   # library tiles per shape
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/bench_comm.py --out "$OUT/bench_comm.json" ;;
+         benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
 done
