@@ -11,6 +11,7 @@ shape (``functional.layer_gemm``) changed by one field:
   no_mma     no wgmma issued                        (probe)
   mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
+  a+b        probes combined (e.g. no_a+no_b: MMAs and the loop alone)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert).
 If a part switched off saves little, it is not what bounds the kernel.
 """

@@ -80,9 +80,10 @@ class GemmConfig:
             req(self.l2_prefetch == 0 or (self.mma == "wgmma" and self.tma
                                           and 0 < self.l2_prefetch <= 64),
                 "l2_prefetch needs mma='wgmma' with tma=True (and at most 64 slices)")
-            req(self.probe in _wgmma.PROBES and (not self.probe or self.mma == "wgmma")
-                and (self.probe != "no_b" or self.tma),
-                f"probe must be one of {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")
+            parts = set(self.probe.split("+")) - {""}
+            req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
+                and ("no_b" not in parts or self.tma),
+                f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:

@@ -275,13 +275,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``l2_prefetch`` (TMA only): thread 0 also asks for the weight boxes of the slice that many
     slices past the newest load to be brought into L2 (``cp.async.bulk.prefetch``), so a
     slice's TMA load waits on L2, not HBM, while the ring itself stays STAGES deep.
-    ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``): "no_a" /
+    ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``; several join
+    with "+"): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
     MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
     those go to the stage of kt - 2).
     """
-    assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and probe in PROBES
-    assert tma_b or (l2_prefetch == 0 and probe != "no_b")
+    parts = set(probe.split("+")) - {""}       # probes combine: "no_a+no_b"
+    assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and parts <= set(PROBES)
+    assert tma_b or (l2_prefetch == 0 and "no_b" not in parts)
     n_wg = bm // 64
     threads = 128 * n_wg
     pass_rows = threads // 8                # rows covered when every thread copies one chunk
@@ -296,10 +298,10 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
                                               0 if tma_b else bn // pass_rows,
-                                              read_a=probe != "no_a")
-    tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b=probe != "no_b")
-    mma_first = probe == "mma_first"
-    skip_mma = probe == "no_mma"
+                                              read_a="no_a" not in parts)
+    tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts)
+    mma_first = "mma_first" in parts
+    skip_mma = "no_mma" in parts
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
     if n_wg == 3:
