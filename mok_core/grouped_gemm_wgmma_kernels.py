@@ -43,7 +43,7 @@ from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zer
                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
                          store_f32_tuple, tensormap_acquire, tma_load_2d, tma_prefetch_2d, trap,
-                         wgmma_commit,
+                         warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                          wgmma_m64n256k16_bf16, wgmma_wait)
 
@@ -422,14 +422,17 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 fence_proxy_async()
                 cuda.syncthreads()
                 soff = (cst * stage_bytes) >> 4
-                if mma_first and active:
+                # warp_all: ``active`` is uniform per warpgroup, but only a vote makes it so for
+                # ptxas -- a wgmma under a plain ``if active`` serialises all of them (C7518).
+                run_mma = warp_all(active) != 0
+                if mma_first and run_mma:
                     acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                 nxt = kt + prefetch
                 if nxt < ktiles:
                     load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
                                a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                 cp_async_commit()
-                if active:
+                if run_mma:
                     if not mma_first:
                         acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                     acc = wgmma_wait(acc, 1)

@@ -2,7 +2,7 @@
 
     memory:       ld_v4, st_v4                      16-byte vector load/store
     ordering:     ld_acquire_sys, ld_acquire_gpu, st_release_sys, red_add_release_gpu, clock64,
-                  nanosleep, syncwarp
+                  nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform)
     bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn
     tensor cores: mma_bf16_16816, ldmatrix_x4, ldmatrix_x2, cp_async_16, cp_async_commit,
                   cp_async_wait; shared_addr + ldmatrix_x4_at / cp_async_16_at (32-bit
@@ -27,7 +27,7 @@ from ..cuda_compat import SIM
 __all__ = [
     "ld_v4", "st_v4",
     "ld_acquire_sys", "ld_acquire_gpu", "st_release_sys", "red_add_release_gpu", "clock64",
-    "nanosleep", "syncwarp",
+    "nanosleep", "syncwarp", "warp_all",
     "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
     "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",

@@ -149,6 +149,23 @@ syncwarp = _statement(
 
 
 @intrinsic
+def warp_all(typingctx, pred):
+    """1 if ``pred`` (an integer or boolean) is non-zero on all 32 lanes of the warp, else 0
+    (``vote.sync.all``; every lane must call it). Why it exists: the result is warp-uniform
+    *to ptxas*, so a ``wgmma`` under ``if warp_all(p)`` is not in a divergent path -- under a
+    plain ``if p`` ptxas serialises every wgmma of the kernel (C7518, a wait after each)."""
+    if not isinstance(pred, (types.Integer, types.Boolean)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = context.cast(builder, args[0], sig.args[0], types.int32)
+        return _asm(builder, ir.IntType(32), [p],
+                    "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; vote.sync.all.pred q, p, -1; "
+                    "selp.s32 $0, 1, 0, q; }", "=r,r", True)
+    return types.int32(pred), codegen
+
+
+@intrinsic
 def clock64(typingctx):
     """SM cycle counter (for bounded spin-waits); volatile so loops re-read it."""
     def codegen(context, builder, sig, args):

@@ -75,6 +75,10 @@ def syncwarp():
     warp_barrier()
 
 
+def warp_all(pred):
+    return np.int32(all(bool(v) for v in warp_exchange(bool(pred))))
+
+
 def clock64():
     return np.int64(time.perf_counter_ns() * 2)     # ~2 GHz, like an H200 SM clock
 

@@ -20,7 +20,8 @@ def count(ptx, pattern):
 
 
 def assemble_sm90a(ptx):
-    """ptxas the PTX for sm_90a (skipped where no CUDA toolkit is installed)."""
+    """ptxas -v the PTX for sm_90a (skipped where no CUDA toolkit is installed); returns
+    ptxas's report (registers, spills, performance warnings)."""
     exe = None
     try:                                    # the toolkit that matches numba's PTX version first
         import nvidia.cu13
@@ -34,8 +35,9 @@ def assemble_sm90a(ptx):
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        r = subprocess.run([exe, "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.cubin")],
+        r = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
                            capture_output=True, text=True)
         if "Unsupported .version" in r.stderr:
             pytest.skip(f"{exe} is older than the PTX numba emits")
         assert r.returncode == 0, r.stderr[-2000:]
+        return r.stderr

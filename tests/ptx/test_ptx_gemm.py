@@ -95,6 +95,25 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     assemble_sm90a(ptx)
 
 
+@pytest.mark.parametrize("bm,swiglu,push", [(192, True, False), (192, False, True),
+                                             (192, False, False), (128, True, False)])
+def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push):
+    """ptxas must keep a slice's 4 wgmmas back to back with one group in flight. A wgmma in a
+    path ptxas thinks divergent (``if active`` on a per-thread value) makes it serialise every
+    wgmma of the kernel (warning C7518: a wait after each) -- the shipped 192-row kernel ran so
+    for a session at about half its MMA rate. The padding skip now branches on a warp vote."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
+                                      push=push)
+    opts = {"launch_bounds": (384, 1)} if bm == 192 else {}
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
+    assert count(ptx, r"vote\.sync\.all\.pred") >= 1
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+
+
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_wgmma_l2_prefetch_lowers_for_sm90a(swiglu):
     """``l2_prefetch``: the weight boxes some slices ahead go to L2 through the TMA unit (one
