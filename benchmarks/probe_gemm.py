@@ -11,7 +11,8 @@ shape (``functional.layer_gemm``) changed by one field:
   no_mma     no wgmma issued                        (probe)
   mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
-  a+b        probes combined (e.g. no_a+no_b: MMAs and the loop alone)
+  async      GemmConfig.async_ring (stages handed over by mbarriers)
+  a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert).
 If a part switched off saves little, it is not what bounds the kernel.
 """
@@ -34,11 +35,18 @@ VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
 
 def variant_config(base, name):
-    if name == "base":
-        return base
-    if name.startswith("l2pf"):
-        return dataclasses.replace(base, l2_prefetch=int(name[4:]))
-    return dataclasses.replace(base, probe=name)
+    """'base', or '+'-joined parts: 'async' (async_ring), 'l2pfN' (l2_prefetch=N), probes."""
+    cfg, probes = base, []
+    for part in name.split("+"):
+        if part == "base":
+            continue
+        if part == "async":
+            cfg = dataclasses.replace(cfg, async_ring=True)
+        elif part.startswith("l2pf"):
+            cfg = dataclasses.replace(cfg, l2_prefetch=int(part[4:]))
+        else:
+            probes.append(part)
+    return dataclasses.replace(cfg, probe="+".join(probes))
 
 
 def dense_inputs(shape, T, row_unit):

@@ -48,6 +48,8 @@ class GemmConfig:
     are gathered). ``l2_prefetch`` ("wgmma" with ``tma``): weight boxes this many slices
     past the newest load are prefetched into L2. ``probe``: measurement builds only, their
     results are wrong (``grouped_gemm_wgmma_kernels.PROBES``; ``benchmarks/probe_gemm.py``).
+    ``async_ring`` ("wgmma"): full/empty mbarriers per stage instead of a block barrier per K
+    slice; loads run STAGES - 1 slices ahead (``make_wgmma_grouped_gemm``).
     """
     bm: int = 128
     bn: int = 128
@@ -60,6 +62,7 @@ class GemmConfig:
     mma: str = "mma_sync"
     tma: bool = False               # wgmma kinds: weight (B) tiles by TMA boxes, not cp.async
     l2_prefetch: int = 0            # "wgmma" + tma: L2 prefetch of the weights, slices ahead
+    async_ring: bool = False        # "wgmma": stages handed over by mbarriers, no block barrier
     probe: str = ""                 # measurement builds only (wrong results)
 
     def __post_init__(self):
@@ -80,6 +83,7 @@ class GemmConfig:
             req(self.l2_prefetch == 0 or (self.mma == "wgmma" and self.tma
                                           and 0 < self.l2_prefetch <= 64),
                 "l2_prefetch needs mma='wgmma' with tma=True (and at most 64 slices)")
+            req(not self.async_ring or self.mma == "wgmma", "async_ring needs mma='wgmma'")
             parts = set(self.probe.split("+")) - {""}
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and ("no_b" not in parts or self.tma),
@@ -87,8 +91,8 @@ class GemmConfig:
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
-            req(not (self.tma or self.l2_prefetch or self.probe),
-                "tma, l2_prefetch and probe need a wgmma kind")
+            req(not (self.tma or self.l2_prefetch or self.probe or self.async_ring),
+                "tma, l2_prefetch, probe and async_ring need a wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -120,11 +124,14 @@ class GemmConfig:
         return {"mma_sync": self.bm, "wgmma": 64, "wgmma_ws": 128}[self.mma]
 
 
-# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once.
-WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
+# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once;
+# stages handed over by mbarriers, loads 3 slices ahead.
+WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True,
+                        async_ring=True)
 # Hopper, 2 warpgroups: better where experts hold 193..256 rows (two 128-row tiles, no idle
 # warpgroup; 192 + 64 would read the weights twice as well).
-WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma", tma=True,
+                            async_ring=True)
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
@@ -168,7 +175,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
         return _wgmma.make_wgmma_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index,
                                               max_registers=cfg.max_registers, tma_b=cfg.tma,
                                               push=push, bm=cfg.bm,
-                                              l2_prefetch=cfg.l2_prefetch, probe=cfg.probe)
+                                              l2_prefetch=cfg.l2_prefetch, probe=cfg.probe,
+                                              async_ring=cfg.async_ring)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,

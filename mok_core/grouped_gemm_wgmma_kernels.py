@@ -39,8 +39,9 @@ from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import swiglu
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
-                         fence_mbarrier_init, fence_proxy_async, mbarrier_arrive_expect_tx,
+from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
+                         cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
+                         mbarrier_arrive, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
                          store_f32_tuple, tensormap_acquire, tma_load_2d, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
@@ -211,9 +212,10 @@ _TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarrier
 
 
 def smem_bytes(bn, stages, bm=BM):
-    """Dynamic shared memory of one block: the per-expert tile table (uint16 [E + 1]), STAGES
-    mbarriers (TMA variant), slack to align the ring to 1024 bytes, the ring."""
-    return _TABLE_BYTES + 8 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
+    """Dynamic shared memory of one block: the per-expert tile table (uint16 [E + 1]), 2 x
+    STAGES mbarriers (full: TMA / async ring; empty: async ring), slack to align the ring to
+    1024 bytes, the ring."""
+    return _TABLE_BYTES + 16 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
 
 
 @kjit(device=True, inline="always")
@@ -257,7 +259,7 @@ PROBES = ("", "no_a", "no_b", "no_mma", "mma_first")
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
-                            probe=""):
+                            probe="", async_ring=False):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -275,6 +277,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``l2_prefetch`` (TMA only): thread 0 also asks for the weight boxes of the slice that many
     slices past the newest load to be brought into L2 (``cp.async.bulk.prefetch``), so a
     slice's TMA load waits on L2, not HBM, while the ring itself stays STAGES deep.
+    ``async_ring``: stages change hands through mbarriers instead of a block barrier per
+    slice -- full[s] completes when every thread's cp.async chunks of the slice landed
+    (``cp.async.mbarrier.arrive.noinc``) and, with TMA, its B bytes; empty[s] when every warp
+    retired its wgmmas on the slice. Loads then run STAGES - 1 slices ahead (not STAGES - 2),
+    across tile boundaries, and no warp waits for another before issuing its MMAs (see the
+    K loop below).
     ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``; several join
     with "+"): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
@@ -302,6 +310,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts)
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
+    ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
+    full_count = (threads if async_ring else 0) + (1 if tma_b else 0)
+    warps = threads // 32
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
     if n_wg == 3:
@@ -315,14 +326,28 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         the slice ``l2_prefetch`` further)."""
         load_slice(smem, dst0 + st * stage_bytes, pass_bytes, a_stage, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, k0)
+        if async_ring:                         # full[st] counts this thread once its chunks land
+            cp_async_mbarrier_arrive(smem, full0 + 8 * st)
         if tma_b and tid == 0:
             tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0)
             if l2_prefetch and k0 + l2_prefetch * BK < ktiles * BK:
                 prefetch_b(tmaps, b_row, k0 + l2_prefetch * BK)
 
     @kjit(device=True, inline="always")
+    def issue_slice(smem, gl, kidx, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
+                    b_pass_elems, b_row, tid, ktiles):
+        """Async ring: the block's global slice ``gl`` (slice ``kidx`` of its tile) into stage
+        gl % STAGES, once every warp released that stage's previous slice (gl - STAGES)."""
+        st = gl % stages
+        if gl >= stages:
+            wait_phase(smem, full0 + 8 * stages + 8 * st, ((gl // stages) - 1) & 1)
+        load_stage(smem, st, kidx * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
+                   b_src, b_pass_elems, b_row, tid, ktiles)
+
+    @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                   full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap):
+                   full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
+                   g0):
         """Tile t: where this thread's chunks come from (A rows gathered; padding rows and
         rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
         expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
@@ -341,13 +366,18 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             active = a_index[first] >= 0
         if skip_mma:
             active = False
-        for s in range(prefetch):
-            if s < ktiles:
-                load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
-                           b_src, b_pass_elems, b_row, tid, ktiles)
-            cp_async_commit()
+        for s in range(ahead):
+            if async_ring:                     # global slice g0 + s (``g0``: the tile's first)
+                if s < ktiles:
+                    issue_slice(smem, g0 + s, s, ring, full0, tmaps, dst0, a, w0, w1, a_src,
+                                a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
+            else:
+                if s < ktiles:
+                    load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
+                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
+                cp_async_commit()
         if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
-            for s in range(prefetch, prefetch + l2_prefetch):
+            for s in range(ahead, ahead + l2_prefetch):
                 if s < ktiles:
                     prefetch_b(tmaps, b_row, s * BK)
         return row0, col0, b_src, b_row, active, owned
@@ -369,8 +399,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         # swizzle atom; where this thread's 16-byte chunks land in pass 0 (pass i adds
         # i * pass_bytes: pass_rows rows on, same row % 8, same swizzle).
         sbase = shared_addr(smem)
-        full0 = sbase + _TABLE_BYTES            # TMA: full[s] at full0 + 8 s
-        ring0 = full0 + 8 * stages
+        full0 = sbase + _TABLE_BYTES            # full[s] at full0 + 8 s, empty[s] 8 STAGES on
+        empty0 = full0 + 8 * stages
+        ring0 = empty0 + 8 * stages
         ring = ring0 + (1024 - ring0 % 1024) % 1024
         ld_row = tid // 8
         ld_chunk = tid % 8
@@ -382,12 +413,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         # A's (down: hidden [C, K]; its output may be a placeholder when pushing).
         rows_cap = out.shape[0] * 2 // n_out if swiglu_epilogue else a.shape[0] // K
         tile_table(smem, offsets, num_experts, bm, rows_cap)
-        if tma_b and tid == 0:
+        if full_count and tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, 1)
-            tensormap_acquire(tmaps, 0)
-            if swiglu_epilogue:
-                tensormap_acquire(tmaps, 16)
+                mbarrier_init(smem, full0 + 8 * s, full_count)
+                if async_ring:
+                    mbarrier_init(smem, empty0 + 8 * s, warps)
+            if tma_b:
+                tensormap_acquire(tmaps, 0)
+                if swiglu_epilogue:
+                    tensormap_acquire(tmaps, 16)
             fence_mbarrier_init()
         cuda.syncthreads()
         total = int64(smem[num_experts]) * n_tiles
@@ -400,6 +434,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         # Tile loop. A tile's first PREFETCH slices are requested before the previous tile's
         # epilogue runs (the ring is free by then), so their latency hides behind its stores.
         t = cuda.blockIdx.x
+        g0 = int64(0)                          # async ring: global index of the tile's slice 0
         row0 = 0
         col0 = 0
         b_src = 0
@@ -409,12 +444,38 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         if t < total:
             row0, col0, b_src, b_row, active, owned = tile_start(
                 smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap)
+                full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
+                g0)
         while t < total:
             acc = f32_zeros(nacc)
+            if async_ring:
+                # Per slice g (block-global): wait full[g] -> MMAs on g, commit -> wgmma.wait(1):
+                # g - 1 retired -> release it (empty, one arrival per warp) -> request slice
+                # g + STAGES - 1 into g - 1's stage once every warp released it. The MMAs of g
+                # are queued before this warp waits on anyone, and loads stay STAGES - 1 ahead.
+                for kt in range(ktiles):
+                    g = g0 + kt
+                    st = g % stages
+                    wait_phase(smem, full0 + 8 * st, (g // stages) & 1)
+                    fence_proxy_async()            # cp.async (generic proxy) -> wgmma reads
+                    run_mma = warp_all(active) != 0
+                    if run_mma:
+                        soff = (st * stage_bytes) >> 4
+                        acc = wgmma_wait(mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff),
+                                         1)
+                    if kt > 0 and lane == 0:
+                        mbarrier_arrive(smem, empty0 + 8 * ((g - 1) % stages))
+                    if kt + stages - 1 < ktiles:
+                        issue_slice(smem, g + stages - 1, kt + stages - 1, ring, full0, tmaps,
+                                    dst0, a, w0, w1, a_src, a_nb, b_src, b_pass_elems, b_row,
+                                    tid, ktiles)
+                acc = wgmma_wait(acc, 0)
+                if lane == 0:                      # the tile's last slice is free too
+                    mbarrier_arrive(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages))
+                g0 += ktiles
             cst = 0                            # ring stages of the slice computed / loaded
             lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
-            for kt in range(ktiles):
+            for kt in range(0 if async_ring else ktiles):
                 cp_async_wait(in_flight)
                 if tma_b:
                     wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
@@ -438,9 +499,10 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     acc = wgmma_wait(acc, 1)
                 cst = 0 if cst == stages - 1 else cst + 1
                 lst = 0 if lst == stages - 1 else lst + 1
-            acc = wgmma_wait(acc, 0)
-            cp_async_wait(0)
-            cuda.syncthreads()                 # every warpgroup done with the ring
+            if not async_ring:
+                acc = wgmma_wait(acc, 0)
+                cp_async_wait(0)
+                cuda.syncthreads()             # every warpgroup done with the ring
 
             out_row = row0 + frag_row
             out_col = col0 + frag_col
@@ -449,7 +511,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             if t < total:                      # next tile's first slices: in flight now
                 row0, col0, b_src, b_row, active, owned = tile_start(
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
-                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap)
+                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
+                    g0)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
             if mine:

@@ -11,14 +11,18 @@ def f64(t):
 
 
 def _configs():
-    from mok_core.grouped_gemm import MMA_SYNC_GEMM, WGMMA_128_GEMM, GemmConfig
-    return {"wgmma256": WGMMA_128_GEMM,
+    from mok_core.grouped_gemm import MMA_SYNC_GEMM, GemmConfig
+    return {"wgmma256": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma"),
             "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
             "wgmma_ws": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws"),
             "wgmma_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True),
             "wgmma192": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True),
             "wgmma192_pf": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
                                       l2_prefetch=4, probe="mma_first"),
+            "wgmma192_async": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
+                                         async_ring=True),
+            "wgmma128_async": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
+                                         async_ring=True),
             "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
             "mma_sync": MMA_SYNC_GEMM}
 
@@ -27,7 +31,7 @@ def _configs():
 @pytest.mark.parametrize("limit", [None, 4.0])
 @pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
                                       "wgmma_ws_tma", "wgmma192", "wgmma192_pf",
-                                      "mma_sync"])
+                                      "wgmma192_async", "wgmma128_async", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 

@@ -95,9 +95,10 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     assemble_sm90a(ptx)
 
 
-@pytest.mark.parametrize("bm,swiglu,push", [(192, True, False), (192, False, True),
-                                             (192, False, False), (128, True, False)])
-def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push):
+@pytest.mark.parametrize("bm,swiglu,push,async_ring", [
+    (192, True, False, False), (192, False, True, False), (192, False, False, False),
+    (128, True, False, False), (192, True, False, True), (192, False, True, True)])
+def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring):
     """ptxas must keep a slice's 4 wgmmas back to back with one group in flight. A wgmma in a
     path ptxas thinks divergent (``if active`` on a per-thread value) makes it serialise every
     wgmma of the kernel (warning C7518: a wait after each) -- the shipped 192-row kernel ran so
@@ -106,10 +107,13 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push):
 
     from mok_core import grouped_gemm_wgmma_kernels as wk
     kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
-                                      push=push)
+                                      push=push, async_ring=async_ring)
     opts = {"launch_bounds": (384, 1)} if bm == 192 else {}
     ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
     assert count(ptx, r"vote\.sync\.all\.pred") >= 1
+    if async_ring:       # every thread's copies arrive on full[s]; no block barrier in the loop
+        assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") >= 1
+        assert count(ptx, r"bar\.sync|barrier\.sync") == 1      # the one after set-up
     report = assemble_sm90a(ptx)
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
