@@ -24,15 +24,15 @@ from benchmarks.common import (gpu_name, median, numba_stream, padded_layout,  #
                                progress, routing_counts, table, time_iters, write_json)
 
 
-# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch, probe,
-#  async_ring)
+# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch,
+#  async_ring) -- GemmConfig's field order
 SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
     (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True),
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, "", True),
-    (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True, 0, "", True),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, "", True),
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),
+    (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True, 0, True),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, True),
 ]
 
 

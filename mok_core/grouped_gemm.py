@@ -124,14 +124,12 @@ class GemmConfig:
         return {"mma_sync": self.bm, "wgmma": 64, "wgmma_ws": 128}[self.mma]
 
 
-# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once;
-# stages handed over by mbarriers, loads 3 slices ahead.
-WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True,
-                        async_ring=True)
+# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once.
+# (async_ring=True measured slower so far: NOTES.md, run 18.)
+WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
 # Hopper, 2 warpgroups: better where experts hold 193..256 rows (two 128-row tiles, no idle
 # warpgroup; 192 + 64 would read the weights twice as well).
-WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma", tma=True,
-                            async_ring=True)
+WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
