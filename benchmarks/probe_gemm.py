@@ -13,7 +13,8 @@ shape (``functional.layer_gemm``) changed by one field:
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
   async      GemmConfig.async_ring (stages handed over by mbarriers)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
-beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert).
+beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
+each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost).
 If a part switched off saves little, it is not what bounds the kernel.
 """
 from __future__ import annotations
@@ -27,9 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_ffn import ffn_inputs, ffn_steps  # noqa: E402
-from benchmarks.common import (gpu_name, median, numba_stream, progress, table,  # noqa: E402
-                               time_iters, write_json)
+from benchmarks.bench_ffn import device_ms, ffn_inputs, ffn_steps  # noqa: E402
+from benchmarks.common import gpu_name, progress, table, write_json  # noqa: E402
 
 VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
@@ -107,7 +107,6 @@ def main(argv=None):
     from mok_comm.functional import layer_gemm
     from mok_core.config import preset
     T = args.tokens
-    stream = numba_stream()
     cases = [(p, False) for p in args.presets.split(",")]
     cases += [(p, True) for p in args.dense.split(",") if p]
     rows = []
@@ -122,15 +121,15 @@ def main(argv=None):
             flops = 6.0 * d["rows"] * shape.hidden * shape.intermediate
         case = f"{name} {'shared (dense)' if dense else 'routed'}"
         tg, td = torch_steps(d, dense)
-        ref = (median(time_iters(tg, args.iters)), median(time_iters(td, args.iters)))
+        ref = (device_ms(tg, args.iters)[0], device_ms(td, args.iters)[0])
         rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],
                      "tflops": flops / sum(ref) / 1e9, "gpu": gpu_name()})
         for v in args.variants.split(","):
             cfg = variant_config(base, v)
             progress(f"{case} {v}: {cfg}")
             try:
-                gu, dn = ffn_steps(d, cfg, stream)
-                t = (median(time_iters(gu, args.iters)), median(time_iters(dn, args.iters)))
+                gu, dn = ffn_steps(d, cfg)
+                t = (device_ms(gu, args.iters)[0], device_ms(dn, args.iters)[0])
             except Exception as exc:                     # keep the probe going
                 progress(f"  failed: {type(exc).__name__}: {exc}")
                 continue

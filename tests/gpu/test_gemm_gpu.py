@@ -17,11 +17,7 @@ def _configs():
             "wgmma_ws": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws"),
             "wgmma_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True),
             "wgmma192": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True),
-            "wgmma192_pf": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                      l2_prefetch=4, probe="mma_first"),
             "wgmma192_async": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                         async_ring=True),
-            "wgmma128_async": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
                                          async_ring=True),
             "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
             "mma_sync": MMA_SYNC_GEMM}
@@ -30,8 +26,8 @@ def _configs():
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 @pytest.mark.parametrize("limit", [None, 4.0])
 @pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
-                                      "wgmma_ws_tma", "wgmma192", "wgmma192_pf",
-                                      "wgmma192_async", "wgmma128_async", "mma_sync"])
+                                      "wgmma_ws_tma", "wgmma192", "wgmma192_async",
+                                      "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
