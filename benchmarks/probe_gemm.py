@@ -14,7 +14,8 @@ shape (``functional.layer_gemm``) changed by one field:
   async      GemmConfig.async_ring (stages handed over by mbarriers)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
-each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost).
+each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost; torch's the
+faster of replay and eager, as in bench_ffn).
 If a part switched off saves little, it is not what bounds the kernel.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_ffn import device_ms, ffn_inputs, ffn_steps  # noqa: E402
+from benchmarks.bench_ffn import best_ms, device_ms, ffn_inputs, ffn_steps  # noqa: E402
 from benchmarks.common import gpu_name, progress, table, write_json  # noqa: E402
 
 VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
@@ -121,7 +122,7 @@ def main(argv=None):
             flops = 6.0 * d["rows"] * shape.hidden * shape.intermediate
         case = f"{name} {'shared (dense)' if dense else 'routed'}"
         tg, td = torch_steps(d, dense)
-        ref = (device_ms(tg, args.iters)[0], device_ms(td, args.iters)[0])
+        ref = (best_ms(*device_ms(tg, args.iters)), best_ms(*device_ms(td, args.iters)))
         rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],
                      "tflops": flops / sum(ref) / 1e9, "gpu": gpu_name()})
         for v in args.variants.split(","):

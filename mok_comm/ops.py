@@ -131,7 +131,7 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     _check_variant(variant)
     args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
             np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
-            np.int64(ws.config.minibatch_size))
+            np.int64(schedule.minibatch_size))
     if variant == "ld":
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
     else:

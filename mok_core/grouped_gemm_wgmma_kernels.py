@@ -200,6 +200,8 @@ def make_tma_b_loader(bn, swiglu_epilogue, read_b=True):
 
     @kjit(device=True, inline="always")
     def prefetch_b(tmaps, row, k0):
+        if not read_b:
+            return
         tma_prefetch_2d(tmaps, 0, k0, row)
         if swiglu_epilogue:
             tma_prefetch_2d(tmaps, 16, k0, row)
@@ -280,9 +282,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``async_ring``: stages change hands through mbarriers instead of a block barrier per
     slice -- full[s] completes when every thread's cp.async chunks of the slice landed
     (``cp.async.mbarrier.arrive.noinc``) and, with TMA, its B bytes; empty[s] when every warp
-    retired its wgmmas on the slice. Loads then run STAGES - 1 slices ahead (not STAGES - 2),
-    across tile boundaries, and no warp waits for another before issuing its MMAs (see the
-    K loop below).
+    retired its wgmmas on the slice. Loads then run STAGES - 1 slices ahead (not STAGES - 2)
+    and no warp waits for another before issuing its MMAs (see the K loop below). The stage
+    counter runs on across tiles, but the next tile's first slices are requested only once
+    the current tile's MMAs all retired (before its epilogue), as in the block-barrier ring:
+    the ring drains once per tile. (``mma_first`` is the async ring's order anyway.)
     ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``; several join
     with "+"): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
@@ -377,7 +381,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                 cp_async_commit()
         if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
-            for s in range(ahead, ahead + l2_prefetch):
+            for s in range(ahead, l2_prefetch):     # (the prologue's loads cover the rest)
                 if s < ktiles:
                     prefetch_b(tmaps, b_row, s * BK)
         return row0, col0, b_src, b_row, active, owned

@@ -73,7 +73,7 @@ def rel_l1(got, want):
     (WGMMA192_CFG, [40, 0, 150, 300], 1.5), (WGMMA192_PF_CFG, [200, 0, 64], None),
     # async ring: K of 4 slices for TMA (3 stages: the loop requests slices, stages wrap across
     # tiles), cp.async-only B at 128 rows
-    (WGMMA192_ASYNC_CFG, [40, 0, 150, 300], 1.5), (WGMMA_ASYNC_CFG, [40, 0, 150], None),
+    (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
         "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp",
         "wgmma192-l2-prefetch-mma-first", "wgmma192-async-ring", "wgmma-async-ring"])

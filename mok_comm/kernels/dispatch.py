@@ -10,7 +10,9 @@ experts) reads the same staging row through the GEMM's gather index: no fan-out 
 tokens, not rows, keeps every warp equally busy -- rows are expert-sorted, so the first rows of
 each token cluster in the low experts and a row-ordered walk leaves most warps idle.
 
-Counter: ``ready[q]`` (int32, zeroed per launch) counts rows of minibatch q whose token is staged.
+Counter: ``ready[q]`` (int32, ``Schedule.ready``: zeroed by ``build_schedule``, so one dispatch
+per schedule build -- a second dispatch keeps counting) counts rows of minibatch q whose token
+is staged.
 After the copy every lane fences its stores, the warp syncs, and the lanes holding the token's
 local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer that acquires
 ``ready[q] == schedule.minibatch_rows[q]`` sees every staging row minibatch q reads.
