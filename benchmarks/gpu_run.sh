@@ -4,7 +4,8 @@
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
-#        bench-layer-4096 bench-layer-symm bench-layer bench-comm probe-host probe-gemm
+#        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
+#        probe-host probe-gemm
 #        (PROBE_PRESETS, PROBE_VARIANTS)
 #        (STEP_TIMEOUT seconds each, default 240)
 set -u
@@ -78,6 +79,9 @@ for s in "$@"; do
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;   # library tiles per shape
+    bench-layer-t) step bench-layer-t torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-4096}" \
+         --out "$OUT/bench_layer_t.json" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;
