@@ -31,9 +31,20 @@ before the previous tile's epilogue, so their latency hides behind its stores):
     3. wgmma.fence; 4 wgmmas on slice kt; commit          (tensor cores busy on kt ...)
     4. wgmma.wait(1)  -> slice kt-1's group retired       (... while kt-1 drains)
 
+Async ring (``async_ring``, opt-in: measured within 5 % of the above), slice g counted across
+the block's tiles, stage g % STAGES; full[s] waits for 384 cp.async arrivals (+1 with TMA),
+empty[s] for one arrival per warp:
+
+    1. wait full[g]; fence.proxy.async
+    2. wgmma.fence; 4 wgmmas on slice g; commit; wgmma.wait(1) -> slice g-1 retired
+    3. lane 0: arrive empty[g-1]
+    4. wait empty[g-1] (every warp done with it); issue slice g + STAGES - 1 into that stage,
+       then cp.async.mbarrier.arrive.noinc on its full (thread 0: arm it with TMA bytes)
+
 A warpgroup whose 64 rows are all padding (a_index[first row] < 0, padding sits at the end of
-each expert's segment) skips its MMAs and writes zeros. FP32 accumulation, K in fixed order,
-one owner per output tile: deterministic.
+each expert's segment) skips its MMAs and writes zeros. The skip branches on a warp vote
+(``warp_all``): under a plain per-thread ``if`` ptxas serialises every wgmma of the kernel
+(C7518). FP32 accumulation, K in fixed order, one owner per output tile: deterministic.
 """
 from numba import cuda, float32, int32, int64, uint16
 
