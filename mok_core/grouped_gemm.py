@@ -84,7 +84,7 @@ class GemmConfig:
                                           and 0 < self.l2_prefetch <= 64),
                 "l2_prefetch needs mma='wgmma' with tma=True (and at most 64 slices)")
             req(not self.async_ring or self.mma == "wgmma", "async_ring needs mma='wgmma'")
-            parts = set(self.probe.split("+")) - {""}
+            parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and ("no_b" not in parts or self.tma),
                 f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")

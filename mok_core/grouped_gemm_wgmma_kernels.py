@@ -270,6 +270,11 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
 PROBES = ("", "no_a", "no_b", "no_mma", "mma_first")
 
 
+def probe_parts(probe):
+    """The set of probe names in ``probe`` (several join with "+": "no_a+no_b")."""
+    return set(probe.split("+")) - {""}
+
+
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
                             probe="", async_ring=False):
@@ -304,7 +309,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
     those go to the stage of kt - 2).
     """
-    parts = set(probe.split("+")) - {""}       # probes combine: "no_a+no_b"
+    parts = probe_parts(probe)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and parts <= set(PROBES)
     assert tma_b or (l2_prefetch == 0 and "no_b" not in parts)
     n_wg = bm // 64
@@ -355,7 +360,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         gl % STAGES, once every warp released that stage's previous slice (gl - STAGES)."""
         st = gl % stages
         if gl >= stages:
-            wait_phase(smem, full0 + 8 * stages + 8 * st, ((gl // stages) - 1) & 1)
+            wait_phase(smem, full0 + 8 * stages + 8 * st,     # empty[st]: after the fulls
+                       ((gl // stages) - 1) & 1)
         load_stage(smem, st, kidx * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, b_row, tid, ktiles)
 
@@ -488,36 +494,36 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if lane == 0:                      # the tile's last slice is free too
                     mbarrier_arrive(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages))
                 g0 += ktiles
-            cst = 0                            # ring stages of the slice computed / loaded
-            lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
-            for kt in range(0 if async_ring else ktiles):
-                cp_async_wait(in_flight)
-                if tma_b:
-                    wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
-                    phases ^= 1 << cst
-                fence_proxy_async()
-                cuda.syncthreads()
-                soff = (cst * stage_bytes) >> 4
-                # warp_all: ``active`` is uniform per warpgroup, but only a vote makes it so for
-                # ptxas -- a wgmma under a plain ``if active`` serialises all of them (C7518).
-                run_mma = warp_all(active) != 0
-                if mma_first and run_mma:
-                    acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-                nxt = kt + prefetch
-                if nxt < ktiles:
-                    load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
-                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
-                cp_async_commit()
-                if run_mma:
-                    if not mma_first:
+            else:
+                cst = 0                            # ring stages of the slice computed / loaded
+                lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
+                for kt in range(ktiles):
+                    cp_async_wait(in_flight)
+                    if tma_b:
+                        wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
+                        phases ^= 1 << cst
+                    fence_proxy_async()
+                    cuda.syncthreads()
+                    soff = (cst * stage_bytes) >> 4
+                    # warp_all: ``active`` is uniform per warpgroup, but only a vote makes it so
+                    # for ptxas -- a wgmma under a plain ``if active`` serialises them (C7518).
+                    run_mma = warp_all(active) != 0
+                    if mma_first and run_mma:
                         acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-                    acc = wgmma_wait(acc, 1)
-                cst = 0 if cst == stages - 1 else cst + 1
-                lst = 0 if lst == stages - 1 else lst + 1
-            if not async_ring:
+                    nxt = kt + prefetch
+                    if nxt < ktiles:
+                        load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1,
+                                   a_src, a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
+                    cp_async_commit()
+                    if run_mma:
+                        if not mma_first:
+                            acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+                        acc = wgmma_wait(acc, 1)
+                    cst = 0 if cst == stages - 1 else cst + 1
+                    lst = 0 if lst == stages - 1 else lst + 1
                 acc = wgmma_wait(acc, 0)
                 cp_async_wait(0)
-                cuda.syncthreads()             # every warpgroup done with the ring
+                cuda.syncthreads()                 # every warpgroup done with the ring
 
             out_row = row0 + frag_row
             out_col = col0 + frag_col

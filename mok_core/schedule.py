@@ -118,6 +118,7 @@ class Schedule:
         if capacity % config.row_align:
             raise ValueError(f"capacity={capacity}: must be a multiple of row_align")
         C = max(1, -(-T // SCHEDULE_THREADS))
+        minibatches = -(-capacity // config.minibatch_size)
         i32 = np.int32
         rank_counts = device_empty((E, R), i32, stream)
         all_offsets = device_empty((R, E_local + 1), i32, stream)
@@ -137,8 +138,8 @@ class Schedule:
             recv_row=device_empty((R, T, k), i32, stream),
             dest_rank=device_empty((T, k), i32, stream),
             dest_row=device_empty((T, k), i32, stream),
-            minibatch_rows=device_empty((-(-capacity // config.minibatch_size),), i32, stream),
-            ready=device_empty((-(-capacity // config.minibatch_size),), i32, stream),
+            minibatch_rows=device_empty((minibatches,), i32, stream),
+            ready=device_empty((minibatches,), i32, stream),
             errors=device_empty((err.ERROR_WORDS,), i32, stream),
             chunk_counts=device_empty((R, C, E), i32, stream),
             chunk_base=device_empty((R, C, E), i32, stream),
