@@ -31,12 +31,15 @@ from benchmarks.common import (capture_graph, gpu_name, median, numba_stream,  #
 
 
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch,
-#  async_ring) -- GemmConfig's field order
+#  async_ring, probe, packed_weights) -- GemmConfig's field order
 SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
     (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True),
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),  # async ring (opt-in)
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed weights
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True, "", True),    # packed + async
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed, 128 rows
 ]
 
 
@@ -93,6 +96,20 @@ def ffn_inputs(preset_name, T, skew, row_unit, rng):
         y=torch.empty(C, H, device=dev, dtype=bf))
 
 
+def weights_for(d, gemm_cfg, name, swiglu):
+    """Weight ``name`` of ``ffn_inputs`` as ``gemm_cfg`` reads it: packed
+    (``mok_core.weight_pack``, once per box size, kept in ``d``; the packing is weight
+    preparation, not timed -- parameters stored packed) or as is."""
+    if not gemm_cfg.packed_weights:
+        return d[name]
+    from mok_core.weight_pack import box_rows, pack_weights
+    rows = box_rows(gemm_cfg, swiglu)
+    key = f"{name}_packed{rows}"
+    if key not in d:
+        d[key] = pack_weights(d[name], rows)
+    return d[key]
+
+
 def ffn_steps(d, gemm_cfg):
     """(gate_up, down) launches of our kernels over ``ffn_inputs``, on torch's current stream
     at call time (so they can be captured into a CUDA graph)."""
@@ -100,13 +117,16 @@ def ffn_steps(d, gemm_cfg):
     import torch
     u16 = torch.uint16
 
+    wg, wu, wd = (weights_for(d, gemm_cfg, name, sw) for name, sw in
+                  (("wg", True), ("wu", True), ("wd", False)))
+
     def gate_up():
-        gate_up_swiglu(d["x"].view(u16), d["index"], d["wg"].view(u16), d["wu"].view(u16),
+        gate_up_swiglu(d["x"].view(u16), d["index"], wg.view(u16), wu.view(u16),
                        d["off"], d["num_rows"], d["hidden"].view(u16), config=gemm_cfg,
                        stream=numba_stream())
 
     def down_():
-        down(d["hidden"].view(u16), d["wd"].view(u16), d["off"], d["num_rows"],
+        down(d["hidden"].view(u16), wd.view(u16), d["off"], d["num_rows"],
              d["y"].view(u16), row_index=d["index"], config=gemm_cfg, stream=numba_stream())
     return gate_up, down_
 

@@ -5,8 +5,8 @@
 # Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
-#        probe-host probe-gemm
-#        (PROBE_PRESETS, PROBE_VARIANTS)
+#        probe-host probe-gemm probe-comm (PROBE_COMM_VARIANTS)
+#        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE)
 #        (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
@@ -54,7 +54,10 @@ for s in "$@"; do
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
     probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py \
          --presets "${PROBE_PRESETS:-kimi-k2.7}" --variants "${PROBE_VARIANTS:-base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8}" \
-         --out "$OUT/probe_gemm.json" ;;
+         --dense "${PROBE_DENSE-deepseek-v4-pro}" --out "$OUT/probe_gemm.json" ;;
+    probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
+         --out "$OUT/probe_comm.json" ;;
     probe-host) step probe-host torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_host.py ;;
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \

@@ -12,6 +12,9 @@ shape (``functional.layer_gemm``) changed by one field:
   mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
   async      GemmConfig.async_ring (stages handed over by mbarriers)
+  packed     GemmConfig.packed_weights (weights packed box by box, one bulk copy per box;
+             the packing itself is weight preparation, not timed)
+  bm128      128-row tiles (2 warpgroups; bm192: 3), weights by TMA
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
 each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost; torch's the
@@ -36,13 +39,19 @@ VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
 
 def variant_config(base, name):
-    """'base', or '+'-joined parts: 'async' (async_ring), 'l2pfN' (l2_prefetch=N), probes."""
+    """'base', or '+'-joined parts: 'async' (async_ring), 'packed' (packed_weights), 'bm128' /
+    'bm192' (row tile), 'l2pfN' (l2_prefetch=N), probes."""
     cfg, probes = base, []
     for part in name.split("+"):
         if part == "base":
             continue
         if part == "async":
             cfg = dataclasses.replace(cfg, async_ring=True)
+        elif part == "packed":
+            cfg = dataclasses.replace(cfg, packed_weights=True, l2_prefetch=0)
+        elif part in ("bm128", "bm192"):
+            bm = int(part[2:])
+            cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True)
         elif part.startswith("l2pf"):
             cfg = dataclasses.replace(cfg, l2_prefetch=int(part[4:]))
         else:

@@ -50,6 +50,11 @@ class GemmConfig:
     results are wrong (``grouped_gemm_wgmma_kernels.PROBES``; ``benchmarks/probe_gemm.py``).
     ``async_ring`` ("wgmma"): full/empty mbarriers per stage instead of a block barrier per K
     slice; loads run STAGES - 1 slices ahead (``make_wgmma_grouped_gemm``).
+    ``packed_weights`` ("wgmma" with ``tma``): the weight arrays passed in are in the packed
+    layout of ``mok_core.weight_pack`` for this config (``pack_weights(w, box_rows(cfg,
+    swiglu))``: gate/up boxes of bn/2 rows, down of bn): each weight box is then one
+    contiguous bulk copy (whole DRAM pages) instead of a TMA box of 128-byte row pieces. The
+    kernel cannot tell a packed array from a plain one: packing is the caller's contract.
     """
     bm: int = 128
     bn: int = 128
@@ -64,6 +69,7 @@ class GemmConfig:
     l2_prefetch: int = 0            # "wgmma" + tma: L2 prefetch of the weights, slices ahead
     async_ring: bool = False        # "wgmma": stages handed over by mbarriers, no block barrier
     probe: str = ""                 # measurement builds only (wrong results)
+    packed_weights: bool = False    # "wgmma" + tma: weights in weight_pack's layout
 
     def __post_init__(self):
         def req(cond, msg):
@@ -84,6 +90,9 @@ class GemmConfig:
                                           and 0 < self.l2_prefetch <= 64),
                 "l2_prefetch needs mma='wgmma' with tma=True (and at most 64 slices)")
             req(not self.async_ring or self.mma == "wgmma", "async_ring needs mma='wgmma'")
+            req(not self.packed_weights or (self.mma == "wgmma" and self.tma
+                                            and not self.l2_prefetch),
+                "packed_weights needs mma='wgmma' with tma=True (and no l2_prefetch)")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and ("no_b" not in parts or self.tma),
@@ -91,8 +100,9 @@ class GemmConfig:
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
-            req(not (self.tma or self.l2_prefetch or self.probe or self.async_ring),
-                "tma, l2_prefetch, probe and async_ring need a wgmma kind")
+            req(not (self.tma or self.l2_prefetch or self.probe or self.async_ring
+                     or self.packed_weights),
+                "tma, l2_prefetch, probe, async_ring and packed_weights need a wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -174,7 +184,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
                                               max_registers=cfg.max_registers, tma_b=cfg.tma,
                                               push=push, bm=cfg.bm,
                                               l2_prefetch=cfg.l2_prefetch, probe=cfg.probe,
-                                              async_ring=cfg.async_ring)
+                                              async_ring=cfg.async_ring,
+                                              packed_b=cfg.packed_weights)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
@@ -216,7 +227,7 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
                          f"(at most {(1 << 16) * 64 - 1} rows per launch)")
     args = (_flat(a), a_index, _flat(w0), _flat(w1))
     if cfg.mma != "mma_sync":
-        if cfg.tma:                    # gate/up: a gate map and an up map of BN/2-row boxes
+        if cfg.tma and not cfg.packed_weights:   # gate/up: gate and up maps, BN/2-row boxes
             box = cfg.bn // 2 if swiglu else cfg.bn
             maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
                                 for w in ((w0, w1) if swiglu else (w0,))], box, stream)

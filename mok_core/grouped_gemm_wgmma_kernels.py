@@ -50,7 +50,7 @@ from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import swiglu
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
+from .intrinsics import (bulk_load, cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
@@ -188,23 +188,33 @@ def wait_phase(smem, bar, parity):
             trap()
 
 
-def make_tma_b_loader(bn, swiglu_epilogue, read_b=True):
-    """``tma_b(smem, dst, tmaps, bar, row, k0)``: one thread's TMA of a slice's B operand (BN
-    weight rows x 64 K values) to the shared byte address ``dst``, completing on the mbarrier
-    ``bar`` (armed here with the slice's bytes). SWIGLU: BN/2 gate rows from map 0 and BN/2 up
-    rows from map 1, both starting at weight row ``row``; else BN rows of map 0. The maps carry
-    the 128-byte swizzle, so the box lands in the layout the B descriptor reads.
+def make_tma_b_loader(bn, swiglu_epilogue, read_b=True, packed=False):
+    """``tma_b(smem, dst, tmaps, bar, row, k0, w0, w1, K)``: one thread's TMA of a slice's B
+    operand (BN weight rows x 64 K values) to the shared byte address ``dst``, completing on
+    the mbarrier ``bar`` (armed here with the slice's bytes). SWIGLU: BN/2 gate rows from map 0
+    and BN/2 up rows from map 1, both starting at weight row ``row``; else BN rows of map 0.
+    The maps carry the 128-byte swizzle, so the box lands in the layout the B descriptor reads.
+    ``packed`` (``mok_core.weight_pack``): the weights ``w0`` / ``w1`` (flat, K per row) are
+    stored box by box, pre-swizzled, so each box is one contiguous 1-D bulk copy from element
+    ``row * K + k0 * box_rows`` -- no tensor map, whole DRAM pages per box.
     ``prefetch_b(tmaps, row, k0)``: the same boxes into L2 only (no barrier, nothing to wait
     for), issued some slices ahead so the load itself finds its weights in L2, not HBM.
     ``read_b=False`` (a measurement build): the barrier completes with no bytes, no B traffic."""
     half_bytes = (bn // 2) * ROW_BYTES
+    box = bn // 2 if swiglu_epilogue else bn
 
     @kjit(device=True, inline="always")
-    def tma_b(smem, dst, tmaps, bar, row, k0):
+    def tma_b(smem, dst, tmaps, bar, row, k0, w0, w1, K):
         if not read_b:
             mbarrier_arrive_expect_tx(smem, bar, 0)
             return
         mbarrier_arrive_expect_tx(smem, bar, bn * ROW_BYTES)
+        if packed:
+            src = int64(row) * K + int64(k0) * box
+            bulk_load(smem, dst, w0, src, box * ROW_BYTES, bar)
+            if swiglu_epilogue:
+                bulk_load(smem, dst + half_bytes, w1, src, half_bytes, bar)
+            return
         tma_load_2d(smem, dst, tmaps, 0, k0, row, bar)
         if swiglu_epilogue:
             tma_load_2d(smem, dst + half_bytes, tmaps, 16, k0, row, bar)
@@ -277,7 +287,7 @@ def probe_parts(probe):
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
-                            probe="", async_ring=False):
+                            probe="", async_ring=False, packed_b=False):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -303,6 +313,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     counter runs on across tiles, but the next tile's first slices are requested only once
     the current tile's MMAs all retired (before its epilogue), as in the block-barrier ring:
     the ring drains once per tile. (``mma_first`` is the async ring's order anyway.)
+    ``packed_b`` (with ``tma_b``): the weights are in the packed layout
+    (``mok_core.weight_pack``, boxes of BN/2 rows for gate/up, BN for down) and each box comes
+    by one contiguous bulk copy instead of a TMA box.
     ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``; several join
     with "+"): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
@@ -311,7 +324,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     """
     parts = probe_parts(probe)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and parts <= set(PROBES)
-    assert tma_b or (l2_prefetch == 0 and "no_b" not in parts)
+    assert tma_b or (l2_prefetch == 0 and "no_b" not in parts and not packed_b)
+    assert not (packed_b and l2_prefetch)
     n_wg = bm // 64
     threads = 128 * n_wg
     pass_rows = threads // 8                # rows covered when every thread copies one chunk
@@ -327,7 +341,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     a_sources, load_slice = make_slice_loader(swiglu_epilogue, gather, a_passes,
                                               0 if tma_b else bn // pass_rows,
                                               read_a="no_a" not in parts)
-    tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts)
+    tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts,
+                                               packed=packed_b)
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
@@ -349,7 +364,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         if async_ring:                         # full[st] counts this thread once its chunks land
             cp_async_mbarrier_arrive(smem, full0 + 8 * st)
         if tma_b and tid == 0:
-            tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0)
+            tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0,
+                       w0, w1, ktiles * BK)
             if l2_prefetch and k0 + l2_prefetch * BK < ktiles * BK:
                 prefetch_b(tmaps, b_row, k0 + l2_prefetch * BK)
 

@@ -156,7 +156,7 @@ def make_wgmma_ws_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_inde
                                a_src, a_nb, b_src, b_step, kt * BK)
                     if tma_b and p == 0:
                         tma_b_load(smem, ring + s * stage_bytes + a_stage, tmaps, full0 + 8 * s,
-                                   b_row, kt * BK)
+                                   b_row, kt * BK, w0, w1, K)
                     cp_async_mbarrier_arrive(smem, full0 + 8 * s)
                     i += 1
                 t += grid

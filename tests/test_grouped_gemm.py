@@ -27,9 +27,13 @@ WGMMA192_ASYNC_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma=
                                 tma=True, async_ring=True)
 WGMMA_ASYNC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
                              async_ring=True)
+# Weights in the packed layout (mok_core.weight_pack): each box one contiguous bulk copy.
+WGMMA_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
+                              packed_weights=True)
 WGMMA192_PF_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True,
                              l2_prefetch=2, probe="mma_first")
 from mok_core.reference import swiglu
+from mok_core.weight_pack import box_rows, pack_weights
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
 
@@ -74,9 +78,11 @@ def rel_l1(got, want):
     # async ring: K of 4 slices for TMA (3 stages: the loop requests slices, stages wrap across
     # tiles), cp.async-only B at 128 rows
     (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
+    (WGMMA_PACKED_CFG, [40, 0, 150], 1.5),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
         "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp",
-        "wgmma192-l2-prefetch-mma-first", "wgmma192-async-ring", "wgmma-async-ring"])
+        "wgmma192-l2-prefetch-mma-first", "wgmma192-async-ring", "wgmma-async-ring",
+        "wgmma-packed-weights-clamp"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
@@ -91,8 +97,11 @@ def test_gate_up_swiglu_and_down(cfg, counts, limit):
     wd = bits(rng.standard_normal((E, H, I)) / 6)
     num_rows = np.array([off[-1]], np.int32)
     hidden = to_dev(np.full((C, I), POISON, np.uint16))
-    gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(wg), to_dev(wu), to_dev(off),
-                   to_dev(num_rows), hidden, swiglu_limit=limit, config=cfg)
+    # what the kernels read: the weights as they are, or packed for the config's boxes
+    pk = ((lambda w, swiglu: pack_weights(w, box_rows(cfg, swiglu))) if cfg.packed_weights
+          else (lambda w, swiglu: w))
+    gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(pk(wg, True)), to_dev(pk(wu, True)),
+                   to_dev(off), to_dev(num_rows), hidden, swiglu_limit=limit, config=cfg)
     h = to_host(hidden)
 
     # float64 reference on the same bf16 inputs
@@ -111,8 +120,8 @@ def test_gate_up_swiglu_and_down(cfg, counts, limit):
     assert rel_l1(got, want[live]) < 5e-3
 
     y = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y, row_index=to_dev(a_index),
-         config=cfg)
+    down(to_dev(h), to_dev(pk(wd, False)), to_dev(off), to_dev(num_rows), y,
+         row_index=to_dev(a_index), config=cfg)
     yh = to_host(y)
     want_y = np.zeros((C, H))
     for e in range(E):
@@ -124,7 +133,7 @@ def test_gate_up_swiglu_and_down(cfg, counts, limit):
 
     # deterministic: a rerun is bitwise identical
     y2 = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y2, config=cfg)
+    down(to_dev(h), to_dev(pk(wd, False)), to_dev(off), to_dev(num_rows), y2, config=cfg)
     np.testing.assert_array_equal(to_host(y2), yh)
 
 

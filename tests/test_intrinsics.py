@@ -11,7 +11,7 @@ from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
 from mok_core.cuda_compat import kjit, to_host
 from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
-                                 f32_to_bf16, ld_acquire_sys, ld_v4, ldmatrix_x2, ldmatrix_x4,
+                                 f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2, ldmatrix_x4,
                                  ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, shared_addr, st_release_sys, st_v4)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
@@ -41,13 +41,23 @@ def _copy_rows_v4(src, dst, perm, width):
         st_v4(dst, i * width + c, a, b, d, e)
 
 
-def test_ld_st_v4_copy():
+@kjit
+def _copy_rows_v4_nc(src, dst, perm, width):
+    """``_copy_rows_v4`` reading through the read-only path."""
+    i = cuda.blockIdx.x
+    for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
+        a, b, d, e = ld_v4_nc(src, perm[i] * width + c)
+        st_v4(dst, i * width + c, a, b, d, e)
+
+
+@pytest.mark.parametrize("kernel", [_copy_rows_v4, _copy_rows_v4_nc], ids=["ld", "ld_nc"])
+def test_ld_st_v4_copy(kernel):
     rng = np.random.default_rng(0)
     rows, width = 6, 64
     src = rng.integers(0, 2**16, size=rows * width, dtype=np.uint16)
     perm = rng.permutation(rows).astype(np.int32)
     dst = to_dev(np.zeros(rows * width, np.uint16))
-    _copy_rows_v4[rows, 4](to_dev(src), dst, to_dev(perm), width)
+    kernel[rows, 4](to_dev(src), dst, to_dev(perm), width)
     np.testing.assert_array_equal(to_host(dst).reshape(rows, width),
                                   src.reshape(rows, width)[perm])
 

@@ -24,49 +24,58 @@ from numba import cuda, uint16
 
 from mok_core.cuda_compat import kjit
 from mok_core.errors_kernels import record_timeout
-from mok_core.intrinsics import ld_v4, red_add_release_gpu, st_v4, syncwarp
+from mok_core.intrinsics import ld_v4, ld_v4_nc, red_add_release_gpu, st_v4, syncwarp
 
 from .bulk import copy_row_bulk, warp_buffer
 
 COUNTER_BULK_COPY = 4           # errors.COUNTER_NAMES: a bulk row copy that never landed
 
-@kjit(device=True, inline="always")
-def copy_row(src, src_off, dst, dst_off, width, lane):
-    """One warp copies ``width`` uint16 (multiple of 8) from src[src_off:] to dst[dst_off:]."""
-    nchunks = width // 8
-    j = lane
-    while j + 224 < nchunks:
-        a0, a1, a2, a3 = ld_v4(src, src_off + j * 8)
-        b0, b1, b2, b3 = ld_v4(src, src_off + (j + 32) * 8)
-        c0, c1, c2, c3 = ld_v4(src, src_off + (j + 64) * 8)
-        d0, d1, d2, d3 = ld_v4(src, src_off + (j + 96) * 8)
-        e0, e1, e2, e3 = ld_v4(src, src_off + (j + 128) * 8)
-        f0, f1, f2, f3 = ld_v4(src, src_off + (j + 160) * 8)
-        g0, g1, g2, g3 = ld_v4(src, src_off + (j + 192) * 8)
-        h0, h1, h2, h3 = ld_v4(src, src_off + (j + 224) * 8)
-        st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
-        st_v4(dst, dst_off + (j + 32) * 8, b0, b1, b2, b3)
-        st_v4(dst, dst_off + (j + 64) * 8, c0, c1, c2, c3)
-        st_v4(dst, dst_off + (j + 96) * 8, d0, d1, d2, d3)
-        st_v4(dst, dst_off + (j + 128) * 8, e0, e1, e2, e3)
-        st_v4(dst, dst_off + (j + 160) * 8, f0, f1, f2, f3)
-        st_v4(dst, dst_off + (j + 192) * 8, g0, g1, g2, g3)
-        st_v4(dst, dst_off + (j + 224) * 8, h0, h1, h2, h3)
-        j += 256
-    while j + 96 < nchunks:
-        a0, a1, a2, a3 = ld_v4(src, src_off + j * 8)
-        b0, b1, b2, b3 = ld_v4(src, src_off + (j + 32) * 8)
-        c0, c1, c2, c3 = ld_v4(src, src_off + (j + 64) * 8)
-        d0, d1, d2, d3 = ld_v4(src, src_off + (j + 96) * 8)
-        st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
-        st_v4(dst, dst_off + (j + 32) * 8, b0, b1, b2, b3)
-        st_v4(dst, dst_off + (j + 64) * 8, c0, c1, c2, c3)
-        st_v4(dst, dst_off + (j + 96) * 8, d0, d1, d2, d3)
-        j += 128
-    while j < nchunks:
-        a0, a1, a2, a3 = ld_v4(src, src_off + j * 8)
-        st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
-        j += 32
+def make_copy_row(load):
+    """``copy_row(src, src_off, dst, dst_off, width, lane)``: one warp copies ``width`` uint16
+    (multiple of 8) from src[src_off:] to dst[dst_off:], 16 bytes per lane and load ``load``
+    (``ld_v4``, or ``ld_v4_nc``: the read-only path, for rows no one writes during the copy)."""
+
+    @kjit(device=True, inline="always")
+    def copy_row(src, src_off, dst, dst_off, width, lane):
+        nchunks = width // 8
+        j = lane
+        while j + 224 < nchunks:
+            a0, a1, a2, a3 = load(src, src_off + j * 8)
+            b0, b1, b2, b3 = load(src, src_off + (j + 32) * 8)
+            c0, c1, c2, c3 = load(src, src_off + (j + 64) * 8)
+            d0, d1, d2, d3 = load(src, src_off + (j + 96) * 8)
+            e0, e1, e2, e3 = load(src, src_off + (j + 128) * 8)
+            f0, f1, f2, f3 = load(src, src_off + (j + 160) * 8)
+            g0, g1, g2, g3 = load(src, src_off + (j + 192) * 8)
+            h0, h1, h2, h3 = load(src, src_off + (j + 224) * 8)
+            st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
+            st_v4(dst, dst_off + (j + 32) * 8, b0, b1, b2, b3)
+            st_v4(dst, dst_off + (j + 64) * 8, c0, c1, c2, c3)
+            st_v4(dst, dst_off + (j + 96) * 8, d0, d1, d2, d3)
+            st_v4(dst, dst_off + (j + 128) * 8, e0, e1, e2, e3)
+            st_v4(dst, dst_off + (j + 160) * 8, f0, f1, f2, f3)
+            st_v4(dst, dst_off + (j + 192) * 8, g0, g1, g2, g3)
+            st_v4(dst, dst_off + (j + 224) * 8, h0, h1, h2, h3)
+            j += 256
+        while j + 96 < nchunks:
+            a0, a1, a2, a3 = load(src, src_off + j * 8)
+            b0, b1, b2, b3 = load(src, src_off + (j + 32) * 8)
+            c0, c1, c2, c3 = load(src, src_off + (j + 64) * 8)
+            d0, d1, d2, d3 = load(src, src_off + (j + 96) * 8)
+            st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
+            st_v4(dst, dst_off + (j + 32) * 8, b0, b1, b2, b3)
+            st_v4(dst, dst_off + (j + 64) * 8, c0, c1, c2, c3)
+            st_v4(dst, dst_off + (j + 96) * 8, d0, d1, d2, d3)
+            j += 128
+        while j < nchunks:
+            a0, a1, a2, a3 = load(src, src_off + j * 8)
+            st_v4(dst, dst_off + j * 8, a0, a1, a2, a3)
+            j += 32
+
+    return copy_row
+
+
+copy_row = make_copy_row(ld_v4)
 
 
 @kjit(device=True, inline="always")
@@ -79,9 +88,13 @@ def token_needed(recv_row, first, k):
 
 
 @kjit(device=True, inline="always")
-def publish_rows(recv_row, first, k, ready, minibatch_rows, lane):
-    """After this warp's copy of a token: fence, then count its local rows as ready."""
-    cuda.threadfence()
+def publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence):
+    """After this warp's copy of a token, count its local rows as ready. The warp barrier
+    orders every lane's stores before the releasing lanes' adds, and a release is cumulative,
+    so the adds alone publish the row; ``fence`` adds a full ``membar.gl`` first (belt and
+    braces, measured for its cost)."""
+    if fence:
+        cuda.threadfence()
     syncwarp()                                  # every lane's stores precede the release
     for s in range(lane, k, 32):
         row = recv_row[first + s]
@@ -89,28 +102,39 @@ def publish_rows(recv_row, first, k, ready, minibatch_rows, lane):
             red_add_release_gpu(ready, row // minibatch_rows, 1)
 
 
-@kjit
-def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
-    """Launch: grid = comm blocks, block = 32 * warps threads.
+def make_pull_dispatch_kernel(fence=True, nc_loads=False):
+    """The pull dispatch kernel; ``fence``: a ``membar.gl`` before each token's ready adds;
+    ``nc_loads``: peers' rows read with ``ld.global.nc.L1::no_allocate.L2::256B`` (the x
+    buffers are read-only between the barrier before dispatch and the next publish)."""
+    copy = make_copy_row(ld_v4_nc if nc_loads else ld_v4)
 
-    peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
-    recv_row    int32 [R*T*k]                      row here of route (r, t, s), -1 if not ours
-    x_recv      uint16 [R*T*H]                     out: staging, row r*T + t
-    ready       int32 [ceil(capacity / minibatch_rows)]  out: staged rows per minibatch
-    """
-    warps = cuda.blockDim.x // 32
-    lane = cuda.threadIdx.x % 32
-    n_tokens = recv_row.shape[0] // k
-    u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
-    while u < n_tokens:
-        first = u * k
-        needed = token_needed(recv_row, first, k)
-        if needed:                                  # uniform over the warp: same loads
-            r = u // T
-            if r != me:
-                copy_row(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
-            publish_rows(recv_row, first, k, ready, minibatch_rows, lane)
-        u += cuda.gridDim.x * warps
+    @kjit(max_registers=64)         # two 512-thread comm blocks per SM
+    def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
+        """Launch: grid = comm blocks, block = 32 * warps threads.
+
+        peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
+        recv_row    int32 [R*T*k]                      row here of route (r, t, s), -1 if not ours
+        x_recv      uint16 [R*T*H]                     out: staging, row r*T + t
+        ready       int32 [ceil(capacity / minibatch_rows)]  out: staged rows per minibatch
+        """
+        warps = cuda.blockDim.x // 32
+        lane = cuda.threadIdx.x % 32
+        n_tokens = recv_row.shape[0] // k
+        u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+        while u < n_tokens:
+            first = u * k
+            needed = token_needed(recv_row, first, k)
+            if needed:                                  # uniform over the warp: same loads
+                r = u // T
+                if r != me:
+                    copy(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
+                publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence)
+            u += cuda.gridDim.x * warps
+
+    return pull_dispatch_kernel
+
+
+pull_dispatch_kernel = make_pull_dispatch_kernel()
 
 
 @kjit
@@ -140,5 +164,5 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
                 if done < 2 * H:
                     record_timeout(errors, me, COUNTER_BULK_COPY, 2 * H, done, r)
                     return
-            publish_rows(recv_row, first, k, ready, minibatch_rows, lane)
+            publish_rows(recv_row, first, k, ready, minibatch_rows, lane, True)
         u += cuda.gridDim.x * warps

@@ -66,6 +66,24 @@ def ld_v4(typingctx, arr, idx):
 
 
 @intrinsic
+def ld_v4_nc(typingctx, arr, idx):
+    """``ld_v4`` through the read-only path, ``ld.global.nc.L1::no_allocate.L2::256B``: for
+    global (or peer) data nothing writes while the kernel runs; L1 is bypassed and L2 fetches
+    256 bytes around the address (whole lines for a warp's 512 contiguous bytes). The generic
+    address is used as a global one, as CUDA C++ does (they coincide for global memory)."""
+    if not (_is_1d(arr) and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.ptrtoint(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), _i64)
+        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [ptr],
+                   "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+                   "=r,=r,=r,=r,l", True)   # volatile: stays where the unrolled copy puts it
+        return _tuple(context, builder, sig, res, 4)
+    return _u32x4(arr, idx), codegen
+
+
+@intrinsic
 def st_v4(typingctx, arr, idx, v0, v1, v2, v3):
     """Store 4 uint32 as 16 bytes at element ``idx`` of ``arr`` (16-byte aligned)."""
     if not (_is_1d(arr) and isinstance(idx, types.Integer)):

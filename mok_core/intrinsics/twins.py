@@ -48,6 +48,9 @@ def ld_v4(arr, idx):
     return (w[0], w[1], w[2], w[3])
 
 
+ld_v4_nc = ld_v4                # the read-only cache path: same bytes
+
+
 def st_v4(arr, idx, v0, v1, v2, v3):
     raw, sl = _chunk(arr, idx)
     raw[sl] = np.array([v0, v1, v2, v3], dtype=np.uint32).view(raw.dtype)

@@ -20,6 +20,8 @@ def _configs():
             "wgmma192_async": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
                                          async_ring=True),
             "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
+            "wgmma192_packed": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
+                                          packed_weights=True),
             "mma_sync": MMA_SYNC_GEMM}
 
 
@@ -27,7 +29,7 @@ def _configs():
 @pytest.mark.parametrize("limit", [None, 4.0])
 @pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
                                       "wgmma_ws_tma", "wgmma192", "wgmma192_async",
-                                      "mma_sync"])
+                                      "wgmma192_packed", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
@@ -58,13 +60,19 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     d_idx = torch.from_numpy(a_index).cuda()
     u16 = torch.uint16
     s = numba_stream()
+    if cfg.packed_weights:                   # what the kernels read; the reference keeps W
+        from mok_core.weight_pack import box_rows, pack_weights
+        kw = [pack_weights(w, box_rows(cfg, sw)) for w, sw in ((wg, True), (wu, True),
+                                                               (wd, False))]
+    else:
+        kw = [wg, wu, wd]
 
     def run():
         hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
         y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
-        gate_up_swiglu(x.view(u16), d_idx, wg.view(u16), wu.view(u16), d_off, d_nr,
+        gate_up_swiglu(x.view(u16), d_idx, kw[0].view(u16), kw[1].view(u16), d_off, d_nr,
                        hidden.view(u16), swiglu_limit=limit, config=cfg, stream=s)
-        down(hidden.view(u16), wd.view(u16), d_off, d_nr, y.view(u16), row_index=d_idx,
+        down(hidden.view(u16), kw[2].view(u16), d_off, d_nr, y.view(u16), row_index=d_idx,
              config=cfg, stream=s)
         torch.cuda.synchronize()
         return hidden, y

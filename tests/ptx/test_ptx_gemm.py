@@ -95,10 +95,12 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     assemble_sm90a(ptx)
 
 
-@pytest.mark.parametrize("bm,swiglu,push,async_ring", [
-    (192, True, False, False), (192, False, True, False), (192, False, False, False),
-    (128, True, False, False), (192, True, False, True), (192, False, True, True)])
-def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring):
+@pytest.mark.parametrize("bm,swiglu,push,async_ring,packed", [
+    (192, True, False, False, False), (192, False, True, False, False),
+    (192, False, False, False, False), (128, True, False, False, False),
+    (192, True, False, True, False), (192, False, True, True, False),
+    (192, True, False, False, True), (192, False, True, True, True)])
+def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     """ptxas must keep a slice's 4 wgmmas back to back with one group in flight. A wgmma in a
     path ptxas thinks divergent (``if active`` on a per-thread value) makes it serialise every
     wgmma of the kernel (warning C7518: a wait after each) -- the shipped 192-row kernel ran so
@@ -107,13 +109,16 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring):
 
     from mok_core import grouped_gemm_wgmma_kernels as wk
     kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
-                                      push=push, async_ring=async_ring)
+                                      push=push, async_ring=async_ring, packed_b=packed)
     opts = {"launch_bounds": (384, 1)} if bm == 192 else {}
     ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
     assert count(ptx, r"vote\.sync\.all\.pred") >= 1
     if async_ring:       # every thread's copies arrive on full[s]; no block barrier in the loop
         assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") >= 1
         assert count(ptx, r"bar\.sync|barrier\.sync") == 1      # the one after set-up
+    tma_boxes = count(ptx, r"cp\.async\.bulk\.tensor\.2d")
+    bulk_boxes = count(ptx, r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier")
+    assert (bulk_boxes >= 1 and tma_boxes == 0) if packed else (tma_boxes >= 1 and not bulk_boxes)
     report = assemble_sm90a(ptx)
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 

@@ -10,6 +10,8 @@ u16, u32, f32, i32 = uint16[::1], uint32[::1], float32[::1], int32[::1]
 CASES = {
     "ld_st_v4": (ti._copy_rows_v4, (u16, u16, i32, int32),
                  [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
+    "ld_nc": (ti._copy_rows_v4_nc, (u16, u16, i32, int32),
+              [r"ld\.global\.nc\.L1::no_allocate\.L2::256B\.v4\.u32"]),
     "bf16": (ti._convert, (f32, u16, u32, f32), [r"cvt\.rn\.bf16\.f32", r"cvt\.rn\.bf16x2\.f32"]),
     "flags": (ti._flags, (i32, i32), [r"ld\.acquire\.sys", r"st\.release\.sys",
                                       r"red\.release\.gpu\.add"]),

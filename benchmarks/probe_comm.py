@@ -1,0 +1,155 @@
+"""Where the pull dispatch loses to the copy engine: the dispatch kernel rebuilt with one knob
+changed, beside the copy-engine pull of the same bytes, in one run.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/probe_comm.py [--tokens 4096,8192]
+
+Variants (``kernels.dispatch.make_pull_dispatch_kernel`` + the launch shape):
+  base         the library's dispatch (``ops.dispatch``)
+  nofence      no ``membar.gl`` before a token's ready adds (warp barrier + release adds only)
+  nc           peers' rows read through ``ld.global.nc.L1::no_allocate.L2::256B``
+  bBwW         B blocks per SM of W warps (base: b2w16)
+  '+'-joined   e.g. nofence+nc+b4w8
+Every variant's staging rows are checked bit-equal to the library's before it is timed.
+GB/s = deduplicated bytes that cross NVLink / time; CUDA-graph replays, max over ranks per
+iteration, median over iterations (as ``bench_comm``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (capture_graph, comm_setup, gpu_name, gumbel_topk_ids,  # noqa: E402
+                               numba_stream, progress, rank_max_median, table, time_iters,
+                               write_json)
+
+H, E, K = 7168, 384, 8
+VARIANTS = "base,nofence,nc,nofence+nc,nofence+b1w32,nofence+b4w8,nofence+b2w8,nofence+nc+b4w8"
+
+
+def parse_variant(name):
+    """(fence, nc_loads, blocks per SM, warps per block) of a variant name."""
+    fence, nc, blocks, warps = True, False, 2, 16
+    for part in name.split("+"):
+        if part == "base":
+            continue
+        if part == "nofence":
+            fence = False
+        elif part == "nc":
+            nc = True
+        elif part.startswith("b") and "w" in part:
+            blocks, warps = (int(v) for v in part[1:].split("w"))
+        else:
+            raise ValueError(f"unknown variant part {part!r}")
+    return fence, nc, blocks, warps
+
+
+def run_case(T, variants, iters, warmup):
+    import torch
+    import torch.distributed as td
+    import nvshmem.core as nvs
+
+    from mok_comm import ops
+    from mok_comm.kernels.dispatch import make_pull_dispatch_kernel
+    from mok_core.config import MoKConfig
+    from mok_core.cuda_compat import multiprocessor_count
+    from mok_core.schedule import build_schedule
+    R, me = td.get_world_size(), td.get_rank()
+    ids = gumbel_topk_ids(np.random.default_rng(T), R, T, E, K)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    s = numba_stream()
+    heap, ws, sched = comm_setup(T, H, K, E, MoKConfig(capacity_factor=1.0), s)
+    ops.publish_tokens(ws, x.view(torch.uint16), torch.from_numpy(ids[me]).cuda(), stream=s)
+    ops.barrier(ws, stream=s)
+    build_schedule(sched, ws.ids_table, stream=s)
+    torch.cuda.synchronize()
+    sc = sched.to_host()
+    n = int(sc["num_rows"][0])
+    remote = (sc["src_rank"][:n] >= 0) & (sc["src_rank"][:n] != me)
+    pairs = {(int(r), int(t)) for r, t in zip(sc["src_rank"][:n][remote],
+                                              sc["src_token"][:n][remote])}
+    nbytes = len(pairs) * H * 2
+
+    staged = torch.as_tensor(ws.x_recv, device="cuda")
+    bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
+    src = nvs.tensor((len(pairs), H), dtype=torch.bfloat16)
+    src.normal_()
+    dst = torch.empty_like(src)
+    pv = nvs.get_peer_tensor(src, (me + 1) % R)
+    sms = multiprocessor_count()
+
+    def step_of(name):
+        if name == "base":
+            return lambda: ops.dispatch(ws, sched, stream=numba_stream())
+        fence, nc, blocks, warps = parse_variant(name)
+        kernel = make_pull_dispatch_kernel(fence, nc)
+        args = (ws.rank, ws.peer_x, sched.recv_row.reshape(sched.recv_row.size), ws.x_recv,
+                sched.ready, np.int64(T), np.int64(H), np.int64(K),
+                np.int64(sched.minibatch_size))
+        return lambda: kernel[blocks * sms, 32 * warps, numba_stream()](*args)
+
+    ops.dispatch(ws, sched, stream=s)
+    torch.cuda.synchronize()
+    want = staged.clone()
+    row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(), "dispatch_bytes": nbytes}
+    td.barrier()
+    g, _ = capture_graph(lambda: dst.copy_(pv))
+    row["copy_ms"] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
+    row["copy_gbps"] = nbytes / row["copy_ms"] / 1e6
+    del g
+    for name in variants:
+        step = step_of(name)
+        for r in range(R):                   # peers' rows only: our slice is what they pull
+            if r != me:
+                staged.view(R, T * H)[r].zero_()
+        step()
+        torch.cuda.synchronize()
+        ok = torch.equal(staged, want)
+        td.barrier()
+        g, _ = capture_graph(step)
+        ms = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
+        del g
+        row[f"{name}_ms"] = ms
+        row[f"{name}_ratio"] = row["copy_ms"] / ms
+        row[f"{name}_equal"] = bool(ok)
+    ws.check()
+    nvs.free_tensor(src)
+    heap.free()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--variants", default=VARIANTS)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default="probe_comm.json")
+    args = ap.parse_args(argv)
+    from benchmarks.common import init_distributed
+    from mok_comm import bootstrap
+    td = init_distributed()
+    variants = args.variants.split(",")
+    rows = []
+    for T in map(int, args.tokens.split(",")):
+        if td.get_rank() == 0:
+            progress(f"probe comm T={T}")
+        rows.append(run_case(T, variants, args.iters, args.warmup))
+    if td.get_rank() == 0:
+        write_json(args.out, rows)
+        flat = [{"variant": v, **{f"T{r['tokens_per_rank']}_{f}": r[f"{v}_{f}"]
+                                  for r in rows for f in ("ms", "ratio", "equal")}}
+                for v in variants]
+        flat.insert(0, {"variant": "copy", **{f"T{r['tokens_per_rank']}_ms": r["copy_ms"]
+                                               for r in rows}})
+        print(table(flat, list(flat[1])))
+    bootstrap.finalize()
+    td.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
