@@ -87,7 +87,8 @@ def run_case(T, variants, iters, warmup):
             return lambda: ops.dispatch(ws, sched, stream=numba_stream())
         fence, nc, blocks, warps = parse_variant(name)
         kernel = make_pull_dispatch_kernel(fence, nc)
-        args = (ws.rank, ws.peer_x, sched.recv_row.reshape(sched.recv_row.size), ws.x_recv,
+        args = (ws.rank, ws.peer_x, sched.recv_row.reshape(sched.recv_row.size),
+                ws.x_recv.reshape(ws.x_recv.size),
                 sched.ready, np.int64(T), np.int64(H), np.int64(K),
                 np.int64(sched.minibatch_size))
         return lambda: kernel[blocks * sms, 32 * warps, numba_stream()](*args)

@@ -48,7 +48,7 @@ def variant_config(base, name):
         if part == "async":
             cfg = dataclasses.replace(cfg, async_ring=True)
         elif part == "packed":
-            cfg = dataclasses.replace(cfg, packed_weights=True, l2_prefetch=0)
+            cfg = dataclasses.replace(cfg, packed_weights=True, tma=True, l2_prefetch=0)
         elif part in ("bm128", "bm192"):
             bm = int(part[2:])
             cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True)
