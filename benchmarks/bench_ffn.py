@@ -40,6 +40,8 @@ SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed weights
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True, "", True),    # packed + async
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed, 128 rows
+    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True),           # 4 warpgroups: 256-row experts
+    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # 256 rows, packed
 ]
 
 

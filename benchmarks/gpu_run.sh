@@ -6,7 +6,7 @@
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        probe-host probe-gemm probe-comm (PROBE_COMM_VARIANTS)
-#        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE)
+#        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
@@ -52,7 +52,7 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
-    probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py \
+    probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-4096}" \
          --presets "${PROBE_PRESETS:-kimi-k2.7}" --variants "${PROBE_VARIANTS:-base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8}" \
          --dense "${PROBE_DENSE-deepseek-v4-pro}" --out "$OUT/probe_gemm.json" ;;
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \

@@ -80,11 +80,12 @@ class GemmConfig:
         req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
             "max_registers must be 0 or in [32, 255]")
         if self.mma != "mma_sync":
-            req((self.bk, self.wn) == (64, 1) and self.bm in (128, 192)
+            req((self.bk, self.wn) == (64, 1) and self.bm in (128, 192, 256)
                 and self.wm == self.bm // 64,
-                "wgmma tiles are bm=128 or 192, bk=64, wm=bm/64 (warpgroups), wn=1")
+                "wgmma tiles are bm=128, 192 or 256, bk=64, wm=bm/64 (warpgroups), wn=1")
             req(self.bm == 128 or (self.mma == "wgmma" and self.tma),
-                "bm=192 needs mma='wgmma' with tma=True")
+                "bm=192 and 256 need mma='wgmma' with tma=True")
+            req(self.bm < 256 or self.bn <= 128, "bm=256 (4 warpgroups) needs bn <= 128")
             req(self.bn in (64, 128, 256), "wgmma bn must be 64, 128 or 256")
             req(self.l2_prefetch == 0 or (self.mma == "wgmma" and self.tma
                                           and 0 < self.l2_prefetch <= 64),

@@ -298,7 +298,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``full[s]`` (phase bit per stage, flipped at each wait).
     ``push``: the epilogue sends rows home (``make_tile_ops``); else the route arguments are
     unused placeholders.
-    ``bm``: 128 (2 warpgroups) or 192 (3 warpgroups, 384 threads, B by TMA). Experts' rows are
+    ``bm``: 128 (2 warpgroups), 192 (3 warpgroups, 384 threads, B by TMA) or 256 (4
+    warpgroups, 512 threads, B by TMA, BN <= 128: an expert of 193..256 rows -- glm at 4096
+    tokens, deepseek-v4-pro at 8192 -- reads its weights once, no warpgroup idle). Experts' rows are
     padded to multiples of 64; a tile is up to bm rows of one expert (``tile_table``): with
     192, an expert of <= 192 rows loads each weight slice once instead of twice -- the B
     traffic from L2, which bounds these GEMMs, falls by up to a third.
@@ -323,7 +325,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     those go to the stage of kt - 2).
     """
     parts = probe_parts(probe)
-    assert bn in _WGMMA and stages >= 3 and bm in (128, 192) and parts <= set(PROBES)
+    assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256) and parts <= set(PROBES)
+    assert bm < 256 or bn <= 128, "4 warpgroups hold at most 64 accumulators per thread"
     assert tma_b or (l2_prefetch == 0 and "no_b" not in parts and not packed_b)
     assert not (packed_b and l2_prefetch)
     n_wg = bm // 64
@@ -350,8 +353,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     warps = threads // 32
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
-    if n_wg == 3:
-        opts["launch_bounds"] = (threads, 1)     # ptxas: fit 384 threads (<= 168 registers)
+    if n_wg >= 3:                # ptxas: fit 384 (<= 168 registers) or 512 threads (<= 128)
+        opts["launch_bounds"] = (threads, 1)
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,

@@ -30,6 +30,8 @@ WGMMA_ASYNC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wg
 # Weights in the packed layout (mok_core.weight_pack): each box one contiguous bulk copy.
 WGMMA_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
                               packed_weights=True)
+# 4 warpgroups (256-row tiles), weights by TMA.
+WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma", tma=True)
 WGMMA192_PF_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True,
                              l2_prefetch=2, probe="mma_first")
 from mok_core.reference import swiglu
@@ -79,10 +81,12 @@ def rel_l1(got, want):
     # tiles), cp.async-only B at 128 rows
     (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
     (WGMMA_PACKED_CFG, [40, 0, 150], 1.5),
+    # 256-row tiles: a 64-row tile (3 warpgroups idle), an empty expert, 256 + 64 rows
+    (WGMMA256_CFG, [40, 0, 300], None),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
         "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp",
         "wgmma192-l2-prefetch-mma-first", "wgmma192-async-ring", "wgmma-async-ring",
-        "wgmma-packed-weights-clamp"])
+        "wgmma-packed-weights-clamp", "wgmma256-tma"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50

@@ -99,7 +99,8 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     (192, True, False, False, False), (192, False, True, False, False),
     (192, False, False, False, False), (128, True, False, False, False),
     (192, True, False, True, False), (192, False, True, True, False),
-    (192, True, False, False, True), (192, False, True, True, True)])
+    (192, True, False, False, True), (192, False, True, True, True),
+    (256, True, False, False, False), (256, False, True, False, True)])
 def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     """ptxas must keep a slice's 4 wgmmas back to back with one group in flight. A wgmma in a
     path ptxas thinks divergent (``if active`` on a per-thread value) makes it serialise every
@@ -108,9 +109,10 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     from numba import cuda
 
     from mok_core import grouped_gemm_wgmma_kernels as wk
-    kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
-                                      push=push, async_ring=async_ring, packed_b=packed)
-    opts = {"launch_bounds": (384, 1)} if bm == 192 else {}
+    kern = wk.make_wgmma_grouped_gemm(128 if bm == 256 else 256, 4, swiglu, swiglu, True,
+                                      tma_b=True, bm=bm, push=push, async_ring=async_ring,
+                                      packed_b=packed)
+    opts = {"launch_bounds": (2 * bm, 1)} if bm > 128 else {}
     ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
     assert count(ptx, r"vote\.sync\.all\.pred") >= 1
     if async_ring:       # every thread's copies arrive on full[s]; no block barrier in the loop
