@@ -16,6 +16,7 @@ shape (``functional.layer_gemm``) changed by one field:
              the packing itself is weight preparation, not timed)
   bm128      128-row tiles x 256 columns (2 warpgroups; bm192: 3), weights by TMA;
              bm256: 256 x 128 (4 warpgroups)
+  2cta       two 128 x 128 blocks per SM (3-slice rings), weights by TMA
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
 each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost; torch's the
@@ -41,7 +42,7 @@ VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
 def variant_config(base, name):
     """'base', or '+'-joined parts: 'async' (async_ring), 'packed' (packed_weights), 'bm128' /
-    'bm192' / 'bm256' (row tile), 'l2pfN' (l2_prefetch=N), probes."""
+    'bm192' / 'bm256' (row tile), '2cta' (two 128 x 128 blocks per SM), 'l2pfN' (l2_prefetch=N), probes."""
     cfg, probes = base, []
     for part in name.split("+"):
         if part == "base":
@@ -50,6 +51,9 @@ def variant_config(base, name):
             cfg = dataclasses.replace(cfg, async_ring=True)
         elif part == "packed":
             cfg = dataclasses.replace(cfg, packed_weights=True, tma=True, l2_prefetch=0)
+        elif part == "2cta":           # two 128 x 128 blocks per SM, 3 stages each
+            cfg = dataclasses.replace(cfg, bm=128, wm=2, bn=128, stages=3, blocks_per_sm=2,
+                                      tma=True)
         elif part in ("bm128", "bm192", "bm256"):
             bm = int(part[2:])
             cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True,
