@@ -34,25 +34,40 @@ from benchmarks.common import (capture_graph, gpu_name, median, numba_stream,  #
 #  async_ring, probe, packed_weights) -- GemmConfig's field order
 SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
-    (192, 128, 64, 3, 1, 5, 1, 0, "wgmma", True),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),  # async ring (opt-in)
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed weights
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True, "", True),    # packed + async
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed, 128 rows
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring, cp.async B
+    (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True),           # two blocks per SM
     (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True),           # 4 warpgroups: 256-row experts
-    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # 256 rows, packed
 ]
 
 
 def fastest_per_preset(trial):
-    """{preset: GemmConfig} of the fastest row per preset of a sweep (rows carry our repr)."""
-    from mok_core.grouped_gemm import GemmConfig
+    """{preset: GemmConfig} of the fastest row per preset of a sweep (rows carry our repr;
+    ``ours_ms`` = gate_up + down with that one config: what one ``LayerWorkspace.gemm`` runs)."""
     best = {}
     for r in trial:
         if r["preset"] not in best or r["ours_ms"] < best[r["preset"]]["ours_ms"]:
             best[r["preset"]] = r
-    return {p: eval(r["gemm"], {"GemmConfig": GemmConfig}) for p, r in best.items()}
+    return {p: _config(r["gemm"]) for p, r in best.items()}
+
+
+def fastest_per_gemm(trial):
+    """{(preset, tokens_per_rank): (gate_up GemmConfig, down GemmConfig)}: each GEMM's fastest
+    tiles of a sweep, chosen apart (their shapes differ: gate/up N = 2I, K = H; down N = H,
+    K = I)."""
+    best = {}
+    for r in trial:
+        key = (r["preset"], r["tokens_per_rank"])
+        gu, dn = best.get(key, (r, r))
+        best[key] = (r if r["gate_up_ms"] < gu["gate_up_ms"] else gu,
+                     r if r["down_ms"] < dn["down_ms"] else dn)
+    return {k: (_config(gu["gemm"]), _config(dn["gemm"])) for k, (gu, dn) in best.items()}
+
+
+def _config(text):
+    from mok_core.grouped_gemm import GemmConfig
+    return eval(text, {"GemmConfig": GemmConfig})
 
 
 def parse_gemm(text):
@@ -112,25 +127,55 @@ def weights_for(d, gemm_cfg, name, swiglu):
     return d[key]
 
 
+def gemm_pair(gemm_cfg):
+    """A GemmConfig for both GEMMs, or a (gate_up, down) pair, as a pair."""
+    return tuple(gemm_cfg) if isinstance(gemm_cfg, (tuple, list)) else (gemm_cfg, gemm_cfg)
+
+
 def ffn_steps(d, gemm_cfg):
     """(gate_up, down) launches of our kernels over ``ffn_inputs``, on torch's current stream
-    at call time (so they can be captured into a CUDA graph)."""
+    at call time (so they can be captured into a CUDA graph). ``gemm_cfg``: one GemmConfig,
+    or a (gate_up, down) pair."""
     from mok_core.grouped_gemm import down, gate_up_swiglu
     import torch
     u16 = torch.uint16
-
-    wg, wu, wd = (weights_for(d, gemm_cfg, name, sw) for name, sw in
-                  (("wg", True), ("wu", True), ("wd", False)))
+    cfg_gu, cfg_dn = gemm_pair(gemm_cfg)
+    wg, wu = (weights_for(d, cfg_gu, name, True) for name in ("wg", "wu"))
+    wd = weights_for(d, cfg_dn, "wd", False)
 
     def gate_up():
         gate_up_swiglu(d["x"].view(u16), d["index"], wg.view(u16), wu.view(u16),
-                       d["off"], d["num_rows"], d["hidden"].view(u16), config=gemm_cfg,
+                       d["off"], d["num_rows"], d["hidden"].view(u16), config=cfg_gu,
                        stream=numba_stream())
 
     def down_():
         down(d["hidden"].view(u16), wd.view(u16), d["off"], d["num_rows"],
-             d["y"].view(u16), row_index=d["index"], config=gemm_cfg, stream=numba_stream())
+             d["y"].view(u16), row_index=d["index"], config=cfg_dn, stream=numba_stream())
     return gate_up, down_
+
+
+def sweep_case(preset_name, T, configs, iters, rng):
+    """Each config's gate_up and down timed apart (graph replay; the faster of replay and
+    eager) on one uniform-routing input: rows with ``gemm``, ``gate_up_ms``, ``down_ms`` and
+    ``ours_ms`` (their sum)."""
+    import torch
+    d = ffn_inputs(preset_name, T, "uniform", max(c.row_unit for c in configs), rng)
+    rows = []
+    for cfg in configs:
+        progress(f"sweep {preset_name} T={T} {cfg}")
+        try:
+            gu, dn = ffn_steps(d, cfg)
+            t_gu, t_dn = (best_ms(*device_ms(f, iters)) for f in (gu, dn))
+        except Exception as exc:                                # keep the sweep going
+            progress(f"  failed: {type(exc).__name__}: {exc}")
+            continue
+        progress(f"  gate_up {t_gu:.3f} ms, down {t_dn:.3f} ms")
+        rows.append({"preset": preset_name, "tokens_per_rank": T, "padded_rows": d["C"],
+                     "gemm": str(cfg), "gate_up_ms": t_gu, "down_ms": t_dn,
+                     "ours_ms": t_gu + t_dn})
+    del d
+    torch.cuda.empty_cache()
+    return rows
 
 
 def device_ms(fn, iters):
@@ -153,7 +198,8 @@ def best_ms(graph, eager):
 def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
     import torch
 
-    d = ffn_inputs(preset_name, T, skew, gemm_cfg.row_unit, rng)
+    cfg_gu, cfg_dn = gemm_pair(gemm_cfg)
+    d = ffn_inputs(preset_name, T, skew, max(cfg_gu.row_unit, cfg_dn.row_unit), rng)
     shape, counts, rows, C = d["shape"], d["counts"], d["rows"], d["C"]
     H, I = shape.hidden, shape.intermediate
     wg, wu, wd = d["wg"], d["wu"], d["wd"]
@@ -203,7 +249,7 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
            "cublas_tflops": flops / t_cub / 1e9,
            "ratio_vs_grouped_mm": best_ms(t_gmm, e_gmm) / best_ms(t_ours, e_ours),
            "ours_eager_ms": e_ours, "grouped_mm_eager_ms": e_gmm,
-           "gpu": gpu_name(), "gemm": str(gemm_cfg)}
+           "gpu": gpu_name(), "gemm": str(cfg_gu), "gemm_down": str(cfg_dn)}
     del d, wg, wu, wd, x16, w_gu
     torch.cuda.empty_cache()
     return row
@@ -218,9 +264,11 @@ def main(argv=None):
     ap.add_argument("--gemm", default="",
                     help="bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]")
     ap.add_argument("--sweep", action="store_true",
-                    help="time SWEEP configs on kimi-k2.7 first, then run with the fastest")
+                    help="time SWEEP configs (gate_up and down apart, uniform routing) on "
+                         "kimi-k2.7 at each T first, then run with each GEMM's fastest")
     ap.add_argument("--sweep-all", action="store_true",
-                    help="with --sweep: sweep every preset, each then runs with its fastest")
+                    help="with --sweep: sweep every preset and T; each case then runs with "
+                         "the fastest gate_up and the fastest down tiles of its (preset, T)")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
     args = ap.parse_args(argv)
     from mok_core.grouped_gemm import GemmConfig, default_gemm
@@ -228,33 +276,26 @@ def main(argv=None):
     if args.gemm:
         cfg = parse_gemm(args.gemm)
     rng = np.random.default_rng(0)
-    best_of = {}                                         # preset -> fastest swept config
+    tiles = {}                       # (preset, T) -> (gate_up, down) fastest swept tiles
     if args.sweep:
         sweep_presets = args.presets.split(",") if args.sweep_all else ["kimi-k2.7"]
+        configs = [GemmConfig(*spec) for spec in SWEEP]
         trial = []
         for p in sweep_presets:
-            for spec in SWEEP:
-                progress(f"sweep {p} {spec}")
-                try:
-                    c = GemmConfig(*spec)
-                    trial.append(run_case(p, 4096, "uniform", c, args.iters, rng))
-                except Exception as exc:
-                    progress(f"  failed: {type(exc).__name__}: {exc}")
-                    continue
-                progress(f"  {trial[-1]['ours_ms']:.3f} ms, {trial[-1]['ours_tflops']:.0f} TF/s")
+            for T in map(int, args.tokens.split(",")):
+                trial += sweep_case(p, T, configs, args.iters, rng)
                 write_json(args.out.replace(".json", "_sweep.json"), trial)
-        write_json(args.out.replace(".json", "_sweep.json"), trial)
-        print(table(trial, ["preset", "gemm", "padded_rows", "ours_ms", "ours_tflops",
-                            "ratio_vs_grouped_mm"]))
-        best_of = fastest_per_preset(trial)
-        cfg = best_of.get("kimi-k2.7", cfg)
-        progress(f"fastest: {best_of}")
+        print(table(trial, ["preset", "tokens_per_rank", "gemm", "gate_up_ms", "down_ms",
+                            "ours_ms"]))
+        tiles = fastest_per_gemm(trial)
+        progress(f"fastest: {tiles}")
     rows = []
     for p in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):
+            pick = tiles.get((p, T), tiles.get(("kimi-k2.7", T), cfg))
             for skew in args.routing.split(","):
                 progress(f"ffn {p} T={T} {skew}")
-                rows.append(run_case(p, T, skew, best_of.get(p, cfg), args.iters, rng))
+                rows.append(run_case(p, T, skew, pick, args.iters, rng))
                 write_json(args.out, rows)               # keep what we have if time runs out
                 r = rows[-1]
                 progress(f"  ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.0f} TF/s)  "

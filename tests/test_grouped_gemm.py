@@ -190,6 +190,20 @@ def test_sweep_picks_fastest_tiles_per_preset():
     assert fastest_per_preset(trial) == {"kimi-k2.7": a, "qwen3.5-397b": b}
 
 
+def test_sweep_picks_each_gemms_fastest_tiles_per_case():
+    """bench_ffn's sweep -> per (preset, T) the fastest gate_up and the fastest down, apart."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_ffn import fastest_per_gemm
+    a, b = WGMMA_CFG, WGMMA256_CFG
+    row = lambda T, c, gu, dn: {"preset": "glm-5.2", "tokens_per_rank": T, "gemm": str(c),  # noqa
+                                "gate_up_ms": gu, "down_ms": dn, "ours_ms": gu + dn}
+    trial = [row(4096, a, 4.0, 2.0), row(4096, b, 3.5, 2.5), row(8192, a, 7.0, 3.0),
+             row(8192, b, 7.5, 3.5)]
+    assert fastest_per_gemm(trial) == {("glm-5.2", 4096): (b, a), ("glm-5.2", 8192): (a, a)}
+
+
 def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     """wgmma exists only on sm_90: a wgmma config on another GPU is a clear error before any
     compile, and the default tiles follow the device (simulator: small mma.sync tiles)."""
