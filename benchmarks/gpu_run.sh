@@ -7,8 +7,8 @@
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        probe-host probe-gemm probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
-#        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 480 --
-#        61 tests took ~400 s on 2 GPUs in session 5)
+#        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
+#        61 tests: ~530 s on 2 GPUs by session 5's runs -- give it a call of its own)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -48,7 +48,7 @@ for s in "$@"; do
          --ignore=tests/test_reference.py --ignore=tests/test_bootstrap_launch.py ;;
     cpu-core) step cpu-core $PYT tests/test_intrinsics.py tests/test_grouped_gemm.py \
          tests/test_comm_emulated.py tests/test_schedule.py ;;
-    gpu-suite) export SUITE=gpu; STEP_TIMEOUT=${SUITE_TIMEOUT:-480} step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" \
+    gpu-suite) export SUITE=gpu; STEP_TIMEOUT=${SUITE_TIMEOUT:-560} step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu; rank_logs gpu ;;
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
