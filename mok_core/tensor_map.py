@@ -95,8 +95,17 @@ def tensor_maps(arrays2d, box_rows: int, stream=0):
     key = tuple((_address(a), a.shape) for a in arrays2d) + (box_rows,)
     maps = _cache.get(key)
     if maps is None:                         # no reference kept: weights stay freeable
-        maps = _cache[key] = upload(np.concatenate([encode_2d(a, box_rows)
-                                                    for a in arrays2d]), stream)
+        host = np.concatenate([encode_2d(a, box_rows) for a in arrays2d])
+        try:
+            maps = upload(host, stream)
+        except Exception as exc:             # typically: inside a CUDA-graph capture
+            raise RuntimeError(
+                f"uploading the TMA tensor maps of {len(arrays2d)} weight array(s) failed "
+                f"({type(exc).__name__}: {exc}). New weights (a new address or shape) need "
+                "their maps built outside a CUDA-graph capture: run the step once eagerly "
+                "before capturing it (mok_torch.compile_step does), or use GemmConfig("
+                "packed_weights=True), which needs no maps") from exc
+        _cache[key] = maps
     return maps
 
 

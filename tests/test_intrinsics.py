@@ -409,3 +409,17 @@ def test_tma_box_is_swizzled_and_zero_filled_past_the_tensor():
     want = np.zeros((box, 64), np.uint16)
     want[:10] = src[10:20, 64:128]
     np.testing.assert_array_equal(to_host(out).reshape(box, 64), want)
+
+
+def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
+    """A cache miss whose upload fails (inside a CUDA-graph capture, on a GPU) names the fix
+    instead of surfacing a bare driver error."""
+    from mok_core import tensor_map
+
+    def refuse(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(tensor_map, "upload", refuse)
+    fresh = to_dev(np.zeros((8, 64), np.uint16))
+    with pytest.raises(RuntimeError, match="outside a CUDA-graph capture"):
+        tensor_map.tensor_maps([fresh], 8)
+    assert not any(k[0][0] == tensor_map._address(fresh) for k in tensor_map._cache)
