@@ -4,7 +4,7 @@
 
 Per preset at EP=2 (half the experts local, T tokens per rank, top-k routes of all 2T tokens
 landing on this rank's experts), uniform and skewed routing:
-  ours        gate_up_swiglu + down over the expert-sorted, 128-row-padded layout
+  ours        gate_up_swiglu + down over the expert-sorted layout, padded to the tiles' row unit
   grouped_mm  torch._grouped_mm gate/up (one [2I] GEMM) -> silu(g)*u -> grouped_mm down, on the
               unpadded rows (offsets rounded to 16 rows, which grouped_mm needs)
   cublas      dense bf16 matmuls of the same FLOPs (the ceiling)

@@ -137,6 +137,11 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
     if config.row_align % gemm.row_unit:
         raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
                          f"{gemm.row_unit} for {gemm}")
+    if gemm.packed_weights:
+        raise ValueError("GemmConfig(packed_weights=True) is not supported by the layer yet: "
+                         "it passes the weights as given (plain [E, N, K]); the packed layout "
+                         "is for direct grouped_gemm calls on weights packed with "
+                         "mok_core.weight_pack.pack_weights")
     H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
     for name, n, tile in (("hidden", H, gemm.bk), ("hidden", H, gemm.bn),
                           ("intermediate", I, gemm.bk), ("intermediate", I, gemm.bn // 2)):

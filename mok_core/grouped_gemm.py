@@ -39,8 +39,10 @@ class GemmConfig:
     the simulator's default), ``"wgmma"`` (Hopper warpgroup MMA, all threads load, the GPU
     default) or ``"wgmma_ws"`` (warp-specialised: a producer warpgroup loads, mbarriers). For
     the wgmma kinds wm = bm / 64 warpgroups of 64 rows, wn = 1, bk = 64 (the 128-byte swizzle
-    row), bn in {64, 128, 256}; bm = 128, or 192 for "wgmma" with ``tma`` (3 warpgroups: an
-    expert of up to 192 rows reads each weight tile once); stages >= 3 ("wgmma") or >= 2
+    row), bn in {64, 128, 256}; bm = 128, or 192 / 256 for "wgmma" with ``tma`` (3 / 4
+    warpgroups: an expert of up to 192 / 256 rows reads each weight tile once; 256 needs
+    bn <= 128); ``blocks_per_sm`` > 1 also bounds the kernel's registers so that many blocks
+    fit on an SM ("wgmma"); stages >= 3 ("wgmma") or >= 2
     ("wgmma_ws"). ``row_unit``: what expert segments must be padded to (MoKConfig.row_align
     a multiple of it): bm for mma.sync, 64 for "wgmma", 128 for "wgmma_ws". ``tma``
     (wgmma kinds only): the weight tiles come by TMA from tensor maps (``mok_core.tensor_map``,
@@ -186,7 +188,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
                                               push=push, bm=cfg.bm,
                                               l2_prefetch=cfg.l2_prefetch, probe=cfg.probe,
                                               async_ring=cfg.async_ring,
-                                              packed_b=cfg.packed_weights)
+                                              packed_b=cfg.packed_weights,
+                                              blocks_per_sm=cfg.blocks_per_sm)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
@@ -216,7 +219,7 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
     kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
     boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down; unused without
-    ``cfg.tma``: then a 16-element placeholder) and the push route (rank, token, slot, peers,
+    ``cfg.tma`` or with ``cfg.packed_weights``: then a 16-element placeholder) and the push route (rank, token, slot, peers,
     k; placeholders when None)."""
     tiles = (C // cfg.row_unit) * (N // n_tile)        # an upper bound on the tiles
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))

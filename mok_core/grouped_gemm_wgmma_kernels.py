@@ -4,8 +4,9 @@ Same contract as ``grouped_gemm_kernels`` (read its header: A / a_index / W / of
 out, the SWIGLU and plain epilogues, the persistent (expert, column tile, row tile) order);
 what differs is how a tile is computed:
 
-    block    = BM / 64 warpgroups (BM = 128: 256 threads; BM = 192: 384); warpgroup g owns
-               rows [64g, 64g + 64) of the tile and all BN columns (BN = 64, 128 or 256)
+    block    = BM / 64 warpgroups (BM = 128: 256 threads; 192: 384; 256: 512, BN <= 128);
+               warpgroup g owns rows [64g, 64g + 64) of the tile and all BN columns
+               (BN = 64, 128 or 256)
     tiles    = up to BM rows of one expert: experts' rows are padded to multiples of 64 and
                cut into ceil(rows / BM) tiles (a per-expert table in shared memory maps tile
                ids to experts); a warpgroup whose rows lie past the expert stays idle
@@ -32,7 +33,8 @@ before the previous tile's epilogue, so their latency hides behind its stores):
     4. wgmma.wait(1)  -> slice kt-1's group retired       (... while kt-1 drains)
 
 Async ring (``async_ring``, opt-in: measured within 5 % of the above), slice g counted across
-the block's tiles, stage g % STAGES; full[s] waits for 384 cp.async arrivals (+1 with TMA),
+the block's tiles, stage g % STAGES; full[s] waits for one cp.async arrival per thread (+1
+with TMA),
 empty[s] for one arrival per warp:
 
     1. wait full[g]; fence.proxy.async
@@ -61,7 +63,7 @@ from .intrinsics import (bulk_load, cp_async_16_at, cp_async_commit, cp_async_mb
 
 BM = 128                      # tile rows: 2 warpgroups x 64
 BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
-THREADS = 256                 # at BM = 128 (2 warpgroups); 384 at BM = 192
+THREADS = 256                 # at BM = 128 (2 warpgroups); 384 at BM = 192, 512 at 256
 ROW_BYTES = BK * 2
 _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
 
@@ -287,7 +289,7 @@ def probe_parts(probe):
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
-                            probe="", async_ring=False, packed_b=False):
+                            probe="", async_ring=False, packed_b=False, blocks_per_sm=1):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -315,6 +317,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     counter runs on across tiles, but the next tile's first slices are requested only once
     the current tile's MMAs all retired (before its epilogue), as in the block-barrier ring:
     the ring drains once per tile. (``mma_first`` is the async ring's order anyway.)
+    ``blocks_per_sm``: blocks meant to be resident per SM (launch bounds: ptxas caps the
+    registers so that many fit -- without it the down kernel at 128 x 128 takes 140 registers
+    and a second block never fits).
     ``packed_b`` (with ``tma_b``): the weights are in the packed layout
     (``mok_core.weight_pack``, boxes of BN/2 rows for gate/up, BN for down) and each box comes
     by one contiguous bulk copy instead of a TMA box.
@@ -353,8 +358,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     warps = threads // 32
     uses_index = gather or padding_index
     opts = {"max_registers": max_registers} if max_registers else {}
-    if n_wg >= 3:                # ptxas: fit 384 (<= 168 registers) or 512 threads (<= 128)
-        opts["launch_bounds"] = (threads, 1)
+    if n_wg >= 3 or blocks_per_sm > 1:  # ptxas: fit 384 threads (<= 168 registers), 512
+        opts["launch_bounds"] = (threads, blocks_per_sm)    # (<= 128), or several blocks
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
@@ -458,7 +463,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 mbarrier_init(smem, full0 + 8 * s, full_count)
                 if async_ring:
                     mbarrier_init(smem, empty0 + 8 * s, warps)
-            if tma_b:
+            if tma_b and not packed_b:         # packed weights: no maps (a placeholder)
                 tensormap_acquire(tmaps, 0)
                 if swiglu_epilogue:
                     tensormap_acquire(tmaps, 16)

@@ -191,7 +191,8 @@ def test_sweep_picks_each_gemms_fastest_tiles_per_case():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.bench_ffn import fastest_per_gemm
+    from benchmarks.bench_ffn import SWEEP, fastest_per_gemm
+    assert all(GemmConfig(*spec) for spec in SWEEP)          # every swept spec is valid
     a, b = WGMMA_CFG, WGMMA256_CFG
     row = lambda T, c, gu, dn: {"preset": "glm-5.2", "tokens_per_rank": T, "gemm": str(c),  # noqa
                                 "gate_up_ms": gu, "down_ms": dn, "ours_ms": gu + dn}

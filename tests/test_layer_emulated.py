@@ -132,6 +132,20 @@ def test_bad_inputs_rejected_before_any_launch():
     np.testing.assert_array_equal(to_host(lw.comm.x_buf), before)   # nothing ran
 
 
+def test_layer_refuses_packed_weights_config():
+    """The layer passes weights as given: a packed-weights GEMM config would read plain
+    weights as packed ones (silently wrong), so the workspace refuses it."""
+    from mok_core.grouped_gemm import GemmConfig
+    shape = LayerShape(hidden=128, intermediate=64, shared_intermediate=64, num_experts=4,
+                       topk=2, ep_size=2)
+    packed = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
+                        packed_weights=True)
+    with pytest.raises(ValueError, match="packed_weights"):
+        get_workspace(shape, 8, MoKConfig(row_align=128, minibatch_size=128,
+                                          macrobatch_size=256),
+                      heap=EmulatedHeap(2).for_rank(0), gemm=packed, verify=False)
+
+
 def test_ranks_that_disagree_are_detected():
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=2)

@@ -13,8 +13,9 @@ each token cluster in the low experts and a row-ordered walk leaves most warps i
 Counter: ``ready[q]`` (int32, ``Schedule.ready``: zeroed by ``build_schedule``, so one dispatch
 per schedule build -- a second dispatch keeps counting) counts rows of minibatch q whose token
 is staged.
-After the copy every lane fences its stores, the warp syncs, and the lanes holding the token's
-local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer that acquires
+After the copy every lane fences its stores (``fence``, the default; the warp barrier and the
+release below already order them -- measured the same speed), the warp syncs, and the lanes
+holding the token's local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer that acquires
 ``ready[q] == schedule.minibatch_rows[q]`` sees every staging row minibatch q reads.
 
 Rows move as 16-byte loads/stores per lane with up to eight loads in flight per lane (unrolled
@@ -91,8 +92,8 @@ def token_needed(recv_row, first, k):
 def publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence):
     """After this warp's copy of a token, count its local rows as ready. The warp barrier
     orders every lane's stores before the releasing lanes' adds, and a release is cumulative,
-    so the adds alone publish the row; ``fence`` adds a full ``membar.gl`` first (belt and
-    braces, measured for its cost)."""
+    so the adds alone publish the row; ``fence`` adds a full ``membar.gl`` first (kept as the
+    default: the barrier's memory ordering is PTX prose, not the formal model; same speed)."""
     if fence:
         cuda.threadfence()
     syncwarp()                                  # every lane's stores precede the release

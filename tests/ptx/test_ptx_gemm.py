@@ -1,5 +1,7 @@
 """Grouped GEMM specialisations compile for sm_90 with no local-memory traffic (the
 accumulators and fragments must live in registers)."""
+import re
+
 import pytest
 from numba import float32, int32, int64, types, uint16, uint32, uint64
 
@@ -180,3 +182,20 @@ def test_wgmma_192_rows_lowers_for_sm90a(push):
     loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
     assert count(loop, r"ld\.local|st\.local") == 0
     assemble_sm90a(ptx)
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_two_blocks_per_sm_bound_the_registers(swiglu):
+    """``blocks_per_sm=2`` must reach ptxas as launch bounds: unbounded, the 128 x 128 down
+    kernel takes 140 registers and a second 256-thread block never fits on the SM (the
+    session-5 sweep timed such a config at one block per SM)."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(128, 3, swiglu, swiglu, True, tma_b=True, bm=128,
+                                      blocks_per_sm=2)
+    assert kern.targetoptions.get("launch_bounds") == (256, 2)
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), launch_bounds=(256, 2))
+    report = assemble_sm90a(ptx)
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= 128, report[-400:]
