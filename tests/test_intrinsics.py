@@ -32,22 +32,19 @@ def bits_to_f32(b):
 
 # ---- vector copy ---------------------------------------------------------------------------
 
-@kjit
-def _copy_rows_v4(src, dst, perm, width):
-    """dst row i = src row perm[i], 16 bytes per thread-step."""
-    i = cuda.blockIdx.x
-    for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
-        a, b, d, e = ld_v4(src, perm[i] * width + c)
-        st_v4(dst, i * width + c, a, b, d, e)
+def _copy_rows_with(load):
+    """dst row i = src row perm[i], 16 bytes per thread-step, read with ``load``."""
+    @kjit
+    def copy_rows(src, dst, perm, width):
+        i = cuda.blockIdx.x
+        for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
+            a, b, d, e = load(src, perm[i] * width + c)
+            st_v4(dst, i * width + c, a, b, d, e)
+    return copy_rows
 
 
-@kjit
-def _copy_rows_v4_nc(src, dst, perm, width):
-    """``_copy_rows_v4`` reading through the read-only path."""
-    i = cuda.blockIdx.x
-    for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
-        a, b, d, e = ld_v4_nc(src, perm[i] * width + c)
-        st_v4(dst, i * width + c, a, b, d, e)
+_copy_rows_v4 = _copy_rows_with(ld_v4)
+_copy_rows_v4_nc = _copy_rows_with(ld_v4_nc)       # the read-only path
 
 
 @pytest.mark.parametrize("kernel", [_copy_rows_v4, _copy_rows_v4_nc], ids=["ld", "ld_nc"])
