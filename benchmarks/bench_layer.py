@@ -140,7 +140,7 @@ def graph_time(step, iters, warmup):
 
 
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
-             graph=False):
+             graph=False, gemm_down=None):
     import torch
     import torch.distributed as dist
 
@@ -154,12 +154,13 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     if gemm is None:                       # what get_workspace would pick for this shape
         from mok_comm.functional import layer_gemm
         gemm = layer_gemm(shape, T)
-    cfg = MoKConfig(row_align=max(64, gemm.row_unit))
+    gemm_down = gemm_down or gemm
+    cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit))
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
     pick = torch.linspace(0, T - 1, 16, device=dev).long()
-    lw = mok_torch.get_workspace(shape, T, cfg, gemm=gemm)
+    lw = mok_torch.get_workspace(shape, T, cfg, gemm=gemm, gemm_down=gemm_down)
     try:
         def ours():
             sched = mok_torch.build_schedule(lw, ids)
@@ -236,7 +237,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
             "speedup_step_vs_best_baseline": min(times.values()) / t_step,
             "ours_over_floor": t_ours / floor, "ours_rel_l1": err_ours,
             "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
-            "gemm": str(gemm), "breakdown_ms": steps}
+            "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps}
 
 
 BASELINE_LABELS = {"torch_native": "torch native EP", "torch_symm_mem": "torch symm-mem EP"}
@@ -278,7 +279,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--gemm-from", default="",
-                    help="bench_ffn sweep JSON: use its fastest GEMM config")
+                    help="bench_ffn sweep JSON: use its fastest GEMM config per preset")
+    ap.add_argument("--gemm-per-gemm", action="store_true",
+                    help="with --gemm-from: the fastest gate_up and down tiles of each (preset, "
+                         "T) the sweep covered, apart (LayerWorkspace.gemm / gemm_down)")
     ap.add_argument("--symm-mem", action="store_true",
                     help="also run the torch symmetric-memory (NVSHMEM all_to_all_vdev) baseline "
                          "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
@@ -289,18 +293,23 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
+    pair_of = {}                                 # (preset, T) -> (gate_up, down) tiles
     if args.gemm_from and os.path.exists(args.gemm_from):
         import json
 
-        from benchmarks.bench_ffn import fastest_per_preset
-        gemm_of = fastest_per_preset(json.load(open(args.gemm_from)))
+        from benchmarks.bench_ffn import fastest_per_gemm, fastest_per_preset
+        trial = json.load(open(args.gemm_from))
+        if args.gemm_per_gemm:
+            pair_of = fastest_per_gemm(trial)
+        else:
+            gemm_of = fastest_per_preset(trial)
     from benchmarks.common import init_distributed
     from mok_comm import bootstrap
     dist = init_distributed()
     rates = ceilings()
     rank0 = dist.get_rank() == 0
     if rank0:
-        progress(f"GEMM tiles: {gemm_of or 'the library default per shape (default_gemm)'}")
+        progress(f"GEMM tiles: {pair_of or gemm_of or 'the library default per shape'}")
         progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull")
     rows = []
     for name in args.presets.split(","):
@@ -310,8 +319,11 @@ def main(argv=None):
             # a preset the sweep covered uses its fastest tiles; else kimi's; else the
             # library's choice for the shape (None)
             tiles = gemm_of.get(name, gemm_of.get("kimi-k2.7"))
+            tiles_down = None
+            if (name, T) in pair_of:                 # per-GEMM tiles of this (preset, T)
+                tiles, tiles_down = pair_of[(name, T)]
             rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
-                                 args.symm_mem, args.breakdown, args.graph))
+                                 args.symm_mem, args.breakdown, args.graph, tiles_down))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]

@@ -5,6 +5,7 @@
 # Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
+#        bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        probe-host probe-gemm probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
@@ -83,6 +84,10 @@ for s in "$@"; do
     demo) step demo python3 -m examples.demo ;;
     bench-layer) step bench-layer torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --out "$OUT/bench_layer.json" ;;   # library tiles per shape
+    bench-layer-tiles) step bench-layer-tiles torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-4096,8192}" \
+         --gemm-from "${GEMM_FROM:-benchmarks/results/bench_ffn_sweep.json}" --gemm-per-gemm \
+         --out "$OUT/bench_layer_tiles.json" ;;   # tiles per GEMM from a bench_ffn sweep
     bench-layer-t) step bench-layer-t torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-4096}" \
          --out "$OUT/bench_layer_t.json" ;;

@@ -65,12 +65,13 @@ class EmulatedGroup:
 
 
 def emulated_layer(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,
-                   stream=0):
+                   stream=0, gemm_down=None):
     """Layer workspaces of ``shape.ep_size`` emulated ranks (fingerprints verified)."""
     from .functional import default_gemm, get_workspace, verify_ranks_agree
     heap = EmulatedHeap(shape.ep_size, stream)
     lws = [get_workspace(shape, tokens_per_rank, config, heap=heap.for_rank(r),
-                         gemm=gemm or default_gemm(), verify=False, stream=stream)
+                         gemm=gemm or default_gemm(), gemm_down=gemm_down, verify=False,
+                         stream=stream)
            for r in range(shape.ep_size)]
     comms = [lw.comm for lw in lws]
     run_phases(comms, [list(verify_ranks_agree(lw, stream)) for lw in lws], stream)

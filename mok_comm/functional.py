@@ -66,7 +66,8 @@ class LayerWorkspace:
     """
     shape: LayerShape
     config: MoKConfig
-    gemm: GemmConfig
+    gemm: GemmConfig              # gate/up GEMMs (routed and shared)
+    gemm_down: GemmConfig         # down GEMMs (``gemm`` unless given apart)
     tokens_per_rank: int
     comm: Workspace
     schedule: Schedule
@@ -103,11 +104,12 @@ class ForwardContext(NamedTuple):
     hidden_shared: object     # uint16 [T_pad, I_s]
 
 
-def _fingerprint(shape: LayerShape, T: int, config: MoKConfig, gemm: GemmConfig) -> np.ndarray:
+def _fingerprint(shape: LayerShape, T: int, config: MoKConfig, gemm: GemmConfig,
+                 gemm_down: GemmConfig) -> np.ndarray:
     vals = [shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
             shape.topk, shape.ep_size, T, config.row_align, config.minibatch_size,
             config.macrobatch_size, int(config.capacity_factor * 1e6), gemm.bm, gemm.bn,
-            gemm.bk, _digest(config), _digest(gemm)]
+            gemm.bk, _digest(config), _digest(gemm), _digest(gemm_down)]
     return np.array(vals, np.int32)
 
 
@@ -124,49 +126,59 @@ def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
-                  gemm: GemmConfig | None = None, verify: bool = True,
-                  stream=0) -> LayerWorkspace:
+                  gemm: GemmConfig | None = None, gemm_down: GemmConfig | None = None,
+                  verify: bool = True, stream=0) -> LayerWorkspace:
     """Allocate the layer workspace on ``heap`` (collective on NVSHMEM: every rank calls it
     with the same arguments). With ``verify`` (default) the ranks compare fingerprints of their
     shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
-    sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)"""
+    sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)
+
+    ``gemm``: the tiles of the gate/up GEMMs (default ``layer_gemm``); ``gemm_down``: those of
+    the down GEMMs, when they differ (the two shapes favour different tiles: N = 2I, K = H
+    against N = H, K = I -- ``benchmarks/bench_ffn.py --sweep`` times them apart)."""
     T = tokens_per_rank
     gemm = gemm or layer_gemm(shape, tokens_per_rank)
+    gemm_down = gemm_down or gemm
     if heap.ep_size != shape.ep_size:
         raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
-    if config.row_align % gemm.row_unit:
-        raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
-                         f"{gemm.row_unit} for {gemm}")
-    if gemm.packed_weights:
-        raise ValueError("GemmConfig(packed_weights=True) is not supported by the layer yet: "
-                         "it passes the weights as given (plain [E, N, K]); the packed layout "
-                         "is for direct grouped_gemm calls on weights packed with "
-                         "mok_core.weight_pack.pack_weights")
     H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
-    for name, n, tile in (("hidden", H, gemm.bk), ("hidden", H, gemm.bn),
-                          ("intermediate", I, gemm.bk), ("intermediate", I, gemm.bn // 2)):
+    for g in {gemm, gemm_down}:
+        if config.row_align % g.row_unit:
+            raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
+                             f"{g.row_unit} for {g}")
+        if g.packed_weights:
+            raise ValueError("GemmConfig(packed_weights=True) is not supported by the layer "
+                             "yet: it passes the weights as given (plain [E, N, K]); the packed "
+                             "layout is for direct grouped_gemm calls on weights packed with "
+                             "mok_core.weight_pack.pack_weights")
+    # gate/up: K = H, N = I (bn/2 per SwiGLU tile); down: K = I, N = H
+    for name, n, tile, g in (("hidden", H, gemm.bk, gemm), ("hidden", H, gemm_down.bn, gemm_down),
+                             ("intermediate", I, gemm_down.bk, gemm_down),
+                             ("intermediate", I, gemm.bn // 2, gemm)):
         if n % tile:
-            raise ValueError(f"{name}={n}: must be a multiple of {tile} for {gemm}")
-    if I_s and (I_s % gemm.bk or I_s % (gemm.bn // 2)):
-        raise ValueError(f"shared_intermediate={I_s}: must be a multiple of {gemm.bk} and "
-                         f"{gemm.bn // 2}")
+            raise ValueError(f"{name}={n}: must be a multiple of {tile} for {g}")
+    if I_s and (I_s % gemm.bk or I_s % (gemm.bn // 2) or I_s % gemm_down.bk):
+        raise ValueError(f"shared_intermediate={I_s}: must be a multiple of {gemm.bk}, "
+                         f"{gemm.bn // 2} and {gemm_down.bk}")
     comm = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=k,
                             num_experts=shape.num_experts, config=config, stream=stream)
     sched = Schedule.allocate(rank=heap.rank, ep_size=shape.ep_size, tokens_per_rank=T, topk=k,
                               num_experts=shape.num_experts, config=config,
                               capacity=comm.capacity, stream=stream)
     C = comm.capacity
-    T_pad = max(gemm.bm, -(-T // gemm.bm) * gemm.bm)
+    unit = math.lcm(gemm.bm, gemm_down.bm)            # the shared expert's rows, both GEMMs
+    T_pad = max(unit, -(-T // unit) * unit)
     u16, i32 = np.uint16, np.int32
     shared_index = np.where(np.arange(T_pad) < T, np.arange(T_pad), -1).astype(i32)
-    fp = _fingerprint(shape, T, config, gemm)
+    fp = _fingerprint(shape, T, config, gemm, gemm_down)
     table, peer_tables = heap.alloc((shape.ep_size, fp.size), i32, -1)
     lw = LayerWorkspace(
-        shape=shape, config=config, gemm=gemm, tokens_per_rank=T, comm=comm, schedule=sched,
+        shape=shape, config=config, gemm=gemm, gemm_down=gemm_down, tokens_per_rank=T,
+        comm=comm, schedule=sched,
         ids32=device_empty((T, k), i32, stream),
         gather_index=device_full((C,), -1, i32, stream),
         hidden=device_empty((C, I), u16, stream),
-        y=(None if _fused_combine(config, gemm) else device_empty((C, H), u16, stream)),
+        y=(None if _fused_combine(config, gemm_down) else device_empty((C, H), u16, stream)),
         shared_index=upload(shared_index, stream),
         shared_offsets=upload(np.array([0, T_pad], i32), stream),
         shared_rows=upload(np.array([T_pad], i32), stream),
@@ -301,16 +313,15 @@ def _shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
     H, I_s = lw.shape.hidden, lw.shape.shared_intermediate
     if not I_s:
         return []
-    g = lw.gemm
 
     def shared_gate_up():
         gate_up_swiglu(x, lw.shared_index, W.sg.reshape((1, I_s, H)), W.su.reshape((1, I_s, H)),
                        lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
-                       swiglu_limit=W.swiglu_limit, config=g, stream=stream)
+                       swiglu_limit=W.swiglu_limit, config=lw.gemm, stream=stream)
 
     def shared_down():
         down(lw.hidden_shared, W.sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
-             lw.y_shared, row_index=lw.shared_index, config=g, stream=stream)
+             lw.y_shared, row_index=lw.shared_index, config=lw.gemm_down, stream=stream)
     return [shared_gate_up, shared_down]
 
 
@@ -322,8 +333,8 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     """Launches from dispatch to combine: workspace and weights only, no caller input. With
     ``config.fuse_combine`` and a wgmma GEMM the down GEMM's epilogue pushes the rows home
     itself (no y, no combine launch)."""
-    g = lw.gemm
-    fused = _fused_combine(lw.config, g)
+    g, gd = lw.gemm, lw.gemm_down
+    fused = _fused_combine(lw.config, gd)
 
     def dispatch():
         ops.dispatch(lw.comm, schedule, stream)
@@ -336,7 +347,7 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
 
     def routed_down():
         down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, lw.y,
-             row_index=lw.gather_index, config=g, stream=stream)
+             row_index=lw.gather_index, config=gd, stream=stream)
 
     def combine():
         ops.combine(lw.comm, schedule, lw.y, stream)
@@ -345,7 +356,7 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
         down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, None,
              row_index=lw.gather_index, push=(schedule.src_rank, schedule.src_token,
                                               schedule.src_slot, lw.comm.peer_combine,
-                                              lw.shape.topk), config=g, stream=stream)
+                                              lw.shape.topk), config=gd, stream=stream)
     if fused:
         return [dispatch, routed_gate_up, routed_down_push]
     return [dispatch, routed_gate_up, routed_down, combine]

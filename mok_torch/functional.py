@@ -46,10 +46,13 @@ def _bits(t, name):
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(), *,
-                  gemm: GemmConfig | None = None, heap=None) -> F.LayerWorkspace:
+                  gemm: GemmConfig | None = None, gemm_down: GemmConfig | None = None,
+                  heap=None) -> F.LayerWorkspace:
     """Layer workspace for this rank. EP = 1: local buffers, no NVSHMEM. EP > 1: NVSHMEM is
     initialised from the running torch.distributed group (or ``mok_comm.launch``'s environment)
-    and every rank of the world is one EP rank. Collective: all ranks call it alike."""
+    and every rank of the world is one EP rank. Collective: all ranks call it alike.
+    ``gemm`` / ``gemm_down``: tiles of the gate/up and of the down GEMMs (``gemm_down``
+    defaults to ``gemm``; see ``mok_comm.functional.get_workspace``)."""
     if heap is None:
         if shape.ep_size == 1:
             heap = LocalHeap(_stream())
@@ -61,7 +64,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = M
                                  "are running (one EP rank per process)")
             heap = NvshmemHeap(_stream())
     return F.get_workspace(shape, tokens_per_rank, config, heap=heap, gemm=gemm,
-                           stream=_stream())
+                           gemm_down=gemm_down, stream=_stream())
 
 
 def _ids(topk_ids):

@@ -65,6 +65,24 @@ def test_forward_matches_float64_reference(R, limit):
     np.testing.assert_array_equal(again, got)
 
 
+def test_down_gemm_with_tiles_of_its_own():
+    """``gemm_down``: the down GEMMs (routed and shared) run their own tiles; same float64
+    bar, and the fingerprint carries both configs."""
+    from mok_core.grouped_gemm import GemmConfig
+    down_tiles = GemmConfig(bm=32, bn=64, bk=32, wm=2, wn=2, stages=2)
+    rng = np.random.default_rng(4)
+    T = 24
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=3, ep_size=2)
+    inp = layer_inputs(rng, shape, T)
+    lws = emulated_layer(shape, T, CFG, GEMM, gemm_down=down_tiles)
+    assert all(lw.gemm == GEMM and lw.gemm_down == down_tiles for lw in lws)
+    got = run_layer(lws, inp)
+    assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
+    same = emulated_layer(shape, T, CFG, GEMM)[0]
+    assert not np.array_equal(to_host(same.fingerprint), to_host(lws[0].fingerprint))
+
+
 def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
     """The Hopper path: 192-row wgmma GEMMs with TMA weight tiles, and the down GEMM pushing
     rows home from its epilogue (no y buffer, no combine launch) -- the float64 bar over all
