@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_core.cuda_compat import SIM, as_device_array, launch, multiprocessor_count
+from mok_core.cuda_compat import (SIM, as_device_array, device_copy, launch,
+                                  multiprocessor_count)
 
 from .kernels.allgather import push_ids_kernel
 from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
 from .kernels.bulk import BULK_CHUNK, BULK_WARPS, bulk_smem_bytes
 from .kernels.combine import push_combine_bulk_kernel, push_combine_kernel
-from .kernels.dispatch import pull_dispatch_bulk_kernel, pull_dispatch_kernel
+from .kernels.dispatch import (publish_all_kernel, pull_dispatch_bulk_kernel,
+                               pull_dispatch_kernel)
 from .kernels.epilogue import combine_epilogue_kernel
 from .kernels.publish import publish_x_kernel
 from .workspace import Workspace
@@ -100,6 +102,7 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
 
 
 COPY_VARIANTS = ("ld", "bulk")
+DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine",)
 
 
 def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
@@ -111,9 +114,9 @@ def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
            np.int64(bulk_chunk), np.int64(ws.config.spin_timeout_cycles), ws.errors)
 
 
-def _check_variant(variant):
-    if variant not in COPY_VARIANTS:
-        raise ValueError(f"variant={variant!r}: must be one of {COPY_VARIANTS}")
+def _check_variant(variant, allowed=COPY_VARIANTS):
+    if variant not in allowed:
+        raise ValueError(f"variant={variant!r}: must be one of {allowed}")
 
 
 def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
@@ -124,11 +127,24 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     ``x_recv[src_rank*T + src_token]`` (see ``gather_index``); ``schedule.ready[q]``
     (zeroed by ``build_schedule``: call it once per dispatch) reaches
     ``schedule.minibatch_rows[q]`` once minibatch q's tokens are staged.
-    ``variant``: "ld" (32 lanes of 16-byte loads per row; the layer's default) or "bulk"
+    ``variant``: "ld" (32 lanes of 16-byte loads per row; the layer's default), "bulk"
     (lane 0 moves the row with bulk async copies through shared memory, ``bulk_chunk`` bytes
-    at a time; same result).
+    at a time) or "copy_engine" (every peer's whole x buffer by one async device-to-device
+    copy each, then one launch marks all rows ready: no SM moves a byte, but tokens no local
+    expert needs cross NVLink too -- worth it where nearly all are needed, e.g. EP=2 top-8:
+    1 - 2^-8 of them); the same staging rows and ``ready`` totals either way.
     """
-    _check_variant(variant)
+    _check_variant(variant, DISPATCH_VARIANTS)
+    if variant == "copy_engine":
+        T, H = ws.tokens_per_rank, ws.hidden
+        staging = _flat(ws.x_recv)
+        for r in range(ws.ep_size):
+            if r != ws.rank and T:
+                device_copy(staging[r * T * H:(r + 1) * T * H], ws.peer_x[r], stream)
+        q = schedule.ready.shape[0]
+        publish_all_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
+            schedule.minibatch_rows, schedule.ready)
+        return
     args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
             np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
             np.int64(schedule.minibatch_size))

@@ -165,6 +165,15 @@ def upload(host: np.ndarray, stream=0):
     return cuda.to_device(np.ascontiguousarray(host), stream=stream)
 
 
+def device_copy(dst, src, stream=0) -> None:
+    """``dst[...] = src`` for device arrays of one size (may be a peer's memory): an async
+    device-to-device copy on ``stream`` -- a copy-engine transfer, capturable in a CUDA graph."""
+    if SIM:
+        np.copyto(dst, src)
+        return
+    dst.copy_to_device(src, stream=stream)
+
+
 def to_host(arr, stream=0) -> np.ndarray:
     """Copy a device array to a fresh host NumPy array (synchronises ``stream``)."""
     if isinstance(arr, np.ndarray):

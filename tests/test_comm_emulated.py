@@ -38,7 +38,9 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
         y[r].reshape(y[r].size), H))
-    group.each(lambda r, ws: ops.combine(ws, scheds[r], y[r], variant=variant, bulk_chunk=32))
+    combine_variant = variant if variant in ops.COPY_VARIANTS else "ld"
+    group.each(lambda r, ws: ops.combine(ws, scheds[r], y[r], variant=combine_variant,
+                                         bulk_chunk=32))
     group.barrier()
     group.each(lambda r, ws: ops.epilogue(ws, to_dev(w[r]), out[r], to_dev(ys[r])))
     group.check()
@@ -53,6 +55,8 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     (4, "masked_and_empty_rank", "ld"),
     # bulk-copy dispatch + combine (rows in two chunks); R = 3 with masked routes, empty rank
     (3, "masked_and_empty_rank", "bulk"), (2, "skewed", "bulk"),
+    # dense copy-engine pull of every peer's x buffer (+ the ld combine)
+    (2, "skewed", "copy_engine"), (3, "masked_and_empty_rank", "copy_engine"),
 ])
 def test_round_trip_exact(R, case, variant):
     rng = np.random.default_rng(R * 10 + len(case))

@@ -167,3 +167,13 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
                     return
             publish_rows(recv_row, first, k, ready, minibatch_rows, lane, True)
         u += cuda.gridDim.x * warps
+
+
+@kjit
+def publish_all_kernel(minibatch_rows, ready):
+    """After the dense copy-engine pull (``ops.dispatch(variant="copy_engine")``: every peer's
+    whole x buffer copied, stream-ordered before this launch), every row of minibatch q is
+    staged: ready[q] += minibatch_rows[q] (release; one thread per minibatch)."""
+    q = cuda.grid(1)
+    if q < ready.shape[0]:
+        red_add_release_gpu(ready, q, minibatch_rows[q])

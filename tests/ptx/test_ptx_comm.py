@@ -26,6 +26,7 @@ def cases(R):
                            r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                            r"mbarrier\.arrive\.expect_tx", r"cp\.async\.bulk\.wait_group 0",
                            r"red\.release\.gpu\.add", r"%clock64"]),
+        "publish_all": (dispatch.publish_all_kernel, (i32, i32), [r"red\.release\.gpu\.add"]),
         "combine_bulk": (combine.push_combine_bulk_kernel,
                          (int64, u16, i32, i32, i32, i32, peers16, int64, int64, int64, int64,
                           i32),
