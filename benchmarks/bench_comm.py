@@ -33,8 +33,12 @@ from benchmarks.common import (capture_graph, comm_setup, gpu_name,  # noqa: E40
 H, E, K = 7168, 384, 8
 
 
-def run_case(T, iters, warmup):
-    import nvshmem.core as nvs
+def routed_comm(T):
+    """This rank's comm protocol up to the schedule at ``T`` tokens per rank (H 7168, 384
+    experts, top-8, uniform routing, EP = world size): tokens published, barrier passed,
+    schedule built and synchronised. Returns (heap, workspace, schedule, numba stream, the
+    routing ids [R, T, k], remote rows with the per-(token, rank) dedup, remote rows without)
+    -- the rows counted on the host from the schedule, outside any timing."""
     import torch
     import torch.distributed as td
 
@@ -45,27 +49,36 @@ def run_case(T, iters, warmup):
     ids = gumbel_topk_ids(np.random.default_rng(T), R, T, E, K)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     s = numba_stream()
-    cfg = MoKConfig(capacity_factor=1.0)
-    heap, ws, sched = comm_setup(T, H, K, E, cfg, s)
-    y = torch.randn(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
-    u16 = torch.uint16
-    d_ids = torch.from_numpy(ids[me]).cuda()
-    ops.publish_tokens(ws, x.view(u16), d_ids, stream=s)
+    heap, ws, sched = comm_setup(T, H, K, E, MoKConfig(capacity_factor=1.0), s)
+    ops.publish_tokens(ws, x.view(torch.uint16), torch.from_numpy(ids[me]).cuda(), stream=s)
     ops.barrier(ws, stream=s)
     build_schedule(sched, ws.ids_table, stream=s)
     torch.cuda.synchronize()
-
-    # Bytes that cross NVLink (host-side accounting from the schedule, outside timing).
     sc = sched.to_host()
     n = int(sc["num_rows"][0])
-    real = sc["src_rank"][:n] >= 0
-    remote = real & (sc["src_rank"][:n] != me)
+    remote = (sc["src_rank"][:n] >= 0) & (sc["src_rank"][:n] != me)
     pairs = {(int(r), int(t)) for r, t in zip(sc["src_rank"][:n][remote],
                                               sc["src_token"][:n][remote])}
+    return heap, ws, sched, s, ids, len(pairs), int(remote.sum())
+
+
+def run_case(T, iters, warmup):
+    import nvshmem.core as nvs
+    import torch
+    import torch.distributed as td
+
+    from mok_comm import ops
+    R, me = td.get_world_size(), td.get_rank()
+    heap, ws, sched, s, ids, dedup_rows, remote_rows = routed_comm(T)
+    y = torch.randn(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
+    u16 = torch.uint16
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)    # NCCL's payload rows
+
+    # Bytes that cross NVLink (counted from the schedule, outside timing).
     row_bytes = H * 2
-    dispatch_bytes = len(pairs) * row_bytes
-    pair_bytes = int(remote.sum()) * row_bytes             # without per-(token, rank) dedup
-    combine_bytes = int(remote.sum()) * row_bytes
+    dispatch_bytes = dedup_rows * row_bytes
+    pair_bytes = remote_rows * row_bytes                   # without per-(token, rank) dedup
+    combine_bytes = remote_rows * row_bytes
 
     bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
     cur = numba_stream            # launch on torch's current stream (graph capture needs it)

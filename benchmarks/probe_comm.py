@@ -23,11 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (capture_graph, comm_setup, gpu_name, gumbel_topk_ids,  # noqa: E402
-                               numba_stream, progress, rank_max_median, table, time_iters,
-                               write_json)
+from benchmarks.bench_comm import H, K, routed_comm  # noqa: E402
+from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress,  # noqa: E402
+                               rank_max_median, table, time_iters, write_json)
 
-H, E, K = 7168, 384, 8
 VARIANTS = "base,nofence,nc,nofence+nc,nofence+b1w32,nofence+b4w8,nofence+b2w8,nofence+nc+b4w8"
 
 
@@ -49,34 +48,20 @@ def parse_variant(name):
 
 
 def run_case(T, variants, iters, warmup):
+    import nvshmem.core as nvs
     import torch
     import torch.distributed as td
-    import nvshmem.core as nvs
 
     from mok_comm import ops
     from mok_comm.kernels.dispatch import make_pull_dispatch_kernel
-    from mok_core.config import MoKConfig
     from mok_core.cuda_compat import multiprocessor_count
-    from mok_core.schedule import build_schedule
     R, me = td.get_world_size(), td.get_rank()
-    ids = gumbel_topk_ids(np.random.default_rng(T), R, T, E, K)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    s = numba_stream()
-    heap, ws, sched = comm_setup(T, H, K, E, MoKConfig(capacity_factor=1.0), s)
-    ops.publish_tokens(ws, x.view(torch.uint16), torch.from_numpy(ids[me]).cuda(), stream=s)
-    ops.barrier(ws, stream=s)
-    build_schedule(sched, ws.ids_table, stream=s)
-    torch.cuda.synchronize()
-    sc = sched.to_host()
-    n = int(sc["num_rows"][0])
-    remote = (sc["src_rank"][:n] >= 0) & (sc["src_rank"][:n] != me)
-    pairs = {(int(r), int(t)) for r, t in zip(sc["src_rank"][:n][remote],
-                                              sc["src_token"][:n][remote])}
-    nbytes = len(pairs) * H * 2
+    heap, ws, sched, s, _, dedup_rows, _ = routed_comm(T)
+    nbytes = dedup_rows * H * 2
 
     staged = torch.as_tensor(ws.x_recv, device="cuda")
     bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
-    src = nvs.tensor((len(pairs), H), dtype=torch.bfloat16)
+    src = nvs.tensor((dedup_rows, H), dtype=torch.bfloat16)
     src.normal_()
     dst = torch.empty_like(src)
     pv = nvs.get_peer_tensor(src, (me + 1) % R)

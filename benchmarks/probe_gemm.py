@@ -42,7 +42,8 @@ VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
 def variant_config(base, name):
     """'base', or '+'-joined parts: 'async' (async_ring), 'packed' (packed_weights), 'bm128' /
-    'bm192' / 'bm256' (row tile), '2cta' (two 128 x 128 blocks per SM), 'l2pfN' (l2_prefetch=N), probes."""
+    'bm192' / 'bm256' (row tile), '2cta' (two 128 x 128 blocks per SM), 'l2pfN'
+    (l2_prefetch=N), probes."""
     cfg, probes = base, []
     for part in name.split("+"):
         if part == "base":

@@ -219,8 +219,8 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     """Persistent launch: one block per SM (x blocks_per_sm), never more than tiles. wgmma
     kernels also take the weights' tensor maps (``w0``, ``w1`` [E, N_w, K] as 2-D [E N_w, K],
     boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down; unused without
-    ``cfg.tma`` or with ``cfg.packed_weights``: then a 16-element placeholder) and the push route (rank, token, slot, peers,
-    k; placeholders when None)."""
+    ``cfg.tma`` or with ``cfg.packed_weights``: then a 16-element placeholder) and the push
+    route (rank, token, slot, peers, k; placeholders when None)."""
     tiles = (C // cfg.row_unit) * (N // n_tile)        # an upper bound on the tiles
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
     if cfg.mma == "wgmma" and off.shape[0] - 1 > _wgmma.MAX_EXPERTS:

@@ -39,34 +39,35 @@ def _check(shape, rows):
                          f"{rows} rows (itself a multiple of 8) and K of {SLICE}")
 
 
+def _swizzle_chunks(v):
+    """v [tiles, slices, rows, 8 chunks, 8] -> chunk c of row r replaced by chunk c ^ (r % 8)
+    (its own inverse)."""
+    rows = v.shape[2]
+    r = np.arange(rows)[:, None]
+    j = np.arange(8)[None, :] ^ (r % 8)
+    if hasattr(v, "permute"):                                   # torch
+        import torch
+        r, j = (torch.as_tensor(i, device=v.device) for i in (r, j))
+    return v[:, :, r, j]
+
+
+def _swap_row_and_slice(v):
+    """[tiles, a, b, 8, 8] -> [tiles, b, a, 8, 8] (NumPy or torch)."""
+    return v.permute(0, 2, 1, 3, 4) if hasattr(v, "permute") else v.transpose(0, 2, 1, 3, 4)
+
+
 def pack_weights(w, rows: int):
     """W [E, N, K] (bf16 bits or bf16; NumPy array or torch tensor) -> a new array of the
     same shape in the packed layout for boxes of ``rows`` rows (module docstring)."""
     _check(w.shape, rows)
     E, N, K = w.shape
-    r = np.arange(rows)[:, None]
-    j = np.arange(8)[None, :] ^ (r % 8)            # packed chunk c holds source chunk c ^ r%8
     v = w.reshape(E * N // rows, rows, K // SLICE, 8, 8)      # tile, row, slice, chunk, elem
-    if hasattr(v, "permute"):                                   # torch
-        import torch
-        r, j = (torch.as_tensor(i, device=v.device) for i in (r, j))
-        v = v.permute(0, 2, 1, 3, 4)
-    else:
-        v = v.transpose(0, 2, 1, 3, 4)
-    return v[:, :, r, j].reshape(E, N, K)
+    return _swizzle_chunks(_swap_row_and_slice(v)).reshape(E, N, K)
 
 
 def unpack_weights(p, rows: int):
     """Inverse of ``pack_weights`` (tests, checkpoints)."""
     _check(p.shape, rows)
     E, N, K = p.shape
-    r = np.arange(rows)[:, None]
-    j = np.arange(8)[None, :] ^ (r % 8)
     v = p.reshape(E * N // rows, K // SLICE, rows, 8, 8)        # tile, slice, row, chunk, elem
-    if hasattr(v, "permute"):
-        import torch
-        r, j = (torch.as_tensor(i, device=v.device) for i in (r, j))
-        v = v[:, :, r, j].permute(0, 2, 1, 3, 4)
-    else:
-        v = v[:, :, r, j].transpose(0, 2, 1, 3, 4)
-    return v.reshape(E, N, K)
+    return _swap_row_and_slice(_swizzle_chunks(v)).reshape(E, N, K)

@@ -15,8 +15,9 @@ per schedule build -- a second dispatch keeps counting) counts rows of minibatch
 is staged.
 After the copy every lane fences its stores (``fence``, the default; the warp barrier and the
 release below already order them -- measured the same speed), the warp syncs, and the lanes
-holding the token's local rows add 1 to their minibatch with a GPU-scope *release* add; a consumer that acquires
-``ready[q] == schedule.minibatch_rows[q]`` sees every staging row minibatch q reads.
+holding the token's local rows add 1 to their minibatch with a GPU-scope *release* add; a
+consumer that acquires ``ready[q] == schedule.minibatch_rows[q]`` sees every staging row
+minibatch q reads.
 
 Rows move as 16-byte loads/stores per lane with up to eight loads in flight per lane (unrolled
 by hand: the compiler cannot hoist loads of a peer buffer over stores it cannot prove apart).
