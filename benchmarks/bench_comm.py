@@ -6,7 +6,10 @@ Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world s
   dispatch   our pull dispatch (each (token, rank) crosses NVLink once); "dispatch_bulk": the
              same with bulk async copies (ops.dispatch(variant="bulk")); likewise "combine_bulk";
              "dispatch_ce": ops.dispatch(variant="copy_engine") -- every peer token by the copy
-             engine (not the issue's measure: that is the SM pull kernel, "dispatch")
+             engine (not the issue's measure: that is the SM pull kernel, "dispatch");
+             "dispatch_push": ops.dispatch(variant="push") -- each rank's SMs write its tokens
+             into the peers' staging (+ the wait for its own arrivals), ratio to the
+             copy-engine push of the same bytes ("copy_push_dispatch") and to the pull
   combine    our push combine (each (token, slot) row goes home)
   copy       copy-engine peer copy of the same bytes (pull for dispatch, push for combine)
   nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
@@ -94,11 +97,13 @@ def run_case(T, iters, warmup):
         "dispatch": lambda: ops.dispatch(ws, sched, stream=cur()),
         "dispatch_bulk": lambda: ops.dispatch(ws, sched, stream=cur(), variant="bulk"),
         "dispatch_ce": lambda: ops.dispatch(ws, sched, stream=cur(), variant="copy_engine"),
+        "dispatch_push": lambda: ops.dispatch(ws, sched, stream=cur(), variant="push"),
         "combine": lambda: ops.combine(ws, sched, y.view(u16), stream=cur()),
         "combine_bulk": lambda: ops.combine(ws, sched, y.view(u16), stream=cur(),
                                             variant="bulk"),
         "copy_pull": lambda: dst[:nrow].copy_(pv[:nrow]),
         "copy_push": lambda: pv[:ncomb].copy_(dst[:ncomb]),
+        "copy_push_dispatch": lambda: pv[:nrow].copy_(dst[:nrow]),
     }
     # Each step twice: launched from Python (eager: the host's launch latency is inside the
     # events when the GPU outruns it) and replayed as a CUDA graph (device time; how the step
@@ -157,6 +162,12 @@ def run_case(T, iters, warmup):
     row["dispatch_ce_ms"] = graph["dispatch_ce"]
     row["dispatch_ce_gbps"] = gb(dispatch_bytes, graph["dispatch_ce"])
     row["dispatch_ce_ratio_to_copy"] = row["dispatch_ce_gbps"] / row["copy_gbps"]
+    row["dispatch_push_ms"] = graph["dispatch_push"]
+    row["dispatch_push_gbps"] = gb(dispatch_bytes, graph["dispatch_push"])
+    row["copy_push_dispatch_gbps"] = gb(nrow * row_bytes, graph["copy_push_dispatch"])
+    row["dispatch_push_ratio_to_copy_push"] = (row["dispatch_push_gbps"]
+                                               / row["copy_push_dispatch_gbps"])
+    row["dispatch_push_ratio_to_copy"] = row["dispatch_push_gbps"] / row["copy_gbps"]
     row["combine_bulk_gbps"] = gb(combine_bytes, t_comb_bulk)
     row["combine_bulk_ratio_to_copy"] = row["combine_bulk_gbps"] / row["copy_push_gbps"]
     row["combine_ratio_to_copy"] = row["combine_gbps"] / row["copy_push_gbps"]
@@ -184,9 +195,11 @@ def main(argv=None):
         print(table(rows, ["tokens_per_rank", "ep", "dispatch_gbps", "combine_gbps",
                            "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
                            "dispatch_bulk_ratio_to_copy", "dispatch_ce_ratio_to_copy",
+                           "dispatch_push_ratio_to_copy_push", "dispatch_push_ratio_to_copy",
                            "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
-        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_eager_ms", "combine_ms",
+        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_push_ms", "dispatch_ce_ms",
+                           "copy_push_dispatch_gbps", "dispatch_eager_ms", "combine_ms",
                            "combine_eager_ms", "copy_pull_ms", "copy_push_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))
     bootstrap.finalize()

@@ -1,5 +1,5 @@
-"""Where the pull dispatch loses to the copy engine: the dispatch kernel rebuilt with one knob
-changed, beside the copy-engine pull of the same bytes, in one run.
+"""Where the dispatch loses to the copy engine: the dispatch kernel rebuilt with one knob
+changed, beside the copy-engine pull and push of the same bytes, in one run.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/probe_comm.py [--tokens 4096,8192]
 
@@ -8,7 +8,10 @@ Variants (``kernels.dispatch.make_pull_dispatch_kernel`` + the launch shape):
   nofence      no ``membar.gl`` before a token's ready adds (warp barrier + release adds only)
   nc           peers' rows read through ``ld.global.nc.L1::no_allocate.L2::256B``
   bBwW         B blocks per SM of W warps (base: b2w16)
-  '+'-joined   e.g. nofence+nc+b4w8
+  push         the push dispatch (``kernels.push_dispatch``: owners write into the peers'
+               staging, + the arrivals wait); with nofence: no ``membar.sys`` per pair
+  '+'-joined   e.g. nofence+nc+b4w8, push+nofence+b4w8
+Ratios: pull variants to the copy-engine pull, push variants to the copy-engine push.
 Every variant's staging rows are checked bit-equal to the library's before it is timed.
 GB/s = deduplicated bytes that cross NVLink / time; CUDA-graph replays, max over ranks per
 iteration, median over iterations (as ``bench_comm``).
@@ -27,16 +30,18 @@ from benchmarks.bench_comm import H, K, routed_comm  # noqa: E402
 from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress,  # noqa: E402
                                rank_max_median, table, time_iters, write_json)
 
-VARIANTS = "base,nofence,nc,nofence+nc,nofence+b1w32,nofence+b4w8,nofence+b2w8,nofence+nc+b4w8"
+VARIANTS = "base,nofence+nc,push,push+nofence,push+b4w8,push+nofence+b4w8,push+b1w32"
 
 
 def parse_variant(name):
-    """(fence, nc_loads, blocks per SM, warps per block) of a variant name."""
-    fence, nc, blocks, warps = True, False, 2, 16
+    """(push, fence, nc_loads, blocks per SM, warps per block) of a variant name."""
+    push, fence, nc, blocks, warps = False, True, False, 2, 16
     for part in name.split("+"):
         if part == "base":
             continue
-        if part == "nofence":
+        if part == "push":
+            push = True
+        elif part == "nofence":
             fence = False
         elif part == "nc":
             nc = True
@@ -44,7 +49,7 @@ def parse_variant(name):
             blocks, warps = (int(v) for v in part[1:].split("w"))
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    return fence, nc, blocks, warps
+    return push, fence, nc, blocks, warps
 
 
 def run_case(T, variants, iters, warmup):
@@ -54,6 +59,7 @@ def run_case(T, variants, iters, warmup):
 
     from mok_comm import ops
     from mok_comm.kernels.dispatch import make_pull_dispatch_kernel
+    from mok_comm.kernels.push_dispatch import make_push_dispatch_kernel
     from mok_core.cuda_compat import multiprocessor_count
     R, me = td.get_world_size(), td.get_rank()
     heap, ws, sched, s, _, dedup_rows, _ = routed_comm(T)
@@ -70,7 +76,18 @@ def run_case(T, variants, iters, warmup):
     def step_of(name):
         if name == "base":
             return lambda: ops.dispatch(ws, sched, stream=numba_stream())
-        fence, nc, blocks, warps = parse_variant(name)
+        push, fence, nc, blocks, warps = parse_variant(name)
+        if push:
+            kernel = make_push_dispatch_kernel(fence)
+            args = (ws.rank, ws.x_buf.reshape(ws.x_buf.size), ws.peer_x_recv,
+                    sched.dest_rank.reshape(sched.dest_rank.size),
+                    sched.dest_row.reshape(sched.dest_row.size), ws.peer_push_arrivals,
+                    np.int64(T), np.int64(H), np.int64(K), np.int64(sched.minibatch_size))
+
+            def push_step():
+                kernel[blocks * sms, 32 * warps, numba_stream()](*args)
+                ops.wait_dispatch_push(ws, sched, stream=numba_stream())
+            return push_step
         kernel = make_pull_dispatch_kernel(fence, nc)
         args = (ws.rank, ws.peer_x, sched.recv_row.reshape(sched.recv_row.size),
                 ws.x_recv.reshape(ws.x_recv.size),
@@ -87,20 +104,28 @@ def run_case(T, variants, iters, warmup):
     row["copy_ms"] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
     row["copy_gbps"] = nbytes / row["copy_ms"] / 1e6
     del g
+    g, _ = capture_graph(lambda: pv.copy_(dst))
+    row["copy_push_ms"] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
+    row["copy_push_gbps"] = nbytes / row["copy_push_ms"] / 1e6
+    del g
     for name in variants:
         step = step_of(name)
         for r in range(R):                   # peers' rows only: our slice is what they pull
             if r != me:
                 staged.view(R, T * H)[r].zero_()
+        torch.cuda.synchronize()
+        td.barrier()                         # no push lands before the peer's zeroing
         step()
         torch.cuda.synchronize()
+        td.barrier()
         ok = torch.equal(staged, want)
         td.barrier()
         g, _ = capture_graph(step)
         ms = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
         del g
         row[f"{name}_ms"] = ms
-        row[f"{name}_ratio"] = row["copy_ms"] / ms
+        ceiling = "copy_push_ms" if parse_variant(name)[0] else "copy_ms"
+        row[f"{name}_ratio"] = row[ceiling] / ms
         row[f"{name}_equal"] = bool(ok)
     ws.check()
     nvs.free_tensor(src)
@@ -130,7 +155,8 @@ def main(argv=None):
         flat = [{"variant": v, **{f"T{r['tokens_per_rank']}_{f}": r[f"{v}_{f}"]
                                   for r in rows for f in ("ms", "ratio", "equal")}}
                 for v in variants]
-        flat.insert(0, {"variant": "copy", **{f"T{r['tokens_per_rank']}_ms": r["copy_ms"]
+        for ce in ("copy_push", "copy"):
+            flat.insert(0, {"variant": ce, **{f"T{r['tokens_per_rank']}_ms": r[f"{ce}_ms"]
                                                for r in rows}})
         print(table(flat, list(flat[1])))
     bootstrap.finalize()

@@ -31,6 +31,7 @@ from .kernels.dispatch import (publish_all_kernel, pull_dispatch_bulk_kernel,
                                pull_dispatch_kernel)
 from .kernels.epilogue import combine_epilogue_kernel
 from .kernels.publish import publish_x_kernel
+from .kernels.push_dispatch import push_dispatch_kernel, wait_arrivals_kernel
 from .workspace import Workspace
 
 COMM_WARPS = 4 if SIM else 16          # warps per comm block (one row / token each)
@@ -102,7 +103,7 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
 
 
 COPY_VARIANTS = ("ld", "bulk")
-DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine",)
+DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine", "push")
 
 
 def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
@@ -132,9 +133,15 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     at a time) or "copy_engine" (every peer's whole x buffer by one async device-to-device
     copy each, then one launch marks all rows ready: no SM moves a byte, but tokens no local
     expert needs cross NVLink too -- worth it where nearly all are needed, e.g. EP=2 top-8:
-    1 - 2^-8 of them); the same staging rows and ``ready`` totals either way.
+    1 - 2^-8 of them) or "push" (every rank writes its own tokens into the ranks that need
+    them, then waits for its own rows: ``dispatch_push`` + ``wait_dispatch_push`` -- every
+    rank of the group must call it); the same staging rows and ``ready`` totals either way.
     """
     _check_variant(variant, DISPATCH_VARIANTS)
+    if variant == "push":
+        dispatch_push(ws, schedule, stream, num_blocks)
+        wait_dispatch_push(ws, schedule, stream)
+        return
     if variant == "copy_engine":
         T, H = ws.tokens_per_rank, ws.hidden
         staging = _flat(ws.x_recv)
@@ -152,6 +159,30 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
     else:
         _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
+
+
+def dispatch_push(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
+    """First half of ``dispatch(variant="push")``: write this rank's tokens into the staging
+    rows of every rank whose experts need them (row ``me*T + t`` there, once per (token,
+    rank)) and count them into that rank's ``push_arrivals`` (``schedule.dest_rank`` /
+    ``dest_row`` say where each route lands). Emulated ranks: every rank pushes, then every
+    rank waits."""
+    T, k = ws.tokens_per_rank, ws.topk
+    if T == 0:
+        return
+    push_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
+        ws.rank, _flat(ws.x_buf), ws.peer_x_recv, _flat(schedule.dest_rank),
+        _flat(schedule.dest_row), ws.peer_push_arrivals, np.int64(T), np.int64(ws.hidden),
+        np.int64(k), np.int64(schedule.minibatch_size))
+
+
+def wait_dispatch_push(ws: Workspace, schedule, stream=0) -> None:
+    """Second half: wait (bounded) until every minibatch's rows have landed here, then
+    ``schedule.ready[q] += minibatch_rows[q]``; ``push_arrivals`` goes back to zero."""
+    q = schedule.ready.shape[0]
+    wait_arrivals_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
+        ws.rank, ws.push_arrivals, schedule.minibatch_rows, schedule.ready,
+        np.int64(ws.config.spin_timeout_cycles), ws.errors)
 
 
 def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None, variant="ld",

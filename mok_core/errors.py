@@ -57,6 +57,7 @@ COUNTER_NAMES = {
     3: "combine_done",
     4: "dispatch_bulk_copy",
     5: "combine_bulk_copy",
+    6: "dispatch_push_arrivals",
 }
 
 

@@ -33,7 +33,11 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     group.barrier()
     group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
     # bulk (dispatch and combine): 32-byte chunks, so a 64-byte row moves in two (GPU: 8 KiB)
-    group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32))
+    if variant == "push":           # every rank pushes, then every rank waits for its rows
+        group.each(lambda r, ws: ops.dispatch_push(ws, scheds[r]))
+        group.each(lambda r, ws: ops.wait_dispatch_push(ws, scheds[r]))
+    else:
+        group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32))
     group.each(lambda r, ws: ops.gather_index(ws, scheds[r], index[r]))
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
@@ -57,6 +61,8 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     (3, "masked_and_empty_rank", "bulk"), (2, "skewed", "bulk"),
     # dense copy-engine pull of every peer's x buffer (+ the ld combine)
     (2, "skewed", "copy_engine"), (3, "masked_and_empty_rank", "copy_engine"),
+    # push dispatch: owners write into the peers' staging, arrivals counted on the peer
+    (2, "skewed", "push"), (3, "masked_and_empty_rank", "push"), (4, "skewed", "push"),
 ])
 def test_round_trip_exact(R, case, variant):
     rng = np.random.default_rng(R * 10 + len(case))
@@ -78,11 +84,15 @@ def test_round_trip_exact(R, case, variant):
         want = np.bincount(real_rows // cfg.minibatch_size, minlength=len(to_host(s.ready)))
         np.testing.assert_array_equal(to_host(s.ready), want)
         np.testing.assert_array_equal(to_host(s.minibatch_rows), want)
+    for ws in group.workspaces:         # push arrivals consumed: back to zero for the next step
+        assert not to_host(ws.push_arrivals).any()
 
 
-def test_staging_pulls_each_token_once_per_rank():
+@pytest.mark.parametrize("variant", ["ld", "push"])
+def test_staging_pulls_each_token_once_per_rank(variant):
     """x_recv holds exactly the peers' tokens with >= 1 route to this rank (the rest stays
-    zero), plus this rank's own tokens in its own slice (written by publish, never copied)."""
+    zero), plus this rank's own tokens in its own slice (written by publish, never copied) --
+    whether pulled by this rank or pushed by the owner."""
     rng = np.random.default_rng(9)
     R, T, H, k, E = 2, 16, 16, 4, 8
     ids = make_routing(rng, R, T, k, E)
@@ -90,7 +100,7 @@ def test_staging_pulls_each_token_once_per_rank():
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(np.zeros((R, T, H)))
     cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
-    group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)
+    group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant)
     for me, ws in enumerate(group.workspaces):
         staged = to_host(ws.x_recv).reshape(R, T, H)
         needed = ((ids >= 0) & (ids // (E // R) == me)).any(axis=2)
@@ -122,6 +132,30 @@ def test_peer_that_never_arrives_times_out_with_clear_error():
     with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' of "
                                        r"peer rank 1 expected >= 1, saw 0"):
         ws0.check()
+
+
+def test_push_rows_that_never_arrive_time_out_with_clear_error():
+    """Rank 0 waits for its push arrivals; rank 1 never pushes: the bounded wait names the
+    counter and the minibatch's target, and nothing hangs."""
+    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0,
+                    spin_timeout_cycles=2_000_000)
+    R, T, H, k, E = 2, 8, 16, 2, 4
+    ids = np.zeros((R, T, k), np.int32)
+    ids[:, :, 1] = 1                              # every token to experts 0 and 1 (rank 0)
+    group = EmulatedGroup(R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E, config=cfg)
+    wss = group.workspaces
+    scheds = [Schedule.allocate(rank=r, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
+                                config=cfg, capacity=wss[r].capacity) for r in range(R)]
+    x = bf16_bits(np.ones((R, T, H)))
+    group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
+    group.barrier()
+    group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
+    ops.dispatch_push(wss[0], scheds[0])            # rank 0's own rows only
+    ops.wait_dispatch_push(wss[0], scheds[0])
+    # expert 0's 16 rows fill minibatch 0: 8 of them (rank 0's tokens) arrived
+    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
+                                       r"'dispatch_push_arrivals' expected >= 8, saw 4"):
+        wss[0].check()
 
 
 def test_publish_rejects_bad_input():

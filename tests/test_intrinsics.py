@@ -13,7 +13,7 @@ from mok_core.cuda_compat import kjit, to_host
 from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
-                                 red_add_release_gpu, shared_addr, st_release_sys, st_v4)
+                                 red_add_release_gpu, red_add_release_sys, shared_addr, st_release_sys, st_v4)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
@@ -97,6 +97,7 @@ def test_bf16_rounding_matches_ml_dtypes():
 def _flags(flags, out):
     i = cuda.threadIdx.x
     red_add_release_gpu(flags, 0, 1)
+    red_add_release_sys(flags, 2, 2)
     cuda.syncthreads()
     if i == 0:
         out[0] = ld_acquire_sys(flags, 0)
@@ -104,10 +105,10 @@ def _flags(flags, out):
 
 
 def test_acquire_release_and_counter():
-    flags = to_dev(np.zeros(2, np.int32))
+    flags = to_dev(np.zeros(3, np.int32))
     out = to_dev(np.zeros(1, np.int32))
     _flags[1, 64](flags, out)
-    np.testing.assert_array_equal(to_host(flags), [64, 105])
+    np.testing.assert_array_equal(to_host(flags), [64, 105, 128])
     assert to_host(out)[0] == 64
 
 

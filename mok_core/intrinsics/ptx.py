@@ -148,6 +148,10 @@ st_release_sys = _release_update(
 red_add_release_gpu = _release_update(
     "red_add_release_gpu", "red.release.gpu.add.s32 [$0], $1;",
     "Atomic add with release semantics (GPU scope): publish 'my rows are written'.")
+red_add_release_sys = _release_update(
+    "red_add_release_sys", "red.release.sys.add.s32 [$0], $1;",
+    "Atomic add with release semantics (system scope), e.g. on a peer's counter over NVLink: "
+    "publish 'the rows I pushed to you are written'.")
 
 
 def _statement(name, text, doc):

@@ -74,6 +74,9 @@ def red_add_release_gpu(arr, idx, value):
         _raw(arr)[idx] += value
 
 
+red_add_release_sys = red_add_release_gpu
+
+
 def syncwarp():
     warp_barrier()
 

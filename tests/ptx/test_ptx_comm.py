@@ -3,7 +3,7 @@ import pytest
 from numba import boolean, float32, int32, int64, types, uint16
 
 from mok_comm.kernels import (agreement, allgather, barrier, cast, combine, dispatch, epilogue,
-                              index, publish)
+                              index, publish, push_dispatch)
 from ptx_util import compile_sm90, count
 
 u16, i32, f32 = uint16[::1], int32[::1], float32[::1]
@@ -25,6 +25,14 @@ def cases(R):
                           [r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx",
                            r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                            r"mbarrier\.arrive\.expect_tx", r"cp\.async\.bulk\.wait_group 0",
+                           r"red\.release\.gpu\.add", r"%clock64"]),
+        "push_dispatch": (push_dispatch.push_dispatch_kernel,
+                          (int64, u16, peers16, i32, i32, peers32, int64, int64, int64, int64),
+                          [r"st(\.global)?\.v4\.u32", r"red\.release\.sys(\.global)?\.add",
+                           r"membar\.sys|fence\.sc\.sys"]),
+        "wait_arrivals": (push_dispatch.wait_arrivals_kernel,
+                          (int64, i32, i32, i32, int64, i32),
+                          [r"ld\.acquire\.sys", r"atom(\.global)?\.add|red(\.global)?\.add",
                            r"red\.release\.gpu\.add", r"%clock64"]),
         "publish_all": (dispatch.publish_all_kernel, (i32, i32), [r"red\.release\.gpu\.add"]),
         "combine_bulk": (combine.push_combine_bulk_kernel,

@@ -1,0 +1,115 @@
+"""Push dispatch: each rank *writes* its own tokens into the staging rows of the ranks whose
+experts need them -- the mirror image of the pull dispatch (``dispatch.py``), same result:
+``x_recv[r*T + t]`` on rank d holds token t of rank r for every (token, rank) pair routed to d,
+each pair crossing NVLink once. Why a second direction: NVLink stores are posted writes, while
+an SM's remote loads are round trips; measured, SM pulls reach ~0.89 of the copy engine's pull
+and SM pushes ~0.93 of its push (NOTES, session 5).
+
+Roles and order. Work is (token, destination) pairs: pair u = t*R + d of this rank's T*R pairs
+is dealt to warp u mod (warps in the grid). The warp reads token t's k routes (``dest_rank`` /
+``dest_row``, from this rank's schedule, which places every route on every rank); if one goes to
+rank d != me it copies x_buf[t] into rank d's ``x_recv[me*T + t]`` (our own staging slice is
+already in place: the x buffer *is* that slice).
+
+Counters: ``arrivals[q]`` on rank d (int32, symmetric, ``Workspace.push_arrivals``) counts rows
+of d's minibatch q whose token has landed. After a pair's copy every lane fences its stores
+(``membar.sys`` -- the readers are on another GPU), the warp syncs, and the lanes holding a
+route to d add 1, with a system-scope *release* add, to ``arrivals[dest_row // minibatch]`` on
+d. Then on each rank ``wait_arrivals_kernel`` acquires ``arrivals[q] >= minibatch_rows[q]`` for
+every q (bounded: 'dispatch_push_arrivals' in the error word), subtracts what it consumed (so
+the counters return to zero with no reset launch, and a CUDA-graph replay keeps working) and
+publishes ``ready[q] += minibatch_rows[q]`` -- the pull dispatch's contract.
+
+Ordering across steps: the rows and arrivals of step i+1 come after the barrier that follows
+this rank's wait of step i (the layer's phase order), so a wait never counts a later step's
+rows; and subtracting rather than zeroing keeps even an early arrival.
+"""
+from numba import cuda
+
+from mok_core.cuda_compat import kjit
+from mok_core.errors_kernels import record_timeout
+from mok_core.intrinsics import (clock64, ld_acquire_sys, nanosleep, red_add_release_gpu,
+                                 red_add_release_sys, syncwarp)
+
+from .dispatch import copy_row
+
+COUNTER_PUSH_ARRIVALS = 6       # errors.COUNTER_NAMES: a minibatch whose rows never all arrived
+
+
+@kjit(device=True, inline="always")
+def routes_to(dest_rank, dest_row, first, k, d):
+    """Does token ``first // k`` have a placed route to rank ``d``?"""
+    for s in range(k):
+        if dest_rank[first + s] == d and dest_row[first + s] >= 0:
+            return True
+    return False
+
+
+def make_push_dispatch_kernel(fence=True):
+    """The push dispatch kernel; ``fence``: a ``membar.sys`` before each pair's release adds
+    (the warp barrier and the cumulative release order the stores without it, as in the pull
+    dispatch; kept as the default until measured otherwise)."""
+
+    @kjit(max_registers=64)         # two 512-thread comm blocks per SM, like the pull
+    def push_dispatch_kernel(me, x_buf, peer_x_recv, dest_rank, dest_row, peer_arrivals, T, H,
+                             k, minibatch_rows):
+        """Launch: grid = comm blocks, block = 32 * warps threads.
+
+        x_buf          uint16 [T*H]                   this rank's tokens (its staging slice)
+        peer_x_recv    tuple over ranks of uint16 [R*T*H]  every rank's staging buffer
+        dest_rank/row  int32 [T*k]                    expert rank / row there of route (t, s)
+        peer_arrivals  tuple over ranks of int32 [minibatches]  out: landed rows per minibatch
+        """
+        warps = cuda.blockDim.x // 32
+        lane = cuda.threadIdx.x % 32
+        R = len(peer_x_recv)
+        u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+        while u < T * R:
+            t = u // R
+            d = u % R
+            first = t * k
+            if routes_to(dest_rank, dest_row, first, k, d):     # uniform over the warp
+                if d != me:
+                    copy_row(x_buf, t * H, peer_x_recv[d], (me * T + t) * H, H, lane)
+                    if fence:
+                        cuda.threadfence_system()
+                syncwarp()                          # every lane's stores precede the release
+                for s in range(lane, k, 32):
+                    if dest_rank[first + s] == d:
+                        row = dest_row[first + s]
+                        if row >= 0:
+                            red_add_release_sys(peer_arrivals[d], row // minibatch_rows, 1)
+            u += cuda.gridDim.x * warps
+
+    return push_dispatch_kernel
+
+
+push_dispatch_kernel = make_push_dispatch_kernel()
+
+
+@kjit
+def wait_arrivals_kernel(me, arrivals, minibatch_rows, ready, timeout_cycles, errors):
+    """Launch: any 1-D grid (a thread per minibatch, grid-strided).
+
+    arrivals        int32 [>= minibatches]  symmetric; peers' (and our) release adds land here
+    minibatch_rows  int32 [minibatches]   real rows per minibatch (the schedule's target)
+    ready           int32 [minibatches]   out: += minibatch_rows once the rows are staged
+
+    A minibatch that stays short after ``timeout_cycles`` is recorded (rank, counter
+    'dispatch_push_arrivals', expected, seen; peer -1: any rank may be the late one) and the
+    thread stops; the host raises at the next check."""
+    q = cuda.grid(1)
+    while q < minibatch_rows.shape[0]:
+        want = minibatch_rows[q]
+        if want > 0:
+            start = clock64()
+            seen = ld_acquire_sys(arrivals, q)
+            while seen < want:
+                if clock64() - start > timeout_cycles:
+                    record_timeout(errors, me, COUNTER_PUSH_ARRIVALS, want, seen, -1)
+                    return
+                nanosleep(32)
+                seen = ld_acquire_sys(arrivals, q)
+            cuda.atomic.sub(arrivals, q, want)
+            red_add_release_gpu(ready, q, want)
+        q += cuda.gridsize(1)
