@@ -37,6 +37,7 @@ SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),  # async ring (opt-in)
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed weights
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring, cp.async B
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True),           # the same with TMA B
     (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True),           # two blocks per SM
     (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True),           # 4 warpgroups: 256-row experts
 ]
@@ -154,27 +155,38 @@ def ffn_steps(d, gemm_cfg):
     return gate_up, down_
 
 
-def sweep_case(preset_name, T, configs, iters, rng):
+def sweep_case(preset_name, T, configs, iters, rng, routings=("uniform",)):
     """Each config's gate_up and down timed apart (graph replay; the faster of replay and
-    eager) on one uniform-routing input: rows with ``gemm``, ``gate_up_ms``, ``down_ms`` and
-    ``ours_ms`` (their sum)."""
+    eager) on one input per routing: rows with ``gemm``, ``gate_up_ms`` and ``down_ms``
+    (summed over ``routings`` -- the layer cannot know the routing when it picks its tiles,
+    so the pick minimises their total), the per-routing times and ``ours_ms`` (the sum)."""
     import torch
-    d = ffn_inputs(preset_name, T, "uniform", max(c.row_unit for c in configs), rng)
+    times = {}
+    for skew in routings:
+        d = ffn_inputs(preset_name, T, skew, max(c.row_unit for c in configs), rng)
+        for cfg in configs:
+            progress(f"sweep {preset_name} T={T} {skew} {cfg}")
+            try:
+                gu, dn = ffn_steps(d, cfg)
+                t_gu, t_dn = (best_ms(*device_ms(f, iters)) for f in (gu, dn))
+            except Exception as exc:                            # keep the sweep going
+                progress(f"  failed: {type(exc).__name__}: {exc}")
+                continue
+            progress(f"  gate_up {t_gu:.3f} ms, down {t_dn:.3f} ms")
+            times.setdefault(str(cfg), {})[skew] = (t_gu, t_dn)
+        del d
+        torch.cuda.empty_cache()
     rows = []
-    for cfg in configs:
-        progress(f"sweep {preset_name} T={T} {cfg}")
-        try:
-            gu, dn = ffn_steps(d, cfg)
-            t_gu, t_dn = (best_ms(*device_ms(f, iters)) for f in (gu, dn))
-        except Exception as exc:                                # keep the sweep going
-            progress(f"  failed: {type(exc).__name__}: {exc}")
-            continue
-        progress(f"  gate_up {t_gu:.3f} ms, down {t_dn:.3f} ms")
-        rows.append({"preset": preset_name, "tokens_per_rank": T, "padded_rows": d["C"],
-                     "gemm": str(cfg), "gate_up_ms": t_gu, "down_ms": t_dn,
-                     "ours_ms": t_gu + t_dn})
-    del d
-    torch.cuda.empty_cache()
+    for cfg, per in times.items():
+        if len(per) < len(routings):
+            continue                                # failed on one routing: not a candidate
+        row = {"preset": preset_name, "tokens_per_rank": T, "gemm": cfg,
+               "gate_up_ms": sum(v[0] for v in per.values()),
+               "down_ms": sum(v[1] for v in per.values())}
+        for skew, (t_gu, t_dn) in per.items():
+            row[f"gate_up_{skew}_ms"], row[f"down_{skew}_ms"] = t_gu, t_dn
+        row["ours_ms"] = row["gate_up_ms"] + row["down_ms"]
+        rows.append(row)
     return rows
 
 
@@ -264,8 +276,8 @@ def main(argv=None):
     ap.add_argument("--gemm", default="",
                     help="bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]")
     ap.add_argument("--sweep", action="store_true",
-                    help="time SWEEP configs (gate_up and down apart, uniform routing) on "
-                         "kimi-k2.7 at each T first, then run with each GEMM's fastest")
+                    help="time SWEEP configs (gate_up and down apart, summed over --routing) "
+                         "on kimi-k2.7 at each T first, then run with each GEMM's fastest")
     ap.add_argument("--sweep-all", action="store_true",
                     help="with --sweep: sweep every preset and T; each case then runs with "
                          "the fastest gate_up and the fastest down tiles of its (preset, T)")
@@ -283,7 +295,8 @@ def main(argv=None):
         trial = []
         for p in sweep_presets:
             for T in map(int, args.tokens.split(",")):
-                trial += sweep_case(p, T, configs, args.iters, rng)
+                trial += sweep_case(p, T, configs, args.iters, rng,
+                                    tuple(args.routing.split(",")))
                 write_json(args.out.replace(".json", "_sweep.json"), trial)
         print(table(trial, ["preset", "tokens_per_rank", "gemm", "gate_up_ms", "down_ms",
                             "ours_ms"]))
