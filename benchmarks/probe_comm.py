@@ -9,7 +9,8 @@ Variants (``kernels.dispatch.make_pull_dispatch_kernel`` + the launch shape):
   nc           peers' rows read through ``ld.global.nc.L1::no_allocate.L2::256B``
   bBwW         B blocks per SM of W warps (base: b2w16)
   push         the push dispatch (``kernels.push_dispatch``: owners write into the peers'
-               staging, + the arrivals wait); with nofence: no ``membar.sys`` per pair
+               staging, + the arrivals wait); perroute: a release add per route, not per
+               block (with nofence: no ``membar.sys`` per pair)
   '+'-joined   e.g. nofence+nc+b4w8, push+nofence+b4w8
 Ratios: pull variants to the copy-engine pull, push variants to the copy-engine push.
 Every variant's staging rows are checked bit-equal to the library's before it is timed.
@@ -30,17 +31,19 @@ from benchmarks.bench_comm import H, K, routed_comm  # noqa: E402
 from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress,  # noqa: E402
                                rank_max_median, table, time_iters, write_json)
 
-VARIANTS = "base,nofence+nc,push,push+nofence,push+b4w8,push+nofence+b4w8,push+b1w32"
+VARIANTS = "base,push,push+b4w8,push+b1w32,push+b2w8,push+perroute+nofence"
 
 
 def parse_variant(name):
-    """(push, fence, nc_loads, blocks per SM, warps per block) of a variant name."""
-    push, fence, nc, blocks, warps = False, True, False, 2, 16
+    """(push, fence, nc_loads, blocks per SM, warps per block, aggregate) of a variant."""
+    push, fence, nc, blocks, warps, aggregate = False, True, False, 2, 16, True
     for part in name.split("+"):
         if part == "base":
             continue
         if part == "push":
             push = True
+        elif part == "perroute":
+            aggregate = False
         elif part == "nofence":
             fence = False
         elif part == "nc":
@@ -49,7 +52,7 @@ def parse_variant(name):
             blocks, warps = (int(v) for v in part[1:].split("w"))
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    return push, fence, nc, blocks, warps
+    return push, fence, nc, blocks, warps, aggregate
 
 
 def run_case(T, variants, iters, warmup):
@@ -76,13 +79,14 @@ def run_case(T, variants, iters, warmup):
     def step_of(name):
         if name == "base":
             return lambda: ops.dispatch(ws, sched, stream=numba_stream())
-        push, fence, nc, blocks, warps = parse_variant(name)
+        push, fence, nc, blocks, warps, aggregate = parse_variant(name)
         if push:
-            kernel = make_push_dispatch_kernel(fence)
+            kernel = make_push_dispatch_kernel(fence, aggregate)
             args = (ws.rank, ws.x_buf.reshape(ws.x_buf.size), ws.peer_x_recv,
                     sched.dest_rank.reshape(sched.dest_rank.size),
                     sched.dest_row.reshape(sched.dest_row.size), ws.peer_push_arrivals,
-                    np.int64(T), np.int64(H), np.int64(K), np.int64(sched.minibatch_size))
+                    np.int64(T), np.int64(H), np.int64(K), np.int64(sched.minibatch_size),
+                    np.int64(sched.ready.shape[0]))
 
             def push_step():
                 kernel[blocks * sms, 32 * warps, numba_stream()](*args)

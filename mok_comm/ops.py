@@ -173,7 +173,7 @@ def dispatch_push(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
     push_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
         ws.rank, _flat(ws.x_buf), ws.peer_x_recv, _flat(schedule.dest_rank),
         _flat(schedule.dest_row), ws.peer_push_arrivals, np.int64(T), np.int64(ws.hidden),
-        np.int64(k), np.int64(schedule.minibatch_size))
+        np.int64(k), np.int64(schedule.minibatch_size), np.int64(schedule.ready.shape[0]))
 
 
 def wait_dispatch_push(ws: Workspace, schedule, stream=0) -> None:

@@ -134,6 +134,26 @@ def test_peer_that_never_arrives_times_out_with_clear_error():
         ws0.check()
 
 
+def test_push_dispatch_per_route_counting_matches(monkeypatch):
+    """The push dispatch's fallback (a release add per route: R * minibatches too many for
+    the block's shared counters) stages the same rows and the same ready totals."""
+    from mok_comm.kernels.push_dispatch import make_push_dispatch_kernel
+    monkeypatch.setattr(ops, "push_dispatch_kernel", make_push_dispatch_kernel(aggregate=False))
+    rng = np.random.default_rng(31)
+    R, T, H, k, E = 3, 16, 32, 3, 6
+    ids = make_routing(rng, R, T, k, E, skew=0.5, masked=0.2)
+    x = bf16_bits(rng.standard_normal((R, T, H)))
+    w = rng.random((R, T, k)).astype(np.float32)
+    ys = bf16_bits(rng.standard_normal((R, T, H)))
+    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "push")
+    np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
+    for s in scheds:
+        np.testing.assert_array_equal(to_host(s.ready), to_host(s.minibatch_rows))
+    for ws in group.workspaces:
+        assert not to_host(ws.push_arrivals).any()
+
+
 def test_push_rows_that_never_arrive_time_out_with_clear_error():
     """Rank 0 waits for its push arrivals; rank 1 never pushes: the bounded wait names the
     counter and the minibatch's target, and nothing hangs."""
