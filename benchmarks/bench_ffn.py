@@ -162,6 +162,7 @@ def sweep_case(preset_name, T, configs, iters, rng, routings=("uniform",)):
     so the pick minimises their total), the per-routing times and ``ours_ms`` (the sum)."""
     import torch
     times = {}
+    routings = tuple(dict.fromkeys(routings))       # each routing once
     for skew in routings:
         d = ffn_inputs(preset_name, T, skew, max(c.row_unit for c in configs), rng)
         for cfg in configs:
@@ -174,7 +175,7 @@ def sweep_case(preset_name, T, configs, iters, rng, routings=("uniform",)):
                 continue
             progress(f"  gate_up {t_gu:.3f} ms, down {t_dn:.3f} ms")
             times.setdefault(str(cfg), {})[skew] = (t_gu, t_dn)
-        del d
+        gu = dn = d = None                  # the steps' closures hold d's tensors too
         torch.cuda.empty_cache()
     rows = []
     for cfg, per in times.items():

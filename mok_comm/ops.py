@@ -135,7 +135,8 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     expert needs cross NVLink too -- worth it where nearly all are needed, e.g. EP=2 top-8:
     1 - 2^-8 of them) or "push" (every rank writes its own tokens into the ranks that need
     them, then waits for its own rows: ``dispatch_push`` + ``wait_dispatch_push`` -- every
-    rank of the group must call it); the same staging rows and ``ready`` totals either way.
+    rank of the group must call it; emulated ranks call the two halves, every rank's push
+    before any wait); the same staging rows and ``ready`` totals either way.
     """
     _check_variant(variant, DISPATCH_VARIANTS)
     if variant == "push":

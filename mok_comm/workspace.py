@@ -105,8 +105,9 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
     ids_table, peer_ids = heap.alloc((R, T, k), i32, -1)
     combine_buf, peer_combine = heap.alloc((T * k, H), u16)
     flags, peer_flags = heap.alloc((R,), i32)
-    # From shapes alone (ranks' configs are compared only after allocation): minibatch_size
-    # is a multiple of row_align, so there are at most R*T*k + E/R + 1 minibatches.
+    # From shapes alone (ranks' configs are compared only after allocation, so no config value
+    # may size a symmetric buffer): capacity <= R*T*k + E/R*(row_align - 1) rounded up, and
+    # minibatch_size >= row_align >= 1, so there are at most R*T*k + E/R + 1 minibatches.
     arrivals, peer_arrivals = heap.alloc((R * T * k + E // R + 1,), i32)
     ws = Workspace(
         rank=heap.rank, ep_size=R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E,

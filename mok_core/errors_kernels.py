@@ -31,8 +31,11 @@ def reset_error_word(word, stream=0) -> None:
 @kjit(device=True)
 def record_timeout(errors, rank, counter, expected, seen, peer):
     """One thread: flag a spin-wait timeout with what it waited for (``errors.describe`` names
-    the counter via ``COUNTER_NAMES``); the host raises ``MoKError`` at the next check."""
-    cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
+    the counter via ``COUNTER_NAMES``); the host raises ``MoKError`` at the next check. The
+    first timeout recorded wins: later ones only find the flag set."""
+    old = cuda.atomic.or_(errors, err.FLAGS, err.ERR_SPIN_TIMEOUT)
+    if old & err.ERR_SPIN_TIMEOUT:
+        return          # the first timeout's fields stay whole (many threads may expire at once)
     errors[err.TIMEOUT_RANK] = rank
     errors[err.TIMEOUT_COUNTER] = counter
     errors[err.TIMEOUT_EXPECTED] = expected

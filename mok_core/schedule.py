@@ -61,8 +61,9 @@ class Schedule:
                                              -1 for masked routes (dest_row -1 on overflow)
         minibatch_rows      [ceil(capacity / minibatch_size)]  real (non-padding) rows per
                                              minibatch: the count dispatch readiness reaches
-        ready               [ceil(capacity / minibatch_size)]  zeroed here; the pull dispatch
-                                             counts staged rows per minibatch into it
+        ready               [ceil(capacity / minibatch_size)]  zeroed here; the dispatch
+                                             (any variant) counts staged rows per minibatch
+                                             into it
         errors              [ERROR_WORDS]    device error word (see mok_core.errors)
     Internal scratch: chunk_counts / chunk_base [R, C, E], rank_counts [E, R],
     expert_scan [E + 1], all_offsets [R, E_local + 1], live_tokens [R].

@@ -172,7 +172,8 @@ def test_push_rows_that_never_arrive_time_out_with_clear_error():
     group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
     ops.dispatch_push(wss[0], scheds[0])            # rank 0's own rows only
     ops.wait_dispatch_push(wss[0], scheds[0])
-    # expert 0's 16 rows fill minibatch 0: 8 of them (rank 0's tokens) arrived
+    # expert 0's 16 rows fill minibatches 0-1, rows interleaved by source rank: of each
+    # minibatch's 8 rows the 4 from rank 0 arrived
     with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
                                        r"'dispatch_push_arrivals' expected >= 8, saw 4"):
         wss[0].check()

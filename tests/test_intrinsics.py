@@ -13,7 +13,8 @@ from mok_core.cuda_compat import kjit, to_host
 from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
-                                 red_add_release_gpu, red_add_release_sys, shared_addr, st_release_sys, st_v4)
+                                 red_add_release_gpu, red_add_release_sys, shared_addr,
+                                 st_release_sys, st_v4)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)

@@ -90,7 +90,7 @@ def token_needed(recv_row, first, k):
 
 
 @kjit(device=True, inline="always")
-def publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence):
+def publish_rows(recv_row, first, k, ready, minibatch_size, lane, fence):
     """After this warp's copy of a token, count its local rows as ready. The warp barrier
     orders every lane's stores before the releasing lanes' adds, and a release is cumulative,
     so the adds alone publish the row; ``fence`` adds a full ``membar.gl`` first (kept as the
@@ -101,7 +101,7 @@ def publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence):
     for s in range(lane, k, 32):
         row = recv_row[first + s]
         if row >= 0:
-            red_add_release_gpu(ready, row // minibatch_rows, 1)
+            red_add_release_gpu(ready, row // minibatch_size, 1)
 
 
 def make_pull_dispatch_kernel(fence=True, nc_loads=False):
@@ -111,13 +111,13 @@ def make_pull_dispatch_kernel(fence=True, nc_loads=False):
     copy = make_copy_row(ld_v4_nc if nc_loads else ld_v4)
 
     @kjit(max_registers=64)         # two 512-thread comm blocks per SM
-    def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows):
+    def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_size):
         """Launch: grid = comm blocks, block = 32 * warps threads.
 
         peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
         recv_row    int32 [R*T*k]                      row here of route (r, t, s), -1 if not ours
         x_recv      uint16 [R*T*H]                     out: staging, row r*T + t
-        ready       int32 [ceil(capacity / minibatch_rows)]  out: staged rows per minibatch
+        ready       int32 [ceil(capacity / minibatch_size)]  out: staged rows per minibatch
         """
         warps = cuda.blockDim.x // 32
         lane = cuda.threadIdx.x % 32
@@ -130,7 +130,7 @@ def make_pull_dispatch_kernel(fence=True, nc_loads=False):
                 r = u // T
                 if r != me:
                     copy(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
-                publish_rows(recv_row, first, k, ready, minibatch_rows, lane, fence)
+                publish_rows(recv_row, first, k, ready, minibatch_size, lane, fence)
             u += cuda.gridDim.x * warps
 
     return pull_dispatch_kernel
@@ -140,7 +140,7 @@ pull_dispatch_kernel = make_pull_dispatch_kernel()
 
 
 @kjit
-def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_rows,
+def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_size,
                               chunk, timeout_cycles, errors):
     """Variant of ``pull_dispatch_kernel`` (same arguments + the bounded-wait pair, same
     result): lane 0 of each warp moves the row with bulk async copies (``kernels.bulk``),
@@ -166,7 +166,7 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
                 if done < 2 * H:
                     record_timeout(errors, me, COUNTER_BULK_COPY, 2 * H, done, r)
                     return
-            publish_rows(recv_row, first, k, ready, minibatch_rows, lane, True)
+            publish_rows(recv_row, first, k, ready, minibatch_size, lane, True)
         u += cuda.gridDim.x * warps
 
 

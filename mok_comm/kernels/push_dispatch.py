@@ -2,8 +2,9 @@
 experts need them -- the mirror image of the pull dispatch (``dispatch.py``), same result:
 ``x_recv[r*T + t]`` on rank d holds token t of rank r for every (token, rank) pair routed to d,
 each pair crossing NVLink once. Why a second direction: NVLink stores are posted writes, while
-an SM's remote loads are round trips; measured, SM pulls reach ~0.89 of the copy engine's pull
-and SM pushes ~0.93 of its push (NOTES, session 5).
+an SM's remote loads are round trips (SM pulls reach ~0.89 of the copy engine's pull, the push
+combine ~0.93 of its push). Measured (NOTES, session 6): this push with its wait reaches only
+0.79-0.87 of the copy-engine push, below the pull -- an option; the layer keeps the pull.
 
 Roles and order. Work is (token, destination) pairs: pair u = t*R + d of this rank's T*R pairs
 is dealt to warp u mod (warps in the grid). The warp reads token t's k routes (``dest_rank`` /
@@ -22,9 +23,12 @@ every q (bounded: 'dispatch_push_arrivals' in the error word), subtracts what it
 the counters return to zero with no reset launch, and a CUDA-graph replay keeps working) and
 publishes ``ready[q] += minibatch_rows[q]`` -- the pull dispatch's contract.
 
-Ordering across steps: the rows and arrivals of step i+1 come after the barrier that follows
-this rank's wait of step i (the layer's phase order), so a wait never counts a later step's
-rows; and subtracting rather than zeroing keeps even an early arrival.
+Ordering across steps (the caller's duty): peers write into *this* rank's staging, so a cross-
+rank barrier must separate this rank's last read of ``x_recv`` (its routed FFN) and its wait of
+step i from any peer's push of step i+1 -- the forward's phase order (barrier after the combine,
+barrier after the x publish) provides both. Without it an early count of step i+1 could
+satisfy step i's wait. After a timeout the counters are left as they are: the workspace is in
+error (its error word is never cleared) and must be recreated.
 """
 from numba import cuda, int32
 
@@ -47,7 +51,8 @@ def routes_to(dest_rank, dest_row, first, k, d):
     return False
 
 
-AGG_SLOTS = 2048                # shared int32 (dest rank, minibatch) counters per block
+AGG_SLOTS = 4096                # shared int32 (dest rank, minibatch) counters per block (16 KiB:
+                                # EP 8 x T 16384 x top-8 at minibatch 4096 needs 8 x 257)
 
 
 def make_push_dispatch_kernel(fence=True, aggregate=True):
@@ -63,14 +68,16 @@ def make_push_dispatch_kernel(fence=True, aggregate=True):
 
     @kjit(max_registers=64)         # two 512-thread comm blocks per SM, like the pull
     def push_dispatch_kernel(me, x_buf, peer_x_recv, dest_rank, dest_row, peer_arrivals, T, H,
-                             k, minibatch_rows, minibatches):
+                             k, minibatch_size, minibatches):
         """Launch: grid = comm blocks, block = 32 * warps threads.
 
+        me             this rank; T, H, k: tokens per rank, hidden size, top-k
         x_buf          uint16 [T*H]                   this rank's tokens (its staging slice)
         peer_x_recv    tuple over ranks of uint16 [R*T*H]  every rank's staging buffer
         dest_rank/row  int32 [T*k]                    expert rank / row there of route (t, s)
         peer_arrivals  tuple over ranks of int32 [>= minibatches]  out: landed rows per
                        minibatch (``minibatches``: the schedule's count, same on every rank)
+        minibatch_size rows per minibatch (``MoKConfig.minibatch_size``)
         """
         counts = cuda.shared.array(AGG_SLOTS, int32)
         warps = cuda.blockDim.x // 32
@@ -93,7 +100,7 @@ def make_push_dispatch_kernel(fence=True, aggregate=True):
                     for s in range(lane, k, 32):
                         row = dest_row[first + s]
                         if dest_rank[first + s] == d and row >= 0:
-                            cuda.atomic.add(counts, d * minibatches + row // minibatch_rows, 1)
+                            cuda.atomic.add(counts, d * minibatches + row // minibatch_size, 1)
                 else:
                     if fence and d != me:
                         cuda.threadfence_system()
@@ -101,7 +108,7 @@ def make_push_dispatch_kernel(fence=True, aggregate=True):
                     for s in range(lane, k, 32):
                         row = dest_row[first + s]
                         if dest_rank[first + s] == d and row >= 0:
-                            red_add_release_sys(peer_arrivals[d], row // minibatch_rows, 1)
+                            red_add_release_sys(peer_arrivals[d], row // minibatch_size, 1)
             u += cuda.gridDim.x * warps
         if agg:
             cuda.threadfence_system()               # this thread's pushes, system-wide ...
@@ -126,8 +133,9 @@ def wait_arrivals_kernel(me, arrivals, minibatch_rows, ready, timeout_cycles, er
     ready           int32 [minibatches]   out: += minibatch_rows once the rows are staged
 
     A minibatch that stays short after ``timeout_cycles`` is recorded (rank, counter
-    'dispatch_push_arrivals', expected, seen; peer -1: any rank may be the late one) and the
-    thread stops; the host raises at the next check."""
+    'dispatch_push_arrivals', its expected and seen count; peer -1: any rank may be the late
+    one) and the thread stops; the host raises at the next check. The subtraction needs no
+    system scope: by the ordering above no peer adds to a minibatch whose target is met."""
     q = cuda.grid(1)
     while q < minibatch_rows.shape[0]:
         want = minibatch_rows[q]
