@@ -7,6 +7,7 @@ the fixed order. Skewed routing, masked routes, ranks with no live tokens, R = 2
 """
 import numpy as np
 import pytest
+from numba import cuda
 
 from comm_support import (bf16_bits, identity_expert_kernel, make_routing,
                           reference_round_trip)
@@ -14,7 +15,8 @@ from helpers import to_dev
 from mok_comm import ops
 from mok_comm.emulation import EmulatedGroup
 from mok_core.config import MoKConfig
-from mok_core.cuda_compat import to_host
+from mok_core.cuda_compat import kjit, to_host
+from mok_core.errors_kernels import record_timeout
 from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule
 
@@ -177,6 +179,25 @@ def test_push_rows_that_never_arrive_time_out_with_clear_error():
     with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
                                        r"'dispatch_push_arrivals' expected >= 8, saw 4"):
         wss[0].check()
+
+
+@kjit
+def _two_timeouts(errors):
+    if cuda.threadIdx.x == 0:
+        record_timeout(errors, 1, 6, 8, 4, -1)
+        record_timeout(errors, 1, 0, 99, 98, 0)      # a later timeout: must not mix in
+
+
+def test_first_timeout_is_the_one_reported():
+    """Many threads of a wait can expire at once; the error word keeps the first whole."""
+    from mok_core import errors as err
+    from mok_core.errors_kernels import reset_error_word
+    word = to_dev(np.zeros(err.ERROR_WORDS, np.int32))
+    reset_error_word(word)
+    _two_timeouts[1, 32](word)
+    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 1: counter "
+                                       r"'dispatch_push_arrivals' expected >= 8, saw 4"):
+        err.raise_if_set(to_host(word), context="test")
 
 
 def test_publish_rejects_bad_input():
