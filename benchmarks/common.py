@@ -97,6 +97,20 @@ def time_iters(fn, iters=20, warmup=3, pre=None):
     return times
 
 
+def time_interleaved(fns, iters=20, warmup=3, pre=None):
+    """``time_iters`` of several steps taken in turns -- iteration i times every step of
+    ``fns`` (name -> callable) once, in order -- so a drift of the machine over the run (clocks,
+    a neighbour's load) hits every step alike. Returns name -> per-iteration ms."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            time_iters(fn, 1, 0, pre)
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            times[name] += time_iters(fn, 1, 0, pre)
+    return times
+
+
 def rank_max_median(times):
     """Median over iterations of the per-iteration max over ranks (torch.distributed)."""
     import torch
