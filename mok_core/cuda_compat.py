@@ -210,20 +210,57 @@ def fill(arr, value, stream=0):
 _SMEM_READY = set()
 
 
+def _compiled(kernel, args, smem_bytes):
+    """numba's compiled specialisation of ``kernel`` for ``args``; above 48 KiB of dynamic
+    shared memory the kernel's limit is raised first (numba does not), once per
+    specialisation."""
+    from numba.cuda.cudadrv.driver import binding, driver
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    compiled = kernel.compile(argtypes)
+    key = (id(kernel), argtypes, smem_bytes)
+    if smem_bytes > 48 * 1024 and key not in _SMEM_READY:
+        cufunc = compiled._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
+        _SMEM_READY.add(key)
+    return compiled
+
+
 def launch(kernel, grid, block, stream, smem_bytes, *args):
-    """Launch a kjit kernel; above 48 KiB of dynamic shared memory, raise the kernel's limit
-    first (numba does not). The attribute is set once per compiled specialisation."""
+    """Launch a kjit kernel, raising its dynamic shared-memory limit first when it needs more
+    than 48 KiB."""
     if not SIM and smem_bytes > 48 * 1024:
-        argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-        key = (id(kernel), argtypes, smem_bytes)
-        if key not in _SMEM_READY:
-            from numba.cuda.cudadrv.driver import binding, driver
-            compiled = kernel.compile(argtypes)
-            cufunc = compiled._codelibrary.get_cufunc()
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
-            _SMEM_READY.add(key)
+        _compiled(kernel, args, smem_bytes)
     kernel[grid, block, stream, smem_bytes](*args)
+
+
+def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args):
+    """``launch`` with thread-block clusters of ``cluster`` blocks (``grid`` blocks in all, a
+    multiple of ``cluster``); numba has no cluster launch, so the kernel's arguments are
+    packed as numba packs them and launched through cuda.core's ``LaunchConfig(cluster=)``.
+    The simulator runs blocks one after another, so blocks that wait on each other cannot
+    run there: it takes ``cluster == 1`` only (a cluster kernel must also work as clusters of
+    one block -- that is what its simulator tests run)."""
+    if cluster < 1 or grid % cluster:
+        raise ValueError(f"grid={grid} blocks: must be a positive multiple of cluster={cluster}")
+    if cluster == 1:
+        return launch(kernel, grid, block, stream, smem_bytes, *args)
+    if SIM:
+        raise NotImplementedError("the CUDA simulator runs blocks one after another and cannot "
+                                  "run clusters of several blocks: launch with cluster=1")
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv.driver import _to_core_stream
+    compiled = _compiled(kernel, args, smem_bytes)
+    core_stream = _to_core_stream(stream)
+    retr, packed = [], []
+    for ty, value in zip(compiled.argument_types, args):
+        compiled._prepare_args(ty, value, core_stream, retr, packed)
+    config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block,
+                          shmem_size=smem_bytes)
+    core_launch(core_stream, config, compiled._codelibrary.get_cufunc().kernel, *packed)
+    for writeback in retr:
+        writeback()
 
 
 def multiprocessor_count() -> int:

@@ -15,6 +15,7 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, red_add_release_sys, shared_addr,
                                  st_release_sys, st_v4)
+from mok_core.intrinsics import cluster_ctarank, cluster_sync
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
@@ -422,3 +423,25 @@ def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
     with pytest.raises(RuntimeError, match="outside a CUDA-graph capture"):
         tensor_map.tensor_maps([fresh], 8)
     assert not any(k[0][0] == tensor_map._address(fresh) for k in tensor_map._cache)
+
+
+# ---- clusters ----------------------------------------------------------------------------------
+
+@kjit
+def _cluster_ranks(out):
+    """out[block * threads + thread] = the block's rank in its cluster, after a cluster barrier
+    (the GPU suite launches it with clusters of 2: tests/gpu/test_cluster_gpu.py)."""
+    cluster_sync()
+    out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = cluster_ctarank()
+
+
+def test_cluster_of_one_block_on_the_simulator():
+    from mok_core.cuda_compat import SIM, launch_cluster
+    out = to_dev(np.full(4 * 32, -1, np.int32))
+    launch_cluster(_cluster_ranks, 4, 1, 32, 0, 0, out)
+    np.testing.assert_array_equal(to_host(out), 0)
+    with pytest.raises(ValueError, match="multiple of cluster=2"):
+        launch_cluster(_cluster_ranks, 3, 2, 32, 0, 0, out)
+    if SIM:
+        with pytest.raises(NotImplementedError, match="launch with cluster=1"):
+            launch_cluster(_cluster_ranks, 4, 2, 32, 0, 0, out)

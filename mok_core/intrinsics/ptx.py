@@ -778,6 +778,20 @@ def tma_prefetch_2d(typingctx, tmaps, elem, x, y):
     return types.void(tmaps, elem, x, y), codegen
 
 
+@intrinsic
+def cluster_ctarank(typingctx):
+    """This block's rank in its thread-block cluster (0 in a launch without clusters)."""
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _i32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
+    return types.int32(), codegen
+
+
+cluster_sync = _statement(
+    "cluster_sync", "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;",
+    "Barrier of every thread of every block in the cluster (release / acquire: shared-memory "
+    "writes before it -- e.g. mbarrier inits -- are seen by the cluster's other blocks after).")
+
+
 fence_mbarrier_init = _statement(
     "fence_mbarrier_init", "fence.mbarrier_init.release.cluster;",
     "Make this thread's mbarrier.init visible to the async proxy (the TMA unit completes bytes "

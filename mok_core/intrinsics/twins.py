@@ -419,6 +419,14 @@ def tensormap_acquire(tmaps, elem):
     pass
 
 
+def cluster_ctarank():
+    return 0                # the simulator launches clusters of one block (launch_cluster)
+
+
+def cluster_sync():
+    threading.current_thread().syncthreads()     # a cluster of one block: the block barrier
+
+
 def fence_mbarrier_init():
     pass
 

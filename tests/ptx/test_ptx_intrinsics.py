@@ -8,6 +8,8 @@ from ptx_util import compile_sm90, count
 u16, u32, f32, i32 = uint16[::1], uint32[::1], float32[::1], int32[::1]
 
 CASES = {
+    "cluster": (ti._cluster_ranks, (i32,), [r"%cluster_ctarank", r"barrier\.cluster\.arrive",
+                                            r"barrier\.cluster\.wait"]),
     "ld_st_v4": (ti._copy_rows_v4, (u16, u16, i32, int32),
                  [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
     "ld_nc": (ti._copy_rows_v4_nc, (u16, u16, i32, int32),
