@@ -207,22 +207,24 @@ def fill(arr, value, stream=0):
     _fill_kernel[blocks, 256, stream](flat, flat.dtype.type(value))
 
 
-_SMEM_READY = set()
+_COMPILED: dict = {}         # (kernel, argument types, dynamic smem bytes) -> compiled kernel
 
 
 def _compiled(kernel, args, smem_bytes):
     """numba's compiled specialisation of ``kernel`` for ``args``; above 48 KiB of dynamic
-    shared memory the kernel's limit is raised first (numba does not), once per
-    specialisation."""
-    from numba.cuda.cudadrv.driver import binding, driver
+    shared memory the kernel's limit is raised first (numba does not). Both once per
+    specialisation and size."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-    compiled = kernel.compile(argtypes)
     key = (id(kernel), argtypes, smem_bytes)
-    if smem_bytes > 48 * 1024 and key not in _SMEM_READY:
-        cufunc = compiled._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
-        _SMEM_READY.add(key)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel.compile(argtypes)
+        if smem_bytes > 48 * 1024:
+            from numba.cuda.cudadrv.driver import binding, driver
+            cufunc = compiled._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
+        _COMPILED[key] = compiled
     return compiled
 
 
