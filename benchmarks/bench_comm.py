@@ -15,10 +15,11 @@ Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world s
   nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
              read on the host first, as torch EP code does
 GB/s = bytes that cross NVLink (local rows excluded) / time; time per iteration = max over ranks,
-median over iterations. ``dispatch_ratio_to_copy_interleaved``: the dispatch and the copy-engine
-pull timed once more, in turns, iteration by iteration (machine drift hits both alike). Ours and the copy engine are timed as CUDA-graph replays (device time,
+median over iterations. Ours and the copy engine are timed as CUDA-graph replays (device time,
 as inside the layer's captured forward; ``*_eager_ms`` has them launched from Python too);
 NCCL runs eagerly (its host-synced splits cannot be captured).
+``dispatch_ratio_to_copy_interleaved``: the dispatch and the copy-engine pull timed once more,
+in turns, iteration by iteration (machine drift hits both alike).
 """
 from __future__ import annotations
 
@@ -176,6 +177,7 @@ def run_case(T, iters, warmup):
     row["dispatch_ce_ratio_to_copy"] = row["dispatch_ce_gbps"] / row["copy_gbps"]
     row["dispatch_push_ms"] = graph["dispatch_push"]
     row["dispatch_push_gbps"] = gb(dispatch_bytes, graph["dispatch_push"])
+    row["copy_push_dispatch_ms"] = graph["copy_push_dispatch"]
     row["copy_push_dispatch_gbps"] = gb(nrow * row_bytes, graph["copy_push_dispatch"])
     row["dispatch_push_ratio_to_copy_push"] = (row["dispatch_push_gbps"]
                                                / row["copy_push_dispatch_gbps"])
@@ -212,7 +214,7 @@ def main(argv=None):
                            "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
         print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_push_ms", "dispatch_ce_ms",
-                           "copy_push_dispatch_gbps", "dispatch_eager_ms", "combine_ms",
+                           "copy_push_dispatch_ms", "dispatch_eager_ms", "combine_ms",
                            "combine_eager_ms", "copy_pull_ms", "copy_push_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))
     bootstrap.finalize()

@@ -25,9 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
-from benchmarks.bench_comm import H, K, routed_comm  # noqa: E402
+from benchmarks.bench_comm import H, routed_comm  # noqa: E402
 from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress,  # noqa: E402
                                rank_max_median, table, time_iters, write_json)
 
@@ -82,21 +80,14 @@ def run_case(T, variants, iters, warmup):
         push, fence, nc, blocks, warps, aggregate = parse_variant(name)
         if push:
             kernel = make_push_dispatch_kernel(fence, aggregate)
-            args = (ws.rank, ws.x_buf.reshape(ws.x_buf.size), ws.peer_x_recv,
-                    sched.dest_rank.reshape(sched.dest_rank.size),
-                    sched.dest_row.reshape(sched.dest_row.size), ws.peer_push_arrivals,
-                    np.int64(T), np.int64(H), np.int64(K), np.int64(sched.minibatch_size),
-                    np.int64(sched.ready.shape[0]))
+            args = ops.push_dispatch_args(ws, sched)
 
             def push_step():
                 kernel[blocks * sms, 32 * warps, numba_stream()](*args)
                 ops.wait_dispatch_push(ws, sched, stream=numba_stream())
             return push_step
         kernel = make_pull_dispatch_kernel(fence, nc)
-        args = (ws.rank, ws.peer_x, sched.recv_row.reshape(sched.recv_row.size),
-                ws.x_recv.reshape(ws.x_recv.size),
-                sched.ready, np.int64(T), np.int64(H), np.int64(K),
-                np.int64(sched.minibatch_size))
+        args = ops.pull_dispatch_args(ws, sched)
         return lambda: kernel[blocks * sms, 32 * warps, numba_stream()](*args)
 
     ops.dispatch(ws, sched, stream=s)

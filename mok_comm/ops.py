@@ -153,13 +153,27 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
         publish_all_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
             schedule.minibatch_rows, schedule.ready)
         return
-    args = (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
-            np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
-            np.int64(schedule.minibatch_size))
+    args = pull_dispatch_args(ws, schedule)
     if variant == "ld":
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
     else:
         _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
+
+
+def pull_dispatch_args(ws: Workspace, schedule) -> tuple:
+    """The pull dispatch kernels' arguments (``kernels.dispatch``; the bulk one takes three
+    more)."""
+    return (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
+            np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
+            np.int64(schedule.minibatch_size))
+
+
+def push_dispatch_args(ws: Workspace, schedule) -> tuple:
+    """The push dispatch kernel's arguments (``kernels.push_dispatch``)."""
+    return (ws.rank, _flat(ws.x_buf), ws.peer_x_recv, _flat(schedule.dest_rank),
+            _flat(schedule.dest_row), ws.peer_push_arrivals, np.int64(ws.tokens_per_rank),
+            np.int64(ws.hidden), np.int64(ws.topk), np.int64(schedule.minibatch_size),
+            np.int64(schedule.ready.shape[0]))
 
 
 def dispatch_push(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
@@ -168,13 +182,10 @@ def dispatch_push(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
     rank)) and count them into that rank's ``push_arrivals`` (``schedule.dest_rank`` /
     ``dest_row`` say where each route lands). Emulated ranks: every rank pushes, then every
     rank waits."""
-    T, k = ws.tokens_per_rank, ws.topk
-    if T == 0:
+    if ws.tokens_per_rank == 0:
         return
     push_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        ws.rank, _flat(ws.x_buf), ws.peer_x_recv, _flat(schedule.dest_rank),
-        _flat(schedule.dest_row), ws.peer_push_arrivals, np.int64(T), np.int64(ws.hidden),
-        np.int64(k), np.int64(schedule.minibatch_size), np.int64(schedule.ready.shape[0]))
+        *push_dispatch_args(ws, schedule))
 
 
 def wait_dispatch_push(ws: Workspace, schedule, stream=0) -> None:

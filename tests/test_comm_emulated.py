@@ -21,19 +21,26 @@ from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule
 
 
-def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
+def scheduled_group(R, T, H, k, E, x, ids, cfg):
+    """R emulated ranks with tokens ``x`` [R, T, H] published, routed by ``ids`` [R, T, k]
+    and scheduled: (group, schedules)."""
     group = EmulatedGroup(R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E, config=cfg)
     wss = group.workspaces
     scheds = [Schedule.allocate(rank=r, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
                                 config=cfg, capacity=wss[r].capacity) for r in range(R)]
-    C = wss[0].capacity
+    group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
+    group.barrier()
+    group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
+    return group, scheds
+
+
+def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
+    group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
+    C = group.workspaces[0].capacity
     index = [to_dev(np.zeros(C, np.int32)) for _ in range(R)]
     y = [to_dev(np.full((C, H), 0xFFFF, np.uint16)) for _ in range(R)]
     out = [to_dev(np.full((T, H), 0xFFFF, np.uint16)) for _ in range(R)]
 
-    group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
-    group.barrier()
-    group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
     # bulk (dispatch and combine): 32-byte chunks, so a 64-byte row moves in two (GPU: 8 KiB)
     if variant == "push":           # every rank pushes, then every rank waits for its rows
         group.each(lambda r, ws: ops.dispatch_push(ws, scheds[r]))
@@ -164,14 +171,8 @@ def test_push_rows_that_never_arrive_time_out_with_clear_error():
     R, T, H, k, E = 2, 8, 16, 2, 4
     ids = np.zeros((R, T, k), np.int32)
     ids[:, :, 1] = 1                              # every token to experts 0 and 1 (rank 0)
-    group = EmulatedGroup(R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E, config=cfg)
+    group, scheds = scheduled_group(R, T, H, k, E, bf16_bits(np.ones((R, T, H))), ids, cfg)
     wss = group.workspaces
-    scheds = [Schedule.allocate(rank=r, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
-                                config=cfg, capacity=wss[r].capacity) for r in range(R)]
-    x = bf16_bits(np.ones((R, T, H)))
-    group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
-    group.barrier()
-    group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
     ops.dispatch_push(wss[0], scheds[0])            # rank 0's own rows only
     ops.wait_dispatch_push(wss[0], scheds[0])
     # expert 0's 16 rows fill minibatches 0-1, rows interleaved by source rank: of each

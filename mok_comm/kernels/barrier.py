@@ -30,18 +30,29 @@ def arrive(me, epoch, peer_flags):
     return e
 
 
+@kjit(device=True, inline="always")
+def spin_at_least(counters, i, target, timeout_cycles):
+    """Acquire-load ``counters[i]`` until it reaches ``target`` or ``timeout_cycles`` pass;
+    returns the last value seen (< target: timed out -- the caller records what it waited
+    on)."""
+    start = clock64()
+    seen = ld_acquire_sys(counters, i)
+    while seen < target:
+        if clock64() - start > timeout_cycles:
+            return seen
+        nanosleep(64)
+        seen = ld_acquire_sys(counters, i)
+    return seen
+
+
 @kjit(device=True)
 def wait(me, target, flags, timeout_cycles, errors):
     """Thread 0 only. Spin until every rank reached ``target`` or the wait times out."""
     for p in range(flags.shape[0]):
-        start = clock64()
-        seen = ld_acquire_sys(flags, p)
-        while seen < target:
-            if clock64() - start > timeout_cycles:
-                record_timeout(errors, me, COUNTER_BARRIER, target, seen, p)
-                return False
-            nanosleep(64)
-            seen = ld_acquire_sys(flags, p)
+        seen = spin_at_least(flags, p, target, timeout_cycles)
+        if seen < target:
+            record_timeout(errors, me, COUNTER_BARRIER, target, seen, p)
+            return False
     return True
 
 

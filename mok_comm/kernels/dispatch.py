@@ -5,10 +5,11 @@ Roles and order. Work is *tokens*, not rows: token u = (r, t) of all R*T tokens 
 u mod (warps in the grid). The warp reads the token's k entries of ``recv_row``; if any is >= 0
 (the token routes to one of our experts) it copies the row from rank r's x buffer into the
 token-indexed staging buffer ``x_recv[u]`` -- unless r is this rank: our own tokens already sit
-in their staging rows (the x buffer *is* that slice of ``x_recv``). Every other row of that token (its other local
-experts) reads the same staging row through the GEMM's gather index: no fan-out copy. Dealing
-tokens, not rows, keeps every warp equally busy -- rows are expert-sorted, so the first rows of
-each token cluster in the low experts and a row-ordered walk leaves most warps idle.
+in their staging rows (the x buffer *is* that slice of ``x_recv``). Every other row of that
+token (its other local experts) reads the same staging row through the GEMM's gather index: no
+fan-out copy. Dealing tokens, not rows, keeps every warp equally busy -- rows are expert-sorted,
+so the first rows of each token cluster in the low experts and a row-ordered walk leaves most
+warps idle.
 
 Counter: ``ready[q]`` (int32, ``Schedule.ready``: zeroed by ``build_schedule``, so one dispatch
 per schedule build -- a second dispatch keeps counting) counts rows of minibatch q whose token

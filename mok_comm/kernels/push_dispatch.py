@@ -34,9 +34,9 @@ from numba import cuda, int32
 
 from mok_core.cuda_compat import kjit
 from mok_core.errors_kernels import record_timeout
-from mok_core.intrinsics import (clock64, ld_acquire_sys, nanosleep, red_add_release_gpu,
-                                 red_add_release_sys, syncwarp)
+from mok_core.intrinsics import red_add_release_gpu, red_add_release_sys, syncwarp
 
+from .barrier import spin_at_least
 from .dispatch import copy_row
 
 COUNTER_PUSH_ARRIVALS = 6       # errors.COUNTER_NAMES: a minibatch whose rows never all arrived
@@ -96,19 +96,18 @@ def make_push_dispatch_kernel(fence=True, aggregate=True):
             if routes_to(dest_rank, dest_row, first, k, d):     # uniform over the warp
                 if d != me:
                     copy_row(x_buf, t * H, peer_x_recv[d], (me * T + t) * H, H, lane)
-                if agg:
-                    for s in range(lane, k, 32):
-                        row = dest_row[first + s]
-                        if dest_rank[first + s] == d and row >= 0:
-                            cuda.atomic.add(counts, d * minibatches + row // minibatch_size, 1)
-                else:
+                if not agg:
                     if fence and d != me:
                         cuda.threadfence_system()
                     syncwarp()                      # every lane's stores precede the release
-                    for s in range(lane, k, 32):
-                        row = dest_row[first + s]
-                        if dest_rank[first + s] == d and row >= 0:
-                            red_add_release_sys(peer_arrivals[d], row // minibatch_size, 1)
+                for s in range(lane, k, 32):
+                    row = dest_row[first + s]
+                    if dest_rank[first + s] == d and row >= 0:
+                        q = row // minibatch_size
+                        if agg:
+                            cuda.atomic.add(counts, d * minibatches + q, 1)
+                        else:
+                            red_add_release_sys(peer_arrivals[d], q, 1)
             u += cuda.gridDim.x * warps
         if agg:
             cuda.threadfence_system()               # this thread's pushes, system-wide ...
@@ -140,14 +139,10 @@ def wait_arrivals_kernel(me, arrivals, minibatch_rows, ready, timeout_cycles, er
     while q < minibatch_rows.shape[0]:
         want = minibatch_rows[q]
         if want > 0:
-            start = clock64()
-            seen = ld_acquire_sys(arrivals, q)
-            while seen < want:
-                if clock64() - start > timeout_cycles:
-                    record_timeout(errors, me, COUNTER_PUSH_ARRIVALS, want, seen, -1)
-                    return
-                nanosleep(32)
-                seen = ld_acquire_sys(arrivals, q)
+            seen = spin_at_least(arrivals, q, want, timeout_cycles)
+            if seen < want:
+                record_timeout(errors, me, COUNTER_PUSH_ARRIVALS, want, seen, -1)
+                return
             cuda.atomic.sub(arrivals, q, want)
             red_add_release_gpu(ready, q, want)
         q += cuda.gridsize(1)
