@@ -31,7 +31,7 @@ from benchmarks.common import (capture_graph, gpu_name, median, numba_stream,  #
 
 
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch,
-#  async_ring, probe, packed_weights) -- GemmConfig's field order
+#  async_ring, probe, packed_weights, multicast) -- GemmConfig's field order
 SWEEP = [
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
     (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),  # async ring (opt-in)
@@ -40,6 +40,10 @@ SWEEP = [
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True),           # the same with TMA B
     (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True),           # two blocks per SM
     (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True),           # 4 warpgroups: 256-row experts
+    # clusters of 2 blocks (two row tiles of one expert) sharing each weight slice by multicast
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 2),
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", True, 2),
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True, 2),
 ]
 
 

@@ -18,7 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cuda_compat import SIM, as_device_array, launch, multiprocessor_count, upload
+from .cuda_compat import (SIM, as_device_array, launch, launch_cluster, multiprocessor_count,
+                          upload)
 from .grouped_gemm_kernels import make_grouped_gemm
 from . import grouped_gemm_wgmma_kernels as _wgmma
 from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
@@ -57,6 +58,11 @@ class GemmConfig:
     swiglu))``: gate/up boxes of bn/2 rows, down of bn): each weight box is then one
     contiguous bulk copy (whole DRAM pages) instead of a TMA box of 128-byte row pieces. The
     kernel cannot tell a packed array from a plain one: packing is the caller's contract.
+    ``multicast`` ("wgmma" with ``tma``; 0 = off): thread-block clusters of that many blocks
+    (2 on the GPU; 1 runs the same protocol on the simulator) share each weight slice: a
+    work tile is ``multicast * bm`` rows of one expert, one block per ``bm`` rows, and each
+    block fetches part of the slice from L2 and multicasts it to all (halving the weight
+    traffic that bounds these GEMMs for experts of 256-512 rows).
     """
     bm: int = 128
     bn: int = 128
@@ -72,6 +78,7 @@ class GemmConfig:
     async_ring: bool = False        # "wgmma": stages handed over by mbarriers, no block barrier
     probe: str = ""                 # measurement builds only (wrong results)
     packed_weights: bool = False    # "wgmma" + tma: weights in weight_pack's layout
+    multicast: int = 0              # "wgmma" + tma: blocks per cluster sharing weight slices
 
     def __post_init__(self):
         def req(cond, msg):
@@ -96,6 +103,11 @@ class GemmConfig:
             req(not self.packed_weights or (self.mma == "wgmma" and self.tma
                                             and not self.l2_prefetch),
                 "packed_weights needs mma='wgmma' with tma=True (and no l2_prefetch)")
+            req(self.multicast in (0, 1, 2) and (not self.multicast or (
+                self.mma == "wgmma" and self.tma and not self.async_ring
+                and not self.l2_prefetch and not self.probe)),
+                "multicast is 0, 1 or 2 and needs mma='wgmma' with tma=True (no async_ring, "
+                "l2_prefetch or probe)")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and ("no_b" not in parts or self.tma),
@@ -104,8 +116,9 @@ class GemmConfig:
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
             req(not (self.tma or self.l2_prefetch or self.probe or self.async_ring
-                     or self.packed_weights),
-                "tma, l2_prefetch, probe, async_ring and packed_weights need a wgmma kind")
+                     or self.packed_weights or self.multicast),
+                "tma, l2_prefetch, probe, async_ring, packed_weights and multicast need a "
+                "wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -189,7 +202,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
                                               l2_prefetch=cfg.l2_prefetch, probe=cfg.probe,
                                               async_ring=cfg.async_ring,
                                               packed_b=cfg.packed_weights,
-                                              blocks_per_sm=cfg.blocks_per_sm)
+                                              blocks_per_sm=cfg.blocks_per_sm,
+                                              multicast=cfg.multicast)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
@@ -223,6 +237,8 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     route (rank, token, slot, peers, k; placeholders when None)."""
     tiles = (C // cfg.row_unit) * (N // n_tile)        # an upper bound on the tiles
     grid = max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
+    cluster = max(cfg.multicast, 1)
+    grid = max(cluster, grid // cluster * cluster)     # whole clusters
     if cfg.mma == "wgmma" and off.shape[0] - 1 > _wgmma.MAX_EXPERTS:
         raise ValueError(f"{off.shape[0] - 1} experts in one launch: the wgmma kernel's tile "
                          f"table holds {_wgmma.MAX_EXPERTS}")
@@ -232,7 +248,7 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     args = (_flat(a), a_index, _flat(w0), _flat(w1))
     if cfg.mma != "mma_sync":
         if cfg.tma and not cfg.packed_weights:   # gate/up: gate and up maps, BN/2-row boxes
-            box = cfg.bn // 2 if swiglu else cfg.bn
+            box = cfg.bn // 2 if swiglu or cfg.multicast else cfg.bn   # (shared: halves)
             maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
                                 for w in ((w0, w1) if swiglu else (w0,))], box, stream)
         else:
@@ -242,7 +258,10 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     if cfg.mma != "mma_sync":
         nr = rest[0]                                   # num_rows: an int32 placeholder
         args += route if route is not None else (nr, nr, nr, (rest[1],), np.int64(0))
-    launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
+    if cfg.multicast:
+        launch_cluster(kern, grid, cluster, cfg.threads, stream, cfg.smem_bytes, *args)
+    else:
+        launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
 
 
 @lru_cache(maxsize=None)

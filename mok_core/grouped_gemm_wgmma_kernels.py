@@ -52,11 +52,13 @@ from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import swiglu
-from .intrinsics import (bulk_load, cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
+from .intrinsics import (bulk_load, bulk_load_multicast, cluster_ctarank, cluster_sync,
+                         cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
-                         mbarrier_arrive, mbarrier_arrive_expect_tx,
-                         mbarrier_init, mbarrier_try_wait, pack_bf16x2, shared_addr,
-                         store_f32_tuple, tensormap_acquire, tma_load_2d, tma_prefetch_2d, trap,
+                         mbarrier_arrive, mbarrier_arrive_cluster, mbarrier_arrive_expect_tx,
+                         mbarrier_init, mbarrier_try_wait, mbarrier_try_wait_cluster,
+                         pack_bf16x2, shared_addr, store_f32_tuple, tensormap_acquire,
+                         tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                          wgmma_m64n256k16_bf16, wgmma_wait)
@@ -232,6 +234,73 @@ def make_tma_b_loader(bn, swiglu_epilogue, read_b=True, packed=False):
     return tma_b, prefetch_b
 
 
+@kjit(device=True, inline="always")
+def wait_phase_cluster(smem, bar, parity):
+    """``wait_phase`` acquiring at cluster scope (arrivals from other blocks of the cluster)."""
+    n = 0
+    while mbarrier_try_wait_cluster(smem, bar, parity) == 0:
+        n += 1
+        if n == _SPIN_LIMIT:
+            trap()
+
+
+def make_tma_b_share(bn, swiglu_epilogue, packed, cluster):
+    """``tma_b_share(smem, dst, tmaps, bar, row, k0, w0, w1, K, rank)``: the weight slice of a
+    cluster of ``cluster`` blocks (1 or 2) that compute row tiles of one expert against the
+    same BN weight rows. Every block arms its own ``bar`` with the whole slice's bytes, then
+    fetches its share, multicast into every block of the cluster at the same ``dst``:
+    cluster 2 -- rank 0 the first BN/2 rows (SWIGLU: the gate box), rank 1 the rest (the up
+    box); cluster 1 -- both halves, plain loads (what the simulator runs). Tensor maps: boxes
+    of BN/2 rows (gate/up, and down when shared by 2); ``packed``: a box's rows are
+    contiguous, so half a box is one bulk copy."""
+    assert cluster in (1, 2)
+    half_rows = bn // 2
+    half_bytes = half_rows * ROW_BYTES
+    box = half_rows if swiglu_epilogue else bn          # rows of a packed box
+    mask = (1 << cluster) - 1
+
+    @kjit(device=True, inline="always")
+    def share(smem, dst, tmaps, bar, row, k0, w0, w1, K, part):
+        """Half ``part`` (0: rows [0, BN/2), 1: [BN/2, BN)) of the slice, to every block."""
+        d = dst + part * half_bytes
+        if packed:
+            src = int64(row) * K + int64(k0) * box
+            if swiglu_epilogue:
+                if part == 0:
+                    w = w0
+                else:
+                    w = w1
+            else:
+                w = w0
+                src += part * half_rows * BK
+            if cluster == 1:
+                bulk_load(smem, d, w, src, half_bytes, bar)
+            else:
+                bulk_load_multicast(smem, d, w, src, half_bytes, bar, mask)
+            return
+        if swiglu_epilogue:                              # gate map at element 0, up at 16
+            elem = 16 * part
+            y = row
+        else:
+            elem = 0
+            y = row + part * half_rows
+        if cluster == 1:
+            tma_load_2d(smem, d, tmaps, elem, k0, y, bar)
+        else:
+            tma_load_2d_multicast(smem, d, tmaps, elem, k0, y, bar, mask)
+
+    @kjit(device=True, inline="always")
+    def tma_b_share(smem, dst, tmaps, bar, row, k0, w0, w1, K, rank):
+        mbarrier_arrive_expect_tx(smem, bar, bn * ROW_BYTES)
+        if cluster == 1:
+            share(smem, dst, tmaps, bar, row, k0, w0, w1, K, 0)
+            share(smem, dst, tmaps, bar, row, k0, w0, w1, K, 1)
+        else:
+            share(smem, dst, tmaps, bar, row, k0, w0, w1, K, rank)
+
+    return tma_b_share
+
+
 MAX_EXPERTS = 512             # per launch: the tile table in shared memory is sized for it
 _TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarriers 8-aligned after
 
@@ -289,7 +358,8 @@ def probe_parts(probe):
 
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
-                            probe="", async_ring=False, packed_b=False, blocks_per_sm=1):
+                            probe="", async_ring=False, packed_b=False, blocks_per_sm=1,
+                            multicast=0):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -328,8 +398,24 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
     MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
     those go to the stage of kt - 2).
+    ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
+    ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
+    weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
+    [r bm, (r + 1) bm) of it -- and each weight slice is read from L2 once for all of them:
+    every block fetches a share and multicasts it into every block's ring
+    (``make_tma_b_share``). The cluster ring (K loop below) then needs to know that a stage is
+    free in *every* block before anyone's share lands in it: empty[s] takes one arrival from
+    each block of the cluster (thread 0, after its block barrier), and a block's thread 0
+    waits on its own empty[s] before issuing its share. Stage of slice g = g % STAGES, g
+    counted across the block's tiles (both blocks of a cluster walk the same tiles). A block
+    whose rows lie past the expert still loads its share (its MMAs idle). Cluster 1 is the
+    same protocol with plain loads and local arrivals: what the simulator runs.
     """
     parts = probe_parts(probe)
+    assert multicast in (0, 1, 2)
+    assert not multicast or (tma_b and not async_ring and not l2_prefetch and not parts)
+    cl = max(multicast, 1)                  # blocks per cluster (1: no cluster)
+    tile_rows = cl * bm                     # rows of one work tile (the cluster's)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256) and parts <= set(PROBES)
     assert bm < 256 or bn <= 128, "4 warpgroups hold at most 64 accumulators per thread"
     assert tma_b or (l2_prefetch == 0 and "no_b" not in parts and not packed_b)
@@ -351,6 +437,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                               read_a="no_a" not in parts)
     tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts,
                                                packed=packed_b)
+    tma_b_share = make_tma_b_share(bn, swiglu_epilogue, packed_b, cl)
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
@@ -363,15 +450,21 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
-                   b_pass_elems, b_row, tid, ktiles):
+                   b_pass_elems, b_row, tid, ktiles, g, rank):
         """Slice at K offset k0 into ring stage st: A (and B unless TMA) by every thread's
         cp.async; with TMA, thread 0 arms full[st] and issues B's box(es) (and the L2 prefetch of
-        the slice ``l2_prefetch`` further)."""
+        the slice ``l2_prefetch`` further). ``multicast``: thread 0 first waits until every
+        block of the cluster released the stage's previous slice (g - STAGES; ``g`` = this
+        slice's block-global index), then issues its share of B (``rank``)."""
         load_slice(smem, dst0 + st * stage_bytes, pass_bytes, a_stage, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, k0)
         if async_ring:                         # full[st] counts this thread once its chunks land
             cp_async_mbarrier_arrive(smem, full0 + 8 * st)
-        if tma_b and tid == 0:
+        if tma_b and tid == 0 and multicast:
+            wait_phase_cluster(smem, full0 + 8 * stages + 8 * st, ((g // stages) & 1) ^ 1)
+            tma_b_share(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row,
+                        k0, w0, w1, ktiles * BK, rank)
+        elif tma_b and tid == 0:
             tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0,
                        w0, w1, ktiles * BK)
             if l2_prefetch and k0 + l2_prefetch * BK < ktiles * BK:
@@ -387,19 +480,20 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             wait_phase(smem, full0 + 8 * stages + 8 * st,     # empty[st]: after the fulls
                        ((gl // stages) - 1) & 1)
         load_stage(smem, st, kidx * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
-                   b_src, b_pass_elems, b_row, tid, ktiles)
+                   b_src, b_pass_elems, b_row, tid, ktiles, gl, 0)
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                   g0):
-        """Tile t: where this thread's chunks come from (A rows gathered; padding rows and
+                   g0, rank):
+        """Tile t (block ``rank`` of the cluster: its ``bm`` rows of the tile): where this thread's chunks come from (A rows gathered; padding rows and
         rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
         expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
         requested. Returns (first row, first output column, B source, B's first weight row,
         active, owned)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
-                                                  n_tiles, bm, rows_cap)
+                                                  n_tiles, tile_rows, rows_cap)
+        row0 += rank * bm
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
         a_sources(a_index, row0 + ld_row, pass_rows, row_end, K, ld_chunk, a_src, a_nb)
         b_row = e * n_w + col0
@@ -416,10 +510,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if s < ktiles:
                     issue_slice(smem, g0 + s, s, ring, full0, tmaps, dst0, a, w0, w1, a_src,
                                 a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
-            else:
+            else:                              # cluster ring: stage of slice g0 + s
                 if s < ktiles:
-                    load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
-                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
+                    st = (g0 + s) % stages if multicast else s
+                    load_stage(smem, st, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
+                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles, g0 + s, rank)
                 cp_async_commit()
         if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
             for s in range(ahead, l2_prefetch):     # (the prologue's loads cover the rest)
@@ -457,19 +552,25 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         # Rows the buffers hold: the output's (gate/up: hidden [C, n_out] as bf16 pairs) or
         # A's (down: hidden [C, K]; its output may be a placeholder when pushing).
         rows_cap = out.shape[0] * 2 // n_out if swiglu_epilogue else a.shape[0] // K
-        tile_table(smem, offsets, num_experts, bm, rows_cap)
+        tile_table(smem, offsets, num_experts, tile_rows, rows_cap)
         if full_count and tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, full_count)
                 if async_ring:
                     mbarrier_init(smem, empty0 + 8 * s, warps)
+                if multicast:                  # one release per block of the cluster
+                    mbarrier_init(smem, empty0 + 8 * s, cl)
             if tma_b and not packed_b:         # packed weights: no maps (a placeholder)
                 tensormap_acquire(tmaps, 0)
                 if swiglu_epilogue:
                     tensormap_acquire(tmaps, 16)
             fence_mbarrier_init()
-        cuda.syncthreads()
+        if multicast:                          # peers arrive on / multicast into our barriers
+            cluster_sync()
+        else:
+            cuda.syncthreads()
         total = int64(smem[num_experts]) * n_tiles
+        rank = cluster_ctarank() if multicast > 1 else 0
         phases = 0                              # TMA: bit s = parity of full[s]'s next phase
 
         a_src = cuda.local.array(a_passes, int64)
@@ -478,8 +579,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
         # Tile loop. A tile's first PREFETCH slices are requested before the previous tile's
         # epilogue runs (the ring is free by then), so their latency hides behind its stores.
-        t = cuda.blockIdx.x
-        g0 = int64(0)                          # async ring: global index of the tile's slice 0
+        t = cuda.blockIdx.x // cl              # the cluster's index (the block's without one)
+        g0 = int64(0)                          # async / cluster ring: block-global slice index
         row0 = 0
         col0 = 0
         b_src = 0
@@ -490,7 +591,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             row0, col0, b_src, b_row, active, owned = tile_start(
                 smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                 full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                g0)
+                g0, rank)
         while t < total:
             acc = f32_zeros(nacc)
             if async_ring:
@@ -518,6 +619,38 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if lane == 0:                      # the tile's last slice is free too
                     mbarrier_arrive(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages))
                 g0 += ktiles
+            elif multicast:
+                # Cluster ring, per slice g (block-global, stage g % STAGES): wait my chunks and
+                # full[g] (every block's share of B landed) -> block barrier: every warpgroup
+                # retired slice g - 2 -> thread 0 releases g - 2 to every block of the cluster
+                # -> MMAs on g -> loads of g + PREFETCH (thread 0's share waits until every
+                # block released that stage: g + PREFETCH - STAGES = g - 2) -> wgmma.wait(1).
+                # The MMAs go first so the tensor cores run while thread 0 waits on a peer.
+                for kt in range(ktiles):
+                    g = g0 + kt
+                    st = g % stages
+                    cp_async_wait(in_flight)
+                    wait_phase(smem, full0 + 8 * st, (g // stages) & 1)
+                    fence_proxy_async()
+                    cuda.syncthreads()
+                    if tid == 0 and g >= 2:
+                        for blk in range(cl):
+                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 2) % stages), blk)
+                    run_mma = warp_all(active) != 0
+                    soff = (st * stage_bytes) >> 4
+                    if run_mma:
+                        acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+                    if kt + prefetch < ktiles:
+                        load_stage(smem, (g + prefetch) % stages, (kt + prefetch) * BK, ring,
+                                   full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
+                                   b_pass_elems, b_row, tid, ktiles, g + prefetch, rank)
+                    cp_async_commit()
+                    if run_mma:
+                        acc = wgmma_wait(acc, 1)
+                acc = wgmma_wait(acc, 0)
+                cp_async_wait(0)
+                cuda.syncthreads()                 # every warpgroup done with the ring
+                g0 += ktiles
             else:
                 cst = 0                            # ring stages of the slice computed / loaded
                 lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
@@ -537,7 +670,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     nxt = kt + prefetch
                     if nxt < ktiles:
                         load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1,
-                                   a_src, a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
+                                   a_src, a_nb, b_src, b_pass_elems, b_row, tid, ktiles, 0, 0)
                     cp_async_commit()
                     if run_mma:
                         if not mma_first:
@@ -552,17 +685,19 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             out_row = row0 + frag_row
             out_col = col0 + frag_col
             mine = owned
-            t += cuda.gridDim.x
+            t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now
                 row0, col0, b_src, b_row, active, owned = tile_start(
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                     full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                    g0)
+                    g0, rank)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
             if mine:
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)
+        if multicast:           # no block leaves while a peer may still arrive on its barriers
+            cluster_sync()
 
     kernel.smem_bytes = smem_bytes(bn, stages, bm)
     kernel.threads = threads

@@ -29,6 +29,12 @@ WGMMA_ASYNC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wg
 # Weights in the packed layout (mok_core.weight_pack): each box one contiguous bulk copy.
 WGMMA_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
                               packed_weights=True)
+# The cluster protocol (empty barriers released by every block of the cluster, weight slices
+# fetched in shares) with clusters of one block: what the simulator can run of multicast=2.
+WGMMA_MC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
+                          multicast=1)
+WGMMA_MC_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
+                                 tma=True, packed_weights=True, multicast=1)
 # 4 warpgroups (256-row tiles), weights by TMA.
 WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma", tma=True)
 from mok_core.reference import swiglu
@@ -80,9 +86,12 @@ def rel_l1(got, want):
     (WGMMA_PACKED_CFG, [40, 0, 150], 1.5),
     # 256-row tiles: a 64-row tile (3 warpgroups idle), an empty expert, 256 + 64 rows
     (WGMMA256_CFG, [40, 0, 300], None),
+    # cluster ring: stages wrap across tiles (global slice count), halves of each weight box
+    (WGMMA_MC_CFG, [40, 0, 150], 1.5), (WGMMA_MC_PACKED_CFG, [150, 1], None),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a", "wgmma-b-clamp",
         "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma-ws-tma", "wgmma192-tma-clamp",
-        "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma"])
+        "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma",
+        "wgmma-multicast1-clamp", "wgmma-multicast1-packed"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
@@ -165,7 +174,10 @@ def test_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1), dict(l2_prefetch=2),
-                                    dict(probe="no_a"),
+                                    dict(probe="no_a"), dict(multicast=2),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, multicast=2),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
+                                         multicast=3),
                                     dict(wm=8, wn=8, bm=128, bn=128)])
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):

@@ -19,7 +19,10 @@
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
                   completes an mbarrier's byte count), tma_prefetch_2d (the same box -> L2
                   only), fence_mbarrier_init
-    clusters:     cluster_ctarank, cluster_sync (launch: ``cuda_compat.launch_cluster``)
+    clusters:     cluster_ctarank, cluster_sync (launch: ``cuda_compat.launch_cluster``),
+                  tma_load_2d_multicast / bulk_load_multicast (one read lands in several
+                  blocks' shared memory), mbarrier_arrive_cluster (arrive on a peer block's
+                  barrier), mbarrier_try_wait_cluster (acquire at cluster scope)
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -41,7 +44,8 @@ __all__ = [
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",
     "tensormap_acquire", "tma_load_2d", "tma_prefetch_2d", "fence_mbarrier_init",
-    "cluster_ctarank", "cluster_sync",
+    "cluster_ctarank", "cluster_sync", "tma_load_2d_multicast", "bulk_load_multicast",
+    "mbarrier_arrive_cluster", "mbarrier_try_wait_cluster",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

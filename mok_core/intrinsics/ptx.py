@@ -779,6 +779,86 @@ def tma_prefetch_2d(typingctx, tmaps, elem, x, y):
 
 
 @intrinsic
+def tma_load_2d_multicast(typingctx, smem, saddr, tmaps, elem, x, y, bar, mask):
+    """``tma_load_2d`` whose box lands at ``saddr`` in every block of the cluster named in
+    ``mask`` (bit i = cluster rank i) and completes its bytes on the mbarrier at ``bar`` of each
+    of them: one read from L2 feeds several SMs. Each receiving block arms its own barrier with
+    the bytes it expects from all senders."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and all(isinstance(v, types.Integer)
+                                                   for v in (saddr, elem, x, y, bar, mask))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        p = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        cx = context.cast(builder, args[4], sig.args[4], types.int32)
+        cy = context.cast(builder, args[5], sig.args[5], types.int32)
+        b = context.cast(builder, args[6], sig.args[6], types.uint32)
+        m = context.cast(builder, args[7], sig.args[7], types.uint16)
+        _asm(builder, ir.VoidType(), [s32, p, cx, cy, b, m],
+             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+             ".multicast::cluster [$0], [$1, {$2, $3}], [$4], $5;", "r,l,r,r,r,h,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, tmaps, elem, x, y, bar, mask), codegen
+
+
+@intrinsic
+def bulk_load_multicast(typingctx, smem, saddr, gmem, gidx, nbytes, bar, mask):
+    """``bulk_load`` into every block of the cluster named in ``mask`` (bit i = cluster rank
+    i), at ``saddr`` and completing on the mbarrier at ``bar`` in each."""
+    if not (_is_1d(smem) and _is_1d(gmem) and all(isinstance(v, types.Integer)
+                                                  for v in (saddr, gidx, nbytes, bar, mask))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        b = context.cast(builder, args[5], sig.args[5], types.uint32)
+        m = context.cast(builder, args[6], sig.args[6], types.uint16)
+        _asm(builder, ir.VoidType(), [s32, gptr, n, b, m],
+             "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
+             "mbarrier::complete_tx::bytes.multicast::cluster [$0], [g], $2, [$3], $4; }",
+             "r,l,r,r,h,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, gmem, gidx, nbytes, bar, mask), codegen
+
+
+@intrinsic
+def mbarrier_arrive_cluster(typingctx, smem, addr, cta):
+    """One arrival (release, cluster scope) on the mbarrier at the same shared address ``addr``
+    in the block of cluster rank ``cta`` (``mapa``: this block's address -> that block's)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(cta, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        c = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [a, c],
+             "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
+             "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}",
+             True)
+        return context.get_dummy_value()
+    return types.void(smem, addr, cta), codegen
+
+
+@intrinsic
+def mbarrier_try_wait_cluster(typingctx, smem, addr, parity):
+    """``mbarrier_try_wait`` with acquire at cluster scope: what other blocks of the cluster
+    did before their (release, cluster) arrivals is seen after it returns 1."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        p = context.cast(builder, args[2], sig.args[2], types.uint32)
+        return _asm(builder, _i32, [a, p],
+                    "{ .reg .pred d; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, "
+                    "[$1], $2; selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
+    return types.uint32(smem, addr, parity), codegen
+
+
+@intrinsic
 def cluster_ctarank(typingctx):
     """This block's rank in its thread-block cluster (0 in a launch without clusters)."""
     def codegen(context, builder, sig, args):

@@ -460,6 +460,30 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
+def _cluster_of_one(name, mask):
+    if int(mask) != 1:
+        raise NotImplementedError(f"{name}: the simulator runs clusters of one block (mask 1), "
+                                  f"got mask {int(mask)}")
+
+
+def tma_load_2d_multicast(smem, saddr, tmaps, elem, x, y, bar, mask):
+    _cluster_of_one("tma_load_2d_multicast", mask)
+    tma_load_2d(smem, saddr, tmaps, elem, x, y, bar)
+
+
+def bulk_load_multicast(smem, saddr, gmem, gidx, nbytes, bar, mask):
+    _cluster_of_one("bulk_load_multicast", mask)
+    bulk_load(smem, saddr, gmem, gidx, nbytes, bar)
+
+
+def mbarrier_arrive_cluster(smem, addr, cta):
+    _cluster_of_one("mbarrier_arrive_cluster", 1 << int(cta))
+    mbarrier_arrive(smem, addr)
+
+
+mbarrier_try_wait_cluster = mbarrier_try_wait
+
+
 def tma_prefetch_2d(tmaps, elem, x, y):
     """L2 is not modelled: only the map is checked (as the hardware faults on a bad one)."""
     elem = int(elem)

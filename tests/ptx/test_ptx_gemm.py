@@ -199,3 +199,37 @@ def test_two_blocks_per_sm_bound_the_registers(swiglu):
     report = assemble_sm90a(ptx)
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128, report[-400:]
+
+
+@pytest.mark.parametrize("bm,swiglu,packed,push", [
+    (128, True, False, False), (128, False, False, True), (192, True, True, False),
+    (192, False, True, False)])
+def test_wgmma_multicast_lowers_for_sm90a(bm, swiglu, packed, push):
+    """Clusters of 2 sharing each weight slice: each block's thread 0 issues one multicast
+    share (TMA box or bulk copy) to both blocks, releases stages on every block's empty
+    barrier through ``mapa`` (release, cluster scope) and waits on its own with acquire at
+    cluster scope; cluster barriers after set-up and before exit. The wgmmas stay 4 per slice
+    and unserialised."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
+                                      push=push, packed_b=packed, multicast=2)
+    opts = {"launch_bounds": (2 * bm, 1)} if bm > 128 else {}
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
+                              **opts)
+    share = (r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+             r"\.multicast::cluster" if packed else
+             r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
+             r"complete_tx::bytes\.multicast::cluster")
+    assert count(ptx, share) >= 1
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
+                      r"complete_tx::bytes \[") == 0, "a plain (unicast) box left"
+    assert count(ptx, r"mapa\.shared::cluster\.u32") >= 1
+    assert count(ptx, r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64") >= 1
+    assert count(ptx, r"mbarrier\.try_wait\.parity\.acquire\.cluster") >= 1
+    assert count(ptx, r"barrier\.cluster\.arrive") == 2
+    assert count(ptx, r"%cluster_ctarank") >= 1
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16") == 4
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
