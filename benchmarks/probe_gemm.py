@@ -17,6 +17,8 @@ shape (``functional.layer_gemm``) changed by one field:
   bm128      128-row tiles x 256 columns (2 warpgroups; bm192: 3), weights by TMA;
              bm256: 256 x 128 (4 warpgroups)
   2cta       two 128 x 128 blocks per SM (3-slice rings), weights by TMA
+  mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
+             of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
 each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost; torch's the
@@ -59,6 +61,9 @@ def variant_config(base, name):
             bm = int(part[2:])
             cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True,
                                       bn=128 if bm == 256 else 256)
+        elif part in ("mc1", "mc2"):   # clusters sharing weight slices (TMA, no l2pf)
+            cfg = dataclasses.replace(cfg, multicast=int(part[2:]), tma=True, l2_prefetch=0,
+                                      async_ring=False)
         elif part.startswith("l2pf"):
             cfg = dataclasses.replace(cfg, l2_prefetch=int(part[4:]))
         else:
@@ -156,6 +161,9 @@ def main(argv=None):
         del d
         torch.cuda.empty_cache()
     write_json(args.out, rows)
+    from mok_core import cuda_compat
+    for (_, cluster, block, smem), n in cuda_compat._MAX_CLUSTERS.items():
+        progress(f"resident clusters of {cluster} x {block} threads, {smem} B shared: {n}")
     print(table(rows, ["case", "variant", "gate_up_ms", "down_ms", "tflops"]))
     return rows
 

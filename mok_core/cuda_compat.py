@@ -265,6 +265,30 @@ def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args):
         writeback()
 
 
+_MAX_CLUSTERS: dict = {}
+
+
+def max_active_clusters(kernel, cluster, block, smem_bytes, *args) -> int:
+    """How many clusters of ``cluster`` blocks of ``kernel`` (compiled for ``args``) the GPU
+    holds at once. A persistent cluster kernel must not launch more: clusters only fit inside
+    one GPC, so fewer than SMs / cluster may be resident, and a cluster that waits for a
+    free slot takes its whole share of tiles after the others are done. The simulator runs
+    one block at a time: there it is the SM count."""
+    if SIM:
+        return multiprocessor_count()
+    compiled = _compiled(kernel, args, smem_bytes)
+    key = (id(compiled), cluster, block, smem_bytes)
+    n = _MAX_CLUSTERS.get(key)
+    if n is None:
+        from cuda.core import LaunchConfig
+        from numba.cuda.cudadrv.driver import _to_core_stream
+        config = LaunchConfig(grid=cluster, cluster=cluster, block=block, shmem_size=smem_bytes)
+        kern = compiled._codelibrary.get_cufunc().kernel
+        n = int(kern.occupancy.max_active_clusters(config, stream=_to_core_stream(0)))
+        _MAX_CLUSTERS[key] = n
+    return n
+
+
 def multiprocessor_count() -> int:
     """SMs of the current device (4 on the simulator, to exercise persistent loops)."""
     if SIM:
