@@ -17,6 +17,7 @@ shape (``functional.layer_gemm``) changed by one field:
   bm128      128-row tiles x 256 columns (2 warpgroups; bm192: 3), weights by TMA;
              bm256: 256 x 128 (4 warpgroups)
   2cta       two 128 x 128 blocks per SM (3-slice rings), weights by TMA
+  stN, bnN   N ring stages, N-column tiles
   mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
              of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
@@ -64,6 +65,10 @@ def variant_config(base, name):
         elif part in ("mc1", "mc2"):   # clusters sharing weight slices (TMA, no l2pf)
             cfg = dataclasses.replace(cfg, multicast=int(part[2:]), tma=True, l2_prefetch=0,
                                       async_ring=False)
+        elif part.startswith("st") and part[2:].isdigit():
+            cfg = dataclasses.replace(cfg, stages=int(part[2:]))
+        elif part.startswith("bn") and part[2:].isdigit():
+            cfg = dataclasses.replace(cfg, bn=int(part[2:]))
         elif part.startswith("l2pf"):
             cfg = dataclasses.replace(cfg, l2_prefetch=int(part[4:]))
         else:

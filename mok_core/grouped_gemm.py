@@ -105,9 +105,9 @@ class GemmConfig:
                 "packed_weights needs mma='wgmma' with tma=True (and no l2_prefetch)")
             req(self.multicast in (0, 1, 2) and (not self.multicast or (
                 self.mma == "wgmma" and self.tma and not self.async_ring
-                and not self.l2_prefetch and not self.probe)),
+                and not self.l2_prefetch and self.probe in ("", "mma_first"))),
                 "multicast is 0, 1 or 2 and needs mma='wgmma' with tma=True (no async_ring, "
-                "l2_prefetch or probe)")
+                "l2_prefetch or probe but 'mma_first')")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and ("no_b" not in parts or self.tma),

@@ -413,7 +413,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
-    assert not multicast or (tma_b and not async_ring and not l2_prefetch and not parts)
+    assert not multicast or (tma_b and not async_ring and not l2_prefetch
+                             and parts <= {"mma_first"})
     cl = max(multicast, 1)                  # blocks per cluster (1: no cluster)
     tile_rows = cl * bm                     # rows of one work tile (the cluster's)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256) and parts <= set(PROBES)
@@ -623,9 +624,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 # Cluster ring, per slice g (block-global, stage g % STAGES): wait my chunks and
                 # full[g] (every block's share of B landed) -> block barrier: every warpgroup
                 # retired slice g - 2 -> thread 0 releases g - 2 to every block of the cluster
-                # -> MMAs on g -> loads of g + PREFETCH (thread 0's share waits until every
-                # block released that stage: g + PREFETCH - STAGES = g - 2) -> wgmma.wait(1).
-                # The MMAs go first so the tensor cores run while thread 0 waits on a peer.
+                # -> loads of g + PREFETCH (thread 0's share waits until every block released
+                # that stage: g + PREFETCH - STAGES = g - 2) -> MMAs on g -> wgmma.wait(1)
+                # ("mma_first": MMAs before the loads).
                 for kt in range(ktiles):
                     g = g0 + kt
                     st = g % stages
@@ -638,7 +639,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 2) % stages), blk)
                     run_mma = warp_all(active) != 0
                     soff = (st * stage_bytes) >> 4
-                    if run_mma:
+                    if mma_first and run_mma:
                         acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                     if kt + prefetch < ktiles:
                         load_stage(smem, (g + prefetch) % stages, (kt + prefetch) * BK, ring,
@@ -646,6 +647,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                    b_pass_elems, b_row, tid, ktiles, g + prefetch, rank)
                     cp_async_commit()
                     if run_mma:
+                        if not mma_first:
+                            acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                         acc = wgmma_wait(acc, 1)
                 acc = wgmma_wait(acc, 0)
                 cp_async_wait(0)
