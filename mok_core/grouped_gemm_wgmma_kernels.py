@@ -56,7 +56,8 @@ from .intrinsics import (bulk_load, bulk_load_multicast, cluster_ctarank, cluste
                          cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_cluster, mbarrier_arrive_expect_tx,
-                         mbarrier_init, mbarrier_try_wait, mbarrier_try_wait_cluster,
+                         mbarrier_init, mbarrier_test_wait_cluster, mbarrier_try_wait,
+                         mbarrier_try_wait_cluster,
                          pack_bf16x2, shared_addr, store_f32_tuple, tensormap_acquire,
                          tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
@@ -451,21 +452,15 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
     @kjit(device=True, inline="always")
     def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
-                   b_pass_elems, b_row, tid, ktiles, g, rank):
+                   b_pass_elems, b_row, tid, ktiles):
         """Slice at K offset k0 into ring stage st: A (and B unless TMA) by every thread's
         cp.async; with TMA, thread 0 arms full[st] and issues B's box(es) (and the L2 prefetch of
-        the slice ``l2_prefetch`` further). ``multicast``: thread 0 first waits until every
-        block of the cluster released the stage's previous slice (g - STAGES; ``g`` = this
-        slice's block-global index), then issues its share of B (``rank``)."""
+        the slice ``l2_prefetch`` further). ``multicast``: A only (B: ``issue_b_shares``)."""
         load_slice(smem, dst0 + st * stage_bytes, pass_bytes, a_stage, a, w0, w1, a_src, a_nb,
                    b_src, b_pass_elems, k0)
         if async_ring:                         # full[st] counts this thread once its chunks land
             cp_async_mbarrier_arrive(smem, full0 + 8 * st)
-        if tma_b and tid == 0 and multicast:
-            wait_phase_cluster(smem, full0 + 8 * stages + 8 * st, ((g // stages) & 1) ^ 1)
-            tma_b_share(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row,
-                        k0, w0, w1, ktiles * BK, rank)
-        elif tma_b and tid == 0:
+        if tma_b and tid == 0 and not multicast:
             tma_b_load(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row, k0,
                        w0, w1, ktiles * BK)
             if l2_prefetch and k0 + l2_prefetch * BK < ktiles * BK:
@@ -481,17 +476,39 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             wait_phase(smem, full0 + 8 * stages + 8 * st,     # empty[st]: after the fulls
                        ((gl // stages) - 1) & 1)
         load_stage(smem, st, kidx * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src, a_nb,
-                   b_src, b_pass_elems, b_row, tid, ktiles, gl, 0)
+                   b_src, b_pass_elems, b_row, tid, ktiles)
+
+    @kjit(device=True, inline="always")
+    def issue_b_shares(smem, b_next, need, last, ring, full0, tmaps, b_row, g0, w0, w1, K, rank):
+        """Cluster ring, thread 0: this block's shares of B for slices ``b_next``, ... (block-
+        global; ``g0`` = the tile's first): every slice up to ``need`` -- waiting until its
+        stage is free in every block of the cluster --, then slices up to ``last`` as long
+        as their stage already is (a poll, no wait). Returns the next slice to issue. Polling
+        ahead lets the peers' releases arrive while MMAs run, instead of a cross-SM round trip
+        per slice on the critical path."""
+        empty0 = full0 + 8 * stages
+        while b_next <= last:
+            st = b_next % stages
+            parity = ((b_next // stages) & 1) ^ 1     # the release of slice b_next - STAGES
+            if b_next > need:
+                if mbarrier_test_wait_cluster(smem, empty0 + 8 * st, parity) == 0:
+                    break
+            else:
+                wait_phase_cluster(smem, empty0 + 8 * st, parity)
+            tma_b_share(smem, ring + st * stage_bytes + a_stage, tmaps, full0 + 8 * st, b_row,
+                        (b_next - g0) * BK, w0, w1, K, rank)
+            b_next += 1
+        return b_next
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                   g0, rank):
+                   g0, rank, b_next):
         """Tile t (block ``rank`` of the cluster: its ``bm`` rows of the tile): where this thread's chunks come from (A rows gathered; padding rows and
         rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
         expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
-        requested. Returns (first row, first output column, B source, B's first weight row,
-        active, owned)."""
+        requested (cluster ring: B's from ``b_next`` on). Returns (first row, first output
+        column, B source, B's first weight row, active, owned, next B share to issue)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
                                                   n_tiles, tile_rows, rows_cap)
         row0 += rank * bm
@@ -515,13 +532,16 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if s < ktiles:
                     st = (g0 + s) % stages if multicast else s
                     load_stage(smem, st, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
-                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles, g0 + s, rank)
+                               a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                 cp_async_commit()
+        if multicast and tid == 0:
+            b_next = issue_b_shares(smem, b_next, g0, g0 + min(stages - 1, ktiles) - 1, ring,
+                                    full0, tmaps, b_row, g0, w0, w1, ktiles * BK, rank)
         if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
             for s in range(ahead, l2_prefetch):     # (the prologue's loads cover the rest)
                 if s < ktiles:
                     prefetch_b(tmaps, b_row, s * BK)
-        return row0, col0, b_src, b_row, active, owned
+        return row0, col0, b_src, b_row, active, owned, b_next
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
@@ -559,8 +579,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 mbarrier_init(smem, full0 + 8 * s, full_count)
                 if async_ring:
                     mbarrier_init(smem, empty0 + 8 * s, warps)
-                if multicast:                  # one release per block of the cluster
-                    mbarrier_init(smem, empty0 + 8 * s, cl)
+                if multicast:                  # one release per warp of every block
+                    mbarrier_init(smem, empty0 + 8 * s, cl * warps)
             if tma_b and not packed_b:         # packed weights: no maps (a placeholder)
                 tensormap_acquire(tmaps, 0)
                 if swiglu_epilogue:
@@ -588,11 +608,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         b_row = 0
         active = True
         owned = True
+        b_next = int64(0)                      # cluster ring, thread 0: next B share to issue
         if t < total:
-            row0, col0, b_src, b_row, active, owned = tile_start(
+            row0, col0, b_src, b_row, active, owned, b_next = tile_start(
                 smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                 full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                g0, rank)
+                g0, rank, b_next)
         while t < total:
             acc = f32_zeros(nacc)
             if async_ring:
@@ -621,12 +642,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     mbarrier_arrive(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages))
                 g0 += ktiles
             elif multicast:
-                # Cluster ring, per slice g (block-global, stage g % STAGES): wait my chunks and
-                # full[g] (every block's share of B landed) -> block barrier: every warpgroup
-                # retired slice g - 2 -> thread 0 releases g - 2 to every block of the cluster
-                # -> loads of g + PREFETCH (thread 0's share waits until every block released
-                # that stage: g + PREFETCH - STAGES = g - 2) -> MMAs on g -> wgmma.wait(1)
-                # ("mma_first": MMAs before the loads).
+                # Cluster ring, per slice g (block-global, stage g % STAGES): wait my A chunks
+                # and full[g] (every block's share of B landed) -> block barrier (A's stage
+                # reuse, as in the block ring) -> A chunks of g + PREFETCH -> MMAs on g ->
+                # wgmma.wait(1): g - 1 retired -> each warp releases g - 1 in every block of
+                # the cluster -> thread 0 issues B shares: g + 1 for sure, then on while the
+                # stages are already free everywhere (up to g + STAGES - 1). A share is thus
+                # issued as soon as the last peer released its stage, not at a fixed step.
                 for kt in range(ktiles):
                     g = g0 + kt
                     st = g % stages
@@ -634,9 +656,6 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     wait_phase(smem, full0 + 8 * st, (g // stages) & 1)
                     fence_proxy_async()
                     cuda.syncthreads()
-                    if tid == 0 and g >= 2:
-                        for blk in range(cl):
-                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 2) % stages), blk)
                     run_mma = warp_all(active) != 0
                     soff = (st * stage_bytes) >> 4
                     if mma_first and run_mma:
@@ -644,13 +663,25 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     if kt + prefetch < ktiles:
                         load_stage(smem, (g + prefetch) % stages, (kt + prefetch) * BK, ring,
                                    full0, tmaps, dst0, a, w0, w1, a_src, a_nb, b_src,
-                                   b_pass_elems, b_row, tid, ktiles, g + prefetch, rank)
+                                   b_pass_elems, b_row, tid, ktiles)
                     cp_async_commit()
                     if run_mma:
                         if not mma_first:
                             acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                         acc = wgmma_wait(acc, 1)
+                    if kt > 0 and lane == 0:
+                        for blk in range(cl):
+                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 1) % stages), blk)
+                    if tid == 0:
+                        b_next = issue_b_shares(smem, b_next, g0 + min(kt + 1, ktiles - 1),
+                                                g0 + min(kt + stages - 1, ktiles - 1), ring,
+                                                full0, tmaps, b_row, g0, w0, w1, ktiles * BK,
+                                                rank)
                 acc = wgmma_wait(acc, 0)
+                if lane == 0:                      # the tile's last slice is free too
+                    for blk in range(cl):
+                        mbarrier_arrive_cluster(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages),
+                                                blk)
                 cp_async_wait(0)
                 cuda.syncthreads()                 # every warpgroup done with the ring
                 g0 += ktiles
@@ -673,7 +704,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     nxt = kt + prefetch
                     if nxt < ktiles:
                         load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, w0, w1,
-                                   a_src, a_nb, b_src, b_pass_elems, b_row, tid, ktiles, 0, 0)
+                                   a_src, a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                     cp_async_commit()
                     if run_mma:
                         if not mma_first:
@@ -690,10 +721,10 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             mine = owned
             t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now
-                row0, col0, b_src, b_row, active, owned = tile_start(
+                row0, col0, b_src, b_row, active, owned, b_next = tile_start(
                     smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                     full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
-                    g0, rank)
+                    g0, rank, b_next)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
             if mine:

@@ -22,7 +22,8 @@
     clusters:     cluster_ctarank, cluster_sync (launch: ``cuda_compat.launch_cluster``),
                   tma_load_2d_multicast / bulk_load_multicast (one read lands in several
                   blocks' shared memory), mbarrier_arrive_cluster (arrive on a peer block's
-                  barrier), mbarrier_try_wait_cluster (acquire at cluster scope)
+                  barrier), mbarrier_try_wait_cluster (acquire at cluster scope),
+                  mbarrier_test_wait_cluster (the same, a poll that never blocks)
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -45,7 +46,7 @@ __all__ = [
     "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",
     "tensormap_acquire", "tma_load_2d", "tma_prefetch_2d", "fence_mbarrier_init",
     "cluster_ctarank", "cluster_sync", "tma_load_2d_multicast", "bulk_load_multicast",
-    "mbarrier_arrive_cluster", "mbarrier_try_wait_cluster",
+    "mbarrier_arrive_cluster", "mbarrier_try_wait_cluster", "mbarrier_test_wait_cluster",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

@@ -859,6 +859,22 @@ def mbarrier_try_wait_cluster(typingctx, smem, addr, parity):
 
 
 @intrinsic
+def mbarrier_test_wait_cluster(typingctx, smem, addr, parity):
+    """1 if the phase of parity ``parity`` of the mbarrier at ``addr`` has completed (acquire at
+    cluster scope), else 0 at once: a poll that never blocks."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        p = context.cast(builder, args[2], sig.args[2], types.uint32)
+        return _asm(builder, _i32, [a, p],
+                    "{ .reg .pred d; mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 d, "
+                    "[$1], $2; selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
+    return types.uint32(smem, addr, parity), codegen
+
+
+@intrinsic
 def cluster_ctarank(typingctx):
     """This block's rank in its thread-block cluster (0 in a launch without clusters)."""
     def codegen(context, builder, sig, args):

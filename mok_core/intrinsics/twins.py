@@ -484,6 +484,11 @@ def mbarrier_arrive_cluster(smem, addr, cta):
 mbarrier_try_wait_cluster = mbarrier_try_wait
 
 
+def mbarrier_test_wait_cluster(smem, addr, parity):
+    with _lock:
+        return np.uint32((_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1))
+
+
 def tma_prefetch_2d(tmaps, elem, x, y):
     """L2 is not modelled: only the map is checked (as the hardware faults on a bad one)."""
     elem = int(elem)

@@ -206,9 +206,10 @@ def test_two_blocks_per_sm_bound_the_registers(swiglu):
     (192, False, True, False)])
 def test_wgmma_multicast_lowers_for_sm90a(bm, swiglu, packed, push):
     """Clusters of 2 sharing each weight slice: each block's thread 0 issues one multicast
-    share (TMA box or bulk copy) to both blocks, releases stages on every block's empty
-    barrier through ``mapa`` (release, cluster scope) and waits on its own with acquire at
-    cluster scope; cluster barriers after set-up and before exit. The wgmmas stay 4 per slice
+    share (TMA box or bulk copy) to both blocks once its own empty barrier shows the stage
+    free everywhere (a blocking wait and a poll, acquire at cluster scope); every warp
+    releases stages on every block's empty barrier through ``mapa`` (release, cluster
+    scope); cluster barriers after set-up and before exit. The wgmmas stay 4 per slice
     and unserialised."""
     from numba import cuda
 
@@ -228,6 +229,7 @@ def test_wgmma_multicast_lowers_for_sm90a(bm, swiglu, packed, push):
     assert count(ptx, r"mapa\.shared::cluster\.u32") >= 1
     assert count(ptx, r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64") >= 1
     assert count(ptx, r"mbarrier\.try_wait\.parity\.acquire\.cluster") >= 1
+    assert count(ptx, r"mbarrier\.test_wait\.parity\.acquire\.cluster") >= 1
     assert count(ptx, r"barrier\.cluster\.arrive") == 2
     assert count(ptx, r"%cluster_ctarank") >= 1
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16") == 4
