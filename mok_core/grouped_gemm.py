@@ -105,11 +105,13 @@ class GemmConfig:
                 "packed_weights needs mma='wgmma' with tma=True (and no l2_prefetch)")
             req(self.multicast in (0, 1, 2) and (not self.multicast or (
                 self.mma == "wgmma" and self.tma and not self.async_ring
-                and not self.l2_prefetch and self.probe in ("", "mma_first"))),
+                and not self.l2_prefetch
+                and _wgmma.probe_parts(self.probe) <= {"mma_first", "mc_local", "mc_unicast"})),
                 "multicast is 0, 1 or 2 and needs mma='wgmma' with tma=True (no async_ring, "
-                "l2_prefetch or probe but 'mma_first')")
+                "l2_prefetch or probe but 'mma_first', 'mc_local', 'mc_unicast')")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
+                and (self.multicast or not parts & {"mc_local", "mc_unicast"})
                 and ("no_b" not in parts or self.tma),
                 f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")
             least = 3 if self.mma == "wgmma" else 2

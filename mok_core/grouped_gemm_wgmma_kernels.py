@@ -349,7 +349,7 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
-PROBES = ("", "no_a", "no_b", "no_mma", "mma_first")
+PROBES = ("", "no_a", "no_b", "no_mma", "mma_first", "mc_local", "mc_unicast")
 
 
 def probe_parts(probe):
@@ -415,7 +415,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
     assert not multicast or (tma_b and not async_ring and not l2_prefetch
-                             and parts <= {"mma_first"})
+                             and parts <= {"mma_first", "mc_local", "mc_unicast"})
     cl = max(multicast, 1)                  # blocks per cluster (1: no cluster)
     tile_rows = cl * bm                     # rows of one work tile (the cluster's)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256) and parts <= set(PROBES)
@@ -439,7 +439,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                               read_a="no_a" not in parts)
     tma_b_load, prefetch_b = make_tma_b_loader(bn, swiglu_epilogue, read_b="no_b" not in parts,
                                                packed=packed_b)
-    tma_b_share = make_tma_b_share(bn, swiglu_epilogue, packed_b, cl)
+    # measurement builds of the cluster ring: "mc_unicast" -- every block loads the whole
+    # slice itself (no multicast), releases still go to every block; "mc_local" -- no traffic
+    # between the blocks at all (what is left: the cluster launch and the ring's structure)
+    share_blocks = 1 if parts & {"mc_local", "mc_unicast"} else cl
+    release_blocks = 1 if "mc_local" in parts else cl
+    tma_b_share = make_tma_b_share(bn, swiglu_epilogue, packed_b, share_blocks)
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
@@ -580,7 +585,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if async_ring:
                     mbarrier_init(smem, empty0 + 8 * s, warps)
                 if multicast:                  # one release per warp of every block
-                    mbarrier_init(smem, empty0 + 8 * s, cl * warps)
+                    mbarrier_init(smem, empty0 + 8 * s, release_blocks * warps)
             if tma_b and not packed_b:         # packed weights: no maps (a placeholder)
                 tensormap_acquire(tmaps, 0)
                 if swiglu_epilogue:
@@ -670,8 +675,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                         acc = wgmma_wait(acc, 1)
                     if kt > 0 and lane == 0:
-                        for blk in range(cl):
-                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 1) % stages), blk)
+                        for blk in range(release_blocks):
+                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 1) % stages),
+                                                    blk if release_blocks > 1 else rank)
                     if tid == 0:
                         b_next = issue_b_shares(smem, b_next, g0 + min(kt + 1, ktiles - 1),
                                                 g0 + min(kt + stages - 1, ktiles - 1), ring,
@@ -679,9 +685,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                                 rank)
                 acc = wgmma_wait(acc, 0)
                 if lane == 0:                      # the tile's last slice is free too
-                    for blk in range(cl):
+                    for blk in range(release_blocks):
                         mbarrier_arrive_cluster(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages),
-                                                blk)
+                                                blk if release_blocks > 1 else rank)
                 cp_async_wait(0)
                 cuda.syncthreads()                 # every warpgroup done with the ring
                 g0 += ktiles
