@@ -19,7 +19,9 @@ median over iterations. Ours and the copy engine are timed as CUDA-graph replays
 as inside the layer's captured forward; ``*_eager_ms`` has them launched from Python too);
 NCCL runs eagerly (its host-synced splits cannot be captured).
 ``dispatch_ratio_to_copy_interleaved``: the dispatch and the copy-engine pull timed once more,
-in turns, iteration by iteration (machine drift hits both alike).
+in turns, iteration by iteration (machine drift hits both alike); the push dispatch and the
+copy-engine push of the same rows take their turns in the same loop
+(``dispatch_push_ratio_to_copy[_push]_interleaved``).
 """
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ def run_case(T, iters, warmup):
         del g
     # The goal's pair once more, taken in turns (dispatch, copy, dispatch, copy, ...): the
     # copy engine's time drifts between runs and within one, the kernel's does not.
-    pair = {n: capture_graph(steps[n])[0] for n in ("dispatch", "copy_pull")}
+    pair = {n: capture_graph(steps[n])[0] for n in ("dispatch", "copy_pull", "dispatch_push",
+                                                    "copy_push_dispatch")}
     td.barrier()
     turns = time_interleaved({n: g.replay for n, g in pair.items()}, iters, warmup, pre=bar)
     t_turns = {n: rank_max_median(v) for n, v in turns.items()}
@@ -168,6 +171,13 @@ def run_case(T, iters, warmup):
     row["copy_pull_interleaved_ms"] = t_turns["copy_pull"]
     row["dispatch_ratio_to_copy_interleaved"] = (
         gb(dispatch_bytes, t_turns["dispatch"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
+    row["dispatch_push_interleaved_ms"] = t_turns["dispatch_push"]
+    row["copy_push_dispatch_interleaved_ms"] = t_turns["copy_push_dispatch"]
+    row["dispatch_push_ratio_to_copy_interleaved"] = (
+        gb(dispatch_bytes, t_turns["dispatch_push"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
+    row["dispatch_push_ratio_to_copy_push_interleaved"] = (
+        gb(dispatch_bytes, t_turns["dispatch_push"])
+        / gb(nrow * row_bytes, t_turns["copy_push_dispatch"]))
     row["dispatch_bulk_gbps"] = gb(dispatch_bytes, t_bulk)          # variant="bulk", same rows
     row["dispatch_bulk_ratio_to_copy"] = row["dispatch_bulk_gbps"] / row["copy_gbps"]
     # copy-engine variant: whole peer buffers (more bytes than the dedup'd rows); GB/s counted
