@@ -182,15 +182,22 @@ def make_slice_loader(swiglu_epilogue, gather, a_rows, b_rows, read_a=True):
 _SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
 
 
-@kjit(device=True, inline="always")
-def wait_phase(smem, bar, parity):
-    """Until the mbarrier at ``bar`` completed the phase of ``parity``. Bounded: only a bug in
-    the kernel itself can make it time out, and then it traps (a launch failure, not a hang)."""
-    n = 0
-    while mbarrier_try_wait(smem, bar, parity) == 0:
-        n += 1
-        if n == _SPIN_LIMIT:
-            trap()
+def _bounded_wait(try_wait):
+    @kjit(device=True, inline="always")
+    def wait(smem, bar, parity):
+        n = 0
+        while try_wait(smem, bar, parity) == 0:
+            n += 1
+            if n == _SPIN_LIMIT:
+                trap()
+    return wait
+
+
+# Until the mbarrier at ``bar`` completed the phase of ``parity``. Bounded: only a bug in the
+# kernel itself can make it time out, and then it traps (a launch failure, not a hang).
+wait_phase = _bounded_wait(mbarrier_try_wait)
+# The same acquiring at cluster scope (arrivals from other blocks of the cluster).
+wait_phase_cluster = _bounded_wait(mbarrier_try_wait_cluster)
 
 
 def make_tma_b_loader(bn, swiglu_epilogue, read_b=True, packed=False):
@@ -233,16 +240,6 @@ def make_tma_b_loader(bn, swiglu_epilogue, read_b=True, packed=False):
             tma_prefetch_2d(tmaps, 16, k0, row)
 
     return tma_b, prefetch_b
-
-
-@kjit(device=True, inline="always")
-def wait_phase_cluster(smem, bar, parity):
-    """``wait_phase`` acquiring at cluster scope (arrivals from other blocks of the cluster)."""
-    n = 0
-    while mbarrier_try_wait_cluster(smem, bar, parity) == 0:
-        n += 1
-        if n == _SPIN_LIMIT:
-            trap()
 
 
 def make_tma_b_share(bn, swiglu_epilogue, packed, cluster):

@@ -15,7 +15,9 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, red_add_release_sys, shared_addr,
                                  st_release_sys, st_v4)
-from mok_core.intrinsics import cluster_ctarank, cluster_sync
+from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
+                                 mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
+                                 mbarrier_try_wait_cluster, tma_load_2d_multicast)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
@@ -445,3 +447,81 @@ def test_cluster_of_one_block_on_the_simulator():
     if SIM:
         with pytest.raises(NotImplementedError, match="launch with cluster=1"):
             launch_cluster(_cluster_ranks, 4, 2, 32, 0, 0, out)
+
+
+@kjit
+def _cluster_share(tmaps, src, out, box_rows, nblk):
+    """A cluster of ``nblk`` blocks shares one slice: rank r fetches box r of a TMA map (rows
+    [r box_rows, (r + 1) box_rows)) and the same rows of ``src`` by a bulk copy, each
+    multicast into every block; every block arms its own barrier with all the bytes. Then each
+    block's thread 0 arrives on every block's ``done`` barrier (mapa, release at cluster
+    scope) and every thread waits on its own (acquire at cluster scope). out[block] = the TMA
+    part un-swizzled, then the bulk part as it landed, then the poll's answer."""
+    buf = cuda.shared.array(8192 + 512 + 16, uint16)
+    s = shared_addr(buf)
+    ring = s + (1024 - s % 1024) % 1024
+    full = ring + 16384                            # after two 8 KB parts
+    done = full + 8
+    rank = cluster_ctarank()
+    part = box_rows * 128
+    if cuda.threadIdx.x == 0:
+        mbarrier_init(buf, full, 1)
+        mbarrier_init(buf, done, nblk)
+        fence_mbarrier_init()
+    cluster_sync()                                 # peers' barriers exist before any traffic
+    if cuda.threadIdx.x == 0:
+        tensormap_acquire(tmaps, 0)
+        mbarrier_arrive_expect_tx(buf, full, 2 * nblk * part)
+        tma_load_2d_multicast(buf, ring + rank * part, tmaps, 0, 0, rank * box_rows, full,
+                              (1 << nblk) - 1)
+        bulk_load_multicast(buf, ring + 8192 + rank * part, src, rank * box_rows * 64, part,
+                            full, (1 << nblk) - 1)
+    while mbarrier_try_wait(buf, full, 0) == 0:
+        pass
+    if cuda.threadIdx.x == 0:
+        for b in range(nblk):
+            mbarrier_arrive_cluster(buf, done, b)
+    while mbarrier_try_wait_cluster(buf, done, 0) == 0:
+        pass
+    rows = nblk * box_rows
+    base = (ring - s) // 2
+    o = cuda.blockIdx.x * (2 * rows * 64 + 1)
+    for i in range(cuda.threadIdx.x, rows * 64, cuda.blockDim.x):
+        r = i // 64
+        c = i % 64
+        out[o + i] = buf[base + r * 64 + ((c // 8) ^ (r % 8)) * 8 + c % 8]
+        out[o + rows * 64 + i] = buf[base + 4096 + i]
+    if cuda.threadIdx.x == 0:
+        out[o + 2 * rows * 64] = mbarrier_test_wait_cluster(buf, done, 0)
+    cluster_sync()                                 # no block leaves before its peers' arrivals
+
+
+def cluster_share_check(nblk, blocks):
+    """Launch ``_cluster_share`` with clusters of ``nblk`` (``blocks`` in all) and check every
+    block holds the whole slice (the GPU suite runs nblk = 2: tests/gpu/test_cluster_gpu.py)."""
+    from mok_core.cuda_compat import launch_cluster
+    from mok_core.tensor_map import tensor_maps
+    box_rows = 16
+    rows = nblk * box_rows
+    src = (np.arange(rows * 64) * 7 % 65521).astype(np.uint16)
+    dsrc = to_dev(src)
+    maps = tensor_maps([dsrc.reshape(rows, 64)], box_rows)
+    width = 2 * rows * 64 + 1
+    out = to_dev(np.zeros(blocks * width, np.uint16))
+    launch_cluster(_cluster_share, blocks, nblk, 128, 0, 0, maps, dsrc, out, box_rows, nblk)
+    got = to_host(out).reshape(blocks, width)
+    for b in range(blocks):
+        np.testing.assert_array_equal(got[b, :rows * 64], src)      # TMA shares, un-swizzled
+        np.testing.assert_array_equal(got[b, rows * 64:-1], src)    # bulk shares
+        assert got[b, -1] == 1, "the poll must see the completed phase"
+
+
+def test_cluster_share_of_one_block():
+    """Multicast loads, remote arrivals and cluster-scope waits in a cluster of one block (what
+    the simulator runs); the multicast twins refuse a mask naming other blocks."""
+    from mok_core.cuda_compat import SIM
+    cluster_share_check(1, 2)
+    if SIM:
+        from mok_core.intrinsics import twins
+        with pytest.raises(NotImplementedError, match="clusters of one block"):
+            twins.tma_load_2d_multicast(None, 0, None, 0, 0, 0, 0, 3)

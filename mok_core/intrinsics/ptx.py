@@ -589,20 +589,28 @@ cp_async_mbarrier_arrive = _mbarrier_op(
     "(``.noinc``: the arrival is counted in the barrier's expected count).")
 
 
-@intrinsic
-def mbarrier_try_wait(typingctx, smem, addr, parity):
-    """1 once the phase of parity ``parity`` has completed (acquire), else 0 after a bounded
-    hardware wait; callers loop (with their own bound)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
-        return None
+def _mbarrier_wait(name, op, doc):
+    """A phase test of the mbarrier at ``addr`` (``op``: the instruction and its qualifiers):
+    1 once the phase of parity ``parity`` has completed, else 0."""
+    def impl(typingctx, smem, addr, parity):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)
+                and isinstance(parity, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        p = context.cast(builder, args[2], sig.args[2], types.uint32)
-        return _asm(builder, _i32, [a, p],
-                    "{ .reg .pred d; mbarrier.try_wait.parity.shared::cta.b64 d, [$1], $2; "
-                    "selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
-    return types.uint32(smem, addr, parity), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            p = context.cast(builder, args[2], sig.args[2], types.uint32)
+            return _asm(builder, _i32, [a, p],
+                        f"{{ .reg .pred d; {op}.shared::cta.b64 d, [$1], $2; "
+                        "selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
+        return types.uint32(smem, addr, parity), codegen
+    return _named(impl, name, doc)
+
+
+mbarrier_try_wait = _mbarrier_wait(
+    "mbarrier_try_wait", "mbarrier.try_wait.parity",
+    "1 once the phase of parity ``parity`` has completed (acquire), else 0 after a bounded "
+    "hardware wait; callers loop (with their own bound).")
 
 
 trap = _statement(
@@ -842,36 +850,14 @@ def mbarrier_arrive_cluster(typingctx, smem, addr, cta):
     return types.void(smem, addr, cta), codegen
 
 
-@intrinsic
-def mbarrier_try_wait_cluster(typingctx, smem, addr, parity):
-    """``mbarrier_try_wait`` with acquire at cluster scope: what other blocks of the cluster
-    did before their (release, cluster) arrivals is seen after it returns 1."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        p = context.cast(builder, args[2], sig.args[2], types.uint32)
-        return _asm(builder, _i32, [a, p],
-                    "{ .reg .pred d; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 d, "
-                    "[$1], $2; selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
-    return types.uint32(smem, addr, parity), codegen
-
-
-@intrinsic
-def mbarrier_test_wait_cluster(typingctx, smem, addr, parity):
-    """1 if the phase of parity ``parity`` of the mbarrier at ``addr`` has completed (acquire at
-    cluster scope), else 0 at once: a poll that never blocks."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(parity, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        p = context.cast(builder, args[2], sig.args[2], types.uint32)
-        return _asm(builder, _i32, [a, p],
-                    "{ .reg .pred d; mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 d, "
-                    "[$1], $2; selp.u32 $0, 1, 0, d; }", "=r,r,r,~{memory}", True)
-    return types.uint32(smem, addr, parity), codegen
+mbarrier_try_wait_cluster = _mbarrier_wait(
+    "mbarrier_try_wait_cluster", "mbarrier.try_wait.parity.acquire.cluster",
+    "``mbarrier_try_wait`` with acquire at cluster scope: what other blocks of the cluster did "
+    "before their (release, cluster) arrivals is seen after it returns 1.")
+mbarrier_test_wait_cluster = _mbarrier_wait(
+    "mbarrier_test_wait_cluster", "mbarrier.test_wait.parity.acquire.cluster",
+    "1 if the phase of parity ``parity`` has completed (acquire at cluster scope), else 0 at "
+    "once: a poll that never blocks.")
 
 
 @intrinsic

@@ -1,6 +1,6 @@
 """The intrinsics lower to the instructions they promise (sm_90 PTX, no GPU needed)."""
 import pytest
-from numba import float32, int32, uint16, uint32, uint64
+from numba import float32, int32, int64, uint16, uint32, uint64
 
 import test_intrinsics as ti
 from ptx_util import compile_sm90, count
@@ -10,6 +10,14 @@ u16, u32, f32, i32 = uint16[::1], uint32[::1], float32[::1], int32[::1]
 CASES = {
     "cluster": (ti._cluster_ranks, (i32,), [r"%cluster_ctarank", r"barrier\.cluster\.arrive",
                                             r"barrier\.cluster\.wait"]),
+    "cluster_share": (ti._cluster_share, (uint64[::1], u16, u16, int64, int64),
+                      [r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
+                       r"complete_tx::bytes\.multicast::cluster",
+                       r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+                       r"\.multicast::cluster", r"mapa\.shared::cluster\.u32",
+                       r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64",
+                       r"mbarrier\.try_wait\.parity\.acquire\.cluster",
+                       r"mbarrier\.test_wait\.parity\.acquire\.cluster"]),
     "ld_st_v4": (ti._copy_rows_v4, (u16, u16, i32, int32),
                  [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
     "ld_nc": (ti._copy_rows_v4_nc, (u16, u16, i32, int32),
