@@ -282,7 +282,7 @@ def max_active_clusters(kernel, cluster, block, smem_bytes, *args) -> int:
     if n is None:
         from cuda.core import LaunchConfig
         from numba.cuda.cudadrv.driver import _to_core_stream
-        config = LaunchConfig(grid=cluster, cluster=cluster, block=block, shmem_size=smem_bytes)
+        config = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=smem_bytes)
         kern = compiled._codelibrary.get_cufunc().kernel
         n = int(kern.occupancy.max_active_clusters(config, stream=_to_core_stream(0)))
         _MAX_CLUSTERS[key] = n

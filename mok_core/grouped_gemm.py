@@ -49,8 +49,9 @@ class GemmConfig:
     (wgmma kinds only): the weight tiles come by TMA from tensor maps (``mok_core.tensor_map``,
     built once per weight array) instead of per-thread cp.async; A rows stay cp.async (they
     are gathered). ``l2_prefetch`` ("wgmma" with ``tma``): weight boxes this many slices
-    past the newest load are prefetched into L2. ``probe``: measurement builds only, their
-    results are wrong (``grouped_gemm_wgmma_kernels.PROBES``; ``benchmarks/probe_gemm.py``).
+    past the newest load are prefetched into L2. ``probe``: measurement builds only (the
+    "no_*" ones give wrong results; ``grouped_gemm_wgmma_kernels.PROBES``,
+    ``benchmarks/probe_gemm.py``).
     ``async_ring`` ("wgmma"): full/empty mbarriers per stage instead of a block barrier per K
     slice; loads run STAGES - 1 slices ahead (``make_wgmma_grouped_gemm``).
     ``packed_weights`` ("wgmma" with ``tma``): the weight arrays passed in are in the packed
@@ -61,8 +62,9 @@ class GemmConfig:
     ``multicast`` ("wgmma" with ``tma``; 0 = off): thread-block clusters of that many blocks
     (2 on the GPU; 1 runs the same protocol on the simulator) share each weight slice: a
     work tile is ``multicast * bm`` rows of one expert, one block per ``bm`` rows, and each
-    block fetches part of the slice from L2 and multicasts it to all (halving the weight
-    traffic that bounds these GEMMs for experts of 256-512 rows).
+    block fetches part of the slice from L2 and multicasts it to all (half the weight
+    traffic from L2). Measured 1.3-2.2x *slower* than the plain kernel on H200 (NOTES.md,
+    session 7): an opt-in for experiments.
     """
     bm: int = 128
     bn: int = 128
@@ -76,7 +78,7 @@ class GemmConfig:
     tma: bool = False               # wgmma kinds: weight (B) tiles by TMA boxes, not cp.async
     l2_prefetch: int = 0            # "wgmma" + tma: L2 prefetch of the weights, slices ahead
     async_ring: bool = False        # "wgmma": stages handed over by mbarriers, no block barrier
-    probe: str = ""                 # measurement builds only (wrong results)
+    probe: str = ""                 # measurement builds only (the "no_*" ones: wrong results)
     packed_weights: bool = False    # "wgmma" + tma: weights in weight_pack's layout
     multicast: int = 0              # "wgmma" + tma: blocks per cluster sharing weight slices
 
@@ -113,7 +115,8 @@ class GemmConfig:
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and (self.multicast or not parts & {"mc_local", "mc_unicast"})
                 and ("no_b" not in parts or self.tma),
-                f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma)")
+                f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma; "
+                "'mc_local' / 'mc_unicast' with multicast)")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:

@@ -249,7 +249,7 @@ def make_tma_b_share(bn, swiglu_epilogue, packed, cluster):
     fetches its share, multicast into every block of the cluster at the same ``dst``:
     cluster 2 -- rank 0 the first BN/2 rows (SWIGLU: the gate box), rank 1 the rest (the up
     box); cluster 1 -- both halves, plain loads (what the simulator runs). Tensor maps: boxes
-    of BN/2 rows (gate/up, and down when shared by 2); ``packed``: a box's rows are
+    of BN/2 rows (gate/up, and down whenever ``multicast`` >= 1); ``packed``: a box's rows are
     contiguous, so half a box is one bulk copy."""
     assert cluster in (1, 2)
     half_rows = bn // 2
@@ -305,7 +305,7 @@ _TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarrier
 
 def smem_bytes(bn, stages, bm=BM):
     """Dynamic shared memory of one block: the per-expert tile table (uint16 [E + 1]), 2 x
-    STAGES mbarriers (full: TMA / async ring; empty: async ring), slack to align the ring to
+    STAGES mbarriers (full: TMA / async ring; empty: async / cluster ring), slack to align the ring to
     1024 bytes, the ring."""
     return _TABLE_BYTES + 16 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
 
@@ -391,23 +391,25 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     ``packed_b`` (with ``tma_b``): the weights are in the packed layout
     (``mok_core.weight_pack``, boxes of BN/2 rows for gate/up, BN for down) and each box comes
     by one contiguous bulk copy instead of a TMA box.
-    ``probe`` (measurement builds, wrong results: ``benchmarks/probe_gemm.py``; several join
-    with "+"): "no_a" /
+    ``probe`` (measurement builds: ``benchmarks/probe_gemm.py``; several join with "+"; the
+    "no_*" ones give wrong results): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
     MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
-    those go to the stage of kt - 2).
+    those go to the stage of kt - 2); with ``multicast``: "mc_unicast" / "mc_local" (below).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
     [r bm, (r + 1) bm) of it -- and each weight slice is read from L2 once for all of them:
     every block fetches a share and multicasts it into every block's ring
     (``make_tma_b_share``). The cluster ring (K loop below) then needs to know that a stage is
-    free in *every* block before anyone's share lands in it: empty[s] takes one arrival from
-    each block of the cluster (thread 0, after its block barrier), and a block's thread 0
-    waits on its own empty[s] before issuing its share. Stage of slice g = g % STAGES, g
+    free in *every* block before anyone's share lands in it: empty[s] takes one arrival per
+    warp of every block of the cluster (as soon as that warp's wgmmas retired the slice), and
+    a block's thread 0 waits on (or polls) its own empty[s] before issuing its share
+    (``issue_b_shares``). Stage of slice g = g % STAGES, g
     counted across the block's tiles (both blocks of a cluster walk the same tiles). A block
     whose rows lie past the expert still loads its share (its MMAs idle). Cluster 1 is the
-    same protocol with plain loads and local arrivals: what the simulator runs.
+    same protocol with plain loads and local arrivals: what the simulator runs. Measured
+    1.3-2.2x slower than the plain kernel on H200 (NOTES.md, session 7): an opt-in.
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -506,8 +508,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     def tile_start(smem, a, a_index, w0, w1, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring,
                    full0, dst0, a_src, a_nb, b_pass_elems, ld_row, ld_chunk, wg, tid, rows_cap,
                    g0, rank, b_next):
-        """Tile t (block ``rank`` of the cluster: its ``bm`` rows of the tile): where this thread's chunks come from (A rows gathered; padding rows and
-        rows past the expert zero-filled, no read), whether its warpgroup's 64 rows are the
+        """Tile t (block ``rank`` of the cluster: its ``bm`` rows of the tile): where this
+        thread's chunks come from (A rows gathered; padding rows and rows past the expert
+        zero-filled, no read), whether its warpgroup's 64 rows are the
         expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
         requested (cluster ring: B's from ``b_next`` on). Returns (first row, first output
         column, B source, B's first weight row, active, owned, next B share to issue)."""
@@ -530,15 +533,18 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if s < ktiles:
                     issue_slice(smem, g0 + s, s, ring, full0, tmaps, dst0, a, w0, w1, a_src,
                                 a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
-            else:                              # cluster ring: stage of slice g0 + s
+            else:                              # block ring (cluster ring: stage of g0 + s)
                 if s < ktiles:
                     st = (g0 + s) % stages if multicast else s
                     load_stage(smem, st, s * BK, ring, full0, tmaps, dst0, a, w0, w1, a_src,
                                a_nb, b_src, b_pass_elems, b_row, tid, ktiles)
                 cp_async_commit()
         if multicast and tid == 0:
-            b_next = issue_b_shares(smem, b_next, g0, g0 + min(stages - 1, ktiles) - 1, ring,
-                                    full0, tmaps, b_row, g0, w0, w1, ktiles * BK, rank)
+            # Every prologue share, waiting where a peer's release is late: a poll would leave
+            # slice g0 + 1 to the K loop's first step, behind the peer's epilogue.
+            last = g0 + min(stages - 1, ktiles) - 1
+            b_next = issue_b_shares(smem, b_next, last, last, ring, full0, tmaps, b_row, g0,
+                                    w0, w1, ktiles * BK, rank)
         if l2_prefetch and tid == 0:           # the slices the K loop's prefetches skip
             for s in range(ahead, l2_prefetch):     # (the prologue's loads cover the rest)
                 if s < ktiles:

@@ -72,8 +72,8 @@ def rel_l1(got, want):
 @pytest.mark.parametrize("cfg,counts,limit", [
     (CFG, [40, 0, 17], None), (CFG, [40, 0, 17], 1.5),
     (CFG, [5, 33, 0, 1], None), (CFG, [5, 33, 0, 1], 1.5),
-    # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile,
-    # K of 3 and 2 slices (the ring wraps), clamp on and off.
+    # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile
+    # (blocks take several tiles: the ring wraps), clamp on (ws, TMA) and off (cp.async).
     # (the warp-specialised kernel with TMA runs in test_down_push_equals_down_then_scatter)
     (WGMMA_CFG, [40, 0, 150], None),
     (WGMMA_WS_CFG, [40, 0, 150], 1.5),
@@ -94,12 +94,19 @@ def rel_l1(got, want):
         "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma",
         "wgmma-multicast1-clamp", "wgmma-multicast1-packed"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
-    rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
-    E, n_src = len(counts), 50
     # (wgmma at a small K: several tiles per block still reuse every stage, so ring stages
     # wrap and mbarrier phase bits flip; the simulator's big blocks are slow)
+    # (the cluster ring: gate/up K of 3 slices, one past the prologue's shares)
     H, I = ((64, 32) if cfg.mma == "mma_sync" else (256, 64) if cfg.async_ring and cfg.tma
-            else (128, 64))
+            else (192, 64) if cfg.multicast else (128, 64))
+    check_gemms(cfg, counts, limit, H, I)
+
+
+def check_gemms(cfg, counts, limit, H, I):
+    """gate_up_swiglu then down with ``cfg`` on random bf16 data (hidden H, intermediate I;
+    experts of ``counts`` rows) vs float64; padding, rows past num_rows, a bitwise rerun."""
+    rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
+    E, n_src = len(counts), 50
     off, C, a_index = layout(counts, cfg.row_unit, 1, rng, n_src)
     x = bits(rng.standard_normal((n_src, H)))
     wg = bits(rng.standard_normal((E, I, H)) / 8)
@@ -147,6 +154,17 @@ def test_gate_up_swiglu_and_down(cfg, counts, limit):
     np.testing.assert_array_equal(to_host(y2), yh)
 
 
+def test_cluster_ring_waits_for_the_shares_it_needs(monkeypatch):
+    """The cluster ring issues the weight shares it must have -- the prologue's, slice g + 1 at
+    step g -- by waiting on the stage, never by the poll alone: with every poll failing (a peer
+    always late) the GEMMs still complete and match; a needed share left to the poll would
+    never be issued, and the full barrier's bounded wait would trap."""
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    monkeypatch.setattr(wk, "mbarrier_test_wait_cluster", lambda smem, addr, parity: 0)
+    monkeypatch.setattr(wk, "_SPIN_LIMIT", 100_000)
+    check_gemms(WGMMA_MC_CFG, [150], None, 256, 64)     # gate/up: 2 slices past the prologue
+
+
 def test_rejects_bad_shapes():
     cfg = CFG
     x = np.zeros((8, 64), np.uint16)
@@ -179,6 +197,12 @@ def test_rejects_bad_shapes():
                                     dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, multicast=2),
                                     dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
                                          multicast=3),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
+                                         probe="mc_local"),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
+                                         multicast=2, async_ring=True),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
+                                         multicast=2, l2_prefetch=2),
                                     dict(wm=8, wn=8, bm=128, bn=128)])
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):

@@ -17,7 +17,7 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  st_release_sys, st_v4)
 from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
                                  mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
-                                 mbarrier_try_wait_cluster, tma_load_2d_multicast)
+                                 mbarrier_try_wait_cluster, tma_load_2d_multicast, trap)
 from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
@@ -476,13 +476,18 @@ def _cluster_share(tmaps, src, out, box_rows, nblk):
                               (1 << nblk) - 1)
         bulk_load_multicast(buf, ring + 8192 + rank * part, src, rank * box_rows * 64, part,
                             full, (1 << nblk) - 1)
+    n = 0                                          # bounded: a bug traps, never hangs
     while mbarrier_try_wait(buf, full, 0) == 0:
-        pass
+        n += 1
+        if n == 1 << 22:
+            trap()
     if cuda.threadIdx.x == 0:
         for b in range(nblk):
             mbarrier_arrive_cluster(buf, done, b)
     while mbarrier_try_wait_cluster(buf, done, 0) == 0:
-        pass
+        n += 1
+        if n == 1 << 23:
+            trap()
     rows = nblk * box_rows
     base = (ring - s) // 2
     o = cuda.blockIdx.x * (2 * rows * 64 + 1)
