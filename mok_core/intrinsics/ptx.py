@@ -659,27 +659,46 @@ def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
     return types.void(smem, addr, tx_bytes), codegen
 
 
-@intrinsic
-def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
-    """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
-    or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
-    transaction count of the mbarrier at ``bar`` (an address inside ``smem`` too: the twin
-    finds the barrier through that array)."""
-    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
-            and isinstance(gidx, types.Integer) and isinstance(nbytes, types.Integer)
-            and isinstance(bar, types.Integer)):
-        return None
+def _bulk_load_codegen(multicast):
+    """Codegen of ``bulk_load`` (args: smem, saddr, gmem, gidx, nbytes, bar) and of its
+    multicast form (+ the 16-bit cta mask)."""
+    mc, mask_op = (".multicast::cluster", ", $4") if multicast else ("", "")
 
     def codegen(context, builder, sig, args):
         s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
         gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
         n = context.cast(builder, args[4], sig.args[4], types.uint32)
         b = context.cast(builder, args[5], sig.args[5], types.uint32)
-        _asm(builder, ir.VoidType(), [s32, gptr, n, b],
+        ops, cons = [s32, gptr, n, b], "r,l,r,r"
+        if multicast:
+            ops.append(context.cast(builder, args[6], sig.args[6], types.uint16))
+            cons += ",h"
+        _asm(builder, ir.VoidType(), ops,
              "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
-             "mbarrier::complete_tx::bytes [$0], [g], $2, [$3]; }", "r,l,r,r,~{memory}", True)
+             f"mbarrier::complete_tx::bytes{mc} [$0], [g], $2, [$3]{mask_op}; }}",
+             cons + ",~{memory}", True)
         return context.get_dummy_value()
-    return types.void(smem, saddr, gmem, gidx, nbytes, bar), codegen
+    return codegen
+
+
+@intrinsic
+def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
+    """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
+    or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
+    transaction count of the mbarrier at ``bar`` (an address inside ``smem`` too: the twin
+    finds the barrier through that array)."""
+    if not (_is_1d(smem) and _is_1d(gmem) and _integers(saddr, gidx, nbytes, bar)):
+        return None
+    return types.void(smem, saddr, gmem, gidx, nbytes, bar), _bulk_load_codegen(False)
+
+
+@intrinsic
+def bulk_load_multicast(typingctx, smem, saddr, gmem, gidx, nbytes, bar, mask):
+    """``bulk_load`` into every block of the cluster named in ``mask`` (bit i = cluster rank
+    i), at ``saddr`` and completing on the mbarrier at ``bar`` in each."""
+    if not (_is_1d(smem) and _is_1d(gmem) and _integers(saddr, gidx, nbytes, bar, mask)):
+        return None
+    return types.void(smem, saddr, gmem, gidx, nbytes, bar, mask), _bulk_load_codegen(True)
 
 
 @intrinsic
@@ -741,17 +760,10 @@ def tensormap_acquire(typingctx, tmaps, elem):
     return types.void(tmaps, elem), codegen
 
 
-@intrinsic
-def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
-    """Load one box of the 2-D tensor map at ``tmaps[elem:]`` whose origin is (x = column,
-    the contiguous dimension; y = row) into the shared byte address ``saddr`` (1024-byte
-    aligned: the map's 128-byte swizzle is laid out from there); the box's bytes complete on
-    the mbarrier at ``bar``. Parts of the box outside the tensor are zero-filled (and still
-    counted in the bytes)."""
-    if not (_is_1d(smem) and _is_1d(tmaps) and isinstance(saddr, types.Integer)
-            and isinstance(elem, types.Integer) and isinstance(x, types.Integer)
-            and isinstance(y, types.Integer) and isinstance(bar, types.Integer)):
-        return None
+def _tma_load_2d_codegen(multicast):
+    """Codegen of ``tma_load_2d`` (args: smem, saddr, tmaps, elem, x, y, bar) and of its
+    multicast form (+ the 16-bit cta mask)."""
+    mc, mask_op = (".multicast::cluster", ", $5") if multicast else ("", "")
 
     def codegen(context, builder, sig, args):
         s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
@@ -759,11 +771,43 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
         cx = context.cast(builder, args[4], sig.args[4], types.int32)
         cy = context.cast(builder, args[5], sig.args[5], types.int32)
         b = context.cast(builder, args[6], sig.args[6], types.uint32)
-        _asm(builder, ir.VoidType(), [s32, p, cx, cy, b],
-             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-             " [$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}", True)
+        ops, cons = [s32, p, cx, cy, b], "r,l,r,r,r"
+        if multicast:
+            ops.append(context.cast(builder, args[7], sig.args[7], types.uint16))
+            cons += ",h"
+        _asm(builder, ir.VoidType(), ops,
+             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::"
+             f"bytes{mc} [$0], [$1, {{$2, $3}}], [$4]{mask_op};", cons + ",~{memory}", True)
         return context.get_dummy_value()
-    return types.void(smem, saddr, tmaps, elem, x, y, bar), codegen
+    return codegen
+
+
+def _integers(*values):
+    return all(isinstance(v, types.Integer) for v in values)
+
+
+@intrinsic
+def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
+    """Load one box of the 2-D tensor map at ``tmaps[elem:]`` whose origin is (x = column,
+    the contiguous dimension; y = row) into the shared byte address ``saddr`` (1024-byte
+    aligned: the map's 128-byte swizzle is laid out from there); the box's bytes complete on
+    the mbarrier at ``bar``. Parts of the box outside the tensor are zero-filled (and still
+    counted in the bytes)."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(saddr, elem, x, y, bar)):
+        return None
+    return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen(False)
+
+
+@intrinsic
+def tma_load_2d_multicast(typingctx, smem, saddr, tmaps, elem, x, y, bar, mask):
+    """``tma_load_2d`` whose box lands at ``saddr`` in every block of the cluster named in
+    ``mask`` (bit i = cluster rank i) and completes its bytes on the mbarrier at ``bar`` of each
+    of them: one read from L2 feeds several SMs. Each receiving block arms its own barrier with
+    the bytes it expects from all senders."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(saddr, elem, x, y, bar, mask)):
+        return None
+    return (types.void(smem, saddr, tmaps, elem, x, y, bar, mask),
+            _tma_load_2d_codegen(True))
 
 
 @intrinsic
@@ -784,52 +828,6 @@ def tma_prefetch_2d(typingctx, tmaps, elem, x, y):
              True)
         return context.get_dummy_value()
     return types.void(tmaps, elem, x, y), codegen
-
-
-@intrinsic
-def tma_load_2d_multicast(typingctx, smem, saddr, tmaps, elem, x, y, bar, mask):
-    """``tma_load_2d`` whose box lands at ``saddr`` in every block of the cluster named in
-    ``mask`` (bit i = cluster rank i) and completes its bytes on the mbarrier at ``bar`` of each
-    of them: one read from L2 feeds several SMs. Each receiving block arms its own barrier with
-    the bytes it expects from all senders."""
-    if not (_is_1d(smem) and _is_1d(tmaps) and all(isinstance(v, types.Integer)
-                                                   for v in (saddr, elem, x, y, bar, mask))):
-        return None
-
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        p = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        cx = context.cast(builder, args[4], sig.args[4], types.int32)
-        cy = context.cast(builder, args[5], sig.args[5], types.int32)
-        b = context.cast(builder, args[6], sig.args[6], types.uint32)
-        m = context.cast(builder, args[7], sig.args[7], types.uint16)
-        _asm(builder, ir.VoidType(), [s32, p, cx, cy, b, m],
-             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-             ".multicast::cluster [$0], [$1, {$2, $3}], [$4], $5;", "r,l,r,r,r,h,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, saddr, tmaps, elem, x, y, bar, mask), codegen
-
-
-@intrinsic
-def bulk_load_multicast(typingctx, smem, saddr, gmem, gidx, nbytes, bar, mask):
-    """``bulk_load`` into every block of the cluster named in ``mask`` (bit i = cluster rank
-    i), at ``saddr`` and completing on the mbarrier at ``bar`` in each."""
-    if not (_is_1d(smem) and _is_1d(gmem) and all(isinstance(v, types.Integer)
-                                                  for v in (saddr, gidx, nbytes, bar, mask))):
-        return None
-
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        b = context.cast(builder, args[5], sig.args[5], types.uint32)
-        m = context.cast(builder, args[6], sig.args[6], types.uint16)
-        _asm(builder, ir.VoidType(), [s32, gptr, n, b, m],
-             "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
-             "mbarrier::complete_tx::bytes.multicast::cluster [$0], [g], $2, [$3], $4; }",
-             "r,l,r,r,h,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, saddr, gmem, gidx, nbytes, bar, mask), codegen
 
 
 @intrinsic
