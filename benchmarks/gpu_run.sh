@@ -6,7 +6,7 @@
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
-#        probe-host probe-gemm probe-comm (PROBE_COMM_VARIANTS)
+#        probe-host probe-gemm probe-mc (the cluster ring) probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        61 tests: ~530 s on 2 GPUs by session 5's runs -- give it a call of its own)
@@ -57,6 +57,9 @@ for s in "$@"; do
     probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-4096}" \
          --presets "${PROBE_PRESETS:-kimi-k2.7}" --variants "${PROBE_VARIANTS:-base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8}" \
          --dense "${PROBE_DENSE-deepseek-v4-pro}" --out "$OUT/probe_gemm.json" ;;
+    probe-mc) step probe-mc python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
+         --presets "${PROBE_PRESETS:-kimi-k2.7,glm-5.2}" --variants "${PROBE_VARIANTS:-bm128,bm128+mc1,bm128+mc1+mc_b_first,bm128+mc1+mc_no_poll,bm128+mc1+mc_b_first+mc_no_poll,bm128+mc2,bm128+mc2+mc_b_first,bm128+mc2+mc_local}" \
+         --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;

@@ -108,15 +108,15 @@ class GemmConfig:
             req(self.multicast in (0, 1, 2) and (not self.multicast or (
                 self.mma == "wgmma" and self.tma and not self.async_ring
                 and not self.l2_prefetch
-                and _wgmma.probe_parts(self.probe) <= {"mma_first", "mc_local", "mc_unicast"})),
+                and _wgmma.probe_parts(self.probe) <= _wgmma.MC_PROBES)),
                 "multicast is 0, 1 or 2 and needs mma='wgmma' with tma=True (no async_ring, "
-                "l2_prefetch or probe but 'mma_first', 'mc_local', 'mc_unicast')")
+                f"l2_prefetch or probe but {sorted(_wgmma.MC_PROBES)})")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
-                and (self.multicast or not parts & {"mc_local", "mc_unicast"})
+                and (self.multicast or not parts & (_wgmma.MC_PROBES - {"mma_first"}))
                 and ("no_b" not in parts or self.tma),
                 f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma; "
-                "'mc_local' / 'mc_unicast' with multicast)")
+                "'mc_*' with multicast)")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:

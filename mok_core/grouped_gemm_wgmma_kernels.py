@@ -346,7 +346,9 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
-PROBES = ("", "no_a", "no_b", "no_mma", "mma_first", "mc_local", "mc_unicast")
+PROBES = ("", "no_a", "no_b", "no_mma", "mma_first", "mc_local", "mc_unicast", "mc_b_first",
+          "mc_no_poll")
+MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
 def probe_parts(probe):
@@ -395,7 +397,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     "no_*" ones give wrong results): "no_a" /
     "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
     MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
-    those go to the stage of kt - 2); with ``multicast``: "mc_unicast" / "mc_local" (below).
+    those go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
+    "mc_b_first", "mc_no_poll" (below).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
@@ -414,7 +417,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
     assert not multicast or (tma_b and not async_ring and not l2_prefetch
-                             and parts <= {"mma_first", "mc_local", "mc_unicast"})
+                             and parts <= MC_PROBES)
     cl = max(multicast, 1)                  # blocks per cluster (1: no cluster)
     tile_rows = cl * bm                     # rows of one work tile (the cluster's)
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256) and parts <= set(PROBES)
@@ -441,7 +444,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     # measurement builds of the cluster ring: "mc_unicast" -- every block loads the whole
     # slice itself (no multicast), releases still go to every block; "mc_local" -- no traffic
     # between the blocks at all (what is left: the cluster launch and the ring's structure)
+    # "mc_b_first": thread 0 also issues the shares it can right after the block barrier,
+    # before the A loads and MMAs (the block ring's B timing); "mc_no_poll": no shares ahead
+    # of the one needed next (what the poll buys)
     share_blocks = 1 if parts & {"mc_local", "mc_unicast"} else cl
+    b_first = "mc_b_first" in parts
+    poll_ahead = stages - 1 if "mc_no_poll" not in parts else 1
     release_blocks = 1 if "mc_local" in parts else cl
     tma_b_share = make_tma_b_share(bn, swiglu_epilogue, packed_b, share_blocks)
     mma_first = "mma_first" in parts
@@ -664,6 +672,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     wait_phase(smem, full0 + 8 * st, (g // stages) & 1)
                     fence_proxy_async()
                     cuda.syncthreads()
+                    if b_first and tid == 0:
+                        b_next = issue_b_shares(smem, b_next, g0 + min(kt + 1, ktiles - 1),
+                                                g0 + min(kt + min(poll_ahead, stages - 2),
+                                                         ktiles - 1), ring, full0, tmaps,
+                                                b_row, g0, w0, w1, ktiles * BK, rank)
                     run_mma = warp_all(active) != 0
                     soff = (st * stage_bytes) >> 4
                     if mma_first and run_mma:
@@ -683,7 +696,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                                     blk if release_blocks > 1 else rank)
                     if tid == 0:
                         b_next = issue_b_shares(smem, b_next, g0 + min(kt + 1, ktiles - 1),
-                                                g0 + min(kt + stages - 1, ktiles - 1), ring,
+                                                g0 + min(kt + poll_ahead, ktiles - 1), ring,
                                                 full0, tmaps, b_row, g0, w0, w1, ktiles * BK,
                                                 rank)
                 acc = wgmma_wait(acc, 0)
