@@ -236,10 +236,14 @@ def launch(kernel, grid, block, stream, smem_bytes, *args):
     kernel[grid, block, stream, smem_bytes](*args)
 
 
-def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args):
+def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args, persistent=False):
     """``launch`` with thread-block clusters of ``cluster`` blocks (``grid`` blocks in all, a
     multiple of ``cluster``); numba has no cluster launch, so the kernel's arguments are
     packed as numba packs them and launched through cuda.core's ``LaunchConfig(cluster=)``.
+    ``persistent`` (a kernel that loops over its work): launch no more clusters than the GPU
+    holds at once (cuda.core's occupancy query) -- clusters only fit inside one GPC, so fewer
+    than SMs / cluster may be resident, and a cluster that waited for a free slot would take
+    its whole share of the work after the others are done; ValueError if none fits.
     The simulator runs blocks one after another, so blocks that wait on each other cannot
     run there: it takes ``cluster == 1`` only (a cluster kernel must also work as clusters of
     one block -- that is what its simulator tests run)."""
@@ -254,6 +258,12 @@ def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args):
     from cuda.core import launch as core_launch
     from numba.cuda.cudadrv.driver import _to_core_stream
     compiled = _compiled(kernel, args, smem_bytes)
+    if persistent:
+        resident = _max_active_clusters(compiled, cluster, block, smem_bytes)
+        if resident < 1:
+            raise ValueError(f"no cluster of {cluster} blocks x {block} threads with "
+                             f"{smem_bytes} B of shared memory fits on this GPU")
+        grid = min(grid, resident * cluster)
     core_stream = _to_core_stream(stream)
     retr, packed = [], []
     for ty, value in zip(compiled.argument_types, args):
@@ -265,18 +275,11 @@ def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args):
         writeback()
 
 
-_MAX_CLUSTERS: dict = {}
+_MAX_CLUSTERS: dict = {}     # (compiled kernel, cluster, block, smem bytes) -> clusters
 
 
-def max_active_clusters(kernel, cluster, block, smem_bytes, *args) -> int:
-    """How many clusters of ``cluster`` blocks of ``kernel`` (compiled for ``args``) the GPU
-    holds at once. A persistent cluster kernel must not launch more: clusters only fit inside
-    one GPC, so fewer than SMs / cluster may be resident, and a cluster that waits for a
-    free slot takes its whole share of tiles after the others are done. The simulator runs
-    one block at a time: there it is the SM count."""
-    if SIM:
-        return multiprocessor_count()
-    compiled = _compiled(kernel, args, smem_bytes)
+def _max_active_clusters(compiled, cluster, block, smem_bytes) -> int:
+    """How many clusters of ``cluster`` blocks of ``compiled`` the GPU holds at once."""
     key = (id(compiled), cluster, block, smem_bytes)
     n = _MAX_CLUSTERS.get(key)
     if n is None:

@@ -18,8 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cuda_compat import (SIM, as_device_array, launch, launch_cluster, max_active_clusters,
-                          multiprocessor_count, upload)
+from .cuda_compat import (SIM, as_device_array, launch, launch_cluster, multiprocessor_count,
+                          upload)
 from .grouped_gemm_kernels import make_grouped_gemm
 from . import grouped_gemm_wgmma_kernels as _wgmma
 from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
@@ -263,12 +263,9 @@ def _launch(kern, cfg: GemmConfig, C, N, n_tile, stream, a, a_index, w0, w1, off
     if cfg.mma != "mma_sync":
         nr = rest[0]                                   # num_rows: an int32 placeholder
         args += route if route is not None else (nr, nr, nr, (rest[1],), np.int64(0))
-    if cfg.multicast:
-        resident = max_active_clusters(kern, cluster, cfg.threads, cfg.smem_bytes, *args)
-        if resident < 1:
-            raise ValueError(f"{cfg}: no cluster of {cluster} blocks fits on this GPU")
-        grid = min(grid, resident * cluster)           # persistent: every cluster resident
-        launch_cluster(kern, grid, cluster, cfg.threads, stream, cfg.smem_bytes, *args)
+    if cfg.multicast:                                  # persistent: every cluster resident
+        launch_cluster(kern, grid, cluster, cfg.threads, stream, cfg.smem_bytes, *args,
+                       persistent=True)
     else:
         launch(kern, grid, cfg.threads, stream, cfg.smem_bytes, *args)
 
