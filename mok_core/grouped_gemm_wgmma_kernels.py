@@ -305,8 +305,8 @@ _TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarrier
 
 def smem_bytes(bn, stages, bm=BM):
     """Dynamic shared memory of one block: the per-expert tile table (uint16 [E + 1]), 2 x
-    STAGES mbarriers (full: TMA / async ring; empty: async / cluster ring), slack to align the ring to
-    1024 bytes, the ring."""
+    STAGES mbarriers (full: TMA / async ring; empty: async / cluster ring), slack to align the
+    ring to 1024 bytes, the ring."""
     return _TABLE_BYTES + 16 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
 
 
@@ -408,11 +408,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     free in *every* block before anyone's share lands in it: empty[s] takes one arrival per
     warp of every block of the cluster (as soon as that warp's wgmmas retired the slice), and
     a block's thread 0 waits on (or polls) its own empty[s] before issuing its share
-    (``issue_b_shares``). Stage of slice g = g % STAGES, g
-    counted across the block's tiles (both blocks of a cluster walk the same tiles). A block
-    whose rows lie past the expert still loads its share (its MMAs idle). Cluster 1 is the
-    same protocol with plain loads and local arrivals: what the simulator runs. Measured
-    1.3-2.2x slower than the plain kernel on H200 (NOTES.md, session 7): an opt-in.
+    (``issue_b_shares``). Stage of slice g = g % STAGES, g counted across the block's tiles
+    (both blocks of a cluster walk the same tiles). A block whose rows lie past the expert
+    still loads its share (its MMAs idle). Cluster 1 is the same protocol with plain loads and
+    local arrivals: what the simulator runs. Measured 1.3-2.2x slower than the plain kernel
+    on H200 (NOTES.md, session 7): an opt-in.
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -491,6 +491,14 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                    b_src, b_pass_elems, b_row, tid, ktiles)
 
     @kjit(device=True, inline="always")
+    def release(smem, empty0, g, rank):
+        """Cluster ring, lane 0 of a warp: this warp is done with slice ``g`` -- one arrival on
+        its stage's empty barrier in every block of the cluster (own block only: "mc_local")."""
+        for blk in range(release_blocks):
+            mbarrier_arrive_cluster(smem, empty0 + 8 * (g % stages),
+                                    blk if release_blocks > 1 else rank)
+
+    @kjit(device=True, inline="always")
     def issue_b_shares(smem, b_next, need, last, ring, full0, tmaps, b_row, g0, w0, w1, K, rank):
         """Cluster ring, thread 0: this block's shares of B for slices ``b_next``, ... (block-
         global; ``g0`` = the tile's first): every slice up to ``need`` -- waiting until its
@@ -518,9 +526,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                    g0, rank, b_next):
         """Tile t (block ``rank`` of the cluster: its ``bm`` rows of the tile): where this
         thread's chunks come from (A rows gathered; padding rows and rows past the expert
-        zero-filled, no read), whether its warpgroup's 64 rows are the
-        expert's (``owned``) and hold real rows (``active``), and its first PREFETCH slices
-        requested (cluster ring: B's from ``b_next`` on). Returns (first row, first output
+        zero-filled, no read), whether its warpgroup's 64 rows are the expert's (``owned``)
+        and hold real rows (``active``), and its first PREFETCH slices requested (cluster
+        ring: B's from ``b_next`` on). Returns (first row, first output
         column, B source, B's first weight row, active, owned, next B share to issue)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
                                                   n_tiles, tile_rows, rows_cap)
@@ -691,9 +699,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                         acc = wgmma_wait(acc, 1)
                     if kt > 0 and lane == 0:
-                        for blk in range(release_blocks):
-                            mbarrier_arrive_cluster(smem, empty0 + 8 * ((g - 1) % stages),
-                                                    blk if release_blocks > 1 else rank)
+                        release(smem, empty0, g - 1, rank)
                     if tid == 0:
                         b_next = issue_b_shares(smem, b_next, g0 + min(kt + 1, ktiles - 1),
                                                 g0 + min(kt + poll_ahead, ktiles - 1), ring,
@@ -701,9 +707,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                                                 rank)
                 acc = wgmma_wait(acc, 0)
                 if lane == 0:                      # the tile's last slice is free too
-                    for blk in range(release_blocks):
-                        mbarrier_arrive_cluster(smem, empty0 + 8 * ((g0 + ktiles - 1) % stages),
-                                                blk if release_blocks > 1 else rank)
+                    release(smem, empty0, g0 + ktiles - 1, rank)
                 cp_async_wait(0)
                 cuda.syncthreads()                 # every warpgroup done with the ring
                 g0 += ktiles
