@@ -3,8 +3,10 @@ experts need them -- the mirror image of the pull dispatch (``dispatch.py``), sa
 ``x_recv[r*T + t]`` on rank d holds token t of rank r for every (token, rank) pair routed to d,
 each pair crossing NVLink once. Why a second direction: NVLink stores are posted writes, while
 an SM's remote loads are round trips (SM pulls reach ~0.89 of the copy engine's pull, the push
-combine ~0.93 of its push). Measured (NOTES, session 6): this push with its wait reaches only
-0.79-0.87 of the copy-engine push, below the pull -- an option; the layer keeps the pull.
+combine ~0.93 of its push). Measured (NOTES, sessions 6-7): since the wait shares the barrier's
+bounded spin, this push with its wait takes 345 us at 8192 tokens per rank (the pull 367),
+0.89-0.90 of the copy-engine push of the same rows -- an option; the layer keeps the pull
+until it is measured in the layer.
 
 Roles and order. Work is (token, destination) pairs: pair u = t*R + d of this rank's T*R pairs
 is dealt to warp u mod (warps in the grid). The warp reads token t's k routes (``dest_rank`` /

@@ -346,9 +346,14 @@ def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
         _settle(b)
 
 
-def mbarrier_try_wait(smem, addr, parity):
+def _phase_done(smem, addr, parity):
+    """Whether the phase of parity ``parity`` of the mbarrier at ``addr`` has completed."""
     with _lock:
-        done = (_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1)
+        return (_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1)
+
+
+def mbarrier_try_wait(smem, addr, parity):
+    done = _phase_done(smem, addr, parity)
     if not done:
         time.sleep(0)                     # let the arriving threads run
     return np.uint32(done)
@@ -485,8 +490,7 @@ mbarrier_try_wait_cluster = mbarrier_try_wait
 
 
 def mbarrier_test_wait_cluster(smem, addr, parity):
-    with _lock:
-        return np.uint32((_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1))
+    return np.uint32(_phase_done(smem, addr, parity))      # a poll: no yield
 
 
 def tma_prefetch_2d(tmaps, elem, x, y):
