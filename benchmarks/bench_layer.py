@@ -140,7 +140,7 @@ def graph_time(step, iters, warmup):
 
 
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
-             graph=False, gemm_down=None):
+             graph=False, gemm_down=None, dispatch="pull"):
     import torch
     import torch.distributed as dist
 
@@ -155,7 +155,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         from mok_comm.functional import layer_gemm
         gemm = layer_gemm(shape, T)
     gemm_down = gemm_down or gemm
-    cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit))
+    cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit), dispatch=dispatch)
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
@@ -230,7 +230,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         torch.cuda.synchronize()
         step = None                              # its graph references the workspace
         lw.comm.free()
-    return {"preset": name, "tokens_per_rank": T, "ep": R, "ours_ms": t_ours,
+    return {"preset": name, "tokens_per_rank": T, "ep": R, "dispatch": dispatch,
+            "ours_ms": t_ours,
             "ours_step_ms": t_step, "ours_graph_ms": t_graph,
             "baselines": times, "baseline_notes": {"torch_symm_mem": note}, "floor_ms": floor,
             "speedup_vs_best_baseline": min(times.values()) / t_ours,
@@ -290,6 +291,9 @@ def main(argv=None):
                     help="also time our layer as a CUDA-graph replay (ours_graph_ms)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each launch group of our forward alone (breakdown_ms)")
+    ap.add_argument("--dispatch", default="pull",
+                    help="MoKConfig.dispatch modes to run each case with (comma-separated: "
+                         "pull,push)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
@@ -324,8 +328,10 @@ def main(argv=None):
             tiles_down = None
             if (name, T) in pair_of:                 # per-GEMM tiles of this (preset, T)
                 tiles, tiles_down = pair_of[(name, T)]
-            rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
-                                 args.symm_mem, args.breakdown, args.graph, tiles_down))
+            for mode in args.dispatch.split(","):
+                rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
+                                     args.symm_mem, args.breakdown, args.graph, tiles_down,
+                                     mode))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
@@ -346,7 +352,7 @@ def main(argv=None):
         plot(rows, args.out.replace(".json", ".png"))
         names = baseline_names(rows)
         flat = [dict(r, **{f"{b}_ms": r["baselines"].get(b) for b in names}) for r in rows]
-        print(table(flat, ["preset", "tokens_per_rank", "ep", "ours_ms", "ours_step_ms",
+        print(table(flat, ["preset", "tokens_per_rank", "ep", "dispatch", "ours_ms", "ours_step_ms",
                            "ours_graph_ms", *(f"{b}_ms" for b in names), "floor_ms",
                            "speedup_vs_best_baseline", "speedup_step_vs_best_baseline",
                            "ours_over_floor"]))

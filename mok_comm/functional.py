@@ -12,8 +12,11 @@ separated by device-side barriers (the only cross-GPU synchronisation):
 
     build_schedule   phase 0: ids -> every rank's table          | barrier |
                      phase 1: schedule (local)
-    forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN   | barrier |
-                     phase 1: pull dispatch, gather index, routed FFN, push combine   | barrier |
+    forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN
+                              (+ the push of this rank's tokens: ``config.dispatch="push"``)
+                                                                              | barrier |
+                     phase 1: dispatch (pull the rows / wait for the pushed ones), gather
+                              index, routed FFN, push combine                 | barrier |
                      phase 2: fixed-order epilogue -> out
 
 ``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
@@ -337,7 +340,10 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     fused = _fused_combine(lw.config, gd)
 
     def dispatch():
-        ops.dispatch(lw.comm, schedule, stream)
+        if lw.config.dispatch == "push":    # the rows were pushed in the phase before
+            ops.wait_dispatch_push(lw.comm, schedule, stream)
+        else:
+            ops.dispatch(lw.comm, schedule, stream)
         ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
 
     def routed_gate_up():
@@ -360,6 +366,20 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     if fused:
         return [dispatch, routed_gate_up, routed_down_push]
     return [dispatch, routed_gate_up, routed_down, combine]
+
+
+def _push_steps(lw: LayerWorkspace, schedule: Schedule, stream):
+    """With ``config.dispatch == "push"``: the launch that writes this rank's tokens into the
+    ranks that need them, last in the phase before the dispatch's -- after the schedule (it
+    says where each route lands) and this rank's x publish, and a barrier away from the
+    peers' reads of their staging in the previous step (``kernels.push_dispatch``: the
+    caller's ordering duty). The dispatch step then waits for the rows (``_routed_steps``)."""
+    if lw.config.dispatch != "push":
+        return []
+
+    def dispatch_push():
+        ops.dispatch_push(lw.comm, schedule, stream)
+    return [dispatch_push]
 
 
 def _epilogue_step(lw: LayerWorkspace, w, out, stream):
@@ -385,7 +405,8 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
                        swiglu_limit)
     out = _check_out(lw, out)
     _check_limit(swiglu_limit)
-    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_shared_steps(lw, x, W, stream))
+    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_shared_steps(lw, x, W, stream),
+                    *_push_steps(lw, schedule, stream))
     phase1 = _phase(*_routed_steps(lw, schedule, W, stream))
     phase2 = _phase(_epilogue_step(lw, w, out, stream))
     return [phase0, phase1, phase2], out
@@ -421,7 +442,8 @@ def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_sha
     W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
                        swiglu_limit)
     _check_limit(swiglu_limit)
-    return [_phase(_schedule_step(lw, stream), *_shared_steps(lw, lw.comm.x_buf, W, stream)),
+    return [_phase(_schedule_step(lw, stream), *_shared_steps(lw, lw.comm.x_buf, W, stream),
+                   *_push_steps(lw, lw.schedule, stream)),
             _phase(*_routed_steps(lw, lw.schedule, W, stream))]
 
 

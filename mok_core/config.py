@@ -103,6 +103,9 @@ def preset(name: str, ep_size: int = 1) -> LayerShape:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
 
 
+DISPATCH_MODES = ("pull", "push")
+
+
 @dataclass(frozen=True)
 class MoKConfig:
     """How the layer runs. Every field is checked here and nowhere else.
@@ -125,6 +128,12 @@ class MoKConfig:
         fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma GEMMs)
             instead of writing y and running the combine kernel after it; same bits. The
             mma.sync GEMM always combines separately.
+        dispatch: how tokens reach the experts' ranks. "pull" -- this rank's SMs read the
+            rows it needs from the peers (``mok_comm.kernels.dispatch``); "push" -- each rank's
+            SMs write its tokens into the ranks that need them (``kernels.push_dispatch``),
+            issued at the end of the phase before the dispatch (after the schedule, before
+            the barrier), and the dispatch step only waits for the rows to land. Same staging
+            rows and ``ready`` counts, same output bits.
     """
     fwd_num_comm_sms: int = 24
     bwd_num_comm_sms: int = 24
@@ -134,6 +143,7 @@ class MoKConfig:
     row_align: int = 64
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
     fuse_combine: bool = True
+    dispatch: str = "pull"
 
     def __post_init__(self):
         for f in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
@@ -159,6 +169,8 @@ class MoKConfig:
                  self.spin_timeout_cycles)
         _require(isinstance(self.fuse_combine, bool), "fuse_combine", "must be a bool",
                  self.fuse_combine)
+        _require(self.dispatch in DISPATCH_MODES, "dispatch",
+                 f"must be one of {DISPATCH_MODES}", self.dispatch)
 
     def schedule_capacity(self, tokens_per_rank: int, topk: int, ep_size: int,
                           experts_per_rank: int) -> int:

@@ -22,6 +22,7 @@ def test_defaults_valid():
     ({"capacity_factor": math.nan}, "capacity_factor"),
     ({"spin_timeout_cycles": 0}, "spin_timeout_cycles"),
     ({"spin_timeout_cycles": True}, "spin_timeout_cycles"),
+    ({"dispatch": "copy"}, "dispatch"),
 ])
 def test_config_rejects_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -96,15 +96,20 @@ def test_compiled_step_checks_inputs():
     assert step.captures == 0
 
 
-def test_step_phases_equal_eager_emulated(R=3, limit=1.0):
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
+def test_step_phases_equal_eager_emulated(dispatch, R=3, limit=1.0):
     """R ranks: the step order (publish x before the first barrier, shared FFN from x_buf)
     gives the eager layer's bits, over two consecutive steps with different inputs on the same
-    workspaces (the cross-step reuse of x_buf / ids table / combine buffer)."""
+    workspaces (the cross-step reuse of x_buf / ids table / combine buffer; with the push
+    dispatch also of the peers' staging and the arrival counters). The eager layer pulls."""
+    from dataclasses import replace
+
     from mok_core.grouped_gemm import SIM_GEMM
     T = 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)
-    lws = emulated_layer(shape, T, CFG, SIM_GEMM)
+    cfg = replace(CFG, dispatch=dispatch)
+    lws = emulated_layer(shape, T, cfg, SIM_GEMM)
     eager_lws = emulated_layer(shape, T, CFG, SIM_GEMM)
     E_l = shape.experts_per_rank
     for seed in (R, R + 10):
@@ -114,7 +119,7 @@ def test_step_phases_equal_eager_emulated(R=3, limit=1.0):
         phases = []
         for r, lw in enumerate(lws):
             sl = slice(r * E_l, (r + 1) * E_l)
-            p, _ = step_phases(CFG, lw, to_dev(inp["ids"][r].astype(np.int64)),
+            p, _ = step_phases(cfg, lw, to_dev(inp["ids"][r].astype(np.int64)),
                                to_dev(u16(inp["x"][r])), to_dev(inp["w"][r]),
                                to_dev(u16(inp["w_sg"])), to_dev(u16(inp["w_su"])),
                                to_dev(u16(inp["w_sd"])), to_dev(u16(inp["w_g"][sl])),
