@@ -8,12 +8,11 @@ bounded spin, this push with its wait takes 345 us at 8192 tokens per rank (the 
 0.89-0.90 of the copy-engine push of the same rows -- an option; the layer keeps the pull
 until it is measured in the layer.
 
-Roles and order. Work is (token, remote destination) pairs: pair u = t*(R-1) + j of this
-rank's T*(R-1) pairs names rank d = (me + 1 + j) % R and is dealt to warp u mod (warps in the
-grid). The warp reads token t's k routes (``dest_rank`` / ``dest_row``, from this rank's
-schedule, which places every route on every rank); if one goes to rank d it copies x_buf[t]
-into rank d's ``x_recv[me*T + t]``. Routes to our own experts move nothing (the x buffer *is*
-our staging slice); a thread per route counts them after the copies.
+Roles and order. Work is (token, destination) pairs: pair u = t*R + d of this rank's T*R pairs
+is dealt to warp u mod (warps in the grid). The warp reads token t's k routes (``dest_rank`` /
+``dest_row``, from this rank's schedule, which places every route on every rank); if one goes to
+rank d != me it copies x_buf[t] into rank d's ``x_recv[me*T + t]`` (our own staging slice is
+already in place: the x buffer *is* that slice).
 
 Counters: ``arrivals[q]`` on rank d (int32, symmetric, ``Workspace.push_arrivals``) counts rows
 of d's minibatch q whose token has landed. Each block counts its routes per (d, minibatch) in
@@ -54,20 +53,6 @@ def routes_to(dest_rank, dest_row, first, k, d):
     return False
 
 
-@kjit(device=True, inline="always")
-def count_route(dest_rank, dest_row, i, d, minibatch_size, agg, counts, minibatches,
-                peer_arrivals):
-    """Count route i as landed on rank d if it is placed there: in the block's shared
-    (rank, minibatch) counters (``agg``) or straight on d's arrivals (release add)."""
-    row = dest_row[i]
-    if dest_rank[i] == d and row >= 0:
-        q = row // minibatch_size
-        if agg:
-            cuda.atomic.add(counts, d * minibatches + q, 1)
-        else:
-            red_add_release_sys(peer_arrivals[d], q, 1)
-
-
 AGG_SLOTS = 4096                # shared int32 (dest rank, minibatch) counters per block (16 KiB:
                                 # EP 8 x T 16384 x top-8 at minibatch 4096 needs 8 x 257)
 
@@ -105,31 +90,27 @@ def make_push_dispatch_kernel(fence=True, aggregate=True):
             for i in range(cuda.threadIdx.x, R * minibatches, cuda.blockDim.x):
                 counts[i] = 0
             cuda.syncthreads()
-        # Remote pairs only: pair u = t * (R - 1) + j goes to rank (me + 1 + j) % R, so every
-        # warp copies (dealing all T * R pairs left the warps of our own pairs idle: half the
-        # warps at EP 2) and, at any moment, the ranks push to different peers.
         u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
-        while u < T * (R - 1):
-            t = u // (R - 1)
-            d = (me + 1 + u % (R - 1)) % R
+        while u < T * R:
+            t = u // R
+            d = u % R
             first = t * k
             if routes_to(dest_rank, dest_row, first, k, d):     # uniform over the warp
-                copy_row(x_buf, t * H, peer_x_recv[d], (me * T + t) * H, H, lane)
+                if d != me:
+                    copy_row(x_buf, t * H, peer_x_recv[d], (me * T + t) * H, H, lane)
                 if not agg:
-                    if fence:
+                    if fence and d != me:
                         cuda.threadfence_system()
                     syncwarp()                      # every lane's stores precede the release
                 for s in range(lane, k, 32):
-                    count_route(dest_rank, dest_row, first + s, d, minibatch_size, agg, counts,
-                                minibatches, peer_arrivals)
+                    row = dest_row[first + s]
+                    if dest_rank[first + s] == d and row >= 0:
+                        q = row // minibatch_size
+                        if agg:
+                            cuda.atomic.add(counts, d * minibatches + q, 1)
+                        else:
+                            red_add_release_sys(peer_arrivals[d], q, 1)
             u += cuda.gridDim.x * warps
-        # Routes to our own experts: the rows are in place (x_buf is our staging slice); only
-        # their count, a thread per route.
-        i = cuda.grid(1)
-        while i < T * k:
-            count_route(dest_rank, dest_row, i, me, minibatch_size, agg, counts, minibatches,
-                        peer_arrivals)
-            i += cuda.gridsize(1)
         if agg:
             cuda.threadfence_system()               # this thread's pushes, system-wide ...
             cuda.syncthreads()                      # ... before any of the block's releases
