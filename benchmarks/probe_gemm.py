@@ -9,6 +9,7 @@ shape (``functional.layer_gemm``) changed by one field:
   no_a       A chunks zero-filled, never read       (GemmConfig.probe; results are wrong)
   no_b       weight boxes never loaded              (probe)
   no_mma     no wgmma issued                        (probe)
+  no_store   the epilogue stores nothing            (probe; what the epilogue costs)
   mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
   async      GemmConfig.async_ring (stages handed over by mbarriers)

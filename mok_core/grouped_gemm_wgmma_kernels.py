@@ -346,8 +346,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
-PROBES = ("", "no_a", "no_b", "no_mma", "mma_first", "mc_local", "mc_unicast", "mc_b_first",
-          "mc_no_poll")
+PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
+          "mc_b_first", "mc_no_poll")
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -394,10 +394,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     (``mok_core.weight_pack``, boxes of BN/2 rows for gate/up, BN for down) and each box comes
     by one contiguous bulk copy instead of a TMA box.
     ``probe`` (measurement builds: ``benchmarks/probe_gemm.py``; several join with "+"; the
-    "no_*" ones give wrong results): "no_a" /
-    "no_b" drop the A / B traffic (zero-filled / barrier completed empty), "no_mma" skips the
-    MMAs, "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal:
-    those go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
+    "no_*" ones give wrong results): "no_a" / "no_b" drop the A / B traffic (zero-filled /
+    barrier completed empty), "no_mma" skips the MMAs, "no_store" the epilogue's stores (still
+    compiled, behind a test that is false at run time, so the MMAs feed something),
+    "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those
+    go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
     "mc_b_first", "mc_no_poll" (below).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
@@ -454,6 +455,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     tma_b_share = make_tma_b_share(bn, swiglu_epilogue, packed_b, share_blocks)
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
+    no_store = "no_store" in parts
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
     full_count = (threads if async_ring else 0) + (1 if tma_b else 0)
     warps = threads // 32
@@ -753,7 +755,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     g0, rank, b_next)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
-            if mine:
+            if mine and (not no_store or K < 0):
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)
         if multicast:           # no block leaves while a peer may still arrive on its barriers
