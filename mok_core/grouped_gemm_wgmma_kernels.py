@@ -103,7 +103,7 @@ def _plain_layout(count):
     return [[4 * j + i for i in range(4)] for j in range(count // 4)]
 
 
-def make_tile_ops(bn, swiglu_epilogue, push=False):
+def make_tile_ops(bn, swiglu_epilogue, push=False, local_epilogue=False):
     """The two per-warpgroup steps both wgmma kernels share (compile-time BN and epilogue):
 
     ``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-wide K slice = wgmma.fence, 4 x
@@ -118,13 +118,17 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
     source rank's combine buffer ``peers[route_rank[r]]`` (uint32 view of [T*k, H] bf16) at row
     ``route_token[r] * k + route_slot[r]`` -- over NVLink for a peer; padding rows (rank < 0)
     are dropped. Same bits as writing y and pushing its rows afterwards.
+    ``local_epilogue`` (measurement build, probe "epi_local"): the SwiGLU epilogue as it was
+    before ``tuple_groups`` -- a rolled loop over the local-array copy -- for an A/B in one run.
     """
     mma = _WGMMA[bn]
+    half = bn // 16                         # SWIGLU: gate groups, then as many up groups
     groups = bn // 8                        # 8-column groups in a thread's fragment
     # The SwiGLU and plain epilogues read the accumulator group by group at constant indices
     # (``tuple_groups``): through a local-array copy, the rolled SwiGLU loop kept all 128
     # floats in local memory (ptxas: a 512-byte stack frame per thread).
     store_swiglu = tuple_groups(_swiglu_group, _swiglu_layout)
+    swiglu_group = kjit(device=True, inline="always")(_swiglu_group)      # for epi_local
     store_plain = tuple_groups(_plain_group, _plain_layout)
 
     @kjit(device=True, inline="always")
@@ -140,7 +144,14 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
     @kjit(device=True, inline="always")
     def store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
                    k):
-        if swiglu_epilogue:
+        if swiglu_epilogue and local_epilogue:
+            store_f32_tuple(c, acc)
+            for j in range(half):
+                x = 4 * j
+                y = 4 * (j + half)
+                swiglu_group(j, out, r, col, n_out, limit, c[x], c[x + 1], c[x + 2], c[x + 3],
+                             c[y], c[y + 1], c[y + 2], c[y + 3])
+        elif swiglu_epilogue:
             store_swiglu(acc, out, r, col, n_out, limit)
         elif push:
             store_f32_tuple(c, acc)
@@ -366,8 +377,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
-PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
-          "mc_b_first", "mc_no_poll")
+PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "epi_local", "mma_first", "mc_local",
+          "mc_unicast", "mc_b_first", "mc_no_poll")
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -417,8 +428,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     "no_*" ones give wrong results): "no_a" / "no_b" drop the A / B traffic (zero-filled /
     barrier completed empty), "no_mma" skips the MMAs, "no_store" the epilogue's stores (still
     compiled, behind a test that is false at run time, so the MMAs feed something),
-    "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those
-    go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
+    "epi_local" the SwiGLU epilogue through a local array (``make_tile_ops``), "mma_first"
+    issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those go to the
+    stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
     "mc_b_first", "mc_no_poll" (below).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
@@ -450,7 +462,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     pass_rows = threads // 8                # rows covered when every thread copies one chunk
     pass_bytes = pass_rows * ROW_BYTES
     assert tma_b or bn % pass_rows == 0, "B by cp.async needs BN rows to split evenly"
-    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push, "epi_local" in parts)
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = bm * ROW_BYTES
     stage_bytes = (bm + bn) * ROW_BYTES
