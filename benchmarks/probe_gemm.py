@@ -10,7 +10,6 @@ shape (``functional.layer_gemm``) changed by one field:
   no_b       weight boxes never loaded              (probe)
   no_mma     no wgmma issued                        (probe)
   no_store   the epilogue stores nothing            (probe; what the epilogue costs)
-  epi_local  the SwiGLU epilogue through a local array (probe; the pre-session-8 epilogue)
   mma_first  a slice's wgmmas issued before the loads of slice kt + PREFETCH (same results)
   l2pfN      weight boxes prefetched into L2 N slices past the newest load (same results)
   async      GemmConfig.async_ring (stages handed over by mbarriers)

@@ -60,7 +60,7 @@ from .intrinsics import (bulk_load, bulk_load_multicast, cluster_ctarank, cluste
                          mbarrier_try_wait_cluster,
                          pack_bf16x2, shared_addr, store_f32_tuple, tensormap_acquire,
                          tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
-                         tuple_groups, warp_all, wgmma_commit,
+                         warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                          wgmma_m64n256k16_bf16, wgmma_wait)
 
@@ -77,33 +77,7 @@ _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n2
 _DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
-def _swiglu_group(j, out, r, col, n_out, limit, g0, g1, g2, g3, u0, u1, u2, u3):
-    """8-column group j of a SwiGLU tile fragment: gate and up pairs of rows r and r + 8 ->
-    hidden columns col + 8j (+1) as bf16 pairs."""
-    cj = col + 8 * j
-    out[(r * n_out + cj) // 2] = pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit))
-    out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(swiglu(g2, u2, limit),
-                                                   swiglu(g3, u3, limit))
-
-
-def _plain_group(j, out, r, col, n_out, limit, a0, a1, a2, a3):
-    """8-column group j of a plain tile fragment -> bf16 pairs of rows r and r + 8."""
-    cj = col + 8 * j
-    out[(r * n_out + cj) // 2] = pack_bf16x2(a0, a1)
-    out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(a2, a3)
-
-
-def _swiglu_layout(count):      # group j: gate elements 4j.., up elements 4(j + half)..
-    half = count // 8
-    return [[4 * j + i for i in range(4)] + [4 * (j + half) + i for i in range(4)]
-            for j in range(half)]
-
-
-def _plain_layout(count):
-    return [[4 * j + i for i in range(4)] for j in range(count // 4)]
-
-
-def make_tile_ops(bn, swiglu_epilogue, push=False, local_epilogue=False):
+def make_tile_ops(bn, swiglu_epilogue, push=False):
     """The two per-warpgroup steps both wgmma kernels share (compile-time BN and epilogue):
 
     ``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-wide K slice = wgmma.fence, 4 x
@@ -112,24 +86,15 @@ def make_tile_ops(bn, swiglu_epilogue, push=False, local_epilogue=False):
     ``store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
     k)``: waits nothing; the fragment of this thread (rows r and r + 8, columns col + 8j (+1))
     -> bf16 pairs in ``out`` (SWIGLU: gate columns [0, BN/2) and up columns [BN/2, BN) of the
-    tile pair up into BN/2 hidden columns); ``c``: a float32 local array of BN/2 (the push
-    epilogue loops over it).
+    tile pair up into BN/2 hidden columns); ``c`` is a float32 local array of BN/2 to loop over.
     ``push`` (the down GEMM fused with the combine): row r's pairs go instead straight into its
     source rank's combine buffer ``peers[route_rank[r]]`` (uint32 view of [T*k, H] bf16) at row
     ``route_token[r] * k + route_slot[r]`` -- over NVLink for a peer; padding rows (rank < 0)
     are dropped. Same bits as writing y and pushing its rows afterwards.
-    ``local_epilogue`` (measurement build, probe "epi_local"): the SwiGLU epilogue as it was
-    before ``tuple_groups`` -- a rolled loop over the local-array copy -- for an A/B in one run.
     """
     mma = _WGMMA[bn]
-    half = bn // 16                         # SWIGLU: gate groups, then as many up groups
     groups = bn // 8                        # 8-column groups in a thread's fragment
-    # The SwiGLU and plain epilogues read the accumulator group by group at constant indices
-    # (``tuple_groups``): through a local-array copy, the rolled SwiGLU loop kept all 128
-    # floats in local memory (ptxas: a 512-byte stack frame per thread).
-    store_swiglu = tuple_groups(_swiglu_group, _swiglu_layout)
-    swiglu_group = kjit(device=True, inline="always")(_swiglu_group)      # for epi_local
-    store_plain = tuple_groups(_plain_group, _plain_layout)
+    half = groups // 2                      # SWIGLU: gate groups, then up groups
 
     @kjit(device=True, inline="always")
     def mma_slice(acc, smem, da, db):
@@ -144,17 +109,20 @@ def make_tile_ops(bn, swiglu_epilogue, push=False, local_epilogue=False):
     @kjit(device=True, inline="always")
     def store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
                    k):
-        if swiglu_epilogue and local_epilogue:
-            store_f32_tuple(c, acc)
+        # Through a local array: the SwiGLU loop stays rolled and the copy lives in local memory
+        # (a 512-byte stack frame), yet a straight-line epilogue reading the tuple at constant
+        # indices measured 7-20 % slower on gate/up in the same run (NOTES, session 8).
+        store_f32_tuple(c, acc)
+        if swiglu_epilogue:
             for j in range(half):
                 x = 4 * j
                 y = 4 * (j + half)
-                swiglu_group(j, out, r, col, n_out, limit, c[x], c[x + 1], c[x + 2], c[x + 3],
-                             c[y], c[y + 1], c[y + 2], c[y + 3])
-        elif swiglu_epilogue:
-            store_swiglu(acc, out, r, col, n_out, limit)
+                cj = col + 8 * j
+                out[(r * n_out + cj) // 2] = pack_bf16x2(
+                    swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
+                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(
+                    swiglu(c[x + 2], c[y + 2], limit), swiglu(c[x + 3], c[y + 3], limit))
         elif push:
-            store_f32_tuple(c, acc)
             for h in range(2):                  # rows r, r + 8: pairs 2h, 2h + 1 of a group
                 row = r + 8 * h
                 src = route_rank[row]
@@ -165,7 +133,11 @@ def make_tile_ops(bn, swiglu_epilogue, push=False, local_epilogue=False):
                         x = 4 * j + 2 * h
                         dst[base + 4 * j] = pack_bf16x2(c[x], c[x + 1])
         else:
-            store_plain(acc, out, r, col, n_out, limit)
+            for j in range(groups):
+                x = 4 * j
+                cj = col + 8 * j
+                out[(r * n_out + cj) // 2] = pack_bf16x2(c[x], c[x + 1])
+                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
 
     return mma_slice, store_tile
 
@@ -377,8 +349,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
             min(offsets[lo + 1], rows_cap))
 
 
-PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "epi_local", "mma_first", "mc_local",
-          "mc_unicast", "mc_b_first", "mc_no_poll")
+PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
+          "mc_b_first", "mc_no_poll")
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -428,9 +400,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     "no_*" ones give wrong results): "no_a" / "no_b" drop the A / B traffic (zero-filled /
     barrier completed empty), "no_mma" skips the MMAs, "no_store" the epilogue's stores (still
     compiled, behind a test that is false at run time, so the MMAs feed something),
-    "epi_local" the SwiGLU epilogue through a local array (``make_tile_ops``), "mma_first"
-    issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those go to the
-    stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
+    "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those
+    go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
     "mc_b_first", "mc_no_poll" (below).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
@@ -462,7 +433,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     pass_rows = threads // 8                # rows covered when every thread copies one chunk
     pass_bytes = pass_rows * ROW_BYTES
     assert tma_b or bn % pass_rows == 0, "B by cp.async needs BN rows to split evenly"
-    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push, "epi_local" in parts)
+    mma_slice, store_tile = make_tile_ops(bn, swiglu_epilogue, push)
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = bm * ROW_BYTES
     stage_bytes = (bm + bn) * ROW_BYTES

@@ -547,31 +547,6 @@ def store_f32_tuple(typingctx, arr, acc):
     return types.void(arr, acc), codegen
 
 
-def tuple_groups(fn, layout):
-    """An intrinsic ``apply(acc, out, r, col, n_out, limit)`` over a float32 UniTuple ``acc``,
-    unrolled at compile time: for each group j of ``layout(len(acc))`` (a list of index
-    lists) it calls ``fn(j, out, r, col, n_out, limit, acc[i0], acc[i1], ...)`` with every
-    element read at a constant index, so the tuple stays in registers. (A loop over a local
-    array copy of it -- ``store_f32_tuple`` -- stays in local memory when the compiler keeps
-    the loop rolled: the SwiGLU epilogue's 512 bytes per thread.) ``fn`` is a plain Python
-    function, compiled for the device and inlined."""
-    @intrinsic
-    def apply(typingctx, acc, out, r, col, n_out, limit):
-        if not (isinstance(acc, types.UniTuple) and acc.dtype == types.float32):
-            return None
-        groups = layout(acc.count)
-
-        def codegen(context, builder, sig, args):
-            for j, idx in enumerate(groups):
-                vals = [builder.extract_value(args[0], i) for i in idx]
-                fsig = types.void(types.int64, *sig.args[1:], *([types.float32] * len(idx)))
-                context.compile_internal(builder, fn, fsig,
-                                         [ir.Constant(_i64, j), *args[1:], *vals])
-            return context.get_dummy_value()
-        return types.void(acc, out, r, col, n_out, limit), codegen
-    return apply
-
-
 # ---- mbarriers (shared-memory arrive/wait barriers with phases) -------------------------------
 # Addresses are 32-bit shared byte addresses (``shared_addr`` + offset), 8-byte aligned; the
 # ``smem`` argument is the array they point into (the simulator twin keys its state on it).

@@ -300,13 +300,6 @@ def store_f32_tuple(arr, acc):
     _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)
 
 
-def tuple_groups(fn, layout):
-    def apply(acc, out, r, col, n_out, limit):
-        for j, idx in enumerate(layout(len(acc))):
-            fn(j, out, r, col, n_out, limit, *[acc[i] for i in idx])
-    return apply
-
-
 # ---- mbarriers ---------------------------------------------------------------------------------
 
 _mbarriers = {}
