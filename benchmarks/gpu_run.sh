@@ -7,7 +7,8 @@
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS: the layer with the pull and the
 #        push dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
-#        probe-host probe-gemm probe-mc (the cluster ring) probe-comm (PROBE_COMM_VARIANTS)
+#        probe-host probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
+#        probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        61 tests: ~530 s on 2 GPUs by session 5's runs -- give it a call of its own)
@@ -61,6 +62,10 @@ for s in "$@"; do
     probe-mc) step probe-mc python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
          --presets "${PROBE_PRESETS:-kimi-k2.7,glm-5.2}" --variants "${PROBE_VARIANTS:-bm128,bm128+mc1,bm128+mc1+mc_b_first,bm128+mc1+mc_no_poll,bm128+mc1+mc_b_first+mc_no_poll,bm128+mc2,bm128+mc2+mc_b_first,bm128+mc2+mc_local}" \
          --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
+    probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
+         --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
+         --variants "${PROBE_VARIANTS:-bm192,bm192+smemepi,bm192+no_store,bm128,bm128+smemepi,bm128+no_store}" \
+         --out "$OUT/probe_epi.json" ;;   # the staged epilogue vs none at all (NOTES session 8)
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;

@@ -19,6 +19,7 @@ shape (``functional.layer_gemm``) changed by one field:
              bm256: 256 x 128 (4 warpgroups)
   2cta       two 128 x 128 blocks per SM (3-slice rings), weights by TMA
   stN, bnN   N ring stages, N-column tiles
+  smemepi    GemmConfig.smem_epilogue (the epilogue staged in shared memory, bulk stores)
   mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
              of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
@@ -63,6 +64,8 @@ def variant_config(base, name):
             bm = int(part[2:])
             cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True,
                                       bn=128 if bm == 256 else 256)
+        elif part == "smemepi":        # epilogue staged in shared memory + bulk stores
+            cfg = dataclasses.replace(cfg, smem_epilogue=True, async_ring=False, multicast=0)
         elif part in ("mc1", "mc2"):   # clusters sharing weight slices (TMA, no l2pf)
             cfg = dataclasses.replace(cfg, multicast=int(part[2:]), tma=True, l2_prefetch=0,
                                       async_ring=False)

@@ -65,6 +65,10 @@ class GemmConfig:
     block fetches part of the slice from L2 and multicasts it to all (half the weight
     traffic from L2). Measured 1.3-2.2x *slower* than the plain kernel on H200 (NOTES.md,
     session 7): an opt-in for experiments.
+    ``smem_epilogue`` ("wgmma", block ring: no ``async_ring`` / ``multicast``): the epilogue
+    stages the output tile in the ring stages the next tile leaves free and sends it row by
+    row with bulk stores, so the next tile's MMAs need not wait for the tile's global stores
+    (the fused combine's push epilogue stays per thread). Not yet measured: opt-in.
     """
     bm: int = 128
     bn: int = 128
@@ -81,6 +85,7 @@ class GemmConfig:
     probe: str = ""                 # measurement builds only (the "no_*" ones: wrong results)
     packed_weights: bool = False    # "wgmma" + tma: weights in weight_pack's layout
     multicast: int = 0              # "wgmma" + tma: blocks per cluster sharing weight slices
+    smem_epilogue: bool = False     # "wgmma": epilogue staged in shared memory + bulk stores
 
     def __post_init__(self):
         def req(cond, msg):
@@ -111,6 +116,9 @@ class GemmConfig:
                 and _wgmma.probe_parts(self.probe) <= _wgmma.MC_PROBES)),
                 "multicast is 0, 1 or 2 and needs mma='wgmma' with tma=True (no async_ring, "
                 f"l2_prefetch or probe but {sorted(_wgmma.MC_PROBES)})")
+            req(not self.smem_epilogue or (self.mma == "wgmma" and not self.async_ring
+                                           and not self.multicast),
+                "smem_epilogue needs mma='wgmma' with the block ring (no async_ring, multicast)")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and (self.multicast or not parts & (_wgmma.MC_PROBES - {"mma_first"}))
@@ -121,9 +129,9 @@ class GemmConfig:
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:
             req(not (self.tma or self.l2_prefetch or self.probe or self.async_ring
-                     or self.packed_weights or self.multicast),
-                "tma, l2_prefetch, probe, async_ring, packed_weights and multicast need a "
-                "wgmma kind")
+                     or self.packed_weights or self.multicast or self.smem_epilogue),
+                "tma, l2_prefetch, probe, async_ring, packed_weights, multicast and "
+                "smem_epilogue need a wgmma kind")
             req(self.bk in (32, 64), "bk must be 32 or 64")
             req(self.bm % (self.wm * 16) == 0, "bm must be a multiple of 16*wm")
             req(self.bn % (self.wn * 16) == 0, "bn must be a multiple of 16*wn")
@@ -208,7 +216,8 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
                                               async_ring=cfg.async_ring,
                                               packed_b=cfg.packed_weights,
                                               blocks_per_sm=cfg.blocks_per_sm,
-                                              multicast=cfg.multicast)
+                                              multicast=cfg.multicast,
+                                              smem_epilogue=cfg.smem_epilogue and not push)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,

@@ -52,13 +52,15 @@ from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
 from .grouped_gemm_kernels import swiglu
-from .intrinsics import (bulk_load, bulk_load_multicast, cluster_ctarank, cluster_sync,
+from .intrinsics import (bulk_commit, bulk_load, bulk_load_multicast, bulk_store, bulk_wait,
+                         bulk_wait_read, cluster_ctarank, cluster_sync,
                          cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_cluster, mbarrier_arrive_expect_tx,
                          mbarrier_init, mbarrier_test_wait_cluster, mbarrier_try_wait,
                          mbarrier_try_wait_cluster,
-                         pack_bf16x2, shared_addr, store_f32_tuple, tensormap_acquire,
+                         pack_bf16x2, shared_addr, st_shared_u32, store_f32_tuple, syncwarp,
+                         tensormap_acquire,
                          tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
@@ -75,6 +77,62 @@ _WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n2
 # stride byte offset >> 4 in [45:32] (1024 B: next group of 8 rows), swizzle mode in [63:62]
 # (1 = 128-byte). Base offset [51:49] stays 0: every tile starts 1024-byte aligned.
 _DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
+
+
+@kjit(device=True, inline="always")
+def _put_global(out, r, cj, n_out, base, stride, v):
+    out[(r * n_out + cj) // 2] = v
+
+
+@kjit(device=True, inline="always")
+def _put_shared(smem, r, cj, n_out, base, stride, v):
+    st_shared_u32(smem, base + r * stride + 2 * cj, v)
+
+
+def _make_pair_epilogue(bn, swiglu_epilogue, put):
+    """``pairs(dst, c, acc, r, col, n_out, limit, base, stride)``: this thread's fragment (rows
+    r and r + 8, columns col + 8j (+1)) as bf16 pairs, each handed to ``put`` with its row and
+    column (SWIGLU: gate columns [0, BN/2) and up columns [BN/2, BN) of the tile pair up into
+    BN/2 hidden columns): ``_put_global`` writes ``dst`` = the output (n_out columns),
+    ``_put_shared`` stages into shared memory at ``base + row * stride + 2 * column``.
+    Through a local array ``c``: the SwiGLU loop stays rolled and the copy lives in local memory
+    (a 512-byte stack frame), yet a straight-line epilogue reading the tuple at constant
+    indices measured 7-20 % slower on gate/up in the same run (NOTES, session 8)."""
+    groups = bn // 8                        # 8-column groups in a thread's fragment
+    half = groups // 2                      # SWIGLU: gate groups, then up groups
+
+    @kjit(device=True, inline="always")
+    def pairs(dst, c, acc, r, col, n_out, limit, base, stride):
+        store_f32_tuple(c, acc)
+        if swiglu_epilogue:
+            for j in range(half):
+                x = 4 * j
+                y = 4 * (j + half)
+                cj = col + 8 * j
+                put(dst, r, cj, n_out, base, stride,
+                    pack_bf16x2(swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit)))
+                put(dst, r + 8, cj, n_out, base, stride,
+                    pack_bf16x2(swiglu(c[x + 2], c[y + 2], limit),
+                                swiglu(c[x + 3], c[y + 3], limit)))
+        else:
+            for j in range(groups):
+                x = 4 * j
+                cj = col + 8 * j
+                put(dst, r, cj, n_out, base, stride, pack_bf16x2(c[x], c[x + 1]))
+                put(dst, r + 8, cj, n_out, base, stride, pack_bf16x2(c[x + 2], c[x + 3]))
+    return pairs
+
+
+def make_stage_tile(bn, swiglu_epilogue):
+    """``stage_tile(smem, c, acc, r, col, limit, base, stride)``: the fragment's bf16 pairs
+    into shared memory -- row r (local to the tile) at ``base + r * stride``, column col
+    (local) at byte 2 * col -- for bulk stores to send (``GemmConfig.smem_epilogue``)."""
+    pairs = _make_pair_epilogue(bn, swiglu_epilogue, _put_shared)
+
+    @kjit(device=True, inline="always")
+    def stage_tile(smem, c, acc, r, col, limit, base, stride):
+        pairs(smem, c, acc, r, col, 0, limit, base, stride)
+    return stage_tile
 
 
 def make_tile_ops(bn, swiglu_epilogue, push=False):
@@ -94,7 +152,6 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
     """
     mma = _WGMMA[bn]
     groups = bn // 8                        # 8-column groups in a thread's fragment
-    half = groups // 2                      # SWIGLU: gate groups, then up groups
 
     @kjit(device=True, inline="always")
     def mma_slice(acc, smem, da, db):
@@ -106,23 +163,13 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
         wgmma_commit()
         return acc
 
+    pairs = _make_pair_epilogue(bn, swiglu_epilogue, _put_global)
+
     @kjit(device=True, inline="always")
     def store_tile(out, c, acc, r, col, n_out, limit, route_rank, route_token, route_slot, peers,
                    k):
-        # Through a local array: the SwiGLU loop stays rolled and the copy lives in local memory
-        # (a 512-byte stack frame), yet a straight-line epilogue reading the tuple at constant
-        # indices measured 7-20 % slower on gate/up in the same run (NOTES, session 8).
-        store_f32_tuple(c, acc)
-        if swiglu_epilogue:
-            for j in range(half):
-                x = 4 * j
-                y = 4 * (j + half)
-                cj = col + 8 * j
-                out[(r * n_out + cj) // 2] = pack_bf16x2(
-                    swiglu(c[x], c[y], limit), swiglu(c[x + 1], c[y + 1], limit))
-                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(
-                    swiglu(c[x + 2], c[y + 2], limit), swiglu(c[x + 3], c[y + 3], limit))
-        elif push:
+        if push:
+            store_f32_tuple(c, acc)
             for h in range(2):                  # rows r, r + 8: pairs 2h, 2h + 1 of a group
                 row = r + 8 * h
                 src = route_rank[row]
@@ -133,11 +180,7 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
                         x = 4 * j + 2 * h
                         dst[base + 4 * j] = pack_bf16x2(c[x], c[x + 1])
         else:
-            for j in range(groups):
-                x = 4 * j
-                cj = col + 8 * j
-                out[(r * n_out + cj) // 2] = pack_bf16x2(c[x], c[x + 1])
-                out[((r + 8) * n_out + cj) // 2] = pack_bf16x2(c[x + 2], c[x + 3])
+            pairs(out, c, acc, r, col, n_out, limit, 0, 0)
 
     return mma_slice, store_tile
 
@@ -362,7 +405,7 @@ def probe_parts(probe):
 def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                             max_registers=0, tma_b=False, push=False, bm=BM, l2_prefetch=0,
                             probe="", async_ring=False, packed_b=False, blocks_per_sm=1,
-                            multicast=0):
+                            multicast=0, smem_epilogue=False):
     """Build one wgmma grouped-GEMM specialisation (BN, STAGES, epilogue compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -417,6 +460,14 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     still loads its share (its MMAs idle). Cluster 1 is the same protocol with plain loads and
     local arrivals: what the simulator runs. Measured 1.3-2.2x slower than the plain kernel
     on H200 (NOTES.md, session 7): an opt-in.
+    ``smem_epilogue`` (block ring, not ``push``): the epilogue stages the tile's bf16 pairs in
+    the two ring stages the next tile's prologue leaves free and each warp's lane 0 sends its
+    16 rows with bulk stores (one per row; the copy engine of the SM moves them while the next
+    tile's MMAs run) instead of every thread storing 4-byte pairs to global memory while the
+    block's MMAs stand still -- the down GEMM spends 9-19 % there (NOTES, session 8). Rows are
+    staged ``row bytes + 16`` apart, so the 8 rows of a warp's store hit different banks. The
+    staging stages are reloaded by the next tile's first K step: lane 0 waits until its bulk
+    stores have *read* them (``bulk_wait_read``) before that step's block barrier.
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -437,6 +488,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     nacc = bn // 2                          # fp32 accumulators per thread
     a_stage = bm * ROW_BYTES
     stage_bytes = (bm + bn) * ROW_BYTES
+    staged = smem_epilogue
+    assert not staged or not (push or async_ring or multicast), \
+        "smem_epilogue: block ring, no push"
+    out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
+    epi_stride = out_row_bytes + 16         # +16: a warp's 8 rows land in 8 bank groups
+    assert not staged or bm * epi_stride <= 2 * stage_bytes
+    stage_tile = make_stage_tile(bn, swiglu_epilogue)
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
@@ -593,6 +651,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         empty0 = full0 + 8 * stages
         ring0 = empty0 + 8 * stages
         ring = ring0 + (1024 - ring0 % 1024) % 1024
+        epi0 = ring + prefetch * stage_bytes    # smem_epilogue: the stages free at epilogue time
         ld_row = tid // 8
         ld_chunk = tid % 8
         dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
@@ -719,6 +778,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             else:
                 cst = 0                            # ring stages of the slice computed / loaded
                 lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
+                if staged and lane == 0:           # the last epilogue's staging (stages
+                    bulk_wait_read(0)              # PREFETCH..) is read out before kt = 0
                 for kt in range(ktiles):
                     cp_async_wait(in_flight)
                     if tma_b:
@@ -749,6 +810,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
 
             out_row = row0 + frag_row
             out_col = col0 + frag_col
+            tile_row0 = row0
+            tile_col0 = col0
             mine = owned
             t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now
@@ -758,9 +821,26 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     g0, rank, b_next)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
-            if mine and (not no_store or K < 0):
+            if staged:
+                # Bf16 pairs -> the free stages; this warp's 16 rows -> out by lane 0's bulk
+                # stores (the warp staged exactly those rows: a warp barrier suffices). The
+                # vote makes the branch warp-uniform to ptxas: a warp barrier on a path it
+                # thinks divergent serialises every wgmma of the kernel (C7518).
+                if warp_all(mine and (not no_store or K < 0)) != 0:
+                    stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
+                    fence_proxy_async()            # generic-proxy writes -> bulk reads
+                    syncwarp()
+                    if lane == 0:
+                        wrow = frag_row - lane // 4            # the warp's first row
+                        for i in range(16):
+                            bulk_store(out, ((tile_row0 + wrow + i) * n_out + tile_col0) // 2,
+                                       smem, epi0 + (wrow + i) * epi_stride, out_row_bytes)
+                        bulk_commit()
+            elif mine and (not no_store or K < 0):
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)
+        if staged and lane == 0:    # the last bulk stores, written before the block ends
+            bulk_wait(0)
         if multicast:           # no block leaves while a peer may still arrive on its barriers
             cluster_sync()
 

@@ -35,6 +35,9 @@ WGMMA_MC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma
                           multicast=1)
 WGMMA_MC_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
                                  tma=True, packed_weights=True, multicast=1)
+# The epilogue staged in shared memory and sent by bulk stores.
+WGMMA192_SMEM_EPI_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma",
+                                   tma=True, smem_epilogue=True)
 # 4 warpgroups (256-row tiles), weights by TMA.
 WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma", tma=True)
 from mok_core.reference import swiglu
@@ -81,6 +84,9 @@ def rel_l1(got, want):
     # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, a 192 + 128
     # pair (the last warpgroup idle past the expert's end).
     (WGMMA192_CFG, [40, 0, 300], 1.5),
+    # the same through shared memory + bulk stores (staging reused tile after tile; no row
+    # past an expert's end or past num_rows written)
+    (WGMMA192_SMEM_EPI_CFG, [40, 0, 300], 1.5),
     # async ring: K of 4 slices for TMA (3 stages: the loop requests slices, stages wrap across
     # tiles), cp.async-only B at 128 rows
     (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
@@ -91,7 +97,7 @@ def rel_l1(got, want):
     # weight box (the tensor-map halves: test_cluster_ring_waits_for_the_shares_it_needs)
     (WGMMA_MC_PACKED_CFG, [150, 1], 1.5),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a",
-        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma192-tma-clamp",
+        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma192-tma-clamp", "wgmma192-smem-epilogue",
         "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma",
         "wgmma-multicast1-packed-clamp"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
@@ -204,6 +210,9 @@ def test_rejects_bad_shapes():
                                          multicast=2, async_ring=True),
                                     dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
                                          multicast=2, l2_prefetch=2),
+                                    dict(smem_epilogue=True),
+                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64,
+                                         smem_epilogue=True, async_ring=True),
                                     dict(wm=8, wn=8, bm=128, bn=128)])
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):

@@ -18,7 +18,8 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
 from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
                                  mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
                                  mbarrier_try_wait_cluster, tma_load_2d_multicast, trap)
-from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait,
+from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, bulk_wait_read,
+                                 st_shared_u32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
@@ -372,6 +373,34 @@ def test_bulk_copy_through_shared_memory():
     dst = to_dev(np.zeros(128, np.uint16))
     _bulk_copy[1, 32](to_dev(src), dst, 16, 128)          # 64 bf16 per part, from element 16
     np.testing.assert_array_equal(to_host(dst), src[16:144])
+
+
+@kjit
+def _staged_stores(dst, rounds):
+    """One warp, ``rounds`` times: lane l stages the word 1000 r + l at byte 4 l, then lane 0
+    bulk-stores the 128 bytes to dst[r * 32:] and waits only until the buffer was read before
+    the next round overwrites it."""
+    buf = cuda.shared.array(64, uint16)
+    s = shared_addr(buf)
+    lane = cuda.threadIdx.x
+    for r in range(rounds):
+        st_shared_u32(buf, s + 4 * lane, 1000 * r + lane)
+        fence_proxy_async()                 # generic-proxy writes -> the bulk copy's reads
+        syncwarp()
+        if lane == 0:
+            bulk_store(dst, r * 32, buf, s, 128)
+            bulk_commit()
+            bulk_wait_read(0)
+        syncwarp()
+    if lane == 0:
+        bulk_wait(0)
+
+
+def test_staged_words_go_out_by_bulk_stores_and_the_buffer_is_reused():
+    dst = to_dev(np.zeros(3 * 32, np.uint32))
+    _staged_stores[1, 32](dst, 3)
+    want = (1000 * np.arange(3)[:, None] + np.arange(32)[None, :]).ravel().astype(np.uint32)
+    np.testing.assert_array_equal(to_host(dst), want)
 
 
 # ---- TMA box loads -------------------------------------------------------------------------------

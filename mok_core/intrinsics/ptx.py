@@ -376,6 +376,22 @@ def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
 
 
 @intrinsic
+def st_shared_u32(typingctx, smem, saddr, value):
+    """Store the 32-bit ``value`` at the shared byte address ``saddr`` (4-byte aligned; from
+    ``shared_addr`` + offset) -- e.g. a bf16 pair staged for a bulk store."""
+    if not (_is_1d(smem) and isinstance(saddr, types.Integer)
+            and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+        v = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [s32, v], "st.shared.u32 [$0], $1;", "r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, saddr, value), codegen
+
+
+@intrinsic
 def cp_async_16(typingctx, smem, sidx, gmem, gidx, src_bytes):
     """Async copy of 16 bytes global -> shared (L2 only, ``.cg``); the first ``src_bytes``
     (0 or 16) come from global, the rest are zero-filled -- a padding row costs no load."""
@@ -736,6 +752,22 @@ def bulk_wait(typingctx, pending):
 
     def codegen(context, builder, sig, args):
         _asm(builder, ir.VoidType(), [], f"cp.async.bulk.wait_group {n};", "~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(pending), codegen
+
+
+@intrinsic
+def bulk_wait_read(typingctx, pending):
+    """Wait until at most ``pending`` (compile-time) bulk store groups still *read* their
+    shared memory: the source may then be overwritten (the global writes may still be in
+    flight -- ``bulk_wait`` waits for those)."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = int(pending.literal_value)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"cp.async.bulk.wait_group.read {n};", "~{memory}",
+             True)
         return context.get_dummy_value()
     return types.void(pending), codegen
 

@@ -401,6 +401,15 @@ def bulk_wait(pending):
     _land(_groups("bulk"), pending)
 
 
+def bulk_wait_read(pending):
+    pass                                  # bulk_store took its copy of the source at issue
+
+
+def st_shared_u32(smem, saddr, value):
+    raw = _raw(smem)
+    raw.view(np.uint32)[(int(saddr) // 4)] = np.uint32(value)
+
+
 # ---- TMA (tensor-map box loads) ----------------------------------------------------------------
 #
 # On the simulator a "tensor map" is a handle into this registry (``mok_core.tensor_map``

@@ -29,6 +29,10 @@ def _configs():
                                     multicast=2),
             "wgmma192_mc2_packed": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
                                               packed_weights=True, multicast=2),
+            "wgmma192_smem_epi": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
+                                            smem_epilogue=True),
+            "wgmma_smem_epi": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
+                                         smem_epilogue=True),
             "mma_sync": MMA_SYNC_GEMM}
 
 
@@ -37,7 +41,8 @@ def _configs():
 @pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
                                       "wgmma_ws_tma", "wgmma192", "wgmma192_async",
                                       "wgmma192_packed", "wgmma_bm256", "wgmma_bm256_packed",
-                                      "wgmma_mc2", "wgmma192_mc2_packed", "mma_sync"])
+                                      "wgmma_mc2", "wgmma192_mc2_packed", "wgmma192_smem_epi",
+                                      "wgmma_smem_epi", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 

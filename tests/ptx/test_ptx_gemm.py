@@ -127,6 +127,25 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
+@pytest.mark.parametrize("bm,swiglu", [(192, True), (128, False)])
+def test_smem_epilogue_lowers_unserialised(bm, swiglu):
+    """The staged epilogue (shared memory + one bulk store per row): st.shared pairs, bulk
+    stores, the read-wait before the next tile and the final wait; its warp barrier sits on a
+    vote-uniform path, so no wgmma is serialised (C7518)."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
+                                      smem_epilogue=True)
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"),
+                              launch_bounds=(2 * bm, 1))
+    for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
+              r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"):
+        assert count(ptx, p) >= 1, p
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+
+
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_wgmma_l2_prefetch_lowers_for_sm90a(swiglu):
     """``l2_prefetch``: the weight boxes some slices ahead go to L2 through the TMA unit (one

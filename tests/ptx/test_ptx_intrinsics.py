@@ -40,6 +40,9 @@ CASES = {
             [r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
              r"complete_tx::bytes", r"fence\.proxy\.tensormap::generic\.acquire\.sys",
              r"fence\.mbarrier_init\.release\.cluster", r"mbarrier\.arrive\.expect_tx"]),
+    "staged_stores": (ti._staged_stores, (u32, int32),
+                      [r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
+                       r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"]),
     "cp_async": (ti._cp_async_rows, (u16, i32, u16, int32),
                  [r"cp\.async\.cg\.shared\.global", r"cp\.async\.commit_group",
                   r"cp\.async\.wait_group 0"]),
