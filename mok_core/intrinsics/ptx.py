@@ -375,20 +375,27 @@ def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
     return types.void(smem, saddr, gmem, gidx, src_bytes), codegen
 
 
-@intrinsic
-def st_shared_u32(typingctx, smem, saddr, value):
-    """Store the 32-bit ``value`` at the shared byte address ``saddr`` (4-byte aligned; from
-    ``shared_addr`` + offset) -- e.g. a bf16 pair staged for a bulk store."""
-    if not (_is_1d(smem) and isinstance(saddr, types.Integer)
-            and isinstance(value, types.Integer)):
-        return None
+def _shared_u32_statement(name, text, doc):
+    """An asm statement ``text`` on a shared byte address ($0) and a 32-bit operand ($1), as
+    ``name(smem, addr, value)``, ordered against memory."""
+    def impl(typingctx, smem, addr, value):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)
+                and isinstance(value, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        v = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, ir.VoidType(), [s32, v], "st.shared.u32 [$0], $1;", "r,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, saddr, value), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            v = context.cast(builder, args[2], sig.args[2], types.uint32)
+            _asm(builder, ir.VoidType(), [a, v], text, "r,r,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(smem, addr, value), codegen
+    return _named(impl, name, doc)
+
+
+st_shared_u32 = _shared_u32_statement(
+    "st_shared_u32", "st.shared.u32 [$0], $1;",
+    "Store the 32-bit value at the shared byte address (4-byte aligned; ``shared_addr`` + "
+    "offset) -- e.g. a bf16 pair staged for a bulk store.")
 
 
 @intrinsic
@@ -567,19 +574,9 @@ def store_f32_tuple(typingctx, arr, acc):
 # Addresses are 32-bit shared byte addresses (``shared_addr`` + offset), 8-byte aligned; the
 # ``smem`` argument is the array they point into (the simulator twin keys its state on it).
 
-@intrinsic
-def mbarrier_init(typingctx, smem, addr, count):
-    """Initialise the mbarrier at ``addr``: phase 0, ``count`` arrivals complete a phase."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(count, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        n = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, ir.VoidType(), [a, n], "mbarrier.init.shared::cta.b64 [$0], $1;",
-             "r,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr, count), codegen
+mbarrier_init = _shared_u32_statement(
+    "mbarrier_init", "mbarrier.init.shared::cta.b64 [$0], $1;",
+    "Initialise the mbarrier at ``addr``: phase 0, ``count`` arrivals complete a phase.")
 
 
 def _mbarrier_op(name, text, doc):
