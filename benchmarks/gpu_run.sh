@@ -2,7 +2,8 @@
 # One GPU-host session: build (JIT), test and benchmark in one call, logs and JSON under $OUT,
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
-# Steps: env cpu-suite cpu-core gpu-suite gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
+# Steps: env cpu-suite cpu-core gpu-suite (gpu-suite-gemm + gpu-suite-rest: the same in two
+#        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS: the layer with the pull and the
@@ -11,7 +12,8 @@
 #        probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
-#        61 tests: ~530 s on 2 GPUs by session 5's runs -- give it a call of its own)
+#        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
+#        gpu-suite-gemm and gpu-suite-rest in calls of their own)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -53,6 +55,12 @@ for s in "$@"; do
          tests/test_comm_emulated.py tests/test_schedule.py ;;
     gpu-suite) export SUITE=gpu; STEP_TIMEOUT=${SUITE_TIMEOUT:-560} step gpu-suite torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu; rank_logs gpu ;;
+    gpu-suite-gemm) export SUITE=gpugemm; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-suite-gemm \
+         torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
+         tests/gpu/test_gemm_gpu.py; rank_logs gpugemm ;;   # the suite in two calls (it
+    gpu-suite-rest) export SUITE=gpurest; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-suite-rest \
+         torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
+         tests/gpu --ignore=tests/gpu/test_gemm_gpu.py; rank_logs gpurest ;;   # outgrew one)
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;

@@ -142,6 +142,14 @@ def _check_props(arr, name, *, dtype, ndim, shape):
             raise ValueError(f"{name}: expected shape {want}, got {got}")
 
 
+def device_address(arr) -> int:
+    """Address of an array's first element: the device pointer on a GPU, the host address of
+    the simulator's NumPy arrays."""
+    if SIM:
+        return int(arr.__array_interface__["data"][0])
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
 def device_empty(shape, dtype, stream=0):
     """Uninitialised device array (a host array on the simulator)."""
     if SIM:

@@ -18,8 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cuda_compat import (SIM, as_device_array, launch, launch_cluster, multiprocessor_count,
-                          upload)
+from .cuda_compat import (SIM, as_device_array, device_address, launch, launch_cluster,
+                          multiprocessor_count, upload)
 from .grouped_gemm_kernels import make_grouped_gemm
 from . import grouped_gemm_wgmma_kernels as _wgmma
 from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
@@ -119,6 +119,9 @@ class GemmConfig:
             req(not self.smem_epilogue or (self.mma == "wgmma" and not self.async_ring
                                            and not self.multicast),
                 "smem_epilogue needs mma='wgmma' with the block ring (no async_ring, multicast)")
+            req(not self.smem_epilogue                 # the staging fits in 2 ring stages
+                or self.bm * (2 * self.bn + 16) <= 2 * (self.bm + self.bn) * 128,
+                "smem_epilogue: the output tile must fit in two ring stages")
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and (self.multicast or not parts & (_wgmma.MC_PROBES - {"mma_first"}))
@@ -304,6 +307,7 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
     C = a_index.shape[0]
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
+    _check_staged_out(config, hidden, "hidden")
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     if not limit > 0:
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
@@ -352,7 +356,9 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         route = (rank, token, slot, peers, np.int64(k))
         y = nr                                         # unused placeholder
     else:
-        y = _flat32(as_device_array(y, "y", dtype=np.uint16, shape=(C, H)))
+        y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
+        _check_staged_out(config, y, "y")
+        y = _flat32(y)
     if row_index is not None:
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
     use_index = row_index is not None and config.mma != "mma_sync"
@@ -361,6 +367,15 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
             config.bn, stream, hidden, index, w_down, w_down, off, nr, y,
             np.int64(I), np.int64(H), np.int64(H), np.float32(math.inf), swiglu=False,
             route=route)
+
+
+def _check_staged_out(cfg, out, name):
+    """``smem_epilogue`` sends output rows by bulk stores: 16-byte aligned addresses only (the
+    row pitch always is; the array's start is the caller's)."""
+    off = device_address(out) % 16
+    if cfg.smem_epilogue and off:
+        raise ValueError(f"{name}: GemmConfig(smem_epilogue=True) writes it by bulk stores, "
+                         f"which need a 16-byte aligned start (this one is {off} bytes past)")
 
 
 def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):

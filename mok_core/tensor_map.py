@@ -23,7 +23,7 @@ import ctypes
 
 import numpy as np
 
-from .cuda_compat import SIM, upload
+from .cuda_compat import SIM, device_address, upload
 
 BOX_COLS = 64                      # 64 bf16 = 128 bytes: the swizzle atom's row
 MAP_ELEMS = 16                     # uint64 elements per map
@@ -37,12 +37,6 @@ _OOB_FILL_ZERO = 0                 # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out of b
 
 _cache: dict = {}
 _encode_fn = None
-
-
-def _address(arr) -> int:
-    if SIM:                                  # the simulator's device arrays are NumPy arrays
-        return int(arr.__array_interface__["data"][0])
-    return int(arr.__cuda_array_interface__["data"][0])
 
 
 def _driver_encode():
@@ -72,7 +66,7 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
         m[0] = twins.TMAP_MAGIC
         m[1] = twins.register_tensor_map(arr2d, box_rows, BOX_COLS)
         return m
-    addr = _address(arr2d)
+    addr = device_address(arr2d)
     if addr % 16:
         raise ValueError("a TMA tensor must start 16-byte aligned")
     buf = np.zeros(2 * MAP_ELEMS, np.uint64)
@@ -92,7 +86,7 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
 
 def tensor_maps(arrays2d, box_rows: int, stream=0):
     """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached."""
-    key = tuple((_address(a), a.shape) for a in arrays2d) + (box_rows,)
+    key = tuple((device_address(a), a.shape) for a in arrays2d) + (box_rows,)
     maps = _cache.get(key)
     if maps is None:                         # no reference kept: weights stay freeable
         host = np.concatenate([encode_2d(a, box_rows) for a in arrays2d])

@@ -161,6 +161,25 @@ def check_gemms(cfg, counts, limit, H, I):
     np.testing.assert_array_equal(to_host(y2), yh)
 
 
+def test_smem_epilogue_needs_an_aligned_output():
+    """Bulk stores need 16-byte addresses: an output view starting 2 bytes in is refused on
+    the host, before any launch (gate/up's hidden and down's y)."""
+    cfg = WGMMA192_SMEM_EPI_CFG
+    E, H, I, C = 1, 128, 64, 192
+    off = to_dev(np.array([0, C], np.int32))
+    nr = to_dev(np.array([C], np.int32))
+    x = to_dev(np.zeros((C, H), np.uint16))
+    idx = to_dev(np.full(C, -1, np.int32))
+    w = to_dev(np.zeros((E, I, H), np.uint16))
+    buf = np.zeros(C * I + 8, np.uint16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gate_up_swiglu(x, idx, w, w, off, nr, to_dev(buf[1:C * I + 1].reshape(C, I)),
+                       config=cfg)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        down(to_dev(np.zeros((C, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)), off,
+             nr, to_dev(np.zeros(C * H + 8, np.uint16)[1:C * H + 1].reshape(C, H)), config=cfg)
+
+
 def test_cluster_ring_waits_for_the_shares_it_needs(monkeypatch):
     """The cluster ring issues the weight shares it must have -- the prologue's, slice g + 1 at
     step g -- by waiting on the stage, never by the poll alone: with every poll failing (a peer

@@ -33,6 +33,10 @@ def _configs():
                                             smem_epilogue=True),
             "wgmma_smem_epi": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
                                          smem_epilogue=True),
+            # 3 stages: the first staging stage is reloaded at the next tile's first K step;
+            # B by cp.async: every thread writes into it
+            "wgmma_smem_epi_s3": GemmConfig(128, 128, 64, 2, 1, 3, mma="wgmma",
+                                            smem_epilogue=True),
             "mma_sync": MMA_SYNC_GEMM}
 
 
@@ -42,7 +46,7 @@ def _configs():
                                       "wgmma_ws_tma", "wgmma192", "wgmma192_async",
                                       "wgmma192_packed", "wgmma_bm256", "wgmma_bm256_packed",
                                       "wgmma_mc2", "wgmma192_mc2_packed", "wgmma192_smem_epi",
-                                      "wgmma_smem_epi", "mma_sync"])
+                                      "wgmma_smem_epi", "wgmma_smem_epi_s3", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
@@ -80,7 +84,7 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     else:
         kw = [wg, wu, wd]
 
-    def run():
+    def run(cfg=cfg):
         hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
         y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
         gate_up_swiglu(x.view(u16), d_idx, kw[0].view(u16), kw[1].view(u16), d_off, d_nr,
@@ -114,3 +118,8 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
 
     h2, y2 = run()
     assert torch.equal(h2[:n], hidden[:n]) and torch.equal(y2[:n], y[:n]), "not deterministic"
+    if cfg.smem_epilogue:       # staged through shared memory: the same bits as stored directly
+        import dataclasses
+        h3, y3 = run(dataclasses.replace(cfg, smem_epilogue=False))
+        assert torch.equal(h3[:n], hidden[:n]) and torch.equal(y3[:n], y[:n]), \
+            "the staged epilogue differs from the direct one"
