@@ -446,6 +446,7 @@ def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
     """A cache miss whose upload fails (inside a CUDA-graph capture, on a GPU) names the fix
     instead of surfacing a bare driver error."""
     from mok_core import tensor_map
+    from mok_core.cuda_compat import device_address
 
     def refuse(*_):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -453,7 +454,7 @@ def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
     fresh = to_dev(np.zeros((8, 64), np.uint16))
     with pytest.raises(RuntimeError, match="outside a CUDA-graph capture"):
         tensor_map.tensor_maps([fresh], 8)
-    assert not any(k[0][0] == tensor_map._address(fresh) for k in tensor_map._cache)
+    assert not any(k[0][0] == device_address(fresh) for k in tensor_map._cache)
 
 
 # ---- clusters ----------------------------------------------------------------------------------
