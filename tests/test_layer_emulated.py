@@ -109,7 +109,7 @@ def test_push_dispatch_layer_equals_pull_layer():
     pull, skewed routing with masked routes. (Two consecutive steps, i.e. the arrival counters
     back at zero and the peers' staging rewritten: ``test_layer_step``, push case.)"""
     from dataclasses import replace
-    R, T = 3, 24
+    R, T = 2, 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)
     push = replace(CFG, dispatch="push")

@@ -41,3 +41,25 @@ def assemble_sm90a(ptx):
             pytest.skip(f"{exe} is older than the PTX numba emits")
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stderr
+
+
+_ptxas_skip = None
+
+
+def require_ptxas():
+    """Skip now -- before a big kernel is compiled for nothing -- where ptxas cannot read the
+    PTX numba emits (``assemble_sm90a`` would skip after the compile)."""
+    global _ptxas_skip
+    if _ptxas_skip is None:
+        from numba import int32
+
+        def probe(a):
+            a[0] = 0
+        ptx, _ = cuda.compile_ptx(probe, (int32[::1],), cc=(9, 0, "a"))
+        try:
+            assemble_sm90a(ptx)
+            _ptxas_skip = ""
+        except pytest.skip.Exception as e:
+            _ptxas_skip = str(e) or "ptxas unavailable"
+    if _ptxas_skip:
+        pytest.skip(_ptxas_skip)

@@ -6,7 +6,7 @@ import pytest
 from numba import float32, int32, int64, types, uint16, uint32, uint64
 
 from mok_core.grouped_gemm_kernels import make_grouped_gemm
-from ptx_util import assemble_sm90a, compile_sm90, count
+from ptx_util import assemble_sm90a, compile_sm90, count, require_ptxas
 
 SIG = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
        int64, int64, int64, float32)
@@ -127,7 +127,7 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
-@pytest.mark.parametrize("bm,swiglu", [(192, True), (128, False)])
+@pytest.mark.parametrize("bm,swiglu", [(192, True)])
 def test_smem_epilogue_lowers_unserialised(bm, swiglu):
     """The staged epilogue (shared memory + one bulk store per row): st.shared pairs, bulk
     stores, the read-wait before the next tile and the final wait; its warp barrier sits on a
@@ -214,6 +214,7 @@ def test_two_blocks_per_sm_bound_the_registers(swiglu):
     kern = wk.make_wgmma_grouped_gemm(128, 3, swiglu, swiglu, True, tma_b=True, bm=128,
                                       blocks_per_sm=2)
     assert kern.targetoptions.get("launch_bounds") == (256, 2)
+    require_ptxas()                         # the rest is ptxas's register count
     ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), launch_bounds=(256, 2))
     report = assemble_sm90a(ptx)
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", report)]
