@@ -372,8 +372,10 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
 def _check_staged_out(cfg, out, name):
     """``smem_epilogue`` sends output rows by bulk stores: 16-byte aligned addresses only (the
     row pitch always is; the array's start is the caller's)."""
+    if not cfg.smem_epilogue:               # (no address lookup on the common path)
+        return
     off = device_address(out) % 16
-    if cfg.smem_epilogue and off:
+    if off:
         raise ValueError(f"{name}: GemmConfig(smem_epilogue=True) writes it by bulk stores, "
                          f"which need a 16-byte aligned start (this one is {off} bytes past)")
 

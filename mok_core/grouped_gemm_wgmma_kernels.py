@@ -810,6 +810,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             out_row = row0 + frag_row
             out_col = col0 + frag_col
             mine = owned
+            stores = mine and (not no_store or K < 0)   # no_store: false at run time only
             if staged:
                 # Bf16 pairs -> the free stages; this warp's 16 rows -> out by lane 0's bulk
                 # stores (the warp staged exactly those rows: a warp barrier suffices). Before
@@ -817,13 +818,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 # stores are quick -- the bulk copies run on behind the next tile's MMAs. The
                 # vote makes the branch warp-uniform to ptxas: a warp barrier on a path it
                 # thinks divergent serialises every wgmma of the kernel (C7518).
-                if warp_all(mine and (not no_store or K < 0)) != 0:
+                if warp_all(stores) != 0:
                     epi0 = ring + prefetch * stage_bytes    # the stages free at epilogue time
                     stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
                     fence_proxy_async()            # generic-proxy writes -> bulk reads
                     syncwarp()
                     if lane == 0:
-                        wrow = frag_row - lane // 4            # the warp's first row
+                        wrow = frag_row                # lane 0's row: the warp's first
                         for i in range(16):
                             bulk_store(out, ((row0 + wrow + i) * n_out + col0) // 2, smem,
                                        epi0 + (wrow + i) * epi_stride, out_row_bytes)
@@ -836,7 +837,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     g0, rank, b_next)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
-            if not staged and mine and (not no_store or K < 0):
+            if not staged and stores:
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)
         if staged and lane == 0:    # the last bulk stores, written before the block ends
