@@ -68,7 +68,8 @@ class GemmConfig:
     ``smem_epilogue`` ("wgmma", block ring: no ``async_ring`` / ``multicast``): the epilogue
     stages the output tile in the ring stages the next tile leaves free and sends it row by
     row with bulk stores, so the next tile's MMAs need not wait for the tile's global stores
-    (the fused combine's push epilogue stays per thread). Not yet measured: opt-in.
+    (with the fused combine, each row to its source rank's combine row). The Hopper default
+    (``WGMMA_GEMM``): 7-10 % faster than the 192-row tiles where torch won (NOTES, session 9).
     """
     bm: int = 128
     bn: int = 128
@@ -166,35 +167,30 @@ class GemmConfig:
         return {"mma_sync": self.bm, "wgmma": 64, "wgmma_ws": 128}[self.mma]
 
 
-# Hopper: 3 warpgroups x 64 rows, B by TMA -- an expert of <= 192 rows reads its weights once.
-# (async_ring=True measured slower so far: NOTES.md, run 18.)
-WGMMA_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
-# Hopper, 2 warpgroups: better where experts hold 193..256 rows (two 128-row tiles, no idle
-# warpgroup; 192 + 64 would read the weights twice as well).
-WGMMA_128_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+# Hopper: 2 warpgroups x 64 rows, B by TMA, the epilogue staged in shared memory and sent by
+# bulk stores. Measured on H200 (NOTES.md, session 9, run 53): the fastest or within noise of
+# it for both GEMMs at every preset and T; the staging matters most to the down GEMM.
+WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma", tma=True,
+                        smem_epilogue=True)
+# Hopper, 3 warpgroups (the default before the staged epilogue): an expert of <= 192 rows
+# reads its weights once. Its staged form spills registers (ptxas: 176-304 bytes) and runs
+# no faster than this one.
+WGMMA_192_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
 
-def default_gemm(rows_per_expert: float | None = None) -> GemmConfig:
+def default_gemm() -> GemmConfig:
     """The tiles used when a caller passes none: wgmma on Hopper (sm_90 -- wgmma exists only
     there), mma.sync on other GPUs (sm_80+), small mma.sync tiles on the simulator. Asks the
     current device, so call it where a CUDA context exists (at launch or workspace creation).
-
-    ``rows_per_expert`` (the expected mean, e.g. R*T*k/E for a layer) picks the Hopper row
-    tile: weight traffic from L2 bounds these GEMMs and every row tile of an expert reads its
-    weights once, so 192-row tiles unless they need as many tiles as 128-row ones for a mean
-    expert above 192 rows (then 128: no warpgroup idles in a 192 + 64 split). Measured on
-    H200 (NOTES.md): 192 wins at 128-192 and 320+ rows per expert, 128 at ~255."""
+    (Before the staged epilogue, the Hopper row tile followed the mean rows per expert: 192
+    or 128. The staged 128-row tiles measured as fast or faster at every preset.)"""
     if SIM:
         return SIM_GEMM
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         return MMA_SYNC_GEMM
-    if rows_per_expert is not None and rows_per_expert > 192:
-        padded = -(-int(math.ceil(rows_per_expert)) // 64) * 64
-        if -(-padded // 192) >= -(-padded // 128):
-            return WGMMA_128_GEMM
     return WGMMA_GEMM
 
 
@@ -220,7 +216,7 @@ def _kernel(cfg: GemmConfig, swiglu: bool, gather: bool, padding_index: bool, pu
                                               packed_b=cfg.packed_weights,
                                               blocks_per_sm=cfg.blocks_per_sm,
                                               multicast=cfg.multicast,
-                                              smem_epilogue=cfg.smem_epilogue and not push)
+                                              smem_epilogue=cfg.smem_epilogue)
     if cfg.mma == "wgmma_ws":
         return _wgmma_ws.make_wgmma_ws_grouped_gemm(cfg.bn, cfg.stages, swiglu, gather,
                                                     padding_index,
@@ -353,6 +349,8 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
                       .view(np.uint32) for p in peers)
         if any(p.shape[0] % (H // 2) for p in peers):
             raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
+        for p in peers:
+            _check_staged_out(config, p, "peer_combine")
         route = (rank, token, slot, peers, np.int64(k))
         y = nr                                         # unused placeholder
     else:

@@ -60,7 +60,7 @@ from .intrinsics import (bulk_commit, bulk_load, bulk_load_multicast, bulk_store
                          mbarrier_init, mbarrier_test_wait_cluster, mbarrier_try_wait,
                          mbarrier_try_wait_cluster,
                          pack_bf16x2, shared_addr, st_shared_u32, store_f32_tuple, syncwarp,
-                         tensormap_acquire,
+                         tensormap_acquire, tuple_pick,
                          tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
@@ -174,7 +174,7 @@ def make_tile_ops(bn, swiglu_epilogue, push=False):
                 row = r + 8 * h
                 src = route_rank[row]
                 if src >= 0:
-                    dst = peers[src]
+                    dst = tuple_pick(peers, src)     # (peers[src]: a switch -> C7518)
                     base = ((route_token[row] * k + route_slot[row]) * n_out + col) // 2
                     for j in range(groups):
                         x = 4 * j + 2 * h
@@ -460,14 +460,16 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     still loads its share (its MMAs idle). Cluster 1 is the same protocol with plain loads and
     local arrivals: what the simulator runs. Measured 1.3-2.2x slower than the plain kernel
     on H200 (NOTES.md, session 7): an opt-in.
-    ``smem_epilogue`` (block ring, not ``push``): the epilogue stages the tile's bf16 pairs in
-    the two ring stages the next tile's prologue leaves free and each warp's lane 0 sends its
-    16 rows with bulk stores (one per row; the copy engine of the SM moves them while the next
-    tile's MMAs run) instead of every thread storing 4-byte pairs to global memory while the
-    block's MMAs stand still -- the down GEMM spends 9-19 % there (NOTES, session 8). Rows are
-    staged ``row bytes + 16`` apart, so the 8 rows of a warp's store hit different banks. The
-    staging stages are reloaded by the next tile's first K step: lane 0 waits until its bulk
-    stores have *read* them (``bulk_wait_read``) before that step's block barrier.
+    ``smem_epilogue`` (block ring): the epilogue stages the tile's bf16 pairs in the two ring
+    stages the next tile's prologue leaves free and each warp's lane 0 sends its 16 rows with
+    bulk stores (one per row; the copy engine of the SM moves them while the next tile's MMAs
+    run) instead of every thread storing 4-byte pairs to global memory while the block's MMAs
+    stand still -- the down GEMM spends 9-19 % there (NOTES, session 8). With ``push`` lanes
+    0..15 send one row each, to its source rank's combine row (peer memory over NVLink; padding
+    rows are not sent). Rows are staged ``row bytes + 16`` apart, so the 8 rows of a warp's
+    store hit different banks. The staging stages are reloaded by the next tile's first K
+    step: the sending lanes wait until their bulk stores have *read* them
+    (``bulk_wait_read``) before that step's block barrier.
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -489,8 +491,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     a_stage = bm * ROW_BYTES
     stage_bytes = (bm + bn) * ROW_BYTES
     staged = smem_epilogue
-    assert not staged or not (push or async_ring or multicast), \
-        "smem_epilogue: block ring, no push"
+    assert not staged or not (async_ring or multicast), "smem_epilogue: block ring only"
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     epi_stride = out_row_bytes + 16         # +16: a warp's 8 rows land in 8 bank groups
     assert not staged or bm * epi_stride <= 2 * stage_bytes
@@ -777,7 +778,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             else:
                 cst = 0                            # ring stages of the slice computed / loaded
                 lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
-                if staged and lane == 0:           # the last epilogue's staging (stages
+                if staged and lane < 16:           # the last epilogue's staging (stages
                     bulk_wait_read(0)              # PREFETCH..) is read out before kt = 0
                 for kt in range(ktiles):
                     cp_async_wait(in_flight)
@@ -823,7 +824,20 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
                     fence_proxy_async()            # generic-proxy writes -> bulk reads
                     syncwarp()
-                    if lane == 0:
+                    if push:
+                        # Lane i < 16 sends row i of the warp's 16 home (its route lookups run
+                        # in parallel, not one after another in lane 0); padding rows stay.
+                        if lane < 16:
+                            srow = frag_row - lane // 4 + lane    # the warp's first row + i
+                            grow = row0 + srow
+                            src = route_rank[grow]
+                            if src >= 0:
+                                bulk_store(tuple_pick(peers, src), ((route_token[grow] * k
+                                                         + route_slot[grow]) * n_out
+                                                        + col0) // 2,
+                                           smem, epi0 + srow * epi_stride, out_row_bytes)
+                            bulk_commit()
+                    elif lane == 0:
                         wrow = frag_row                # lane 0's row: the warp's first
                         for i in range(16):
                             bulk_store(out, ((row0 + wrow + i) * n_out + col0) // 2, smem,
@@ -840,7 +854,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             if not staged and stores:
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)
-        if staged and lane == 0:    # the last bulk stores, written before the block ends
+        if staged and lane < 16:    # the last bulk stores, written before the block ends
             bulk_wait(0)
         if multicast:           # no block leaves while a peer may still arrive on its barriers
             cluster_sync()

@@ -14,7 +14,7 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, red_add_release_sys, shared_addr,
-                                 st_release_sys, st_v4)
+                                 st_release_sys, st_v4, tuple_pick)
 from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
                                  mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
                                  mbarrier_try_wait_cluster, tma_load_2d_multicast, trap)
@@ -115,6 +115,25 @@ def test_acquire_release_and_counter():
     _flags[1, 64](flags, out)
     np.testing.assert_array_equal(to_host(flags), [64, 105, 128])
     assert to_host(out)[0] == 64
+
+
+@kjit
+def _pick_write(a, b, c, which):
+    """Thread i writes i + 1 into slot i of array ``(a, b, c)[which[i]]`` (picked by selects)."""
+    i = cuda.threadIdx.x
+    dst = tuple_pick((a, b, c), which[i])
+    dst[i] = i + 1
+
+
+def test_tuple_pick_selects_by_runtime_index():
+    which = np.array([0, 1, 2, 2, 1, 0, 7, -1], np.int32)    # out of range: element 0
+    arrs = [to_dev(np.zeros(8, np.int32)) for _ in range(3)]
+    _pick_write[1, 8](*arrs, to_dev(which))
+    got = np.stack([to_host(x) for x in arrs])
+    want = np.zeros((3, 8), np.int32)
+    for i, w in enumerate(which):
+        want[w if 0 <= w < 3 else 0, i] = i + 1
+    np.testing.assert_array_equal(got, want)
 
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------

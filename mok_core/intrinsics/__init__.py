@@ -4,7 +4,8 @@
                   ld_v4_nc                          ld_v4 via the read-only (.nc) path
     ordering:     ld_acquire_sys, ld_acquire_gpu, st_release_sys, red_add_release_gpu,
                   red_add_release_sys, clock64,
-                  nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform)
+                  nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform),
+                  tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
     bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn
     tensor cores: mma_bf16_16816, ldmatrix_x4, ldmatrix_x2, cp_async_16, cp_async_commit,
                   cp_async_wait; shared_addr + ldmatrix_x4_at / cp_async_16_at (32-bit
@@ -36,7 +37,7 @@ __all__ = [
     "ld_v4", "ld_v4_nc", "st_v4",
     "ld_acquire_sys", "ld_acquire_gpu", "st_release_sys", "red_add_release_gpu",
     "red_add_release_sys", "clock64",
-    "nanosleep", "syncwarp", "warp_all",
+    "nanosleep", "syncwarp", "warp_all", "tuple_pick",
     "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
     "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",

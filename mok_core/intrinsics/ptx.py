@@ -188,6 +188,26 @@ def warp_all(typingctx, pred):
 
 
 @intrinsic
+def tuple_pick(typingctx, tup, i):
+    """``tup[i]`` for a run-time ``i`` (a UniTuple, e.g. of peer arrays) by a chain of selects,
+    no branch. Why it exists: numba lowers ``tup[i]`` to a switch, and a switch in the
+    epilogue is a divergent path to ptxas -- it then serialises every wgmma of the kernel
+    (C7518), as it did in the fused combine's push. ``i`` out of range gives element 0."""
+    if not (isinstance(tup, types.UniTuple) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t, idx = args
+        idx = context.cast(builder, idx, sig.args[1], types.int64)
+        res = builder.extract_value(t, 0)
+        for j in range(1, sig.args[0].count):
+            hit = builder.icmp_signed("==", idx, ir.Constant(ir.IntType(64), j))
+            res = builder.select(hit, builder.extract_value(t, j), res)
+        return res
+    return tup.dtype(tup, i), codegen
+
+
+@intrinsic
 def clock64(typingctx):
     """SM cycle counter (for bounded spin-waits); volatile so loops re-read it."""
     def codegen(context, builder, sig, args):

@@ -81,6 +81,10 @@ def syncwarp():
     warp_barrier()
 
 
+def tuple_pick(tup, i):
+    return tup[i] if 0 <= i < len(tup) else tup[0]
+
+
 def warp_all(pred):
     return np.int32(all(bool(v) for v in warp_exchange(bool(pred))))
 

@@ -161,3 +161,44 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name):
         del step
         lw_push.comm.free()
         lw_pull.comm.free()
+
+
+@pytest.mark.parametrize("preset_name", ["kimi-k2.7", "glm-5.2"])
+def test_staged_epilogue_layer_equals_direct(torch_world, preset_name):
+    """The default tiles stage the epilogue in shared memory (``GemmConfig.smem_epilogue``):
+    the fused combine then sends each row home by one bulk store, to a peer over NVLink. The
+    layer's output equals the same tiles with the direct epilogue bit for bit (the tiles and
+    so the sums are the same; only the way the bits travel differs)."""
+    import dataclasses
+
+    import torch
+
+    import mok_torch
+    from mok_core.config import MoKConfig, preset
+    from mok_core.grouped_gemm import default_gemm
+    from mok_torch import synthetic
+    R, me = torch_world.world_size, torch_world.rank
+    shape = preset(preset_name, ep_size=R)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = MoKConfig()
+    staged = default_gemm()
+    assert staged.smem_epilogue
+    direct = dataclasses.replace(staged, smem_epilogue=False)
+    x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=9, skew=0.3, masked=0.01)
+    wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
+    sg, su, sd = synthetic.shared_weights(shape, dev)
+    lws = [mok_torch.get_workspace(shape, T, cfg, gemm=g) for g in (staged, direct)]
+    try:
+        outs = []
+        for lw in lws:
+            sched = mok_torch.build_schedule(lw, ids)
+            outs.append(mok_torch.forward(cfg, lw, sched, x, w, sg, su, sd, wg, wu, wd)[0])
+        torch.cuda.synchronize()
+        for lw in lws:
+            lw.check()
+        assert torch.isfinite(outs[0].float()).all()
+        assert torch.equal(outs[0], outs[1]), "staged epilogue differs from the direct one"
+    finally:
+        torch.cuda.synchronize()
+        for lw in lws:
+            lw.comm.free()

@@ -102,7 +102,8 @@ def test_wgmma_tma_gemm_lowers_for_sm90a(ws, swiglu):
     (192, False, False, False, False), (128, True, False, False, False),
     (192, True, False, True, False), (192, False, True, True, False),
     (192, True, False, False, True), (192, False, True, True, True),
-    (256, True, False, False, False), (256, False, True, False, True)])
+    (256, True, False, False, False), (256, False, True, False, True),
+    (128, False, True, False, False)])
 def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     """ptxas must keep a slice's 4 wgmmas back to back with one group in flight. A wgmma in a
     path ptxas thinks divergent (``if active`` on a per-thread value) makes it serialise every
@@ -115,7 +116,9 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
                                       tma_b=True, bm=bm, push=push, async_ring=async_ring,
                                       packed_b=packed)
     opts = {"launch_bounds": (2 * bm, 1)} if bm > 128 else {}
-    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
+    # push with 2 peers: a 1-tuple hid the switch that ``peers[src]`` lowered to (C7518)
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
+                              **opts)
     assert count(ptx, r"vote\.sync\.all\.pred") >= 1
     if async_ring:       # every thread's copies arrive on full[s]; no block barrier in the loop
         assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") >= 1
@@ -127,18 +130,20 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
-@pytest.mark.parametrize("bm,swiglu", [(192, True)])
-def test_smem_epilogue_lowers_unserialised(bm, swiglu):
-    """The staged epilogue (shared memory + one bulk store per row): st.shared pairs, bulk
-    stores, the read-wait before the next tile and the final wait; its warp barrier sits on a
-    vote-uniform path, so no wgmma is serialised (C7518)."""
+@pytest.mark.parametrize("bm,swiglu,push", [(192, True, False), (128, False, True)])
+def test_smem_epilogue_lowers_unserialised(bm, swiglu, push):
+    """The staged epilogue (shared memory + one bulk store per row; with ``push`` to the
+    source ranks' combine rows): st.shared pairs, bulk stores, the read-wait before the next
+    tile and the final wait; its warp barrier sits on a vote-uniform path, so no wgmma is
+    serialised (C7518)."""
     from numba import cuda
 
     from mok_core import grouped_gemm_wgmma_kernels as wk
     kern = wk.make_wgmma_grouped_gemm(256, 4, swiglu, swiglu, True, tma_b=True, bm=bm,
-                                      smem_epilogue=True)
-    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"),
-                              launch_bounds=(2 * bm, 1))
+                                      push=push, smem_epilogue=True)
+    opts = {"launch_bounds": (2 * bm, 1)} if bm > 128 else {}
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
+                              **opts)
     for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
               r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"):
         assert count(ptx, p) >= 1, p

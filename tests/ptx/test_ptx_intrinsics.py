@@ -43,6 +43,7 @@ CASES = {
     "staged_stores": (ti._staged_stores, (u32, int32),
                       [r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                        r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"]),
+    "tuple_pick": (ti._pick_write, (i32, i32, i32, i32), [r"selp\.b64"]),
     "cp_async": (ti._cp_async_rows, (u16, i32, u16, int32),
                  [r"cp\.async\.cg\.shared\.global", r"cp\.async\.commit_group",
                   r"cp\.async\.wait_group 0"]),
