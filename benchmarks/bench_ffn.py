@@ -45,6 +45,7 @@ SWEEP = [
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 0, True),
     (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", False, 0, False, "", False, 0, True),
     (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 0, True),
+    (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True, 0, False, "", False, 0, True),
 ]
 # (Clusters of 2 sharing weight slices, GemmConfig.multicast=2, lost every case of the session-7
 # sweep by 1.3-2.2x -- NOTES.md; probe them with benchmarks/probe_gemm.py variants mc1 / mc2.)

@@ -123,9 +123,9 @@ def _digest(cfg) -> int:
 
 
 def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
-    """The GEMM tiles ``get_workspace`` uses when given none: ``default_gemm`` (the same at
-    every shape measured so far; the signature leaves room for tiles by shape)."""
-    return default_gemm()
+    """The GEMM tiles ``get_workspace`` uses when given none: ``default_gemm`` for the mean
+    rows per local expert, R*T*k/E (uniform routing)."""
+    return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,

@@ -168,29 +168,37 @@ class GemmConfig:
 
 
 # Hopper: 2 warpgroups x 64 rows, B by TMA, the epilogue staged in shared memory and sent by
-# bulk stores. Measured on H200 (NOTES.md, session 9, run 53): the fastest or within noise of
-# it for both GEMMs at every preset and T; the staging matters most to the down GEMM.
+# bulk stores. The fastest or within noise of it for both GEMMs at every preset and T of the
+# FFN benchmark (NOTES.md, session 9, run 53); the staging matters most to the down GEMM.
 WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma", tma=True,
                         smem_epilogue=True)
-# Hopper, 3 warpgroups (the default before the staged epilogue): an expert of <= 192 rows
-# reads its weights once. Its staged form spills registers (ptxas: 176-304 bytes) and runs
-# no faster than this one.
+# Hopper, 3 warpgroups: an expert of <= 192 rows reads its weights once (one row tile instead
+# of two). Its staged form spills registers (ptxas: 176-304 bytes) and runs no faster.
 WGMMA_192_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
 
-def default_gemm() -> GemmConfig:
+def default_gemm(rows_per_expert: float | None = None) -> GemmConfig:
     """The tiles used when a caller passes none: wgmma on Hopper (sm_90 -- wgmma exists only
     there), mma.sync on other GPUs (sm_80+), small mma.sync tiles on the simulator. Asks the
     current device, so call it where a CUDA context exists (at launch or workspace creation).
-    (Before the staged epilogue, the Hopper row tile followed the mean rows per expert: 192
-    or 128. The staged 128-row tiles measured as fast or faster at every preset.)"""
+
+    ``rows_per_expert`` (the expected mean, e.g. R*T*k/E for a layer) picks the Hopper row
+    tile: weight traffic from L2 bounds these GEMMs and every row tile of an expert reads its
+    weights once, so ``WGMMA_192_GEMM`` for experts of 129-192 rows (one tile instead of two:
+    half the weight reads), else ``WGMMA_GEMM`` (128 rows, staged epilogue; also without a
+    hint). Where 192 saves less (3 tiles instead of 4, 2 instead of 3) the staged epilogue
+    wins or ties. Measured in the layer on 2 H200 (NOTES, session 9, run 55, compiled step,
+    192 / 128 staged): kimi 4096 (170 rows) 8.57 / 9.85 ms, kimi 8192 (341) 16.31 / 16.39,
+    glm 4096 (255) 8.59 / 7.67, glm 8192 (511) 13.64 / 12.53."""
     if SIM:
         return SIM_GEMM
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         return MMA_SYNC_GEMM
+    if rows_per_expert is not None and 128 < rows_per_expert <= 192:
+        return WGMMA_192_GEMM
     return WGMMA_GEMM
 
 

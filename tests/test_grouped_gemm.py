@@ -287,6 +287,11 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     assert gg.default_gemm() == gg.WGMMA_GEMM
     gg._require_arch(gg.WGMMA_GEMM)
     assert gg.WGMMA_GEMM.smem_epilogue and gg.WGMMA_GEMM.bm == 128
+    # Row tile by the mean rows per expert: 192 where one tile replaces two.
+    assert gg.WGMMA_192_GEMM.bm == 192 and not gg.WGMMA_192_GEMM.smem_epilogue
+    for rows, bm in ((64, 128), (128, 128), (128.5, 192), (171, 192), (192, 192), (193, 128),
+                     (255, 128), (342, 128), (512, 128)):
+        assert gg.default_gemm(rows).bm == bm, rows
 
 
 @pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG, WGMMA192_CFG, WGMMA_SMEM_EPI_CFG],

@@ -37,6 +37,8 @@ def _configs():
                                             smem_epilogue=True),
             "wgmma_bm256_smem_epi": GemmConfig(256, 128, 64, 4, 1, 4, mma="wgmma", tma=True,
                                                smem_epilogue=True),
+            "wgmma_2blk_smem_epi": GemmConfig(128, 128, 64, 2, 1, 3, 2, mma="wgmma", tma=True,
+                                              smem_epilogue=True),
             # 3 stages: the first staging stage is reloaded at the next tile's first K step;
             # B by cp.async: every thread writes into it
             "wgmma_smem_epi_s3": GemmConfig(128, 128, 64, 2, 1, 3, mma="wgmma",
@@ -51,6 +53,7 @@ def _configs():
                                       "wgmma192_packed", "wgmma_bm256", "wgmma_bm256_packed",
                                       "wgmma_mc2", "wgmma192_mc2_packed", "wgmma192_smem_epi",
                                       "wgmma_smem_epi", "wgmma_smem_epi_cp", "wgmma_bm256_smem_epi",
+                                      "wgmma_2blk_smem_epi",
                                       "wgmma_smem_epi_s3", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
