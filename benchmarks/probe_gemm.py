@@ -46,29 +46,31 @@ VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
 
 
 def variant_config(base, name):
-    """'base', or '+'-joined parts: 'async' (async_ring), 'packed' (packed_weights), 'bm128' /
-    'bm192' / 'bm256' (row tile), '2cta' (two 128 x 128 blocks per SM), 'l2pfN'
-    (l2_prefetch=N), probes."""
+    """'base', or '+'-joined parts, applied in order: 'async' (async_ring), 'packed'
+    (packed_weights), 'bm128' / 'bm192' / 'bm256' (row tile), '2cta' (two 128 x 128 blocks per
+    SM), 'smemepi' (the staged epilogue), 'mc1' / 'mc2' (clusters), 'stN', 'bnN', 'l2pfN'
+    (l2_prefetch=N), probes. Row-tile, async and cluster parts turn the staged epilogue off
+    (the default tiles may have it on): 'bm192+smemepi' asks for it again."""
     cfg, probes = base, []
     for part in name.split("+"):
         if part == "base":
             continue
-        if part == "async":
-            cfg = dataclasses.replace(cfg, async_ring=True)
+        if part == "async":            # (the staged epilogue needs the block ring)
+            cfg = dataclasses.replace(cfg, async_ring=True, smem_epilogue=False)
         elif part == "packed":
             cfg = dataclasses.replace(cfg, packed_weights=True, tma=True, l2_prefetch=0)
         elif part == "2cta":           # two 128 x 128 blocks per SM, 3 stages each
             cfg = dataclasses.replace(cfg, bm=128, wm=2, bn=128, stages=3, blocks_per_sm=2,
-                                      tma=True)
+                                      tma=True, smem_epilogue=False)
         elif part in ("bm128", "bm192", "bm256"):
             bm = int(part[2:])
             cfg = dataclasses.replace(cfg, bm=bm, wm=bm // 64, tma=True,
-                                      bn=128 if bm == 256 else 256)
+                                      bn=128 if bm == 256 else 256, smem_epilogue=False)
         elif part == "smemepi":        # epilogue staged in shared memory + bulk stores
             cfg = dataclasses.replace(cfg, smem_epilogue=True, async_ring=False, multicast=0)
         elif part in ("mc1", "mc2"):   # clusters sharing weight slices (TMA, no l2pf)
             cfg = dataclasses.replace(cfg, multicast=int(part[2:]), tma=True, l2_prefetch=0,
-                                      async_ring=False)
+                                      async_ring=False, smem_epilogue=False)
         elif part.startswith("st") and part[2:].isdigit():
             cfg = dataclasses.replace(cfg, stages=int(part[2:]))
         elif part.startswith("bn") and part[2:].isdigit():
@@ -156,9 +158,9 @@ def main(argv=None):
         rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],
                      "tflops": flops / sum(ref) / 1e9, "gpu": gpu_name()})
         for v in args.variants.split(","):
-            cfg = variant_config(base, v)
-            progress(f"{case} {v}: {cfg}")
             try:
+                cfg = variant_config(base, v)
+                progress(f"{case} {v}: {cfg}")
                 gu, dn = ffn_steps(d, cfg)
                 t = (device_ms(gu, args.iters)[0], device_ms(dn, args.iters)[0])
             except Exception as exc:                     # keep the probe going

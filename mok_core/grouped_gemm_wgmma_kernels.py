@@ -813,12 +813,13 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             mine = owned
             stores = mine and (not no_store or K < 0)   # no_store: false at run time only
             if staged:
-                # Bf16 pairs -> the free stages; this warp's 16 rows -> out by lane 0's bulk
-                # stores (the warp staged exactly those rows: a warp barrier suffices). Before
-                # the next tile's prologue: its state is not live yet (registers), and the
-                # stores are quick -- the bulk copies run on behind the next tile's MMAs. The
-                # vote makes the branch warp-uniform to ptxas: a warp barrier on a path it
-                # thinks divergent serialises every wgmma of the kernel (C7518).
+                # Bf16 pairs -> the free stages; this warp's 16 rows -> out by bulk stores,
+                # lane 0's (push: lane i's, row i) -- the warp staged exactly those rows: a
+                # warp barrier suffices. Before the next tile's prologue: its state is not
+                # live yet (registers), and the stores are quick -- the bulk copies run on
+                # behind the next tile's MMAs. The vote makes the branch warp-uniform to
+                # ptxas: a warp barrier on a path it thinks divergent serialises every wgmma
+                # of the kernel (C7518).
                 if warp_all(stores) != 0:
                     epi0 = ring + prefetch * stage_bytes    # the stages free at epilogue time
                     stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)

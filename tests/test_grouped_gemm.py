@@ -336,3 +336,23 @@ def test_wgmma_launch_limits_are_clear_errors():
     with pytest.raises(ValueError, match="513 experts in one launch"):
         down(to_dev(np.zeros((64, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)),
              to_dev(off), to_dev(nr), to_dev(np.zeros((64, H), np.uint16)), config=WGMMA_CFG)
+
+
+def test_probe_variants_build_valid_configs_from_the_staged_default():
+    """benchmarks/probe_gemm.py: every variant kind yields a valid GemmConfig from the staged
+    default; row-tile, async and cluster parts switch the staging off, 'smemepi' back on."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import mok_core.grouped_gemm as gg
+    from benchmarks.probe_gemm import variant_config
+    base = gg.WGMMA_GEMM
+    assert base.smem_epilogue
+    for v in ("base", "no_a", "no_store", "mma_first", "l2pf4", "async", "packed", "bm128",
+              "bm192", "bm256", "2cta", "mc1", "mc2", "st3", "bn128", "bm192+smemepi",
+              "async+no_mma", "bm128+smemepi+no_store"):
+        cfg = variant_config(base, v)                   # GemmConfig validates itself
+        assert cfg.smem_epilogue == (v in ("base", "no_a", "no_store", "mma_first", "l2pf4",
+                                           "packed", "st3", "bn128", "bm192+smemepi",
+                                           "bm128+smemepi+no_store")), v
+    assert variant_config(base, "bm192") == gg.WGMMA_192_GEMM

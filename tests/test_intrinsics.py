@@ -9,7 +9,7 @@ from numba import cuda, float32, int32, int64, uint16, uint64
 
 from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
-from mok_core.cuda_compat import kjit, to_host
+from mok_core.cuda_compat import SIM, kjit, to_host
 from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
@@ -126,14 +126,16 @@ def _pick_write(a, b, c, which):
 
 
 def test_tuple_pick_selects_by_runtime_index():
-    which = np.array([0, 1, 2, 2, 1, 0, 7, -1], np.int32)    # out of range: element 0
+    which = np.array([0, 1, 2, 2, 1, 0, 2, 1], np.int32)
     arrs = [to_dev(np.zeros(8, np.int32)) for _ in range(3)]
     _pick_write[1, 8](*arrs, to_dev(which))
     got = np.stack([to_host(x) for x in arrs])
     want = np.zeros((3, 8), np.int32)
-    for i, w in enumerate(which):
-        want[w if 0 <= w < 3 else 0, i] = i + 1
+    want[which, np.arange(8)] = np.arange(1, 9)
     np.testing.assert_array_equal(got, want)
+    if SIM:                                 # out of range: a caller's bug, raised here
+        with pytest.raises(IndexError, match="index 3 outside a 3-tuple"):
+            _pick_write[1, 8](*arrs, to_dev(np.full(8, 3, np.int32)))
 
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------
@@ -265,7 +267,6 @@ def _cp_async_no_wait(src, out):
 
 
 def test_cp_async_twin_is_asynchronous():
-    from mok_core.cuda_compat import SIM
     if not SIM:
         pytest.skip("ordering model of the simulator twin")
     out = np.zeros(2, np.uint16)
@@ -415,11 +416,35 @@ def _staged_stores(dst, rounds):
         bulk_wait(0)
 
 
+@kjit
+def _staged_stores_no_read_wait(dst, rounds):
+    """``_staged_stores`` without the read-wait: the next round overwrites the staging while
+    the copy may still be reading it (a bug the twin must expose)."""
+    buf = cuda.shared.array(64, uint16)
+    s = shared_addr(buf)
+    lane = cuda.threadIdx.x
+    for r in range(rounds):
+        st_shared_u32(buf, s + 4 * lane, 1000 * r + lane)
+        fence_proxy_async()
+        syncwarp()
+        if lane == 0:
+            bulk_store(dst, r * 32, buf, s, 128)
+            bulk_commit()
+        syncwarp()
+    if lane == 0:
+        bulk_wait(0)
+
+
 def test_staged_words_go_out_by_bulk_stores_and_the_buffer_is_reused():
     dst = to_dev(np.zeros(3 * 32, np.uint32))
     _staged_stores[1, 32](dst, 3)
     want = (1000 * np.arange(3)[:, None] + np.arange(32)[None, :]).ravel().astype(np.uint32)
     np.testing.assert_array_equal(to_host(dst), want)
+    if SIM:     # the twin reads a bulk store's source as late as the GPU may: at the wait
+        dst = to_dev(np.zeros(3 * 32, np.uint32))
+        _staged_stores_no_read_wait[1, 32](dst, 3)
+        assert not np.array_equal(to_host(dst), want)
+        np.testing.assert_array_equal(to_host(dst), np.tile(want[-32:], 3))
 
 
 # ---- TMA box loads -------------------------------------------------------------------------------

@@ -192,7 +192,8 @@ def tuple_pick(typingctx, tup, i):
     """``tup[i]`` for a run-time ``i`` (a UniTuple, e.g. of peer arrays) by a chain of selects,
     no branch. Why it exists: numba lowers ``tup[i]`` to a switch, and a switch in the
     epilogue is a divergent path to ptxas -- it then serialises every wgmma of the kernel
-    (C7518), as it did in the fused combine's push. ``i`` out of range gives element 0."""
+    (C7518), as it did in the fused combine's push. ``i`` must be in range (out of range:
+    element 0 here, an IndexError from the simulator twin)."""
     if not (isinstance(tup, types.UniTuple) and isinstance(i, types.Integer)):
         return None
 

@@ -82,7 +82,9 @@ def syncwarp():
 
 
 def tuple_pick(tup, i):
-    return tup[i] if 0 <= i < len(tup) else tup[0]
+    if not 0 <= i < len(tup):             # the GPU version gives element 0: a caller's bug
+        raise IndexError(f"tuple_pick: index {i} outside a {len(tup)}-tuple")
+    return tup[i]
 
 
 def warp_all(pred):
@@ -392,21 +394,39 @@ def bulk_load(smem, saddr, gmem, gidx, nbytes, bar):
 
 
 def bulk_store(gmem, gidx, smem, saddr, nbytes):
+    # The source is read as late as the GPU may read it -- at the bulk_wait_read (or
+    # bulk_wait) that covers the group -- so staging overwritten before that wait shows up as
+    # wrong data here too; the destination is written at bulk_wait.
     src, ssl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
     dst, dsl = _bulk_bytes(gmem, gidx, int(nbytes))
-    _groups("bulk")[-1].append((dst, dsl, src[ssl].copy()))      # lands at bulk_wait
+    _groups("bulk")[-1].append([dst, dsl, src, ssl, None])
 
 
 def bulk_commit():
     _groups("bulk").append([])
 
 
+def _bulk_read(groups, pending):
+    """Read the sources of the oldest closed groups, all but ``pending`` of them."""
+    closed = groups[:-1]
+    for group in closed[:max(len(closed) - pending, 0)]:
+        for entry in group:
+            if entry[4] is None:
+                entry[4] = entry[2][entry[3]].copy()
+
+
 def bulk_wait(pending):
-    _land(_groups("bulk"), pending)
+    groups = _groups("bulk")
+    _bulk_read(groups, pending)
+    closed = groups[:-1]
+    while len(closed) > pending:
+        for dst, dsl, _, _, data in closed.pop(0):
+            dst[dsl] = data
+    groups[:-1] = closed
 
 
 def bulk_wait_read(pending):
-    pass                                  # bulk_store took its copy of the source at issue
+    _bulk_read(_groups("bulk"), pending)
 
 
 def st_shared_u32(smem, saddr, value):
