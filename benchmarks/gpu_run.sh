@@ -72,8 +72,8 @@ for s in "$@"; do
          --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
     probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
          --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
-         --variants "${PROBE_VARIANTS:-bm192,bm192+smemepi,bm192+no_store,bm128,bm128+smemepi,bm128+no_store}" \
-         --out "$OUT/probe_epi.json" ;;   # the staged epilogue vs none at all (NOTES session 8)
+         --variants "${PROBE_VARIANTS:-bm128,bm128+smemepi,bm128+smemepi+rows16,bm128+smemepi+stage_only,bm128+no_store,bm192,bm192+smemepi}" \
+         --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES session 9)
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;

@@ -20,6 +20,8 @@ shape (``functional.layer_gemm``) changed by one field:
   2cta       two 128 x 128 blocks per SM (3-slice rings), weights by TMA
   stN, bnN   N ring stages, N-column tiles
   smemepi    GemmConfig.smem_epilogue (the epilogue staged in shared memory, bulk stores)
+  rows16     (probe, staged) lanes 0..15 send one row each instead of lane 0 all 16
+  stage_only (probe, staged) the tile staged, no bulk store sent (results are wrong)
   mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
              of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)

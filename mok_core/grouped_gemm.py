@@ -126,9 +126,10 @@ class GemmConfig:
             parts = _wgmma.probe_parts(self.probe)
             req(parts <= set(_wgmma.PROBES) and (not parts or self.mma == "wgmma")
                 and (self.multicast or not parts & (_wgmma.MC_PROBES - {"mma_first"}))
-                and ("no_b" not in parts or self.tma),
+                and ("no_b" not in parts or self.tma)
+                and (self.smem_epilogue or not parts & _wgmma.STAGED_PROBES),
                 f"probe: '+'-joined names from {_wgmma.PROBES} (mma='wgmma'; 'no_b' with tma; "
-                "'mc_*' with multicast)")
+                "'mc_*' with multicast; 'rows16', 'stage_only' with smem_epilogue)")
             least = 3 if self.mma == "wgmma" else 2
             req(self.stages >= least, f"{self.mma} needs stages >= {least}")
         else:

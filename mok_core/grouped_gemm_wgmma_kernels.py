@@ -393,7 +393,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
 
 
 PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
-          "mc_b_first", "mc_no_poll")
+          "mc_b_first", "mc_no_poll", "rows16", "stage_only")
+STAGED_PROBES = {"rows16", "stage_only"}        # builds of the staged epilogue only
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -445,7 +446,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     compiled, behind a test that is false at run time, so the MMAs feed something),
     "mma_first" issues a slice's wgmmas before the loads of slice kt + PREFETCH (legal: those
     go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
-    "mc_b_first", "mc_no_poll" (below).
+    "mc_b_first", "mc_no_poll" (below); with ``smem_epilogue``: "rows16" (lanes 0..15 send a
+    row each, as with ``push``, instead of lane 0 all 16; same results), "stage_only" (the
+    tile is staged, no bulk store sent: what the staging alone costs; wrong results).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
@@ -518,6 +521,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     mma_first = "mma_first" in parts
     skip_mma = "no_mma" in parts
     no_store = "no_store" in parts
+    assert staged or not parts & STAGED_PROBES
+    per_lane = push or "rows16" in parts    # lanes 0..15 send one row each (else lane 0 all)
+    send = "stage_only" not in parts
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
     full_count = (threads if async_ring else 0) + (1 if tma_b else 0)
     warps = threads // 32
@@ -825,24 +831,30 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
                     fence_proxy_async()            # generic-proxy writes -> bulk reads
                     syncwarp()
-                    if push:
-                        # Lane i < 16 sends row i of the warp's 16 home (its route lookups run
-                        # in parallel, not one after another in lane 0); padding rows stay.
+                    if per_lane:
+                        # Lane i < 16 sends row i of the warp's 16 (push: home -- its route
+                        # lookups run in parallel, not one after another in lane 0; padding
+                        # rows stay).
                         if lane < 16:
                             srow = frag_row - lane // 4 + lane    # the warp's first row + i
                             grow = row0 + srow
-                            src = route_rank[grow]
-                            if src >= 0:
-                                bulk_store(tuple_pick(peers, src), ((route_token[grow] * k
-                                                         + route_slot[grow]) * n_out
-                                                        + col0) // 2,
-                                           smem, epi0 + srow * epi_stride, out_row_bytes)
+                            if push:
+                                src = route_rank[grow]
+                                if src >= 0 and send:
+                                    bulk_store(tuple_pick(peers, src),
+                                               ((route_token[grow] * k + route_slot[grow])
+                                                * n_out + col0) // 2,
+                                               smem, epi0 + srow * epi_stride, out_row_bytes)
+                            elif send:
+                                bulk_store(out, (grow * n_out + col0) // 2, smem,
+                                           epi0 + srow * epi_stride, out_row_bytes)
                             bulk_commit()
                     elif lane == 0:
                         wrow = frag_row                # lane 0's row: the warp's first
                         for i in range(16):
-                            bulk_store(out, ((row0 + wrow + i) * n_out + col0) // 2, smem,
-                                       epi0 + (wrow + i) * epi_stride, out_row_bytes)
+                            if send:
+                                bulk_store(out, ((row0 + wrow + i) * n_out + col0) // 2, smem,
+                                           epi0 + (wrow + i) * epi_stride, out_row_bytes)
                         bulk_commit()
             t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now

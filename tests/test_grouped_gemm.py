@@ -38,6 +38,9 @@ WGMMA_MC_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma
 # The epilogue staged in shared memory and sent by bulk stores.
 WGMMA_SMEM_EPI_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
                                 tma=True, smem_epilogue=True)
+# The same, lanes 0..15 sending a row each (probe build "rows16"; the push path's way).
+WGMMA_SMEM_EPI_ROWS16_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
+                                       tma=True, smem_epilogue=True, probe="rows16")
 # 4 warpgroups (256-row tiles), weights by TMA.
 WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma", tma=True)
 from mok_core.reference import swiglu
@@ -88,6 +91,7 @@ def rel_l1(got, want):
     # expert's end or past num_rows written: 150 rows = 128 + a tile whose second warpgroup
     # lies past the expert)
     (WGMMA_SMEM_EPI_CFG, [40, 0, 150], 1.5),
+    (WGMMA_SMEM_EPI_ROWS16_CFG, [40, 70], None),
     # async ring: K of 4 slices for TMA (3 stages: the loop requests slices, stages wrap across
     # tiles), cp.async-only B at 128 rows
     (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
@@ -99,6 +103,7 @@ def rel_l1(got, want):
     (WGMMA_MC_PACKED_CFG, [150, 1], 1.5),
 ], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a",
         "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma192-tma-clamp", "wgmma-smem-epilogue",
+        "wgmma-smem-epilogue-rows16",
         "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma",
         "wgmma-multicast1-packed-clamp"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
@@ -350,9 +355,13 @@ def test_probe_variants_build_valid_configs_from_the_staged_default():
     assert base.smem_epilogue
     for v in ("base", "no_a", "no_store", "mma_first", "l2pf4", "async", "packed", "bm128",
               "bm192", "bm256", "2cta", "mc1", "mc2", "st3", "bn128", "bm192+smemepi",
-              "async+no_mma", "bm128+smemepi+no_store"):
+              "async+no_mma", "bm128+smemepi+no_store", "bm128+smemepi+rows16",
+              "stage_only"):
         cfg = variant_config(base, v)                   # GemmConfig validates itself
         assert cfg.smem_epilogue == (v in ("base", "no_a", "no_store", "mma_first", "l2pf4",
                                            "packed", "st3", "bn128", "bm192+smemepi",
-                                           "bm128+smemepi+no_store")), v
+                                           "bm128+smemepi+no_store", "bm128+smemepi+rows16",
+                                           "stage_only")), v
+    with pytest.raises(ValueError, match="'rows16', 'stage_only' with smem_epilogue"):
+        variant_config(base, "bm192+rows16")
     assert variant_config(base, "bm192") == gg.WGMMA_192_GEMM

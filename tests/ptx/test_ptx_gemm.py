@@ -151,6 +151,23 @@ def test_smem_epilogue_lowers_unserialised(bm, swiglu, push):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
+@pytest.mark.parametrize("probe", ["rows16", "stage_only"])
+def test_staged_epilogue_probe_builds_lower_unserialised(probe):
+    """The staged epilogue's measurement builds (``benchmarks/probe_gemm.py``): lanes 0..15
+    sending a row each, or staging with no bulk store at all -- still no wgmma serialised."""
+    from numba import cuda
+
+    from mok_core import grouped_gemm_wgmma_kernels as wk
+    kern = wk.make_wgmma_grouped_gemm(256, 4, False, False, True, tma_b=True, bm=128,
+                                      smem_epilogue=True, probe=probe)
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"))
+    stores = count(ptx, r"cp\.async\.bulk\.global\.shared::cta\.bulk_group")
+    assert (stores == 0) == (probe == "stage_only")
+    assert count(ptx, r"st\.shared\.u32") >= 1
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+
+
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_wgmma_l2_prefetch_lowers_for_sm90a(swiglu):
     """``l2_prefetch``: the weight boxes some slices ahead go to L2 through the TMA unit (one
