@@ -135,6 +135,27 @@ def make_stage_tile(bn, swiglu_epilogue):
     return stage_tile
 
 
+def make_row_sender(push, send=True):
+    """``send_row(out, peers, route_rank, route_token, route_slot, k, n_out, grow, col0, smem,
+    src, nbytes)``: one staged output row (``nbytes`` at the shared byte address ``src``) by a
+    bulk store to row ``grow`` of ``out`` (uint32 view, n_out bf16 columns), from column
+    ``col0`` on -- or, with ``push``, to its source rank's combine row (``make_tile_ops``;
+    padding rows, rank < 0, are not sent). ``send=False`` (probe "stage_only"): nothing."""
+    @kjit(device=True, inline="always")
+    def send_row(out, peers, route_rank, route_token, route_slot, k, n_out, grow, col0, smem,
+                 src, nbytes):
+        if send:
+            if push:
+                rank = route_rank[grow]
+                if rank >= 0:
+                    bulk_store(tuple_pick(peers, rank),
+                               ((route_token[grow] * k + route_slot[grow]) * n_out + col0) // 2,
+                               smem, src, nbytes)
+            else:
+                bulk_store(out, (grow * n_out + col0) // 2, smem, src, nbytes)
+    return send_row
+
+
 def make_tile_ops(bn, swiglu_epilogue, push=False):
     """The two per-warpgroup steps both wgmma kernels share (compile-time BN and epilogue):
 
@@ -523,7 +544,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     no_store = "no_store" in parts
     assert staged or not parts & STAGED_PROBES
     per_lane = push or "rows16" in parts    # lanes 0..15 send one row each (else lane 0 all)
-    send = "stage_only" not in parts
+    send_row = make_row_sender(push, send="stage_only" not in parts)
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
     full_count = (threads if async_ring else 0) + (1 if tma_b else 0)
     warps = threads // 32
@@ -833,28 +854,18 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     syncwarp()
                     if per_lane:
                         # Lane i < 16 sends row i of the warp's 16 (push: home -- its route
-                        # lookups run in parallel, not one after another in lane 0; padding
-                        # rows stay).
+                        # lookups run in parallel, not one after another in lane 0).
                         if lane < 16:
                             srow = frag_row - lane // 4 + lane    # the warp's first row + i
-                            grow = row0 + srow
-                            if push:
-                                src = route_rank[grow]
-                                if src >= 0 and send:
-                                    bulk_store(tuple_pick(peers, src),
-                                               ((route_token[grow] * k + route_slot[grow])
-                                                * n_out + col0) // 2,
-                                               smem, epi0 + srow * epi_stride, out_row_bytes)
-                            elif send:
-                                bulk_store(out, (grow * n_out + col0) // 2, smem,
-                                           epi0 + srow * epi_stride, out_row_bytes)
+                            send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
+                                     row0 + srow, col0, smem, epi0 + srow * epi_stride,
+                                     out_row_bytes)
                             bulk_commit()
                     elif lane == 0:
-                        wrow = frag_row                # lane 0's row: the warp's first
-                        for i in range(16):
-                            if send:
-                                bulk_store(out, ((row0 + wrow + i) * n_out + col0) // 2, smem,
-                                           epi0 + (wrow + i) * epi_stride, out_row_bytes)
+                        for i in range(16):            # lane 0's row is the warp's first
+                            send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
+                                     row0 + frag_row + i, col0, smem,
+                                     epi0 + (frag_row + i) * epi_stride, out_row_bytes)
                         bulk_commit()
             t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now
