@@ -208,11 +208,12 @@ def _groups(kind):
 
 
 def _land(groups, pending):
-    """Land the oldest closed groups until at most ``pending`` stay in flight."""
+    """Land the oldest closed groups until at most ``pending`` stay in flight (an entry starts
+    with dst, slice, data)."""
     closed = groups[:-1]
     while len(closed) > pending:
-        for dst, dsl, data in closed.pop(0):
-            dst[dsl] = data
+        for entry in closed.pop(0):
+            entry[0][entry[1]] = entry[2]
     groups[:-1] = closed
 
 
@@ -399,7 +400,7 @@ def bulk_store(gmem, gidx, smem, saddr, nbytes):
     # wrong data here too; the destination is written at bulk_wait.
     src, ssl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
     dst, dsl = _bulk_bytes(gmem, gidx, int(nbytes))
-    _groups("bulk")[-1].append([dst, dsl, src, ssl, None])
+    _groups("bulk")[-1].append([dst, dsl, None, src, ssl])
 
 
 def bulk_commit():
@@ -410,19 +411,15 @@ def _bulk_read(groups, pending):
     """Read the sources of the oldest closed groups, all but ``pending`` of them."""
     closed = groups[:-1]
     for group in closed[:max(len(closed) - pending, 0)]:
-        for entry in group:
-            if entry[4] is None:
-                entry[4] = entry[2][entry[3]].copy()
+        for entry in group:                 # [dst, slice, data (None: unread), src, slice]
+            if entry[2] is None:
+                entry[2] = entry[3][entry[4]].copy()
 
 
 def bulk_wait(pending):
     groups = _groups("bulk")
     _bulk_read(groups, pending)
-    closed = groups[:-1]
-    while len(closed) > pending:
-        for dst, dsl, _, _, data in closed.pop(0):
-            dst[dsl] = data
-    groups[:-1] = closed
+    _land(groups, pending)
 
 
 def bulk_wait_read(pending):
