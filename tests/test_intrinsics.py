@@ -395,44 +395,33 @@ def test_bulk_copy_through_shared_memory():
     np.testing.assert_array_equal(to_host(dst), src[16:144])
 
 
-@kjit
-def _staged_stores(dst, rounds):
-    """One warp, ``rounds`` times: lane l stages the word 1000 r + l at byte 4 l, then lane 0
-    bulk-stores the 128 bytes to dst[r * 32:] and waits only until the buffer was read before
-    the next round overwrites it."""
-    buf = cuda.shared.array(64, uint16)
-    s = shared_addr(buf)
-    lane = cuda.threadIdx.x
-    for r in range(rounds):
-        st_shared_u32(buf, s + 4 * lane, 1000 * r + lane)
-        fence_proxy_async()                 # generic-proxy writes -> the bulk copy's reads
-        syncwarp()
+def _make_staged_stores(read_wait):
+    @kjit
+    def staged_stores(dst, rounds):
+        """One warp, ``rounds`` times: lane l stages the word 1000 r + l at byte 4 l, then
+        lane 0 bulk-stores the 128 bytes to dst[r * 32:] and (``read_wait``) waits only until
+        the buffer was read before the next round overwrites it -- without that wait the
+        next round may overwrite it while the copy still reads (a bug the twin must expose)."""
+        buf = cuda.shared.array(64, uint16)
+        s = shared_addr(buf)
+        lane = cuda.threadIdx.x
+        for r in range(rounds):
+            st_shared_u32(buf, s + 4 * lane, 1000 * r + lane)
+            fence_proxy_async()             # generic-proxy writes -> the bulk copy's reads
+            syncwarp()
+            if lane == 0:
+                bulk_store(dst, r * 32, buf, s, 128)
+                bulk_commit()
+                if read_wait:
+                    bulk_wait_read(0)
+            syncwarp()
         if lane == 0:
-            bulk_store(dst, r * 32, buf, s, 128)
-            bulk_commit()
-            bulk_wait_read(0)
-        syncwarp()
-    if lane == 0:
-        bulk_wait(0)
+            bulk_wait(0)
+    return staged_stores
 
 
-@kjit
-def _staged_stores_no_read_wait(dst, rounds):
-    """``_staged_stores`` without the read-wait: the next round overwrites the staging while
-    the copy may still be reading it (a bug the twin must expose)."""
-    buf = cuda.shared.array(64, uint16)
-    s = shared_addr(buf)
-    lane = cuda.threadIdx.x
-    for r in range(rounds):
-        st_shared_u32(buf, s + 4 * lane, 1000 * r + lane)
-        fence_proxy_async()
-        syncwarp()
-        if lane == 0:
-            bulk_store(dst, r * 32, buf, s, 128)
-            bulk_commit()
-        syncwarp()
-    if lane == 0:
-        bulk_wait(0)
+_staged_stores = _make_staged_stores(True)
+_staged_stores_no_read_wait = _make_staged_stores(False)
 
 
 def test_staged_words_go_out_by_bulk_stores_and_the_buffer_is_reused():
