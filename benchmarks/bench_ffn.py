@@ -9,7 +9,9 @@ landing on this rank's experts), uniform and skewed routing:
               unpadded rows (offsets rounded to 16 rows, which grouped_mm needs)
   cublas      dense bf16 matmuls of the same FLOPs (the ceiling)
 TFLOP/s counts real routed rows only: 6 * rows * H * I.
-Each side is timed as a CUDA-graph replay (device time, as inside the layer's captured step):
+Each side is timed as a CUDA-graph replay (device time, as inside the layer's captured step),
+ours and grouped_mm in turns (iteration i runs both: a drift of the machine hits both alike;
+our gate_up and down alone run in the same turns, ``ours_gate_up_ms`` / ``ours_down_ms``):
 eagerly, a Python launch that takes longer to issue than the GPU needs to drain the queue puts
 its host time between the timing events. ``*_eager_ms`` keep the eager times of both sides.
 grouped_mm is sometimes *slower* replayed than eager (deepseek-v4-pro at 8192: 17.7 vs
@@ -26,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (capture_graph, gpu_name, median, numba_stream,  # noqa: E402
-                               padded_layout, progress, routing_counts, table, time_iters,
-                               write_json)
+                               padded_layout, progress, routing_counts, table,
+                               time_interleaved, write_json)
 
 
 # (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch,
@@ -202,13 +204,24 @@ def sweep_case(preset_name, T, configs, iters, rng, routings=("uniform",)):
 def device_ms(fn, iters):
     """(graph-replay ms, eager ms): median per-call device time of ``fn`` captured into a CUDA
     graph (NaN if it cannot be captured), and launched from Python."""
-    eager = median(time_iters(fn, iters))
-    try:
-        graph, _ = capture_graph(fn)
-    except Exception as exc:                                    # keep the eager time
-        progress(f"graph capture failed ({type(exc).__name__}: {exc}); eager time only")
-        return float("nan"), eager
-    return median(time_iters(graph.replay, iters)), eager
+    return interleaved_ms({"fn": fn}, iters)["fn"]
+
+
+def interleaved_ms(fns, iters):
+    """name -> (graph-replay ms, eager ms) of several steps timed in turns (``time_interleaved``:
+    each iteration runs every step once, so a drift of the machine over the run -- clocks,
+    temperature -- hits all sides alike): medians of the CUDA-graph replays (NaN for a step
+    that cannot be captured), then of the eager launches."""
+    graphs = {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture_graph(fn)[0].replay
+        except Exception as exc:                                # keep the eager time
+            progress(f"{name}: graph capture failed ({type(exc).__name__}: {exc}); eager only")
+    replay = time_interleaved(graphs, iters) if graphs else {}
+    eager = time_interleaved(fns, iters)
+    return {name: (median(replay[name]) if name in replay else float("nan"),
+                   median(eager[name])) for name in fns}
 
 
 def best_ms(graph, eager):
@@ -253,12 +266,15 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
         torch.mm(a1, b1)
         torch.mm(a2, b2)
 
-    t_ours, e_ours = device_ms(ours, iters)
+    # ours and grouped_mm (and our two GEMMs alone: what the sweep timed) in turns
+    steps = {"ours": ours, "grouped": grouped, "gate_up": gate_up, "down": down_}
     try:
-        t_gmm, e_gmm = device_ms(grouped, iters)
+        grouped()
     except Exception as exc:                                    # keep the run going
         progress(f"grouped_mm failed: {exc}")
-        t_gmm = e_gmm = float("nan")
+        del steps["grouped"]
+    t = interleaved_ms(steps, iters)
+    (t_ours, e_ours), (t_gmm, e_gmm) = t["ours"], t.get("grouped", (float("nan"),) * 2)
     t_cub, _ = device_ms(cublas, iters)
     flops = 6.0 * rows * H * I
     row = {"preset": preset_name, "tokens_per_rank": T, "routing": skew, "rows": rows,
@@ -270,6 +286,7 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
            "cublas_tflops": flops / t_cub / 1e9,
            "ratio_vs_grouped_mm": best_ms(t_gmm, e_gmm) / best_ms(t_ours, e_ours),
            "ours_eager_ms": e_ours, "grouped_mm_eager_ms": e_gmm,
+           "ours_gate_up_ms": best_ms(*t["gate_up"]), "ours_down_ms": best_ms(*t["down"]),
            "gpu": gpu_name(), "gemm": str(cfg_gu), "gemm_down": str(cfg_dn)}
     del d, wg, wu, wd, x16, w_gu
     torch.cuda.empty_cache()
@@ -281,7 +298,7 @@ def main(argv=None):
     ap.add_argument("--presets", default="kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro")
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--routing", default="uniform,skewed")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--gemm", default="",
                     help="bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]")
     ap.add_argument("--sweep", action="store_true",

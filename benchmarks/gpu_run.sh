@@ -70,10 +70,10 @@ for s in "$@"; do
     probe-mc) step probe-mc python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
          --presets "${PROBE_PRESETS:-kimi-k2.7,glm-5.2}" --variants "${PROBE_VARIANTS:-bm128,bm128+mc1,bm128+mc1+mc_b_first,bm128+mc1+mc_no_poll,bm128+mc1+mc_b_first+mc_no_poll,bm128+mc2,bm128+mc2+mc_b_first,bm128+mc2+mc_local}" \
          --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
-    probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
-         --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
-         --variants "${PROBE_VARIANTS:-bm128,bm128+smemepi,bm128+smemepi+rows16,bm128+smemepi+stage_only,bm128+no_store,bm192,bm192+smemepi}" \
-         --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES session 9)
+    probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-8192}" \
+         --dense "" --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
+         --variants "${PROBE_VARIANTS:-bm128+smemepi,bm128+smemepi+stage_first,bm128+smemepi+stage_first+stage_local,bm128+smemepi+stage_only,bm128+smemepi+rows16,bm128+no_store,bm192+smemepi,bm192+smemepi+stage_first+stage_local,bm192}" \
+         --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES s. 9, 10)
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;

@@ -1,6 +1,6 @@
 """Where the grouped GEMMs' time goes: the library's kernel rebuilt with parts switched off.
 
-    python benchmarks/probe_gemm.py [--presets kimi-k2.7] [--tokens 4096] [--variants ...]
+    python benchmarks/probe_gemm.py [--presets kimi-k2.7] [--tokens 4096,8192] [--variants ...]
 
 For each preset (EP=2, rank 0's routed experts, uniform routing) and for its dense shared
 expert (one expert, T rows), times gate_up and down separately with the library's tiles for the
@@ -22,6 +22,10 @@ shape (``functional.layer_gemm``) changed by one field:
   smemepi    GemmConfig.smem_epilogue (the epilogue staged in shared memory, bulk stores)
   rows16     (probe, staged) lanes 0..15 send one row each instead of lane 0 all 16
   stage_only (probe, staged) the tile staged, no bulk store sent (results are wrong)
+  stage_local (probe, staged) staged through a local-array copy of the accumulator (as up to
+             session 9; same results)
+  stage_first (probe, staged) staged before the next tile's prologue loads (as up to
+             session 9; same results)
   mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
              of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
@@ -130,7 +134,7 @@ def torch_steps(d, dense):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="kimi-k2.7")
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096", help="tokens per rank, comma-separated")
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--dense", default="deepseek-v4-pro",
                     help="presets whose dense shared expert is probed too ('' for none)")
@@ -141,11 +145,12 @@ def main(argv=None):
 
     from mok_comm.functional import layer_gemm
     from mok_core.config import preset
-    T = args.tokens
-    cases = [(p, False) for p in args.presets.split(",")]
-    cases += [(p, True) for p in args.dense.split(",") if p]
+    cases = [(p, False, T) for T in map(int, args.tokens.split(","))
+             for p in args.presets.split(",")]
+    cases += [(p, True, T) for T in map(int, args.tokens.split(","))
+              for p in args.dense.split(",") if p]
     rows = []
-    for name, dense in cases:
+    for name, dense, T in cases:
         shape = preset(name, ep_size=2)
         base = layer_gemm(shape, T)
         if dense:
@@ -154,7 +159,7 @@ def main(argv=None):
         else:
             d = ffn_inputs(name, T, "uniform", base.row_unit, np.random.default_rng(0))
             flops = 6.0 * d["rows"] * shape.hidden * shape.intermediate
-        case = f"{name} {'shared (dense)' if dense else 'routed'}"
+        case = f"{name} {'shared (dense)' if dense else 'routed'} T={T}"
         tg, td = torch_steps(d, dense)
         ref = (best_ms(*device_ms(tg, args.iters)), best_ms(*device_ms(td, args.iters)))
         rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],

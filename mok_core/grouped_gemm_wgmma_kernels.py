@@ -22,7 +22,7 @@ what differs is how a tile is computed:
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
 Task order of one K step (kt), every thread (a tile's first PREFETCH slices are requested
-before the previous tile's epilogue, so their latency hides behind its stores):
+before the previous tile's epilogue -- direct or staged -- so their latency hides behind it):
 
     1. cp.async.wait  -> my chunks of slice kt landed;  (TMA: wait full[stage of kt])
                          fence.proxy.async (wgmma reads through
@@ -60,7 +60,7 @@ from .intrinsics import (bulk_commit, bulk_load, bulk_load_multicast, bulk_store
                          mbarrier_init, mbarrier_test_wait_cluster, mbarrier_try_wait,
                          mbarrier_try_wait_cluster,
                          pack_bf16x2, shared_addr, st_shared_u32, store_f32_tuple, syncwarp,
-                         tensormap_acquire, tuple_pick,
+                         tensormap_acquire, tuple_groups, tuple_pick,
                          tma_load_2d, tma_load_2d_multicast, tma_prefetch_2d, trap,
                          warp_all, wgmma_commit,
                          wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
@@ -123,15 +123,50 @@ def _make_pair_epilogue(bn, swiglu_epilogue, put):
     return pairs
 
 
-def make_stage_tile(bn, swiglu_epilogue):
+def _stage_swiglu_group(j, smem, r, col, limit, base, stride, g0, g1, g2, g3, u0, u1, u2, u3):
+    """8-column group j of a SwiGLU fragment: gate and up values of rows r (g0, g1 / u0, u1)
+    and r + 8 (g2, g3 / u2, u3) -> bf16 pairs at hidden column col + 8j of the staging."""
+    at = base + 2 * (col + 8 * j)
+    st_shared_u32(smem, at + r * stride,
+                  pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit)))
+    st_shared_u32(smem, at + (r + 8) * stride,
+                  pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit)))
+
+
+def _stage_plain_group(j, smem, r, col, limit, base, stride, a0, a1, a2, a3):
+    """8-column group j of a plain fragment -> bf16 pairs of rows r and r + 8."""
+    at = base + 2 * (col + 8 * j)
+    st_shared_u32(smem, at + r * stride, pack_bf16x2(a0, a1))
+    st_shared_u32(smem, at + (r + 8) * stride, pack_bf16x2(a2, a3))
+
+
+def _swiglu_layout(count):      # group j: gate elements 4j.., up elements 4(j + half)..
+    half = count // 8
+    return [[4 * j + i for i in range(4)] + [4 * (j + half) + i for i in range(4)]
+            for j in range(half)]
+
+
+def _plain_layout(count):
+    return [[4 * j + i for i in range(4)] for j in range(count // 4)]
+
+
+def make_stage_tile(bn, swiglu_epilogue, from_regs=True):
     """``stage_tile(smem, c, acc, r, col, limit, base, stride)``: the fragment's bf16 pairs
     into shared memory -- row r (local to the tile) at ``base + r * stride``, column col
-    (local) at byte 2 * col -- for bulk stores to send (``GemmConfig.smem_epilogue``)."""
+    (local) at byte 2 * col -- for bulk stores to send (``GemmConfig.smem_epilogue``).
+    ``from_regs``: read the accumulator tuple at constant indices, group by group
+    (``tuple_groups``), so it never goes to local memory; else (probe "stage_local", the
+    direct epilogue's way) through the local array ``c``."""
     pairs = _make_pair_epilogue(bn, swiglu_epilogue, _put_shared)
+    stage_groups = tuple_groups(_stage_swiglu_group if swiglu_epilogue else _stage_plain_group,
+                                _swiglu_layout if swiglu_epilogue else _plain_layout)
 
     @kjit(device=True, inline="always")
     def stage_tile(smem, c, acc, r, col, limit, base, stride):
-        pairs(smem, c, acc, r, col, 0, limit, base, stride)
+        if from_regs:
+            stage_groups(acc, (smem, r, col, limit, base, stride))
+        else:
+            pairs(smem, c, acc, r, col, 0, limit, base, stride)
     return stage_tile
 
 
@@ -414,8 +449,8 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
 
 
 PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
-          "mc_b_first", "mc_no_poll", "rows16", "stage_only")
-STAGED_PROBES = {"rows16", "stage_only"}        # builds of the staged epilogue only
+          "mc_b_first", "mc_no_poll", "rows16", "stage_only", "stage_local", "stage_first")
+STAGED_PROBES = {"rows16", "stage_only", "stage_local", "stage_first"}   # staged builds only
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -469,7 +504,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     go to the stage of kt - 2); with ``multicast``: "mc_unicast", "mc_local",
     "mc_b_first", "mc_no_poll" (below); with ``smem_epilogue``: "rows16" (lanes 0..15 send a
     row each, as with ``push``, instead of lane 0 all 16; same results), "stage_only" (the
-    tile is staged, no bulk store sent: what the staging alone costs; wrong results).
+    tile is staged, no bulk store sent: what the staging alone costs; wrong results),
+    "stage_local" (the tile staged through the local-array copy of the accumulator, as
+    before session 10; same results).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
@@ -493,7 +530,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     rows are not sent). Rows are staged ``row bytes + 16`` apart, so the 8 rows of a warp's
     store hit different banks. The staging stages are reloaded by the next tile's first K
     step: the sending lanes wait until their bulk stores have *read* them
-    (``bulk_wait_read``) before that step's block barrier.
+    (``bulk_wait_read``) before that step's block barrier. The staging runs after the next
+    tile's prologue loads are issued (their latency hides behind it, as with the direct
+    stores; probe "stage_first": before, as up to session 9) and reads the accumulator tuple
+    at constant indices (``tuple_groups``: at 192 rows the local-array copy added 60-180
+    bytes of spill; probe "stage_local": that copy).
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -519,7 +560,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     epi_stride = out_row_bytes + 16         # +16: a warp's 8 rows land in 8 bank groups
     assert not staged or bm * epi_stride <= 2 * stage_bytes
-    stage_tile = make_stage_tile(bn, swiglu_epilogue)
+    stage_tile = make_stage_tile(bn, swiglu_epilogue, from_regs="stage_local" not in parts)
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
@@ -544,6 +585,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     no_store = "no_store" in parts
     assert staged or not parts & STAGED_PROBES
     per_lane = push or "rows16" in parts    # lanes 0..15 send one row each (else lane 0 all)
+    stage_first = "stage_first" in parts    # stage before the next tile's prologue (< s. 10)
     send_row = make_row_sender(push, send="stage_only" not in parts)
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
     full_count = (threads if async_ring else 0) + (1 if tma_b else 0)
@@ -657,6 +699,35 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                 if s < ktiles:
                     prefetch_b(tmaps, b_row, s * BK)
         return row0, col0, b_src, b_row, active, owned, b_next
+
+    @kjit(device=True, inline="always")
+    def stage_and_send(smem, c, acc, out, peers, route_rank, route_token, route_slot, k, n_out,
+                       limit, ring, lane, frag_row, frag_col, row0, col0, stores):
+        """Staged epilogue of the tile at (row0, col0): bf16 pairs -> the ring stages the next
+        tile's prologue leaves free (PREFETCH..); this warp's 16 rows -> out by bulk stores,
+        lane 0's (push / "rows16": lane i's, row i) -- the warp staged exactly those rows: a
+        warp barrier suffices. The bulk copies run on behind the next tile's MMAs. The vote
+        makes the branch warp-uniform to ptxas: a warp barrier on a path it thinks divergent
+        serialises every wgmma of the kernel (C7518)."""
+        if warp_all(stores) != 0:
+            epi0 = ring + prefetch * stage_bytes    # the stages free at epilogue time
+            stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
+            fence_proxy_async()            # generic-proxy writes -> bulk reads
+            syncwarp()
+            if per_lane:
+                # Lane i < 16 sends row i of the warp's 16 (push: home -- its route
+                # lookups run in parallel, not one after another in lane 0).
+                if lane < 16:
+                    srow = frag_row - lane // 4 + lane    # the warp's first row + i
+                    send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
+                             row0 + srow, col0, smem, epi0 + srow * epi_stride, out_row_bytes)
+                    bulk_commit()
+            elif lane == 0:
+                for i in range(16):            # lane 0's row is the warp's first
+                    send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
+                             row0 + frag_row + i, col0, smem,
+                             epi0 + (frag_row + i) * epi_stride, out_row_bytes)
+                bulk_commit()
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
@@ -839,34 +910,11 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
             out_col = col0 + frag_col
             mine = owned
             stores = mine and (not no_store or K < 0)   # no_store: false at run time only
-            if staged:
-                # Bf16 pairs -> the free stages; this warp's 16 rows -> out by bulk stores,
-                # lane 0's (push: lane i's, row i) -- the warp staged exactly those rows: a
-                # warp barrier suffices. Before the next tile's prologue: its state is not
-                # live yet (registers), and the stores are quick -- the bulk copies run on
-                # behind the next tile's MMAs. The vote makes the branch warp-uniform to
-                # ptxas: a warp barrier on a path it thinks divergent serialises every wgmma
-                # of the kernel (C7518).
-                if warp_all(stores) != 0:
-                    epi0 = ring + prefetch * stage_bytes    # the stages free at epilogue time
-                    stage_tile(smem, c, acc, frag_row, frag_col, limit, epi0, epi_stride)
-                    fence_proxy_async()            # generic-proxy writes -> bulk reads
-                    syncwarp()
-                    if per_lane:
-                        # Lane i < 16 sends row i of the warp's 16 (push: home -- its route
-                        # lookups run in parallel, not one after another in lane 0).
-                        if lane < 16:
-                            srow = frag_row - lane // 4 + lane    # the warp's first row + i
-                            send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
-                                     row0 + srow, col0, smem, epi0 + srow * epi_stride,
-                                     out_row_bytes)
-                            bulk_commit()
-                    elif lane == 0:
-                        for i in range(16):            # lane 0's row is the warp's first
-                            send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
-                                     row0 + frag_row + i, col0, smem,
-                                     epi0 + (frag_row + i) * epi_stride, out_row_bytes)
-                        bulk_commit()
+            if staged and stage_first:
+                stage_and_send(smem, c, acc, out, peers, route_rank, route_token, route_slot, k,
+                               n_out, limit, ring, lane, frag_row, frag_col, row0, col0, stores)
+            done_row0 = row0                   # the staging below still needs this tile's
+            done_col0 = col0
             t += cuda.gridDim.x // cl
             if t < total:                      # next tile's first slices: in flight now
                 row0, col0, b_src, b_row, active, owned, b_next = tile_start(
@@ -875,6 +923,10 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
                     g0, rank, b_next)
             # Epilogue: registers -> bf16 pairs -> out (all-padding warpgroups write zeros;
             # a warpgroup past the expert's rows writes nothing: they are the next expert's).
+            if staged and not stage_first:
+                stage_and_send(smem, c, acc, out, peers, route_rank, route_token, route_slot, k,
+                               n_out, limit, ring, lane, frag_row, frag_col, done_row0,
+                               done_col0, stores)
             if not staged and stores:
                 store_tile(out, c, acc, out_row, out_col, n_out, limit, route_rank,
                            route_token, route_slot, peers, k)

@@ -23,8 +23,9 @@ from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, 
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
-                                 mbarrier_try_wait, store_f32_tuple, wgmma_commit, wgmma_fence,
-                                 wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16, wgmma_wait)
+                                 mbarrier_try_wait, store_f32_tuple, tuple_groups, wgmma_commit,
+                                 wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
+                                 wgmma_wait)
 
 
 def bf16_bits(a):
@@ -337,6 +338,38 @@ def test_wgmma_descriptors_swizzle_and_fragments(n):
     _make_wgmma_slice(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+# ---- per-group function over an accumulator tuple ------------------------------------------------
+
+def _pair_group(j, out, r, col, scale, x, y):
+    out[r * 6 + col + j] = x * scale + y
+
+
+def _mirror_pairs(count):       # group j: elements j and count - 1 - j
+    return [[j, count - 1 - j] for j in range(count // 2)]
+
+
+_apply_mirror = tuple_groups(_pair_group, _mirror_pairs)
+
+
+@kjit
+def _tuple_groups_kernel(src, out, col):
+    """Thread t: an 8-element tuple from src row t, then _pair_group over its mirrored pairs."""
+    t = cuda.threadIdx.x
+    b = 8 * t
+    acc = (src[b], src[b + 1], src[b + 2], src[b + 3], src[b + 4], src[b + 5], src[b + 6],
+           src[b + 7])
+    _apply_mirror(acc, (out, t, col, float32(10.0)))
+
+
+def test_tuple_groups_calls_the_function_per_group_with_its_elements():
+    src = np.arange(4 * 8, dtype=np.float32).reshape(4, 8) + 1
+    out = to_dev(np.full(4 * 6, -1, np.float32))
+    _tuple_groups_kernel[1, 4](to_dev(src.ravel()), out, 1)
+    want = np.full((4, 6), -1, np.float32)
+    want[:, 1:5] = src[:, :4] * 10 + src[:, ::-1][:, :4]     # group j: src[j]*10 + src[7-j]
+    np.testing.assert_array_equal(to_host(out).reshape(4, 6), want)
 
 
 # ---- mbarrier phases -----------------------------------------------------------------------------

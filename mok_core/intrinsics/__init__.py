@@ -12,7 +12,8 @@
                   shared byte addresses for hot loops), st_shared_u32
     wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
                   fence_proxy_async, f32_zeros, store_f32_tuple (the accumulator travels as a
-                  UniTuple)
+                  UniTuple), tuple_groups (a per-group function over the accumulator,
+                  unrolled: constant indices, no local-memory copy)
     mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, cp_async_mbarrier_arrive,
                   trap; setmaxnreg_inc, setmaxnreg_dec (warp-specialised register split)
     bulk copies:  mbarrier_arrive_expect_tx, bulk_load (global or peer -> shared, completes
@@ -43,6 +44,7 @@ __all__ = [
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
+    "tuple_groups",
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",

@@ -307,6 +307,13 @@ def store_f32_tuple(arr, acc):
     _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)
 
 
+def tuple_groups(fn, layout):
+    def apply(acc, extra):
+        for j, idx in enumerate(layout(len(acc))):
+            fn(j, *extra, *[acc[i] for i in idx])
+    return apply
+
+
 # ---- mbarriers ---------------------------------------------------------------------------------
 
 _mbarriers = {}

@@ -44,6 +44,7 @@ CASES = {
                       [r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                        r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"]),
     "tuple_pick": (ti._pick_write, (i32, i32, i32, i32), [r"selp\.b64"]),
+    "tuple_groups": (ti._tuple_groups_kernel, (f32, f32, int64), [r"fma\.rn\.f32|mul\.f32"]),
     "cp_async": (ti._cp_async_rows, (u16, i32, u16, int32),
                  [r"cp\.async\.cg\.shared\.global", r"cp\.async\.commit_group",
                   r"cp\.async\.wait_group 0"]),
@@ -72,3 +73,9 @@ def test_wgmma_and_mbarrier_kernels_lower_for_sm90a():
     for p in (r"mbarrier\.init\.shared::cta\.b64", r"mbarrier\.arrive\.shared::cta\.b64",
               r"mbarrier\.try_wait\.parity\.shared::cta\.b64"):
         assert count(ptx, p) >= 1, f"{p} missing"
+
+
+def test_tuple_groups_keeps_the_tuple_out_of_local_memory():
+    """Every element read at a constant index: no local (stack) copy of the tuple."""
+    ptx = compile_sm90(ti._tuple_groups_kernel, (f32, f32, int64))
+    assert count(ptx, r"\.local") == 0 and count(ptx, r"st\.global\.f32") == 4
