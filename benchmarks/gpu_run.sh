@@ -9,6 +9,7 @@
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS: the layer with the pull and the
 #        push dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        probe-host probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
+#        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle)
 #        probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
@@ -74,6 +75,9 @@ for s in "$@"; do
          --dense "" --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
          --variants "${PROBE_VARIANTS:-bm128+smemepi,bm128+smemepi+stage_first,bm128+smemepi+stage_first+stage_local,bm128+smemepi+stage_only,bm128+smemepi+rows16,bm128+no_store,bm192+smemepi,bm192+smemepi+stage_first+stage_local,bm192}" \
          --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES s. 9, 10)
+    probe-timing) step probe-timing python3 benchmarks/probe_timing.py \
+         --presets "${PROBE_PRESETS:-qwen3.5-397b,kimi-k2.7,glm-5.2}" \
+         --tokens "${PROBE_TOKENS:-4096}" --out "$OUT/probe_timing.json" ;;   # protocol vs ratio
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;

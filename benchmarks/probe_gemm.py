@@ -31,7 +31,7 @@ shape (``functional.layer_gemm``) changed by one field:
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)
 beside torch (grouped_mm gate/up + SwiGLU, grouped_mm down; cuBLAS for the dense expert),
 each GEMM timed alone as a CUDA-graph replay (device time, no host launch cost; torch's the
-faster of replay and eager, as in bench_ffn).
+faster of replay and eager, as in bench_ffn), all of a case's variants and torch in turns.
 If a part switched off saves little, it is not what bounds the kernel.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_ffn import best_ms, device_ms, ffn_inputs, ffn_steps  # noqa: E402
+from benchmarks.bench_ffn import best_ms, ffn_inputs, ffn_steps, interleaved_ms  # noqa: E402
 from benchmarks.common import gpu_name, progress, table, write_json  # noqa: E402
 
 VARIANTS = "base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8"
@@ -160,22 +160,33 @@ def main(argv=None):
             d = ffn_inputs(name, T, "uniform", base.row_unit, np.random.default_rng(0))
             flops = 6.0 * d["rows"] * shape.hidden * shape.intermediate
         case = f"{name} {'shared (dense)' if dense else 'routed'} T={T}"
-        tg, td = torch_steps(d, dense)
-        ref = (best_ms(*device_ms(tg, args.iters)), best_ms(*device_ms(td, args.iters)))
-        rows.append({"case": case, "variant": "torch", "gate_up_ms": ref[0], "down_ms": ref[1],
-                     "tflops": flops / sum(ref) / 1e9, "gpu": gpu_name()})
+        steps = {"torch": torch_steps(d, dense)}
+        configs = {}
         for v in args.variants.split(","):
             try:
                 cfg = variant_config(base, v)
                 progress(f"{case} {v}: {cfg}")
-                gu, dn = ffn_steps(d, cfg)
-                t = (device_ms(gu, args.iters)[0], device_ms(dn, args.iters)[0])
+                steps[v] = ffn_steps(d, cfg)
+                for f in steps[v]:                       # compile (and fail) here
+                    f()
+                configs[v] = cfg
             except Exception as exc:                     # keep the probe going
                 progress(f"  failed: {type(exc).__name__}: {exc}")
-                continue
-            rows.append({"case": case, "variant": v, "gate_up_ms": t[0], "down_ms": t[1],
-                         "tflops": flops / sum(t) / 1e9, "gpu": gpu_name(), "gemm": str(cfg)})
-            write_json(args.out, rows)
+                steps.pop(v, None)
+        # every variant's two GEMMs and torch's in turns: a drift of the machine over the
+        # case hits them all alike (one variant after another, the spread between bursts
+        # was larger than the effects probed -- NOTES, session 10)
+        t = interleaved_ms({f"{v} {g}": f for v, pair in steps.items()
+                            for g, f in zip(("gate_up", "down"), pair)}, args.iters)
+        for v in steps:
+            gu_t, dn_t = t[f"{v} gate_up"], t[f"{v} down"]
+            ms = ((best_ms(*gu_t), best_ms(*dn_t)) if v == "torch" else (gu_t[0], dn_t[0]))
+            row = {"case": case, "variant": v, "gate_up_ms": ms[0], "down_ms": ms[1],
+                   "tflops": flops / sum(ms) / 1e9, "gpu": gpu_name()}
+            if v in configs:
+                row["gemm"] = str(configs[v])
+            rows.append(row)
+        write_json(args.out, rows)
         del d
         torch.cuda.empty_cache()
     write_json(args.out, rows)
