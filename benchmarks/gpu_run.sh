@@ -73,7 +73,7 @@ for s in "$@"; do
          --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
     probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-8192}" \
          --dense "" --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
-         --variants "${PROBE_VARIANTS:-bm128+smemepi,bm128+smemepi+stage_first,bm128+smemepi+stage_first+stage_local,bm128+smemepi+stage_only,bm128+smemepi+rows16,bm128+no_store,bm192+smemepi,bm192+smemepi+stage_first+stage_local,bm192}" \
+         --variants "${PROBE_VARIANTS:-bm128+smemepi,bm128+smemepi+exact_act,bm128+smemepi+loads_first,bm128+no_store,bm192+smemepi,bm192+smemepi+exact_act,bm192}" \
          --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES s. 9, 10)
     probe-timing) step probe-timing python3 benchmarks/probe_timing.py \
          --presets "${PROBE_PRESETS:-qwen3.5-397b,kimi-k2.7,glm-5.2}" \

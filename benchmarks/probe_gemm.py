@@ -24,8 +24,10 @@ shape (``functional.layer_gemm``) changed by one field:
   stage_only (probe, staged) the tile staged, no bulk store sent (results are wrong)
   stage_local (probe, staged) staged through a local-array copy of the accumulator (as up to
              session 9; same results)
-  stage_first (probe, staged) staged before the next tile's prologue loads (as up to
-             session 9; same results)
+  loads_first (probe, staged) staged after the next tile's prologue loads are issued
+             (same results)
+  exact_act  (probe, staged) the SwiGLU through math.exp and an IEEE division (as up to
+             session 9; within float32 rounding)
   mc1, mc2   GemmConfig.multicast: the cluster ring (1: one block, plain loads; 2: clusters
              of 2 blocks, each weight slice read once and multicast to both)
   a+b        parts combined (e.g. no_a+no_b: MMAs and the loop alone; async+no_mma)

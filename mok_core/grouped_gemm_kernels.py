@@ -33,8 +33,8 @@ import math
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from .cuda_compat import kjit
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ldmatrix_x4_at,
-                         mma_bf16_16816, pack_bf16x2, shared_addr)
+from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ex2_approx,
+                         ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2, rcp_approx, shared_addr)
 
 
 @kjit(device=True, inline="always")
@@ -55,9 +55,26 @@ def find_tile(offsets, num_experts, t, n_tiles, bm):
     return e, (first + local % m_tiles) * bm, local // m_tiles
 
 
+_NEG_LOG2E = float32(-1.4426950408889634)
+
+
 @kjit(device=True, inline="always")
 def swiglu(g, u, limit):
-    """SiLU(min(g, L)) * clamp(u, -L, L) in float32 (L = +inf: plain SwiGLU)."""
+    """SiLU(min(g, L)) * clamp(u, -L, L) in float32 (L = +inf: plain SwiGLU), the sigmoid as
+    1 / (1 + 2^(-g log2 e)) by one SFU exp2 and one SFU reciprocal (a few ulp of float32, far
+    below the bf16 rounding that follows). ``math.exp`` and ``/`` made each element a ~20-
+    instruction dependent chain with a slow-path branch: unrolled over a 128 x 256 tile that
+    epilogue is ~2000 instructions, and a gate/up GEMM spent up to a quarter of its time there
+    (NOTES, session 10). Deterministic like the rest: same inputs, same bits."""
+    g = min(g, limit)
+    u = max(min(u, limit), -limit)
+    return g * rcp_approx(float32(1.0) + ex2_approx(g * _NEG_LOG2E)) * u
+
+
+@kjit(device=True, inline="always")
+def swiglu_exact(g, u, limit):
+    """``swiglu`` through ``math.exp`` and an IEEE division (the epilogue up to session 9;
+    probe "exact_act")."""
     g = min(g, limit)
     u = max(min(u, limit), -limit)
     return g / (float32(1.0) + math.exp(-g)) * u

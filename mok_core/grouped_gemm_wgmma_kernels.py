@@ -22,7 +22,7 @@ what differs is how a tile is computed:
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
 
 Task order of one K step (kt), every thread (a tile's first PREFETCH slices are requested
-before the previous tile's epilogue -- direct or staged -- so their latency hides behind it):
+before the previous tile's direct epilogue, so their latency hides behind its stores):
 
     1. cp.async.wait  -> my chunks of slice kt landed;  (TMA: wait full[stage of kt])
                          fence.proxy.async (wgmma reads through
@@ -51,7 +51,7 @@ each expert's segment) skips its MMAs and writes zeros. The skip branches on a w
 from numba import cuda, float32, int32, int64, uint16
 
 from .cuda_compat import kjit
-from .grouped_gemm_kernels import swiglu
+from .grouped_gemm_kernels import swiglu, swiglu_exact
 from .intrinsics import (bulk_commit, bulk_load, bulk_load_multicast, bulk_store, bulk_wait,
                          bulk_wait_read, cluster_ctarank, cluster_sync,
                          cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
@@ -123,14 +123,16 @@ def _make_pair_epilogue(bn, swiglu_epilogue, put):
     return pairs
 
 
-def _stage_swiglu_group(j, smem, r, col, limit, base, stride, g0, g1, g2, g3, u0, u1, u2, u3):
-    """8-column group j of a SwiGLU fragment: gate and up values of rows r (g0, g1 / u0, u1)
-    and r + 8 (g2, g3 / u2, u3) -> bf16 pairs at hidden column col + 8j of the staging."""
-    at = base + 2 * (col + 8 * j)
-    st_shared_u32(smem, at + r * stride,
-                  pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit)))
-    st_shared_u32(smem, at + (r + 8) * stride,
-                  pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit)))
+def _make_stage_swiglu_group(act):
+    def group(j, smem, r, col, limit, base, stride, g0, g1, g2, g3, u0, u1, u2, u3):
+        """8-column group j of a SwiGLU fragment: gate and up values of rows r (g0, g1 / u0,
+        u1) and r + 8 (g2, g3 / u2, u3) -> bf16 pairs at hidden column col + 8j of the
+        staging."""
+        at = base + 2 * (col + 8 * j)
+        st_shared_u32(smem, at + r * stride, pack_bf16x2(act(g0, u0, limit), act(g1, u1, limit)))
+        st_shared_u32(smem, at + (r + 8) * stride,
+                      pack_bf16x2(act(g2, u2, limit), act(g3, u3, limit)))
+    return group
 
 
 def _stage_plain_group(j, smem, r, col, limit, base, stride, a0, a1, a2, a3):
@@ -150,15 +152,17 @@ def _plain_layout(count):
     return [[4 * j + i for i in range(4)] for j in range(count // 4)]
 
 
-def make_stage_tile(bn, swiglu_epilogue, from_regs=True):
+def make_stage_tile(bn, swiglu_epilogue, from_regs=True, act=swiglu):
     """``stage_tile(smem, c, acc, r, col, limit, base, stride)``: the fragment's bf16 pairs
     into shared memory -- row r (local to the tile) at ``base + r * stride``, column col
     (local) at byte 2 * col -- for bulk stores to send (``GemmConfig.smem_epilogue``).
     ``from_regs``: read the accumulator tuple at constant indices, group by group
     (``tuple_groups``), so it never goes to local memory; else (probe "stage_local", the
-    direct epilogue's way) through the local array ``c``."""
+    direct epilogue's way) through the local array ``c``. ``act``: the SwiGLU (probe
+    "exact_act": ``swiglu_exact``)."""
     pairs = _make_pair_epilogue(bn, swiglu_epilogue, _put_shared)
-    stage_groups = tuple_groups(_stage_swiglu_group if swiglu_epilogue else _stage_plain_group,
+    stage_groups = tuple_groups(_make_stage_swiglu_group(act) if swiglu_epilogue
+                                else _stage_plain_group,
                                 _swiglu_layout if swiglu_epilogue else _plain_layout)
 
     @kjit(device=True, inline="always")
@@ -449,8 +453,9 @@ def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
 
 
 PROBES = ("", "no_a", "no_b", "no_mma", "no_store", "mma_first", "mc_local", "mc_unicast",
-          "mc_b_first", "mc_no_poll", "rows16", "stage_only", "stage_local", "stage_first")
-STAGED_PROBES = {"rows16", "stage_only", "stage_local", "stage_first"}   # staged builds only
+          "mc_b_first", "mc_no_poll", "rows16", "stage_only", "stage_local", "loads_first",
+          "exact_act")
+STAGED_PROBES = {"rows16", "stage_only", "stage_local", "loads_first", "exact_act"}
 MC_PROBES = {"mma_first", "mc_local", "mc_unicast", "mc_b_first", "mc_no_poll"}
 
 
@@ -506,7 +511,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     row each, as with ``push``, instead of lane 0 all 16; same results), "stage_only" (the
     tile is staged, no bulk store sent: what the staging alone costs; wrong results),
     "stage_local" (the tile staged through the local-array copy of the accumulator, as
-    before session 10; same results).
+    before session 10; same results), "exact_act" (the staged SwiGLU through ``math.exp`` and
+    an IEEE division, as before session 10; results within float32 rounding).
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
@@ -530,11 +536,12 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     rows are not sent). Rows are staged ``row bytes + 16`` apart, so the 8 rows of a warp's
     store hit different banks. The staging stages are reloaded by the next tile's first K
     step: the sending lanes wait until their bulk stores have *read* them
-    (``bulk_wait_read``) before that step's block barrier. The staging runs after the next
-    tile's prologue loads are issued (their latency hides behind it, as with the direct
-    stores; probe "stage_first": before, as up to session 9) and reads the accumulator tuple
-    at constant indices (``tuple_groups``: at 192 rows the local-array copy added 60-180
-    bytes of spill; probe "stage_local": that copy).
+    (``bulk_wait_read``) before that step's block barrier. The staging runs before the next
+    tile's prologue loads are issued (probe "loads_first": after them, as the direct stores
+    do -- measured no faster at 128 rows, up to 28 % slower on qwen's gate/up, and it spills
+    more at 192: NOTES, session 10) and reads the accumulator tuple at constant indices
+    (``tuple_groups``: at 192 rows the local-array copy spilled 176-304 bytes, this 64-120;
+    probe "stage_local": that copy).
     """
     parts = probe_parts(probe)
     assert multicast in (0, 1, 2)
@@ -560,7 +567,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     epi_stride = out_row_bytes + 16         # +16: a warp's 8 rows land in 8 bank groups
     assert not staged or bm * epi_stride <= 2 * stage_bytes
-    stage_tile = make_stage_tile(bn, swiglu_epilogue, from_regs="stage_local" not in parts)
+    stage_tile = make_stage_tile(bn, swiglu_epilogue, from_regs="stage_local" not in parts,
+                                 act=swiglu_exact if "exact_act" in parts else swiglu)
     prefetch = stages - 2
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
     a_passes = bm // pass_rows              # A rows per loading thread (a compile-time size)
@@ -585,7 +593,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     no_store = "no_store" in parts
     assert staged or not parts & STAGED_PROBES
     per_lane = push or "rows16" in parts    # lanes 0..15 send one row each (else lane 0 all)
-    stage_first = "stage_first" in parts    # stage before the next tile's prologue (< s. 10)
+    stage_first = "loads_first" not in parts    # stage, then the next tile's prologue loads
     send_row = make_row_sender(push, send="stage_only" not in parts)
     ahead = stages - 1 if async_ring else prefetch     # slices requested before the first MMA
     full_count = (threads if async_ring else 0) + (1 if tma_b else 0)

@@ -10,6 +10,8 @@ from numba import cuda, float32, int32, int64, uint16, uint64
 from helpers import to_dev
 from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
 from mok_core.cuda_compat import SIM, kjit, to_host
+from mok_core.grouped_gemm_kernels import swiglu
+from mok_core.intrinsics import ex2_approx, rcp_approx
 from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
@@ -95,6 +97,34 @@ def test_bf16_rounding_matches_ml_dtypes():
     b = to_host(back)
     np.testing.assert_array_equal(b[:64], bits_to_f32(want))
     np.testing.assert_array_equal(b[64:], bits_to_f32(want))
+
+
+@kjit
+def _sfu(x, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = ex2_approx(x[i])
+        out[x.size + i] = rcp_approx(x[i])
+        out[2 * x.size + i] = swiglu(x[i], float32(0.75), float32(np.inf))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")      # the twins on +-inf (as on the GPU)
+def test_sfu_approximations_and_the_swiglu_built_on_them():
+    """ex2 / rcp within a few float32 ulp (exact specials: 2^-inf = 0, 1/inf = 0, 1/0 = inf),
+    and the SwiGLU from them within float32 rounding of float64 (large |g|: 0 and g*u)."""
+    x = np.array([-200, -88.5, -20, -3.3, -1, -0.25, 0, 0.5, 1, 2.75, 17, 100, np.inf, -np.inf],
+                 np.float32)
+    out = to_dev(np.zeros(3 * x.size, np.float32))
+    _sfu[1, 32](to_dev(x), out)
+    ex2, rcp, act = to_host(out).reshape(3, x.size).astype(np.float64)
+    xd = x.astype(np.float64)
+    with np.errstate(over="ignore", divide="ignore"):
+        np.testing.assert_allclose(ex2, np.exp2(xd), rtol=2e-6, atol=1e-37)
+        np.testing.assert_allclose(rcp[x != 0], 1 / xd[x != 0], rtol=2e-7)
+        fin = np.isfinite(xd)
+        want = xd[fin] / (1 + np.exp(-xd[fin])) * 0.75
+    assert rcp[x == 0][0] == np.inf
+    np.testing.assert_allclose(act[fin], want, rtol=2e-6, atol=1e-30)
 
 
 # ---- flags -----------------------------------------------------------------------------------

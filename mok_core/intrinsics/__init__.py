@@ -6,7 +6,8 @@
                   red_add_release_sys, clock64,
                   nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
-    bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn
+    bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn,
+                  ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, ldmatrix_x4, ldmatrix_x2, cp_async_16, cp_async_commit,
                   cp_async_wait; shared_addr + ldmatrix_x4_at / cp_async_16_at (32-bit
                   shared byte addresses for hot loops), st_shared_u32
@@ -40,6 +41,7 @@ __all__ = [
     "red_add_release_sys", "clock64",
     "nanosleep", "syncwarp", "warp_all", "tuple_pick",
     "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
+    "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",
     "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",

@@ -297,6 +297,30 @@ def fadd_rn(typingctx, a, b):
     return types.float32(a, b), codegen
 
 
+def _f32_unary(name, text, doc):
+    """A float32 -> float32 asm statement ($0 result, $1 operand)."""
+    def impl(typingctx, x):
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _f32, list(args), text, "=f,f")
+        return types.float32(x), codegen
+    impl.__name__ = name
+    impl.__doc__ = doc
+    return intrinsic(impl)
+
+
+ex2_approx = _f32_unary(
+    "ex2_approx", "ex2.approx.ftz.f32 $0, $1;",
+    "2**x, float32, the SFU's approximation (max relative error ~2**-22; denormals flushed): "
+    "one instruction where ``math.exp`` is a range reduction around it.")
+rcp_approx = _f32_unary(
+    "rcp_approx", "rcp.approx.ftz.f32 $0, $1;",
+    "1/x, float32, the SFU's approximation (within 1 ulp; denormals flushed): one "
+    "instruction where ``/`` is an IEEE division with a slow-path call and its branch.")
+
+
 # ---- tensor cores ------------------------------------------------------------------------------
 
 @intrinsic

@@ -129,6 +129,16 @@ def fadd_rn(a, b):
     return np.float32(np.float32(a) + np.float32(b))
 
 
+def ex2_approx(x):
+    with np.errstate(over="ignore"):
+        return np.float32(np.exp2(np.float32(x)))
+
+
+def rcp_approx(x):
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1.0) / np.float32(x))
+
+
 # ---- tensor cores ------------------------------------------------------------------------------
 
 def _bf16_words_to_f64(words):

@@ -151,11 +151,13 @@ def test_smem_epilogue_lowers_unserialised(bm, swiglu, push):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
-@pytest.mark.parametrize("probe", ["rows16", "stage_only", "stage_local", "stage_first"])
+@pytest.mark.parametrize("probe", ["rows16", "stage_only", "stage_local", "loads_first",
+                                   "exact_act"])
 def test_staged_epilogue_probe_builds_lower_unserialised(probe):
     """The staged epilogue's measurement builds (``benchmarks/probe_gemm.py``): lanes 0..15
     sending a row each, staging with no bulk store at all, staging through the local-array
-    copy, staging before the next tile's prologue -- still no wgmma serialised."""
+    copy, staging after the next tile's prologue loads, the exact SwiGLU -- still no wgmma
+    serialised."""
     from numba import cuda
 
     from mok_core import grouped_gemm_wgmma_kernels as wk

@@ -22,6 +22,7 @@ CASES = {
                  [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
     "ld_nc": (ti._copy_rows_v4_nc, (u16, u16, i32, int32),
               [r"ld\.global\.nc\.L1::no_allocate\.L2::256B\.v4\.u32"]),
+    "sfu": (ti._sfu, (f32, f32), [r"ex2\.approx\.ftz\.f32", r"rcp\.approx\.ftz\.f32"]),
     "bf16": (ti._convert, (f32, u16, u32, f32), [r"cvt\.rn\.bf16\.f32", r"cvt\.rn\.bf16x2\.f32"]),
     "flags": (ti._flags, (i32, i32), [r"ld\.acquire\.sys", r"st\.release\.sys",
                                       r"red\.release\.gpu\.add"]),
