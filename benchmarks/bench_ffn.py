@@ -207,11 +207,12 @@ def device_ms(fn, iters):
     return interleaved_ms({"fn": fn}, iters)["fn"]
 
 
-def interleaved_ms(fns, iters):
+def interleaved_ms(fns, iters, eager=True):
     """name -> (graph-replay ms, eager ms) of several steps timed in turns (``time_interleaved``:
     each iteration runs every step once, so a drift of the machine over the run -- clocks,
     temperature -- hits all sides alike): medians of the CUDA-graph replays (NaN for a step
-    that cannot be captured), then of the eager launches."""
+    that cannot be captured), then of the eager launches (``eager=False``: only for the steps
+    that could not be captured; NaN for the rest)."""
     graphs = {}
     for name, fn in fns.items():
         try:
@@ -219,9 +220,11 @@ def interleaved_ms(fns, iters):
         except Exception as exc:                                # keep the eager time
             progress(f"{name}: graph capture failed ({type(exc).__name__}: {exc}); eager only")
     replay = time_interleaved(graphs, iters) if graphs else {}
-    eager = time_interleaved(fns, iters)
-    return {name: (median(replay[name]) if name in replay else float("nan"),
-                   median(eager[name])) for name in fns}
+    launched = {n: f for n, f in fns.items() if eager or n not in graphs}
+    times = time_interleaved(launched, iters) if launched else {}
+    nan = float("nan")
+    return {name: (median(replay[name]) if name in replay else nan,
+                   median(times[name]) if name in times else nan) for name in fns}
 
 
 def best_ms(graph, eager):

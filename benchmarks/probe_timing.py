@@ -8,9 +8,10 @@ For each preset (EP=2, rank 0's routed FFN, uniform routing, the library's tiles
   turns      ours, grouped_mm, ours, ... (bench_ffn from session 10)
   reversed   grouped_mm, ours, grouped_mm, ...
   idle       turns with the GPU left idle 20 ms before every timed call (clocks recover)
-An SM-clock and power trace (``nvidia-smi -lms``) runs beside it and its mean per protocol is
-printed: if a side runs slower right after the other, the protocol -- not the kernel -- moves
-the ratio.
+An SM-clock and power trace (``nvidia-smi -lms 50``, ``*_smi.csv``) runs beside it; each
+row carries the trace's mean over that protocol's window (a protocol lasts ~0.5-2 s and the
+power reading is a ~1 s average: read the CSV for the shape over time). If a side runs slower
+right after the other, the protocol -- not the kernel -- moves the ratio.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,21 +43,22 @@ def trace_start(path):
 
 
 def trace_mean(path, t0, t1):
-    """Mean (SM MHz, W) of the samples taken between host times t0 and t1."""
+    """(mean SM MHz, mean W, samples) of the trace's samples taken between host times t0 and
+    t1. (nvidia-smi's power reading is itself an average over about a second.)"""
     clocks, power = [], []
     for line in open(path):
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3:
             continue
         try:
-            stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            if t0 - 1 <= stamp <= t1:
+            stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            if t0 <= stamp <= t1:
                 clocks.append(float(parts[1]))
                 power.append(float(parts[2]))
         except ValueError:
             continue
     return (float(np.mean(clocks)) if clocks else float("nan"),
-            float(np.mean(power)) if power else float("nan"))
+            float(np.mean(power)) if power else float("nan"), len(clocks))
 
 
 def protocols(ours, torch_fn, iters):
@@ -83,6 +86,38 @@ def protocols(ours, torch_fn, iters):
     return out
 
 
+def probe_preset(name, tokens, iters, trace):
+    """Rows of one preset: each protocol's medians, ratio and the clock trace's mean over it
+    (the inputs and graphs are freed on return)."""
+    from mok_comm.functional import layer_gemm
+    from mok_core.config import preset
+    shape = preset(name, ep_size=2)
+    cfg = layer_gemm(shape, tokens)
+    d = ffn_inputs(name, tokens, "uniform", cfg.row_unit, np.random.default_rng(0))
+    gu, dn = ffn_steps(d, cfg)
+    tg, td = torch_steps(d, False)
+
+    def ours():
+        gu()
+        dn()
+
+    def theirs():
+        tg()
+        td()
+    g_ours = capture_graph(ours)[0]
+    g_theirs = capture_graph(theirs)[0]
+    progress(f"{name}: {cfg}")
+    rows = []
+    for proto, (a, b, t0, t1) in protocols(g_ours.replay, g_theirs.replay, iters).items():
+        clock, power, n = trace_mean(trace, t0, t1) if trace else (float("nan"),) * 2 + (0,)
+        rows.append({"preset": name, "tokens_per_rank": tokens, "protocol": proto,
+                     "ours_ms": a, "grouped_mm_ms": b, "ratio": b / a,
+                     "sm_mhz": clock, "watts": power, "smi_samples": n})
+        progress(f"  {proto:9s} ours {a:.3f}  grouped_mm {b:.3f}  ratio {b / a:.3f}  "
+                 f"{clock:.0f} MHz {power:.0f} W ({n} samples)")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="qwen3.5-397b,kimi-k2.7,glm-5.2")
@@ -92,41 +127,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
 
-    from mok_comm.functional import layer_gemm
-    from mok_core.config import preset
     trace = os.path.splitext(args.out)[0] + "_smi.csv"
     smi = trace_start(trace)
     rows = []
-    for name in args.presets.split(","):
-        shape = preset(name, ep_size=2)
-        cfg = layer_gemm(shape, args.tokens)
-        d = ffn_inputs(name, args.tokens, "uniform", cfg.row_unit, np.random.default_rng(0))
-        gu, dn = ffn_steps(d, cfg)
-        tg, td = torch_steps(d, False)
-
-        def ours():
-            gu()
-            dn()
-
-        def theirs():
-            tg()
-            td()
-        g_ours = capture_graph(ours)[0]
-        g_theirs = capture_graph(theirs)[0]
-        progress(f"{name}: {cfg}")
-        for proto, (a, b, t0, t1) in protocols(g_ours.replay, g_theirs.replay,
-                                               args.iters).items():
-            clock, power = trace_mean(trace, t0, t1) if smi else (float("nan"),) * 2
-            rows.append({"preset": name, "tokens_per_rank": args.tokens, "protocol": proto,
-                         "ours_ms": a, "grouped_mm_ms": b, "ratio": b / a,
-                         "sm_mhz": clock, "watts": power})
-            progress(f"  {proto:9s} ours {a:.3f}  grouped_mm {b:.3f}  ratio {b / a:.3f}  "
-                     f"{clock:.0f} MHz {power:.0f} W")
-        write_json(args.out, rows)
-        del d, g_ours, g_theirs
-        torch.cuda.empty_cache()
-    if smi:
-        smi.terminate()
+    try:
+        for name in args.presets.split(","):
+            rows += probe_preset(name, args.tokens, args.iters, trace if smi else None)
+            write_json(args.out, rows)
+            torch.cuda.empty_cache()
+    finally:
+        if smi:
+            smi.terminate()
+            smi.wait()
     print(table(rows, ["preset", "protocol", "ours_ms", "grouped_mm_ms", "ratio", "sm_mhz",
                        "watts"]))
     return rows

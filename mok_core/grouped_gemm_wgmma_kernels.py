@@ -158,8 +158,8 @@ def make_stage_tile(bn, swiglu_epilogue, from_regs=True, act=swiglu):
     (local) at byte 2 * col -- for bulk stores to send (``GemmConfig.smem_epilogue``).
     ``from_regs``: read the accumulator tuple at constant indices, group by group
     (``tuple_groups``), so it never goes to local memory; else (probe "stage_local", the
-    direct epilogue's way) through the local array ``c``. ``act``: the SwiGLU (probe
-    "exact_act": ``swiglu_exact``)."""
+    direct epilogue's way) through the local array ``c``. ``act``: the SwiGLU of the
+    register path (probe "exact_act": ``swiglu_exact``; the local-array path has ``swiglu``)."""
     pairs = _make_pair_epilogue(bn, swiglu_epilogue, _put_shared)
     stage_groups = tuple_groups(_make_stage_swiglu_group(act) if swiglu_epilogue
                                 else _stage_plain_group,
@@ -511,8 +511,9 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     row each, as with ``push``, instead of lane 0 all 16; same results), "stage_only" (the
     tile is staged, no bulk store sent: what the staging alone costs; wrong results),
     "stage_local" (the tile staged through the local-array copy of the accumulator, as
-    before session 10; same results), "exact_act" (the staged SwiGLU through ``math.exp`` and
-    an IEEE division, as before session 10; results within float32 rounding).
+    before session 10, with today's SwiGLU; same results), "exact_act" (the staged SwiGLU
+    through ``math.exp`` and an IEEE division, as before session 10; results within float32
+    rounding; not with "stage_local").
     ``multicast`` (with ``tma_b``; 0 = off): a cluster of that many blocks (1 or 2; launch with
     ``cuda_compat.launch_cluster``) takes the row tiles of one expert that meet the same
     weight columns -- a work tile is ``multicast * bm`` rows, block rank r computes rows
@@ -592,6 +593,7 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
     skip_mma = "no_mma" in parts
     no_store = "no_store" in parts
     assert staged or not parts & STAGED_PROBES
+    assert not {"stage_local", "exact_act"} <= parts, "exact_act: the register path only"
     per_lane = push or "rows16" in parts    # lanes 0..15 send one row each (else lane 0 all)
     stage_first = "loads_first" not in parts    # stage, then the next tile's prologue loads
     send_row = make_row_sender(push, send="stage_only" not in parts)
@@ -793,7 +795,8 @@ def make_wgmma_grouped_gemm(bn, stages, swiglu_epilogue, gather, padding_index,
         c = cuda.local.array(nacc, float32)    # the accumulator, for the epilogue's loop
 
         # Tile loop. A tile's first PREFETCH slices are requested before the previous tile's
-        # epilogue runs (the ring is free by then), so their latency hides behind its stores.
+        # direct epilogue runs (the ring is free by then), so their latency hides behind its
+        # stores; the staged epilogue runs before them (probe "loads_first": after).
         t = cuda.blockIdx.x // cl              # the cluster's index (the block's without one)
         g0 = int64(0)                          # async / cluster ring: block-global slice index
         row0 = 0

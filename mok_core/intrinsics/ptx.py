@@ -622,7 +622,8 @@ def tuple_groups(fn, layout):
     the tuple stays in registers -- a loop over a ``store_f32_tuple`` copy stays in local
     memory when the compiler keeps it rolled (the SwiGLU epilogue's 512 bytes per thread, and
     with ~200 KB of shared memory taken, L1 holds little of it). ``extra``: a tuple of the
-    other arguments. ``fn``: a plain Python function, compiled for the device and inlined."""
+    other arguments. ``fn``: a plain Python function, compiled for the device as a subroutine
+    that NVVM inlines (the PTX test checks that no local copy is left)."""
     @intrinsic
     def apply(typingctx, acc, extra):
         if not (isinstance(acc, types.UniTuple) and acc.dtype == types.float32

@@ -129,14 +129,20 @@ def fadd_rn(a, b):
     return np.float32(np.float32(a) + np.float32(b))
 
 
+def _ftz(x):
+    """float32 with denormals flushed to (signed) zero, as the .ftz instructions do."""
+    x = np.float32(x)
+    return np.float32(np.copysign(0.0, x)) if 0 < abs(x) < np.finfo(np.float32).tiny else x
+
+
 def ex2_approx(x):
     with np.errstate(over="ignore"):
-        return np.float32(np.exp2(np.float32(x)))
+        return _ftz(np.exp2(_ftz(x)))
 
 
 def rcp_approx(x):
-    with np.errstate(divide="ignore"):
-        return np.float32(np.float32(1.0) / np.float32(x))
+    with np.errstate(divide="ignore", over="ignore"):
+        return _ftz(np.float32(1.0) / _ftz(x))
 
 
 # ---- tensor cores ------------------------------------------------------------------------------
