@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
-test: test-sim test-ptx
+# The two suites in parallel (each is mostly one core: the simulator holds the GIL, ptxas
+# compiles one kernel at a time); each one's output printed whole when it ends.
+test: $(STAMP)
+	$(MAKE) -j2 --output-sync=target test-sim test-ptx
 
 test-sim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=8 tests --ignore=tests/gpu --ignore=tests/ptx

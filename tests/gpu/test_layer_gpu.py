@@ -163,26 +163,29 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name):
         lw_pull.comm.free()
 
 
+@pytest.mark.parametrize("rows", [128, 192])
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "glm-5.2"])
-def test_staged_epilogue_layer_equals_direct(torch_world, preset_name):
+def test_staged_epilogue_layer_equals_direct(torch_world, preset_name, rows):
     """The default tiles stage the epilogue in shared memory (``GemmConfig.smem_epilogue``):
     the fused combine then sends each row home by one bulk store, to a peer over NVLink. The
     layer's output equals the same tiles with the direct epilogue bit for bit (the tiles and
-    so the sums are the same; only the way the bits travel differs)."""
+    so the sums are the same; only the way the bits travel differs). ``rows``: the default
+    128-row tiles, or 192-row tiles staged (``WGMMA_192_GEMM`` with the staging on)."""
     import dataclasses
 
     import torch
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
-    from mok_core.grouped_gemm import default_gemm
+    from mok_core.grouped_gemm import WGMMA_192_GEMM, default_gemm
     from mok_torch import synthetic
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = MoKConfig()
-    staged = default_gemm()
-    assert staged.smem_epilogue
+    staged = (default_gemm() if rows == 128
+              else dataclasses.replace(WGMMA_192_GEMM, smem_epilogue=True))
+    assert staged.smem_epilogue and staged.bm == rows
     direct = dataclasses.replace(staged, smem_epilogue=False)
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=9, skew=0.3, masked=0.01)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)

@@ -130,7 +130,8 @@ def test_wgmma_mainloop_is_not_serialised(bm, swiglu, push, async_ring, packed):
     assert "C7518" not in report and "serialized" not in report, report[-600:]
 
 
-@pytest.mark.parametrize("bm,swiglu,push", [(192, True, False), (128, False, True)])
+@pytest.mark.parametrize("bm,swiglu,push", [(192, True, False), (128, False, True),
+                                             (192, False, True)])
 def test_smem_epilogue_lowers_unserialised(bm, swiglu, push):
     """The staged epilogue (shared memory + one bulk store per row; with ``push`` to the
     source ranks' combine rows): st.shared pairs, bulk stores, the read-wait before the next
