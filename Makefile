@@ -19,16 +19,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
-# The two suites in parallel (each is mostly one core: the simulator holds the GIL, ptxas
-# compiles one kernel at a time); each one's output printed whole when it ends.
+# The two suites in parallel, the PTX one niced: the simulator suite is the longer and its
+# block threads want more than one core, the compiles fill what is left; each one's output
+# is printed whole when it ends.
 test: $(STAMP)
-	$(MAKE) -j2 --output-sync=target test-sim test-ptx
+	$(MAKE) -j2 --output-sync=target test-sim test-ptx PTX_NICE="nice -n 15"
 
 test-sim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=8 tests --ignore=tests/gpu --ignore=tests/ptx
 
 test-ptx: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=0 $(PY) -m pytest -q -p no:cacheprovider tests/ptx
+	NUMBA_ENABLE_CUDASIM=0 $(PTX_NICE) $(PY) -m pytest -q -p no:cacheprovider tests/ptx
 
 # On a GPU host (see README): the multi-process GPU suite.
 test-gpu:
