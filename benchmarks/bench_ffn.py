@@ -211,8 +211,9 @@ def interleaved_ms(fns, iters, eager=True):
     """name -> (graph-replay ms, eager ms) of several steps timed in turns (``time_interleaved``:
     each iteration runs every step once, so a drift of the machine over the run -- clocks,
     temperature -- hits all sides alike): medians of the CUDA-graph replays (NaN for a step
-    that cannot be captured), then of the eager launches (``eager=False``: only for the steps
-    that could not be captured; NaN for the rest)."""
+    that cannot be captured), then of the eager launches (``eager``: True for every step, or
+    the names of the steps to launch eagerly too -- the others only if they could not be
+    captured; NaN for the rest)."""
     graphs = {}
     for name, fn in fns.items():
         try:
@@ -220,7 +221,8 @@ def interleaved_ms(fns, iters, eager=True):
         except Exception as exc:                                # keep the eager time
             progress(f"{name}: graph capture failed ({type(exc).__name__}: {exc}); eager only")
     replay = time_interleaved(graphs, iters) if graphs else {}
-    launched = {n: f for n, f in fns.items() if eager or n not in graphs}
+    launched = {n: f for n, f in fns.items()
+                if eager is True or n in eager or n not in graphs}
     times = time_interleaved(launched, iters) if launched else {}
     nan = float("nan")
     return {name: (median(replay[name]) if name in replay else nan,

@@ -179,22 +179,18 @@ def main(argv=None):
         # case hits them all alike (one variant after another, the spread between bursts
         # was larger than the effects probed -- NOTES, session 10)
         # (graph replays: device time; torch eagerly too, as in bench_ffn -- its best)
-        torch_t = interleaved_ms(dict(zip(("gate_up", "down"), steps["torch"])), args.iters)
         t = interleaved_ms({f"{v} {g}": f for v, pair in steps.items()
                             for g, f in zip(("gate_up", "down"), pair)}, args.iters,
-                           eager=False)
+                           eager=("torch gate_up", "torch down"))
         for v in steps:
-            gu_t, dn_t = t[f"{v} gate_up"], t[f"{v} down"]
-            if v == "torch":
-                gu_t, dn_t = (gu_t[0], torch_t["gate_up"][1]), (dn_t[0], torch_t["down"][1])
-            ms = (best_ms(*gu_t), best_ms(*dn_t))
+            ms = (best_ms(*t[f"{v} gate_up"]), best_ms(*t[f"{v} down"]))
             row = {"case": case, "variant": v, "gate_up_ms": ms[0], "down_ms": ms[1],
                    "tflops": flops / sum(ms) / 1e9, "gpu": gpu_name()}
             if v in configs:
                 row["gemm"] = str(configs[v])
             rows.append(row)
         write_json(args.out, rows)
-        d = steps = t = torch_t = None        # the steps' closures hold d's tensors too
+        d = steps = t = None                  # the steps' closures hold d's tensors too
         torch.cuda.empty_cache()
     write_json(args.out, rows)
     from mok_core import cuda_compat

@@ -63,10 +63,11 @@ def swiglu(g, u, limit):
     """SiLU(min(g, L)) * clamp(u, -L, L) in float32 (L = +inf: plain SwiGLU), the sigmoid as
     1 / (1 + 2^(-g log2 e)) by one SFU exp2 and one SFU reciprocal: a few float32 ulp for
     moderate g, up to ~40 near g = -80 (the rounding of g log2 e), and flushed to 0 below
-    g ~ -87.3 (the SFU flushes denormals) -- all far below the bf16 rounding that follows. ``math.exp`` and ``/`` made each element a ~20-
-    instruction dependent chain with a slow-path branch: unrolled over a 128 x 256 tile that
-    epilogue is ~2000 instructions, and a gate/up GEMM spent up to a quarter of its time there
-    (NOTES, session 10). Deterministic like the rest: same inputs, same bits."""
+    g ~ -87.3 (the SFU flushes denormals) -- all far below the bf16 rounding that follows.
+    ``math.exp`` and ``/`` made each element a ~20-instruction dependent chain with a
+    slow-path branch: unrolled over a 128 x 256 tile that epilogue is ~2000 instructions, and a
+    gate/up GEMM spent up to a quarter of its time there (NOTES, session 10). Deterministic
+    like the rest: same inputs, same bits."""
     g = min(g, limit)
     u = max(min(u, limit), -limit)
     return g * rcp_approx(float32(1.0) + ex2_approx(g * _NEG_LOG2E)) * u
