@@ -9,7 +9,9 @@ Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world s
              engine (not the issue's measure: that is the SM pull kernel, "dispatch");
              "dispatch_push": ops.dispatch(variant="push") -- each rank's SMs write its tokens
              into the peers' staging (+ the wait for its own arrivals), ratio to the
-             copy-engine push of the same bytes ("copy_push_dispatch") and to the pull
+             copy-engine push of the same bytes ("copy_push_dispatch") and to the pull;
+             "dispatch_split": ops.dispatch(variant="split") -- the copy engine moves each
+             peer's first ``ops.SPLIT_CE_SHARE`` of tokens while the SM pull stages the rest
   combine    our push combine (each (token, slot) row goes home)
   copy       copy-engine peer copy of the same bytes (pull for dispatch, push for combine)
   nccl       all_to_all_single of the routed rows (not deduplicated), splits exchanged and
@@ -102,6 +104,7 @@ def run_case(T, iters, warmup):
         "dispatch_bulk": lambda: ops.dispatch(ws, sched, stream=cur(), variant="bulk"),
         "dispatch_ce": lambda: ops.dispatch(ws, sched, stream=cur(), variant="copy_engine"),
         "dispatch_push": lambda: ops.dispatch(ws, sched, stream=cur(), variant="push"),
+        "dispatch_split": lambda: ops.dispatch(ws, sched, stream=cur(), variant="split"),
         "combine": lambda: ops.combine(ws, sched, y.view(u16), stream=cur()),
         "combine_bulk": lambda: ops.combine(ws, sched, y.view(u16), stream=cur(),
                                             variant="bulk"),
@@ -123,7 +126,7 @@ def run_case(T, iters, warmup):
     # The goal's pair once more, taken in turns (dispatch, copy, dispatch, copy, ...): the
     # copy engine's time drifts between runs and within one, the kernel's does not.
     pair = {n: capture_graph(steps[n])[0] for n in ("dispatch", "copy_pull", "dispatch_push",
-                                                    "copy_push_dispatch")}
+                                                    "copy_push_dispatch", "dispatch_split")}
     td.barrier()
     turns = time_interleaved({n: g.replay for n, g in pair.items()}, iters, warmup, pre=bar)
     t_turns = {n: rank_max_median(v) for n, v in turns.items()}
@@ -178,6 +181,13 @@ def run_case(T, iters, warmup):
     row["dispatch_push_ratio_to_copy_push_interleaved"] = (
         gb(dispatch_bytes, t_turns["dispatch_push"])
         / gb(nrow * row_bytes, t_turns["copy_push_dispatch"]))
+    row["dispatch_split_ms"] = graph["dispatch_split"]
+    row["dispatch_split_ce_share"] = ops.SPLIT_CE_SHARE
+    row["dispatch_split_gbps"] = gb(dispatch_bytes, graph["dispatch_split"])
+    row["dispatch_split_ratio_to_copy"] = row["dispatch_split_gbps"] / row["copy_gbps"]
+    row["dispatch_split_interleaved_ms"] = t_turns["dispatch_split"]
+    row["dispatch_split_ratio_to_copy_interleaved"] = (
+        gb(dispatch_bytes, t_turns["dispatch_split"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
     row["dispatch_bulk_gbps"] = gb(dispatch_bytes, t_bulk)          # variant="bulk", same rows
     row["dispatch_bulk_ratio_to_copy"] = row["dispatch_bulk_gbps"] / row["copy_gbps"]
     # copy-engine variant: whole peer buffers (more bytes than the dedup'd rows); GB/s counted
@@ -218,12 +228,14 @@ def main(argv=None):
         write_json(args.out, rows)
         print(table(rows, ["tokens_per_rank", "ep", "dispatch_gbps", "combine_gbps",
                            "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
-                           "dispatch_ratio_to_copy_interleaved",
+                           "dispatch_ratio_to_copy_interleaved", "dispatch_split_ratio_to_copy",
+                           "dispatch_split_ratio_to_copy_interleaved",
                            "dispatch_bulk_ratio_to_copy", "dispatch_ce_ratio_to_copy",
                            "dispatch_push_ratio_to_copy_push", "dispatch_push_ratio_to_copy",
                            "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
-        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_push_ms", "dispatch_ce_ms",
+        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_split_ms", "dispatch_push_ms",
+                           "dispatch_ce_ms",
                            "copy_push_dispatch_ms", "dispatch_eager_ms", "combine_ms",
                            "combine_eager_ms", "copy_pull_ms", "copy_push_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))

@@ -11,9 +11,14 @@ Variants (``kernels.dispatch.make_pull_dispatch_kernel`` + the launch shape):
   push         the push dispatch (``kernels.push_dispatch``: owners write into the peers'
                staging, + the arrivals wait); perroute: a release add per route, not per
                block (with nofence: no ``membar.sys`` per pair)
-  '+'-joined   e.g. nofence+nc+b4w8, push+nofence+b4w8
-Ratios: pull variants to the copy-engine pull, push variants to the copy-engine push.
-Every variant's staging rows are checked bit-equal to the library's before it is timed.
+  splitF       the split dispatch (``ops.dispatch_split``): the copy engine moves the first
+               F of every peer's tokens on a side stream while the SM pull kernel stages the
+               rest (``ce_share=F``; with bBwW: the SM kernel's launch)
+  '+'-joined   e.g. nofence+nc+b4w8, push+nofence+b4w8, split0.5+b1w16
+Ratios: pull variants to the copy-engine pull, push variants to the copy-engine push; every
+variant and the copy-engine pull are also timed in turns (``*_turns_ratio``: iteration i times
+the copy and each variant once). Every variant's staging rows are checked bit-equal to the
+library's before it is timed (split: the copy engine's range may also hold unneeded tokens).
 GB/s = deduplicated bytes that cross NVLink / time; CUDA-graph replays, max over ranks per
 iteration, median over iterations (as ``bench_comm``).
 """
@@ -27,18 +32,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_comm import H, routed_comm  # noqa: E402
 from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress,  # noqa: E402
-                               rank_max_median, table, time_iters, write_json)
+                               rank_max_median, table, time_interleaved, time_iters,
+                               write_json)
 
-VARIANTS = "base,push,push+b4w8,push+b1w32,push+b2w8,push+perroute+nofence"
+VARIANTS = "base,split0.2,split0.35,split0.5,split0.65,split0.8,split0.5+b1w16,push"
 
 
 def parse_variant(name):
-    """(push, fence, nc_loads, blocks per SM, warps per block, aggregate) of a variant."""
-    push, fence, nc, blocks, warps, aggregate = False, True, False, 2, 16, True
+    """(push, fence, nc_loads, blocks per SM, warps per block, aggregate, split share or None)
+    of a variant."""
+    push, fence, nc, blocks, warps, aggregate, split = False, True, False, 2, 16, True, None
     for part in name.split("+"):
         if part == "base":
             continue
-        if part == "push":
+        if part.startswith("split"):
+            split = float(part[5:])
+        elif part == "push":
             push = True
         elif part == "perroute":
             aggregate = False
@@ -50,7 +59,9 @@ def parse_variant(name):
             blocks, warps = (int(v) for v in part[1:].split("w"))
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    return push, fence, nc, blocks, warps, aggregate
+    if split is not None and (push or not fence or nc):
+        raise ValueError(f"{name}: split takes only a launch shape (bBwW)")
+    return push, fence, nc, blocks, warps, aggregate, split
 
 
 def run_case(T, variants, iters, warmup):
@@ -77,7 +88,9 @@ def run_case(T, variants, iters, warmup):
     def step_of(name):
         if name == "base":
             return lambda: ops.dispatch(ws, sched, stream=numba_stream())
-        push, fence, nc, blocks, warps, aggregate = parse_variant(name)
+        push, fence, nc, blocks, warps, aggregate, split = parse_variant(name)
+        if split is not None:
+            return lambda: ops.dispatch_split(ws, sched, numba_stream(), blocks * sms, split)
         if push:
             kernel = make_push_dispatch_kernel(fence, aggregate)
             args = ops.push_dispatch_args(ws, sched)
@@ -95,10 +108,10 @@ def run_case(T, variants, iters, warmup):
     want = staged.clone()
     row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(), "dispatch_bytes": nbytes}
     td.barrier()
-    g, _ = capture_graph(lambda: dst.copy_(pv))
-    row["copy_ms"] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
+    copy_graph, _ = capture_graph(lambda: dst.copy_(pv))
+    row["copy_ms"] = rank_max_median(time_iters(copy_graph.replay, iters, warmup, pre=bar))
     row["copy_gbps"] = nbytes / row["copy_ms"] / 1e6
-    del g
+    graphs = {}
     g, _ = capture_graph(lambda: pv.copy_(dst))
     row["copy_push_ms"] = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
     row["copy_push_gbps"] = nbytes / row["copy_push_ms"] / 1e6
@@ -113,15 +126,32 @@ def run_case(T, variants, iters, warmup):
         step()
         torch.cuda.synchronize()
         td.barrier()
-        ok = torch.equal(staged, want)
+        differs = (staged != want).view(R * T, H).any(dim=1)
+        split = parse_variant(name)[6]
+        if split is not None:                # the copy engine's range: unneeded tokens too
+            t_ce = ops.split_tokens(ws, split)
+            extra = torch.zeros(R, T, dtype=torch.bool, device="cuda")
+            extra[:, :t_ce] = want.view(R, T, H).eq(0).all(dim=2)[:, :t_ce]
+            differs &= ~extra.view(-1)
+        ok = not bool(differs.any())
         td.barrier()
         g, _ = capture_graph(step)
         ms = rank_max_median(time_iters(g.replay, iters, warmup, pre=bar))
-        del g
+        graphs[name] = g
         row[f"{name}_ms"] = ms
         ceiling = "copy_push_ms" if parse_variant(name)[0] else "copy_ms"
         row[f"{name}_ratio"] = row[ceiling] / ms
         row[f"{name}_equal"] = bool(ok)
+    # In turns with the copy-engine pull (machine drift hits both alike).
+    td.barrier()
+    turns = time_interleaved({"copy": copy_graph.replay,
+                              **{n: g.replay for n, g in graphs.items()}}, iters, warmup,
+                             pre=bar)
+    t_copy = rank_max_median(turns.pop("copy"))
+    row["copy_turns_ms"] = t_copy
+    for name, times in turns.items():
+        row[f"{name}_turns_ratio"] = t_copy / rank_max_median(times)
+    del graphs, copy_graph
     ws.check()
     nvs.free_tensor(src)
     heap.free()
@@ -148,7 +178,8 @@ def main(argv=None):
     if td.get_rank() == 0:
         write_json(args.out, rows)
         flat = [{"variant": v, **{f"T{r['tokens_per_rank']}_{f}": r[f"{v}_{f}"]
-                                  for r in rows for f in ("ms", "ratio", "equal")}}
+                                  for r in rows for f in ("ms", "ratio", "turns_ratio",
+                                                          "equal")}}
                 for v in variants]
         for ce in ("copy_push", "copy"):
             flat.insert(0, {"variant": ce, **{f"T{r['tokens_per_rank']}_ms": r[f"{ce}_ms"]

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_core.cuda_compat import (SIM, as_device_array, device_copy, launch,
+from mok_core.cuda_compat import (SIM, SideStream, as_device_array, device_copy, launch,
                                   multiprocessor_count)
 
 from .kernels.allgather import push_ids_kernel
 from .kernels.barrier import arrive_kernel, barrier_kernel, wait_kernel
 from .kernels.bulk import BULK_CHUNK, BULK_WARPS, bulk_smem_bytes
 from .kernels.combine import push_combine_bulk_kernel, push_combine_kernel
-from .kernels.dispatch import (publish_all_kernel, pull_dispatch_bulk_kernel,
-                               pull_dispatch_kernel)
+from .kernels.dispatch import (publish_all_kernel, publish_tokens_kernel,
+                               pull_dispatch_bulk_kernel, pull_dispatch_kernel)
 from .kernels.epilogue import combine_epilogue_kernel
 from .kernels.publish import publish_x_kernel
 from .kernels.push_dispatch import push_dispatch_kernel, wait_arrivals_kernel
@@ -103,7 +103,8 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
 
 
 COPY_VARIANTS = ("ld", "bulk")
-DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine", "push")
+DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine", "push", "split")
+SPLIT_CE_SHARE = 0.5        # variant "split": share of each peer's tokens the copy engine moves
 
 
 def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
@@ -121,7 +122,7 @@ def _check_variant(variant, allowed=COPY_VARIANTS):
 
 
 def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
-             bulk_chunk=BULK_CHUNK) -> None:
+             bulk_chunk=BULK_CHUNK, ce_share=SPLIT_CE_SHARE) -> None:
     """Pull the rows this rank's experts need into ``ws.x_recv`` (row ``r*T + t``).
 
     Afterwards the GEMM A rows of the expert-sorted space are
@@ -136,9 +137,14 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     1 - 2^-8 of them) or "push" (every rank writes its own tokens into the ranks that need
     them, then waits for its own rows: ``dispatch_push`` + ``wait_dispatch_push`` -- every
     rank of the group must call it; emulated ranks call the two halves, every rank's push
-    before any wait); the same staging rows and ``ready`` totals either way.
+    before any wait) or "split" (``dispatch_split``: the copy engine moves the first
+    ``ce_share`` of every peer's tokens while the SMs pull the rows needed among the rest);
+    the same staging rows and ``ready`` totals either way.
     """
     _check_variant(variant, DISPATCH_VARIANTS)
+    if variant == "split":
+        dispatch_split(ws, schedule, stream, num_blocks, ce_share)
+        return
     if variant == "push":
         dispatch_push(ws, schedule, stream, num_blocks)
         wait_dispatch_push(ws, schedule, stream)
@@ -160,12 +166,53 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
         _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
 
 
-def pull_dispatch_args(ws: Workspace, schedule) -> tuple:
+def split_tokens(ws: Workspace, ce_share) -> int:
+    """Tokens of each peer that ``dispatch_split`` leaves to the copy engine (t < this)."""
+    if not 0.0 <= ce_share <= 1.0:
+        raise ValueError(f"ce_share={ce_share!r}: must be within [0, 1]")
+    return int(round(ce_share * ws.tokens_per_rank))
+
+
+def dispatch_split(ws: Workspace, schedule, stream=0, num_blocks=None,
+                   ce_share=SPLIT_CE_SHARE) -> None:
+    """``dispatch(variant="split")``: two engines pull at once. On a side stream forked from
+    ``stream`` the copy engine copies tokens t < ``split_tokens(ws, ce_share)`` of every peer
+    (one contiguous copy per peer, unneeded tokens included) while the SM pull kernel stages
+    the needed tokens t >= that of every rank and counts their rows ready as it goes; after the
+    join one launch counts the copy engine's rows. Why: SM-issued NVLink reads stall at ~0.89
+    of the copy engine's rate whatever the kernel does (NOTES, sessions 5-6), and the copy
+    engine needs no SM -- the two share the link. Capturable (the fork and join are events)."""
+    T, H = ws.tokens_per_rank, ws.hidden
+    t_ce = split_tokens(ws, ce_share)
+    if T == 0:
+        return
+    if t_ce:
+        if ws.side is None:
+            ws.side = SideStream()
+        ws.side.fork(stream)
+        staging = _flat(ws.x_recv)
+        for r in range(ws.ep_size):
+            if r != ws.rank:
+                device_copy(staging[r * T * H:(r * T + t_ce) * H], ws.peer_x[r][:t_ce * H],
+                            ws.side.stream)
+    args = pull_dispatch_args(ws, schedule, t_begin=t_ce)
+    pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+    if t_ce:
+        ws.side.join(stream)
+        publish_tokens_kernel[_PUBLISH_BLOCKS, _COPY_THREADS, stream](
+            _flat(schedule.recv_row), schedule.ready, np.int64(T), np.int64(ws.topk),
+            np.int64(schedule.minibatch_size), np.int64(t_ce))
+
+
+_PUBLISH_BLOCKS = 2 if SIM else 64
+
+
+def pull_dispatch_args(ws: Workspace, schedule, t_begin=0) -> tuple:
     """The pull dispatch kernels' arguments (``kernels.dispatch``; the bulk one takes three
-    more)."""
+    more). ``t_begin``: the kernel stages tokens t >= t_begin of every rank."""
     return (ws.rank, ws.peer_x, _flat(schedule.recv_row), _flat(ws.x_recv), schedule.ready,
             np.int64(ws.tokens_per_rank), np.int64(ws.hidden), np.int64(ws.topk),
-            np.int64(schedule.minibatch_size))
+            np.int64(schedule.minibatch_size), np.int64(t_begin))
 
 
 def push_dispatch_args(ws: Workspace, schedule) -> tuple:

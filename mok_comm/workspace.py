@@ -58,6 +58,7 @@ class Workspace:
     barrier_epoch: object
     x_recv: object
     errors: object
+    side: object = None             # SideStream of the split dispatch, made at its first call
 
     @property
     def experts_per_rank(self) -> int:

@@ -182,6 +182,41 @@ def device_copy(dst, src, stream=0) -> None:
     dst.copy_to_device(src, stream=stream)
 
 
+class SideStream:
+    """A second stream that a launch sequence forks work onto and joins back from, through
+    events: ordered both ways with the caller's stream, so it runs concurrently with the
+    caller's launches in between and is capturable in a CUDA graph (fork and join become graph
+    edges). Non-blocking: a caller on the legacy default stream would otherwise serialise with
+    it. Simulator: ``stream`` is 0 and fork / join do nothing (everything runs in order)."""
+
+    def __init__(self):
+        self.stream = 0
+        if SIM:
+            return
+        import weakref
+
+        from cuda.bindings import driver as cu
+        cuda.current_context()              # numba's (primary) context current on this thread
+        err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamCreate failed: {err}")
+        self.stream = cuda.external_stream(int(handle))
+        self._fork, self._join = cuda.event(timing=False), cuda.event(timing=False)
+        weakref.finalize(self, cu.cuStreamDestroy, handle)
+
+    def fork(self, stream) -> None:
+        """Work enqueued on ``self.stream`` from now on starts after ``stream``'s so far."""
+        if not SIM:
+            self._fork.record(stream)
+            self._fork.wait(self.stream)
+
+    def join(self, stream) -> None:
+        """Work enqueued on ``stream`` from now on starts after ``self.stream``'s so far."""
+        if not SIM:
+            self._join.record(self.stream)
+            self._join.wait(stream)
+
+
 def to_host(arr, stream=0) -> np.ndarray:
     """Copy a device array to a fresh host NumPy array (synchronises ``stream``)."""
     if isinstance(arr, np.ndarray):

@@ -15,7 +15,7 @@ from helpers import to_dev
 from mok_comm import ops
 from mok_comm.emulation import EmulatedGroup
 from mok_core.config import MoKConfig
-from mok_core.cuda_compat import kjit, to_host
+from mok_core.cuda_compat import SIM, kjit, to_host
 from mok_core.errors_kernels import record_timeout
 from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule
@@ -34,7 +34,7 @@ def scheduled_group(R, T, H, k, E, x, ids, cfg):
     return group, scheds
 
 
-def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
+def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld", ce_share=0.5):
     group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
     C = group.workspaces[0].capacity
     index = [to_dev(np.zeros(C, np.int32)) for _ in range(R)]
@@ -46,7 +46,8 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
         group.each(lambda r, ws: ops.dispatch_push(ws, scheds[r]))
         group.each(lambda r, ws: ops.wait_dispatch_push(ws, scheds[r]))
     else:
-        group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32))
+        group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32,
+                                              ce_share=ce_share))
     group.each(lambda r, ws: ops.gather_index(ws, scheds[r], index[r]))
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
@@ -72,6 +73,9 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld"):
     (2, "skewed", "copy_engine"), (3, "masked_and_empty_rank", "copy_engine"),
     # push dispatch: owners write into the peers' staging, arrivals counted on the peer
     (2, "skewed", "push"), (3, "masked_and_empty_rank", "push"), (4, "skewed", "push"),
+    # split: the copy engine takes each peer's first tokens, the SM pull the rest
+    (2, "skewed", "split"), (3, "masked_and_empty_rank", "split"),
+    (3, "skewed", "split_all"), (2, "masked_and_empty_rank", "split_none"),
 ])
 def test_round_trip_exact(R, case, variant):
     rng = np.random.default_rng(R * 10 + len(case))
@@ -82,7 +86,9 @@ def test_round_trip_exact(R, case, variant):
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
     cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
-    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant)
+    variant, ce_share = {"split": ("split", 0.3), "split_all": ("split", 1.0),
+                         "split_none": ("split", 0.0)}.get(variant, (variant, 0.5))
+    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share)
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
 
     # Dispatch progress counters: every real row counted once, in its minibatch -- the totals
@@ -97,25 +103,55 @@ def test_round_trip_exact(R, case, variant):
         assert not to_host(ws.push_arrivals).any()
 
 
-@pytest.mark.parametrize("variant", ["ld", "push"])
-def test_staging_pulls_each_token_once_per_rank(variant):
+@pytest.mark.parametrize("variant,ce_tokens", [("ld", 0), ("push", 0), ("split", 5)])
+def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
     """x_recv holds exactly the peers' tokens with >= 1 route to this rank (the rest stays
     zero), plus this rank's own tokens in its own slice (written by publish, never copied) --
-    whether pulled by this rank or pushed by the owner."""
+    whether pulled by this rank or pushed by the owner. The split dispatch's copy engine also
+    brings each peer's first ``ce_tokens`` tokens, needed or not (5 of 16: ce_share 0.3)."""
     rng = np.random.default_rng(9)
     R, T, H, k, E = 2, 16, 16, 4, 8
     ids = make_routing(rng, R, T, k, E)
+    ids[:, 2] = -1                          # a token no rank needs, inside the copy-engine range
     x = bf16_bits(rng.standard_normal((R, T, H)) + 3.0)      # no zero rows
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(np.zeros((R, T, H)))
     cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
-    group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant)
+    group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share=0.3)
     for me, ws in enumerate(group.workspaces):
         staged = to_host(ws.x_recv).reshape(R, T, H)
         needed = ((ids >= 0) & (ids // (E // R) == me)).any(axis=2)
+        needed[:, :ce_tokens] = True
         needed[me] = True
         np.testing.assert_array_equal(staged[needed], x[needed])
         assert not staged[~needed].any()
+
+
+@pytest.mark.skipif(not SIM, reason="a compiled kernel keeps the AGG_SLOTS it was built with")
+def test_split_dispatch_counts_without_shared_counters(monkeypatch):
+    """The copy engine's rows counted one global add per row when the minibatches outnumber
+    the block's shared counters (``AGG_SLOTS``): the same ``ready`` totals and output."""
+    from mok_comm.kernels import dispatch as dispatch_kernels
+    monkeypatch.setattr(dispatch_kernels, "AGG_SLOTS", 1)
+    rng = np.random.default_rng(21)
+    R, T, H, k, E = 2, 12, 16, 3, 4
+    ids = make_routing(rng, R, T, k, E, skew=0.5, masked=0.2)
+    x = bf16_bits(rng.standard_normal((R, T, H)))
+    w = rng.random((R, T, k)).astype(np.float32)
+    ys = bf16_bits(rng.standard_normal((R, T, H)))
+    cfg = MoKConfig(row_align=4, minibatch_size=4, macrobatch_size=64, capacity_factor=1.0)
+    _, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "split", ce_share=0.6)
+    np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
+    for s in scheds:
+        assert len(to_host(s.ready)) > 1
+        np.testing.assert_array_equal(to_host(s.ready), to_host(s.minibatch_rows))
+
+
+def test_split_share_out_of_range_is_refused():
+    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=1, num_experts=2, config=cfg)
+    with pytest.raises(ValueError, match="ce_share"):
+        ops.split_tokens(group.workspaces[0], 1.5)
 
 
 def test_repeated_forward_is_bitwise_identical():

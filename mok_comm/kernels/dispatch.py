@@ -23,7 +23,7 @@ minibatch q reads.
 Rows move as 16-byte loads/stores per lane with up to eight loads in flight per lane (unrolled
 by hand: the compiler cannot hoist loads of a peer buffer over stores it cannot prove apart).
 """
-from numba import cuda, uint16
+from numba import cuda, int32, uint16
 
 from mok_core.cuda_compat import kjit
 from mok_core.errors_kernels import record_timeout
@@ -112,27 +112,31 @@ def make_pull_dispatch_kernel(fence=True, nc_loads=False):
     copy = make_copy_row(ld_v4_nc if nc_loads else ld_v4)
 
     @kjit(max_registers=64)         # two 512-thread comm blocks per SM
-    def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_size):
+    def pull_dispatch_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_size,
+                             t_begin):
         """Launch: grid = comm blocks, block = 32 * warps threads.
 
         peer_x      tuple over ranks of uint16 [T*H]   every rank's symmetric x buffer
         recv_row    int32 [R*T*k]                      row here of route (r, t, s), -1 if not ours
         x_recv      uint16 [R*T*H]                     out: staging, row r*T + t
         ready       int32 [ceil(capacity / minibatch_size)]  out: staged rows per minibatch
+        t_begin     tokens t >= t_begin of every rank are this kernel's (0: all of them; the
+                    split dispatch leaves t < t_begin to the copy engine)
         """
         warps = cuda.blockDim.x // 32
         lane = cuda.threadIdx.x % 32
-        n_tokens = recv_row.shape[0] // k
-        u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
-        while u < n_tokens:
+        per_rank = T - t_begin
+        v = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+        while v < len(peer_x) * per_rank:
+            r = v // per_rank
+            u = r * T + t_begin + v % per_rank          # token (r, t) = staging row u
             first = u * k
             needed = token_needed(recv_row, first, k)
             if needed:                                  # uniform over the warp: same loads
-                r = u // T
                 if r != me:
-                    copy(peer_x[r], (u % T) * H, x_recv, u * H, H, lane)
+                    copy(peer_x[r], (u - r * T) * H, x_recv, u * H, H, lane)
                 publish_rows(recv_row, first, k, ready, minibatch_size, lane, fence)
-            u += cuda.gridDim.x * warps
+            v += cuda.gridDim.x * warps
 
     return pull_dispatch_kernel
 
@@ -142,7 +146,7 @@ pull_dispatch_kernel = make_pull_dispatch_kernel()
 
 @kjit
 def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, minibatch_size,
-                              chunk, timeout_cycles, errors):
+                              t_begin, chunk, timeout_cycles, errors):
     """Variant of ``pull_dispatch_kernel`` (same arguments + the bounded-wait pair, same
     result): lane 0 of each warp moves the row with bulk async copies (``kernels.bulk``),
     ``chunk`` bytes at a time.
@@ -155,20 +159,61 @@ def pull_dispatch_bulk_kernel(me, peer_x, recv_row, x_recv, ready, T, H, k, mini
     warps = cuda.blockDim.x // 32
     lane = cuda.threadIdx.x % 32
     phase = 0
-    n_tokens = recv_row.shape[0] // k
-    u = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
-    while u < n_tokens:
+    per_rank = T - t_begin
+    v = cuda.blockIdx.x * warps + cuda.threadIdx.x // 32
+    while v < len(peer_x) * per_rank:
+        r = v // per_rank
+        u = r * T + t_begin + v % per_rank
         first = u * k
         if token_needed(recv_row, first, k):      # uniform over the warp
-            r = u // T
             if r != me and lane == 0:
-                phase, done = copy_row_bulk(smem, buf, bar, phase, peer_x[r], (u % T) * H,
+                phase, done = copy_row_bulk(smem, buf, bar, phase, peer_x[r], (u - r * T) * H,
                                             x_recv, u * H, H, chunk, timeout_cycles)
                 if done < 2 * H:
                     record_timeout(errors, me, COUNTER_BULK_COPY, 2 * H, done, r)
                     return
             publish_rows(recv_row, first, k, ready, minibatch_size, lane, True)
-        u += cuda.gridDim.x * warps
+        v += cuda.gridDim.x * warps
+
+
+AGG_SLOTS = 4096                # shared int32 counters per block for counts aggregated per
+                                # minibatch (16 KiB; above that, one global add per row)
+
+
+@kjit
+def publish_tokens_kernel(recv_row, ready, T, k, minibatch_size, t_end):
+    """After the copy engine staged tokens t < ``t_end`` of every rank (the split dispatch:
+    ``ops.dispatch(variant="split")``, stream-ordered before this launch): count their rows
+    into ``ready``, as the pull kernel counts the tokens it copies.
+
+    Launch: any 1-D grid. recv_row, ready: as in ``pull_dispatch_kernel``. Each block counts
+    its share of the routes per minibatch in shared memory and adds the counts once (release):
+    minibatches are thousands of rows, so one global add per row would queue thousands of
+    atomics on each counter."""
+    counts = cuda.shared.array(AGG_SLOTS, int32)
+    minibatches = ready.shape[0]
+    agg = minibatches <= AGG_SLOTS
+    if agg:
+        for q in range(cuda.threadIdx.x, minibatches, cuda.blockDim.x):
+            counts[q] = 0
+        cuda.syncthreads()
+    R = recv_row.shape[0] // (T * k)
+    per_rank = t_end * k
+    i = cuda.grid(1)
+    while i < R * per_rank:
+        row = recv_row[(i // per_rank) * T * k + i % per_rank]
+        if row >= 0:
+            if agg:
+                cuda.atomic.add(counts, row // minibatch_size, 1)
+            else:
+                red_add_release_gpu(ready, row // minibatch_size, 1)
+        i += cuda.gridsize(1)
+    if agg:
+        cuda.syncthreads()
+        for q in range(cuda.threadIdx.x, minibatches, cuda.blockDim.x):
+            c = counts[q]
+            if c:
+                red_add_release_gpu(ready, q, c)
 
 
 @kjit

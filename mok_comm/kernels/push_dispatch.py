@@ -39,7 +39,7 @@ from mok_core.errors_kernels import record_timeout
 from mok_core.intrinsics import red_add_release_gpu, red_add_release_sys, syncwarp
 
 from .barrier import spin_at_least
-from .dispatch import copy_row
+from .dispatch import AGG_SLOTS, copy_row
 
 COUNTER_PUSH_ARRIVALS = 6       # errors.COUNTER_NAMES: a minibatch whose rows never all arrived
 
@@ -53,8 +53,8 @@ def routes_to(dest_rank, dest_row, first, k, d):
     return False
 
 
-AGG_SLOTS = 4096                # shared int32 (dest rank, minibatch) counters per block (16 KiB:
-                                # EP 8 x T 16384 x top-8 at minibatch 4096 needs 8 x 257)
+# AGG_SLOTS (dispatch.py) shared (dest rank, minibatch) counters per block: EP 8 x T 16384 x
+# top-8 at minibatch 4096 needs 8 x 257
 
 
 def make_push_dispatch_kernel(fence=True, aggregate=True):

@@ -17,7 +17,8 @@ def _inputs(R, T, seed):
 
 
 @pytest.mark.parametrize("T,variant", [(4096, "ld"), (8192, "ld"), (4096, "bulk"),
-                                       (4096, "copy_engine"), (4096, "push"), (8192, "push")])
+                                       (4096, "copy_engine"), (4096, "push"), (8192, "push"),
+                                       (4096, "split"), (8192, "split")])
 def test_round_trip_real_shape(nvshmem_world, T, variant):
     import torch
     from numba import cuda
