@@ -293,7 +293,7 @@ def main(argv=None):
                     help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--dispatch", default="pull",
                     help="MoKConfig.dispatch modes to run each case with (comma-separated: "
-                         "pull,push)")
+                         "pull,push,split)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep

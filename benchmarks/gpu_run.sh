@@ -6,8 +6,8 @@
 #        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
 #        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
-#        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS: the layer with the pull and the
-#        push dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
+#        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
+#        pull, push and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        probe-host probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
 #        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle)
 #        probe-comm (PROBE_COMM_VARIANTS)
@@ -114,8 +114,8 @@ for s in "$@"; do
          --out "$OUT/bench_layer_t.json" ;;
     bench-layer-dispatch) step bench-layer-dispatch torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7}" \
-         --tokens "${LAYER_TOKENS:-4096,8192}" --dispatch pull,push --breakdown --iters 20 \
-         --out "$OUT/bench_layer_dispatch.json" ;;   # MoKConfig.dispatch pull vs push
+         --tokens "${LAYER_TOKENS:-4096,8192}" --dispatch "${LAYER_DISPATCH:-pull,push,split}" --breakdown \
+         --iters 20 --out "$OUT/bench_layer_dispatch.json" ;;   # MoKConfig.dispatch modes
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;

@@ -342,6 +342,8 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     def dispatch():
         if lw.config.dispatch == "push":    # the rows were pushed in the phase before
             ops.wait_dispatch_push(lw.comm, schedule, stream)
+        elif lw.config.dispatch == "split":
+            ops.dispatch_split(lw.comm, schedule, stream, ce_share=lw.config.dispatch_ce_share)
         else:
             ops.dispatch(lw.comm, schedule, stream)
         ops.gather_index(lw.comm, schedule, lw.gather_index, stream)

@@ -103,7 +103,7 @@ def preset(name: str, ep_size: int = 1) -> LayerShape:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
 
 
-DISPATCH_MODES = ("pull", "push")
+DISPATCH_MODES = ("pull", "push", "split")
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,12 @@ class MoKConfig:
             rows it needs from the peers (``mok_comm.kernels.dispatch``); "push" -- each rank's
             SMs write its tokens into the ranks that need them (``kernels.push_dispatch``),
             issued at the end of the phase before the dispatch (after the schedule, before
-            the barrier), and the dispatch step only waits for the rows to land. Same staging
-            rows and ``ready`` counts, same output bits.
+            the barrier), and the dispatch step only waits for the rows to land; "split" --
+            the copy engine pulls each peer's first ``dispatch_ce_share`` of tokens (needed
+            or not) while this rank's SMs pull the rows needed among the rest
+            (``mok_comm.ops.dispatch_split``). Same ``ready`` counts, same output bits.
+        dispatch_ce_share: with ``dispatch="split"``, the share in [0, 1] of each peer's
+            tokens the copy engine moves.
     """
     fwd_num_comm_sms: int = 24
     bwd_num_comm_sms: int = 24
@@ -144,6 +148,7 @@ class MoKConfig:
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
     fuse_combine: bool = True
     dispatch: str = "pull"
+    dispatch_ce_share: float = 0.5
 
     def __post_init__(self):
         for f in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
@@ -171,6 +176,10 @@ class MoKConfig:
                  self.fuse_combine)
         _require(self.dispatch in DISPATCH_MODES, "dispatch",
                  f"must be one of {DISPATCH_MODES}", self.dispatch)
+        share = self.dispatch_ce_share
+        _require(isinstance(share, (int, float)) and not isinstance(share, bool)
+                 and 0.0 <= share <= 1.0, "dispatch_ce_share", "must be a number in [0, 1]",
+                 share)
 
     def schedule_capacity(self, tokens_per_rank: int, topk: int, ep_size: int,
                           experts_per_rank: int) -> int:

@@ -23,6 +23,9 @@ def test_defaults_valid():
     ({"spin_timeout_cycles": 0}, "spin_timeout_cycles"),
     ({"spin_timeout_cycles": True}, "spin_timeout_cycles"),
     ({"dispatch": "copy"}, "dispatch"),
+    ({"dispatch_ce_share": 1.5}, "dispatch_ce_share"),
+    ({"dispatch_ce_share": math.nan}, "dispatch_ce_share"),
+    ({"dispatch_ce_share": True}, "dispatch_ce_share"),
 ])
 def test_config_rejects_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):

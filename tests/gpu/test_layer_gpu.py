@@ -120,12 +120,14 @@ def test_compiled_step_preset(torch_world, preset_name):
         lw.comm.free()
 
 
+@pytest.mark.parametrize("dispatch", ["push", "split"])
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
-def test_push_dispatch_step_equals_pull(torch_world, preset_name):
+def test_push_dispatch_step_equals_pull(torch_world, preset_name, dispatch):
     """``MoKConfig(dispatch="push")`` at real shapes: the compiled step (the push at the end of
     the graph's first phase, the dispatch only waiting) equals the pull layer's eager forward
     bit for bit over 3 calls with fresh inputs -- capture, then replays that reuse the
-    arrival counters and the peers' staging."""
+    arrival counters and the peers' staging. "split": the copy engine's half of the dispatch
+    on a side stream forked and joined inside the captured graph."""
     import torch
 
     import mok_torch
@@ -134,7 +136,7 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name):
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
-    pull, push = MoKConfig(), MoKConfig(dispatch="push")
+    pull, push = MoKConfig(), MoKConfig(dispatch=dispatch)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
     lw_pull = mok_torch.get_workspace(shape, T, pull)
@@ -155,7 +157,7 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name):
         lw_push.check()
         for i, (got, want) in enumerate(pairs):
             assert torch.isfinite(got.float()).all(), f"call {i}: non-finite output"
-            assert torch.equal(got, want), f"call {i}: push step differs from the pull layer"
+            assert torch.equal(got, want), f"call {i}: {dispatch} step differs from the pull layer"
     finally:
         torch.cuda.synchronize()
         del step
