@@ -13,7 +13,7 @@ Variants (``kernels.dispatch.make_pull_dispatch_kernel`` + the launch shape):
                block (with nofence: no ``membar.sys`` per pair)
   splitF       the split dispatch (``ops.dispatch_split``): the copy engine moves the first
                F of every peer's tokens on a side stream while the SM pull kernel stages the
-               rest (``ce_share=F``; with bBwW: the SM kernel's launch)
+               rest (``ce_share=F``; with bBw16: B blocks per SM for the SM kernel)
   '+'-joined   e.g. nofence+nc+b4w8, push+nofence+b4w8, split0.5+b1w16
 Ratios: pull variants to the copy-engine pull, push variants to the copy-engine push; every
 variant and the copy-engine pull are also timed in turns (``*_turns_ratio``: iteration i times
@@ -59,8 +59,9 @@ def parse_variant(name):
             blocks, warps = (int(v) for v in part[1:].split("w"))
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    if split is not None and (push or not fence or nc):
-        raise ValueError(f"{name}: split takes only a launch shape (bBwW)")
+    if split is not None and (push or not fence or nc or warps != 16):
+        raise ValueError(f"{name}: split takes only blocks per SM (bBw16: the library's "
+                         "16-warp blocks)")
     return push, fence, nc, blocks, warps, aggregate, split
 
 
