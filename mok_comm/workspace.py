@@ -27,7 +27,7 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.config import MoKConfig
-from mok_core.cuda_compat import device_full, to_host
+from mok_core.cuda_compat import SideStream, device_full, to_host
 from mok_core.errors_kernels import reset_error_word
 
 from .heap import Heap
@@ -58,7 +58,7 @@ class Workspace:
     barrier_epoch: object
     x_recv: object
     errors: object
-    side: object = None             # SideStream of the split dispatch, made at its first call
+    side: object = None             # SideStream of the split dispatch (ops.dispatch_split)
 
     @property
     def experts_per_rank(self) -> int:
@@ -124,6 +124,8 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         barrier_epoch=device_full((1,), 0, i32, stream),
         x_recv=x_recv,
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
+        # made here, not at the first dispatch, which may be inside a graph capture
+        side=SideStream() if config.dispatch == "split" else None,
     )
     reset_error_word(ws.errors, stream)
     heap.fence()              # nobody writes into a peer before the peer's fills are done
