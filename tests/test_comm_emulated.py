@@ -34,6 +34,15 @@ def scheduled_group(R, T, H, k, E, x, ids, cfg):
     return group, scheds
 
 
+def round_trip_inputs(rng, R, T, H, k, E, skew=0.5, masked=0.2):
+    """(ids, x, w, y_shared) of R ranks: skewed routing with masked routes, bf16 bits."""
+    ids = make_routing(rng, R, T, k, E, skew=skew, masked=masked)
+    x = bf16_bits(rng.standard_normal((R, T, H)))
+    w = rng.random((R, T, k)).astype(np.float32)
+    ys = bf16_bits(rng.standard_normal((R, T, H)))
+    return ids, x, w, ys
+
+
 def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld", ce_share=0.5):
     group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
     C = group.workspaces[0].capacity
@@ -133,12 +142,8 @@ def test_split_dispatch_counts_without_shared_counters(monkeypatch):
     the block's shared counters (``AGG_SLOTS``): the same ``ready`` totals and output."""
     from mok_comm.kernels import dispatch as dispatch_kernels
     monkeypatch.setattr(dispatch_kernels, "AGG_SLOTS", 1)
-    rng = np.random.default_rng(21)
     R, T, H, k, E = 2, 12, 16, 3, 4
-    ids = make_routing(rng, R, T, k, E, skew=0.5, masked=0.2)
-    x = bf16_bits(rng.standard_normal((R, T, H)))
-    w = rng.random((R, T, k)).astype(np.float32)
-    ys = bf16_bits(rng.standard_normal((R, T, H)))
+    ids, x, w, ys = round_trip_inputs(np.random.default_rng(21), R, T, H, k, E)
     cfg = MoKConfig(row_align=4, minibatch_size=4, macrobatch_size=64, capacity_factor=1.0)
     _, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "split", ce_share=0.6)
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
@@ -184,12 +189,8 @@ def test_push_dispatch_per_route_counting_matches(monkeypatch):
     the block's shared counters) stages the same rows and the same ready totals."""
     from mok_comm.kernels.push_dispatch import make_push_dispatch_kernel
     monkeypatch.setattr(ops, "push_dispatch_kernel", make_push_dispatch_kernel(aggregate=False))
-    rng = np.random.default_rng(31)
     R, T, H, k, E = 3, 16, 32, 3, 6
-    ids = make_routing(rng, R, T, k, E, skew=0.5, masked=0.2)
-    x = bf16_bits(rng.standard_normal((R, T, H)))
-    w = rng.random((R, T, k)).astype(np.float32)
-    ys = bf16_bits(rng.standard_normal((R, T, H)))
+    ids, x, w, ys = round_trip_inputs(np.random.default_rng(31), R, T, H, k, E)
     cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
     group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "push")
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
