@@ -15,7 +15,8 @@ separated by device-side barriers (the only cross-GPU synchronisation):
     forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN
                               (+ the push of this rank's tokens: ``config.dispatch="push"``)
                                                                               | barrier |
-                     phase 1: dispatch (pull the rows / wait for the pushed ones), gather
+                     phase 1: dispatch (pull the rows -- "split": copy engine + SMs -- or
+                              wait for the pushed ones), gather
                               index, routed FFN, push combine                 | barrier |
                      phase 2: fixed-order epilogue -> out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mok_core.cuda_compat import (SIM, SideStream, as_device_array, device_copy, launch,
+from mok_core.cuda_compat import (SIM, as_device_array, device_copy, launch,
                                   multiprocessor_count)
 
 from .kernels.allgather import push_ids_kernel
@@ -138,8 +138,9 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     them, then waits for its own rows: ``dispatch_push`` + ``wait_dispatch_push`` -- every
     rank of the group must call it; emulated ranks call the two halves, every rank's push
     before any wait) or "split" (``dispatch_split``: the copy engine moves the first
-    ``ce_share`` of every peer's tokens while the SMs pull the rows needed among the rest);
-    the same staging rows and ``ready`` totals either way.
+    ``ce_share`` of every peer's tokens while the SMs pull the rows needed among the rest).
+    Every variant stages every needed row and gives the same ``ready`` totals (copy_engine
+    and split also stage unneeded tokens of the copied ranges).
     """
     _check_variant(variant, DISPATCH_VARIANTS)
     if variant == "split":
@@ -168,8 +169,9 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
 
 def split_tokens(ws: Workspace, ce_share) -> int:
     """Tokens of each peer that ``dispatch_split`` leaves to the copy engine (t < this)."""
-    if not 0.0 <= ce_share <= 1.0:
-        raise ValueError(f"ce_share={ce_share!r}: must be within [0, 1]")
+    if (not isinstance(ce_share, (int, float)) or isinstance(ce_share, bool)
+            or not 0.0 <= ce_share <= 1.0):
+        raise ValueError(f"ce_share={ce_share!r}: must be a number in [0, 1]")
     return int(round(ce_share * ws.tokens_per_rank))
 
 
@@ -181,22 +183,25 @@ def dispatch_split(ws: Workspace, schedule, stream=0, num_blocks=None,
     the needed tokens t >= that of every rank and counts their rows ready as it goes; after the
     join one launch counts the copy engine's rows. Why: SM-issued NVLink reads stall at ~0.89
     of the copy engine's rate whatever the kernel does (NOTES, sessions 5-6), and the copy
-    engine needs no SM -- the two share the link. Capturable (the fork and join are events)."""
+    engine needs no SM -- the two share the link. Capturable (the fork and join are events on
+    ``ws.side``, made with the workspace).
+    Readiness: the copy engine's rows count only after the join, and nearly every minibatch
+    holds some, so a consumer polling ``ready`` sees minibatches complete only at the end --
+    fine while the GEMM follows the dispatch in stream order, not for an overlapped one."""
     T, H = ws.tokens_per_rank, ws.hidden
     t_ce = split_tokens(ws, ce_share)
     if T == 0:
         return
     if t_ce:
-        if ws.side is None:
-            ws.side = SideStream()
         ws.side.fork(stream)
         staging = _flat(ws.x_recv)
         for r in range(ws.ep_size):
             if r != ws.rank:
                 device_copy(staging[r * T * H:(r * T + t_ce) * H], ws.peer_x[r][:t_ce * H],
                             ws.side.stream)
-    args = pull_dispatch_args(ws, schedule, t_begin=t_ce)
-    pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+    if t_ce < T:
+        args = pull_dispatch_args(ws, schedule, t_begin=t_ce)
+        pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
     if t_ce:
         ws.side.join(stream)
         publish_tokens_kernel[_PUBLISH_BLOCKS, _COPY_THREADS, stream](

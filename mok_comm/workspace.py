@@ -18,6 +18,8 @@ Symmetric (same shape on every rank; peer views are tuples indexed by rank):
 Local:
     barrier_epoch  int32 [1]           barriers this rank passed
     errors         int32 [ERROR_WORDS] device error word (timeouts, non-finite input)
+    side           SideStream          the split dispatch's copy-engine stream (made here: the
+                                       first dispatch may be inside a graph capture)
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class Workspace:
     barrier_epoch: object
     x_recv: object
     errors: object
-    side: object = None             # SideStream of the split dispatch (ops.dispatch_split)
+    side: object
 
     @property
     def experts_per_rank(self) -> int:
@@ -124,8 +126,7 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         barrier_epoch=device_full((1,), 0, i32, stream),
         x_recv=x_recv,
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
-        # made here, not at the first dispatch, which may be inside a graph capture
-        side=SideStream() if config.dispatch == "split" else None,
+        side=SideStream(),
     )
     reset_error_word(ws.errors, stream)
     heap.fence()              # nobody writes into a peer before the peer's fills are done

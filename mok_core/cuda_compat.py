@@ -202,7 +202,7 @@ class SideStream:
             raise RuntimeError(f"cuStreamCreate failed: {err}")
         self.stream = cuda.external_stream(int(handle))
         self._fork, self._join = cuda.event(timing=False), cuda.event(timing=False)
-        weakref.finalize(self, cu.cuStreamDestroy, handle)
+        weakref.finalize(self.stream, cu.cuStreamDestroy, handle)    # with its last user
 
     def fork(self, stream) -> None:
         """Work enqueued on ``self.stream`` from now on starts after ``stream``'s so far."""

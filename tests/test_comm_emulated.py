@@ -121,7 +121,8 @@ def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
     rng = np.random.default_rng(9)
     R, T, H, k, E = 2, 16, 16, 4, 8
     ids = make_routing(rng, R, T, k, E)
-    ids[:, 2] = -1                          # a token no rank needs, inside the copy-engine range
+    ids[:, 2] = -1                          # tokens no rank needs: inside the copy-engine range
+    ids[:, T - 1] = -1                      # and outside it
     x = bf16_bits(rng.standard_normal((R, T, H)) + 3.0)      # no zero rows
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(np.zeros((R, T, H)))

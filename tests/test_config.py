@@ -32,6 +32,11 @@ def test_config_rejects_with_field_name(kwargs, field):
         MoKConfig(**kwargs)
 
 
+@pytest.mark.parametrize("share", [0, 1, 0.25, 1.0])
+def test_config_accepts_ce_share_bounds(share):
+    assert MoKConfig(dispatch="split", dispatch_ce_share=share).dispatch_ce_share == share
+
+
 def test_config_frozen():
     cfg = MoKConfig()
     with pytest.raises(Exception):

@@ -104,7 +104,7 @@ def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
 
 
 @pytest.mark.parametrize("dispatch", ["push", "split"])
-def test_push_dispatch_layer_equals_pull_layer(dispatch):
+def test_dispatch_modes_layer_equals_pull_layer(dispatch):
     """``MoKConfig(dispatch="push")``: every rank writes its tokens into the ranks that need
     them at the end of phase 0 and the dispatch only waits -- the same output bits as the
     pull, skewed routing with masked routes. (Two consecutive steps, i.e. the arrival counters
@@ -114,12 +114,12 @@ def test_push_dispatch_layer_equals_pull_layer(dispatch):
     R, T = 2, 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)
-    push = replace(CFG, dispatch=dispatch, dispatch_ce_share=0.4)
+    cfg = replace(CFG, dispatch=dispatch, dispatch_ce_share=0.4)
     pull_lws = emulated_layer(shape, T, CFG, GEMM)
-    push_lws = emulated_layer(shape, T, push, GEMM)
+    lws = emulated_layer(shape, T, cfg, GEMM)
     inp = layer_inputs(np.random.default_rng(11), shape, T, masked=0.2, skew=0.6)
     want = run_layer(pull_lws, inp)
-    got = run_layer(push_lws, inp, cfg=push)
+    got = run_layer(lws, inp, cfg=cfg)
     np.testing.assert_array_equal(got, want)
     assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
 

@@ -58,6 +58,9 @@ def test_round_trip_real_shape(nvshmem_world, T, variant):
         outs = run_reps(forward, T)
         ws.check()                                     # no timeout recorded
         sched.check()                                  # no bad id / overflow recorded
+        # the last repetition's dispatch counted every staged row once, in its minibatch
+        from mok_core.cuda_compat import to_host
+        np.testing.assert_array_equal(to_host(sched.ready), to_host(sched.minibatch_rows))
     finally:
         torch.cuda.synchronize()
         heap.free()

@@ -122,7 +122,7 @@ def test_compiled_step_preset(torch_world, preset_name):
 
 @pytest.mark.parametrize("dispatch", ["push", "split"])
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
-def test_push_dispatch_step_equals_pull(torch_world, preset_name, dispatch):
+def test_dispatch_mode_step_equals_pull(torch_world, preset_name, dispatch):
     """``MoKConfig(dispatch="push")`` at real shapes: the compiled step (the push at the end of
     the graph's first phase, the dispatch only waiting) equals the pull layer's eager forward
     bit for bit over 3 calls with fresh inputs -- capture, then replays that reuse the
@@ -136,14 +136,14 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name, dispatch):
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
-    pull, push = MoKConfig(), MoKConfig(dispatch=dispatch)
+    pull, mode = MoKConfig(), MoKConfig(dispatch=dispatch)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
     lw_pull = mok_torch.get_workspace(shape, T, pull)
-    lw_push = mok_torch.get_workspace(shape, T, push)
+    lw_mode = mok_torch.get_workspace(shape, T, mode)
     step = None
     try:
-        step = mok_torch.compile_step(push, lw_push, sg, su, sd, wg, wu, wd)
+        step = mok_torch.compile_step(mode, lw_mode, sg, su, sd, wg, wu, wd)
         keep, pairs = [], []
         for seed in (5, 6, 7):
             x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=seed, skew=0.3,
@@ -154,14 +154,14 @@ def test_push_dispatch_step_equals_pull(torch_world, preset_name, dispatch):
             pairs.append((step(x, ids, w), want))
         torch.cuda.synchronize()
         lw_pull.check()
-        lw_push.check()
+        lw_mode.check()
         for i, (got, want) in enumerate(pairs):
             assert torch.isfinite(got.float()).all(), f"call {i}: non-finite output"
             assert torch.equal(got, want), f"call {i}: {dispatch} step differs from the pull layer"
     finally:
         torch.cuda.synchronize()
         del step
-        lw_push.comm.free()
+        lw_mode.comm.free()
         lw_pull.comm.free()
 
 
