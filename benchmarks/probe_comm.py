@@ -35,7 +35,7 @@ from benchmarks.common import (capture_graph, gpu_name, numba_stream, progress, 
                                rank_max_median, table, time_interleaved, time_iters,
                                write_json)
 
-VARIANTS = "base,split0.2,split0.35,split0.5,split0.65,split0.8,split0.5+b1w16,push"
+VARIANTS = "base,split0.2,split0.35,split0.5,split0.65,split0.8,split1.0,split0.5+b1w16,push"
 
 
 def parse_variant(name):
