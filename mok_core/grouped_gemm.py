@@ -174,8 +174,15 @@ class GemmConfig:
 WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma", tma=True,
                         smem_epilogue=True)
 # Hopper, 3 warpgroups: an expert of <= 192 rows reads its weights once (one row tile instead
-# of two). Its staged form spills registers (ptxas: 176-304 bytes) and runs no faster.
-WGMMA_192_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True)
+# of two). Staged like WGMMA_GEMM: since the staging reads the accumulator at constant indices
+# it spills 64 / 120 bytes (gate/up / down) and beats the direct epilogue (NOTES, sessions
+# 10-11: FFN probe in turns, and the layer, run 66).
+WGMMA_192_GEMM = GemmConfig(bm=192, bn=256, bk=64, wm=3, wn=1, stages=4, mma="wgmma", tma=True,
+                            smem_epilogue=True)
+# Mean rows per expert above which one 192-row tile beats 128-row tiles: the per-expert count
+# of a routing scatters around the mean (~sqrt(mean) for uniform routing), so from here on a
+# good share of experts holds > 128 rows and would take two 128-row tiles (two weight reads).
+ROWS_FOR_192 = 112
 MMA_SYNC_GEMM = GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2)
 SIM_GEMM = GemmConfig(bm=32, bn=32, bk=32, wm=2, wn=1, stages=2)
 
@@ -187,18 +194,21 @@ def default_gemm(rows_per_expert: float | None = None) -> GemmConfig:
 
     ``rows_per_expert`` (the expected mean, e.g. R*T*k/E for a layer) picks the Hopper row
     tile: weight traffic from L2 bounds these GEMMs and every row tile of an expert reads its
-    weights once, so ``WGMMA_192_GEMM`` for experts of 129-192 rows (one tile instead of two:
-    half the weight reads), else ``WGMMA_GEMM`` (128 rows, staged epilogue; also without a
-    hint). Where 192 saves less (3 tiles instead of 4, 2 instead of 3) the staged epilogue
-    wins or ties. Measured in the layer on 2 H200 (NOTES, session 9, run 55, compiled step,
-    192 / 128 staged): kimi 4096 (170 rows) 8.57 / 9.85 ms, kimi 8192 (341) 16.31 / 16.39,
-    glm 4096 (255) 8.59 / 7.67, glm 8192 (511) 13.64 / 12.53."""
+    weights once, so ``WGMMA_192_GEMM`` for a mean of ``ROWS_FOR_192``-192 rows (one tile
+    instead of two for most experts: half the weight reads), else ``WGMMA_GEMM`` (128 rows;
+    also without a hint). Where 192 saves less (3 tiles instead of 4, 2 instead of 3) 128
+    wins or ties. Both stage the epilogue. Measured in the layer (compiled step): 2 H200
+    (NOTES, session 9, run 55, 192 direct / 128 staged): kimi 4096 (170 rows) 8.57 / 9.85 ms,
+    kimi 8192 (341) 16.31 / 16.39, glm 4096 (255) 8.59 / 7.67, glm 8192 (511) 13.64 / 12.53;
+    one H200, EP 1, 8192 tokens (session 11, run 66, 192 staged / before): deepseek-v4-pro
+    (128 rows, was 128 staged) 17.31 / 22.00 ms, kimi (171, was 192 direct) 13.52 / 14.31,
+    qwen (160) 5.72 / 5.97. The threshold between 112 and 128 is not measured."""
     if SIM:
         return SIM_GEMM
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         return MMA_SYNC_GEMM
-    if rows_per_expert is not None and 128 < rows_per_expert <= 192:
+    if rows_per_expert is not None and ROWS_FOR_192 < rows_per_expert <= 192:
         return WGMMA_192_GEMM
     return WGMMA_GEMM
 

@@ -293,9 +293,9 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     gg._require_arch(gg.WGMMA_GEMM)
     assert gg.WGMMA_GEMM.smem_epilogue and gg.WGMMA_GEMM.bm == 128
     # Row tile by the mean rows per expert: 192 where one tile replaces two.
-    assert gg.WGMMA_192_GEMM.bm == 192 and not gg.WGMMA_192_GEMM.smem_epilogue
-    for rows, bm in ((64, 128), (128, 128), (128.5, 192), (171, 192), (192, 192), (193, 128),
-                     (255, 128), (342, 128), (512, 128)):
+    assert gg.WGMMA_192_GEMM.bm == 192 and gg.WGMMA_192_GEMM.smem_epilogue
+    for rows, bm in ((64, 128), (112, 128), (112.5, 192), (128, 192), (171, 192), (192, 192),
+                     (193, 128), (255, 128), (342, 128), (512, 128)):
         assert gg.default_gemm(rows).bm == bm, rows
 
 
@@ -364,4 +364,4 @@ def test_probe_variants_build_valid_configs_from_the_staged_default():
                                            "stage_only")), v
     with pytest.raises(ValueError, match="'rows16', 'stage_only' with smem_epilogue"):
         variant_config(base, "bm192+rows16")
-    assert variant_config(base, "bm192") == gg.WGMMA_192_GEMM
+    assert variant_config(base, "bm192+smemepi") == gg.WGMMA_192_GEMM

@@ -172,7 +172,8 @@ def test_staged_epilogue_layer_equals_direct(torch_world, preset_name, rows):
     the fused combine then sends each row home by one bulk store, to a peer over NVLink. The
     layer's output equals the same tiles with the direct epilogue bit for bit (the tiles and
     so the sums are the same; only the way the bits travel differs). ``rows``: the default
-    128-row tiles, or 192-row tiles staged (``WGMMA_192_GEMM`` with the staging on)."""
+    128-row tiles, or the 192-row ones (``WGMMA_192_GEMM``, staged by default since session
+    11)."""
     import dataclasses
 
     import torch
