@@ -3,7 +3,9 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_comm.py
 
 Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world size):
-  dispatch   our pull dispatch (each (token, rank) crosses NVLink once); "dispatch_bulk": the
+  dispatch   the layer's dispatch (``MoKConfig().dispatch``, variant in ``dispatch_variant``;
+             each needed (token, rank) crosses NVLink once); "dispatch_pull": the SM pull kernel
+             alone (variant "ld", whatever the default); "dispatch_bulk": the
              same with bulk async copies (ops.dispatch(variant="bulk")); likewise "combine_bulk";
              "dispatch_ce": ops.dispatch(variant="copy_engine") -- every peer token by the copy
              engine (not the issue's measure: that is the SM pull kernel, "dispatch");
@@ -40,6 +42,15 @@ from benchmarks.common import (capture_graph, comm_setup, gpu_name,  # noqa: E40
                                time_interleaved, time_iters, write_json)
 
 H, E, K = 7168, 384, 8
+
+
+def _layer_dispatch():
+    from mok_core.config import MoKConfig
+    cfg = MoKConfig()
+    return cfg, {"pull": "ld"}.get(cfg.dispatch, cfg.dispatch)
+
+
+LAYER_CONFIG, LAYER_VARIANT = _layer_dispatch()     # what the layer runs by default
 
 
 def routed_comm(T):
@@ -100,7 +111,9 @@ def run_case(T, iters, warmup):
     pv = nvs.get_peer_tensor(src, peer)
     torch.cuda.synchronize()
     steps = {
-        "dispatch": lambda: ops.dispatch(ws, sched, stream=cur()),
+        "dispatch": lambda: ops.dispatch(ws, sched, stream=cur(), variant=LAYER_VARIANT,
+                                         ce_share=LAYER_CONFIG.dispatch_ce_share),
+        "dispatch_pull": lambda: ops.dispatch(ws, sched, stream=cur()),
         "dispatch_bulk": lambda: ops.dispatch(ws, sched, stream=cur(), variant="bulk"),
         "dispatch_ce": lambda: ops.dispatch(ws, sched, stream=cur(), variant="copy_engine"),
         "dispatch_push": lambda: ops.dispatch(ws, sched, stream=cur(), variant="push"),
@@ -170,6 +183,10 @@ def run_case(T, iters, warmup):
                                                                            t_push),
            "nccl_gbps": gb(nccl_bytes, t_nccl)}
     row["dispatch_ratio_to_copy"] = row["dispatch_gbps"] / row["copy_gbps"]
+    row["dispatch_variant"] = LAYER_VARIANT
+    row["dispatch_pull_ms"] = graph["dispatch_pull"]
+    row["dispatch_pull_gbps"] = gb(dispatch_bytes, graph["dispatch_pull"])
+    row["dispatch_pull_ratio_to_copy"] = row["dispatch_pull_gbps"] / row["copy_gbps"]
     row["dispatch_interleaved_ms"] = t_turns["dispatch"]
     row["copy_pull_interleaved_ms"] = t_turns["copy_pull"]
     row["dispatch_ratio_to_copy_interleaved"] = (
@@ -228,7 +245,8 @@ def main(argv=None):
         write_json(args.out, rows)
         print(table(rows, ["tokens_per_rank", "ep", "dispatch_gbps", "combine_gbps",
                            "copy_gbps", "copy_push_gbps", "nccl_gbps", "dispatch_ratio_to_copy",
-                           "dispatch_ratio_to_copy_interleaved", "dispatch_split_ratio_to_copy",
+                           "dispatch_ratio_to_copy_interleaved", "dispatch_pull_ratio_to_copy",
+                           "dispatch_split_ratio_to_copy",
                            "dispatch_split_ratio_to_copy_interleaved",
                            "dispatch_bulk_ratio_to_copy", "dispatch_ce_ratio_to_copy",
                            "dispatch_push_ratio_to_copy_push", "dispatch_push_ratio_to_copy",

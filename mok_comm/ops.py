@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mok_core.config import MoKConfig
 from mok_core.cuda_compat import (SIM, as_device_array, device_copy, launch,
                                   multiprocessor_count)
 
@@ -104,7 +105,8 @@ def barrier_wait(ws: Workspace, stream=0) -> None:
 
 COPY_VARIANTS = ("ld", "bulk")
 DISPATCH_VARIANTS = COPY_VARIANTS + ("copy_engine", "push", "split")
-SPLIT_CE_SHARE = 0.5        # variant "split": share of each peer's tokens the copy engine moves
+# variant "split": share of each peer's tokens the copy engine moves (MoKConfig's default)
+SPLIT_CE_SHARE = MoKConfig.dispatch_ce_share
 
 
 def _bulk_launch(kernel, ws, num_blocks, stream, bulk_chunk, *args):
