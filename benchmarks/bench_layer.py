@@ -155,7 +155,9 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         from mok_comm.functional import layer_gemm
         gemm = layer_gemm(shape, T)
     gemm_down = gemm_down or gemm
-    cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit), dispatch=dispatch)
+    mode, _, share = dispatch.partition(":")          # e.g. "split:1.0" = ce share 1.0
+    cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit), dispatch=mode,
+                    **({"dispatch_ce_share": float(share)} if share else {}))
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
@@ -293,7 +295,7 @@ def main(argv=None):
                     help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--dispatch", default="pull",
                     help="MoKConfig.dispatch modes to run each case with (comma-separated: "
-                         "pull,push,split)")
+                         "pull,push,split; split:S sets dispatch_ce_share=S)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep

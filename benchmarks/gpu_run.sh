@@ -114,7 +114,7 @@ for s in "$@"; do
          --out "$OUT/bench_layer_t.json" ;;
     bench-layer-dispatch) step bench-layer-dispatch torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7}" \
-         --tokens "${LAYER_TOKENS:-4096,8192}" --dispatch "${LAYER_DISPATCH:-pull,push,split}" --breakdown \
+         --tokens "${LAYER_TOKENS:-4096,8192}" --dispatch "${LAYER_DISPATCH:-pull,split,split:1.0}" --breakdown \
          --iters 20 --out "$OUT/bench_layer_dispatch.json" ;;   # MoKConfig.dispatch modes
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;

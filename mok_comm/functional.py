@@ -15,10 +15,13 @@ separated by device-side barriers (the only cross-GPU synchronisation):
     forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN
                               (+ the push of this rank's tokens: ``config.dispatch="push"``)
                                                                               | barrier |
-                     phase 1: dispatch (pull the rows -- "split": copy engine + SMs -- or
-                              wait for the pushed ones), gather
+                     phase 1: dispatch (pull the rows, or wait for the pushed ones), gather
                               index, routed FFN, push combine                 | barrier |
                      phase 2: fixed-order epilogue -> out
+
+With ``config.dispatch="split"`` the shared expert FFN moves into phase 1: the copy engine's
+half of the dispatch starts first, the shared FFN runs on the SMs while it copies, then the SM
+pull of the remaining tokens (``ops.dispatch_split_start`` / ``_finish``).
 
 ``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
 simulator, one GPU) can run each phase on every rank before the barrier.
@@ -343,8 +346,9 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     def dispatch():
         if lw.config.dispatch == "push":    # the rows were pushed in the phase before
             ops.wait_dispatch_push(lw.comm, schedule, stream)
-        elif lw.config.dispatch == "split":
-            ops.dispatch_split(lw.comm, schedule, stream, ce_share=lw.config.dispatch_ce_share)
+        elif lw.config.dispatch == "split":     # the copy engine started before the shared FFN
+            ops.dispatch_split_finish(lw.comm, schedule, stream,
+                                      ce_share=lw.config.dispatch_ce_share)
         else:
             ops.dispatch(lw.comm, schedule, stream)
         ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
@@ -369,6 +373,25 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     if fused:
         return [dispatch, routed_gate_up, routed_down_push]
     return [dispatch, routed_gate_up, routed_down, combine]
+
+
+def _dispatch_phase(lw: LayerWorkspace, schedule: Schedule, W: _Weights, shared_x, stream):
+    """The phase after the barrier that follows the x publish: dispatch .. combine. With
+    ``config.dispatch == "split"`` the copy engine's half of the dispatch starts first and the
+    shared expert FFN (on ``shared_x``) runs on the SMs while it copies -- the copy engine
+    needs none; otherwise the shared FFN sits in the phase before (``_early_shared_steps``)."""
+    steps = _routed_steps(lw, schedule, W, stream)
+    if lw.config.dispatch != "split":
+        return _phase(*steps)
+
+    def dispatch_split_start():
+        ops.dispatch_split_start(lw.comm, stream, lw.config.dispatch_ce_share)
+    return _phase(dispatch_split_start, *_shared_steps(lw, shared_x, W, stream), *steps)
+
+
+def _early_shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
+    """The shared expert FFN in the phase before the dispatch's (see ``_dispatch_phase``)."""
+    return [] if lw.config.dispatch == "split" else _shared_steps(lw, x, W, stream)
 
 
 def _push_steps(lw: LayerWorkspace, schedule: Schedule, stream):
@@ -408,9 +431,9 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
                        swiglu_limit)
     out = _check_out(lw, out)
     _check_limit(swiglu_limit)
-    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_shared_steps(lw, x, W, stream),
+    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_early_shared_steps(lw, x, W, stream),
                     *_push_steps(lw, schedule, stream))
-    phase1 = _phase(*_routed_steps(lw, schedule, W, stream))
+    phase1 = _dispatch_phase(lw, schedule, W, x, stream)
     phase2 = _phase(_epilogue_step(lw, w, out, stream))
     return [phase0, phase1, phase2], out
 
@@ -438,16 +461,18 @@ def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_sha
                      w_shared_down, w_gate, w_up, w_down, swiglu_limit=None, stream=0):
     """The step between prologue and epilogue as two phases (a barrier before, between and
     after them, see ``run_step_core``): [schedule, shared FFN on ``lw.comm.x_buf``] and
-    [dispatch, gather index, routed gate/up, routed down, combine]. No caller input is read:
+    [dispatch, gather index, routed gate/up, routed down, combine] (``dispatch="split"``: the
+    shared FFN in the second, after the copy engine's start). No caller input is read:
     the shared expert takes its tokens from this rank's staging slice, which ``publish_x``
     (prologue) filled with the same bits. Weights are checked here."""
     _check_config(config, lw)
     W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
                        swiglu_limit)
     _check_limit(swiglu_limit)
-    return [_phase(_schedule_step(lw, stream), *_shared_steps(lw, lw.comm.x_buf, W, stream),
+    x_buf = lw.comm.x_buf
+    return [_phase(_schedule_step(lw, stream), *_early_shared_steps(lw, x_buf, W, stream),
                    *_push_steps(lw, lw.schedule, stream)),
-            _phase(*_routed_steps(lw, lw.schedule, W, stream))]
+            _dispatch_phase(lw, lw.schedule, W, x_buf, stream)]
 
 
 def run_step_core(core_phases, comm, stream=0):

@@ -189,18 +189,36 @@ def dispatch_split(ws: Workspace, schedule, stream=0, num_blocks=None,
     ``ws.side``, made with the workspace).
     Readiness: the copy engine's rows count only after the join, and nearly every minibatch
     holds some, so a consumer polling ``ready`` sees minibatches complete only at the end --
-    fine while the GEMM follows the dispatch in stream order, not for an overlapped one."""
+    fine while the GEMM follows the dispatch in stream order, not for an overlapped one.
+    In two halves, ``dispatch_split_start`` + ``dispatch_split_finish``: launches on ``stream``
+    between them run while the copy engine copies (the layer puts the shared expert there)."""
+    dispatch_split_start(ws, stream, ce_share)
+    dispatch_split_finish(ws, schedule, stream, num_blocks, ce_share)
+
+
+def dispatch_split_start(ws: Workspace, stream=0, ce_share=SPLIT_CE_SHARE) -> None:
+    """First half of ``dispatch_split``: fork the side stream and enqueue the copy engine's
+    copies. Needs no schedule (the copied ranges are fixed), only every peer's published x."""
     T, H = ws.tokens_per_rank, ws.hidden
+    t_ce = split_tokens(ws, ce_share)
+    if T == 0 or t_ce == 0:
+        return
+    ws.side.fork(stream)
+    staging = _flat(ws.x_recv)
+    for r in range(ws.ep_size):
+        if r != ws.rank:
+            device_copy(staging[r * T * H:(r * T + t_ce) * H], ws.peer_x[r][:t_ce * H],
+                        ws.side.stream)
+
+
+def dispatch_split_finish(ws: Workspace, schedule, stream=0, num_blocks=None,
+                          ce_share=SPLIT_CE_SHARE) -> None:
+    """Second half: the SM pull of tokens t >= ``split_tokens(ws, ce_share)``, the join, and
+    the count of the copy engine's rows. ``ce_share`` must be the start's."""
+    T = ws.tokens_per_rank
     t_ce = split_tokens(ws, ce_share)
     if T == 0:
         return
-    if t_ce:
-        ws.side.fork(stream)
-        staging = _flat(ws.x_recv)
-        for r in range(ws.ep_size):
-            if r != ws.rank:
-                device_copy(staging[r * T * H:(r * T + t_ce) * H], ws.peer_x[r][:t_ce * H],
-                            ws.side.stream)
     if t_ce < T:
         args = pull_dispatch_args(ws, schedule, t_begin=t_ce)
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)

@@ -135,7 +135,8 @@ class MoKConfig:
             the barrier), and the dispatch step only waits for the rows to land; "split" --
             the copy engine pulls each peer's first ``dispatch_ce_share`` of tokens (needed
             or not) while this rank's SMs pull the rows needed among the rest
-            (``mok_comm.ops.dispatch_split``). Same ``ready`` counts, same output bits.
+            (``mok_comm.ops.dispatch_split``), and the shared expert FFN runs on the SMs
+            while the copy engine copies. Same ``ready`` counts, same output bits.
         dispatch_ce_share: with ``dispatch="split"``, the share in [0, 1] of each peer's
             tokens the copy engine moves.
     """

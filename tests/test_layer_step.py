@@ -96,7 +96,7 @@ def test_compiled_step_checks_inputs():
     assert step.captures == 0
 
 
-@pytest.mark.parametrize("dispatch,R", [("pull", 3), ("push", 2)])   # split: test_layer_emulated
+@pytest.mark.parametrize("dispatch,R", [("pull", 3), ("push", 2), ("split", 2)])
 def test_step_phases_equal_eager_emulated(dispatch, R, limit=1.0):
     """R ranks: the step order (publish x before the first barrier, shared FFN from x_buf)
     gives the eager layer's bits, over two consecutive steps with different inputs on the same
