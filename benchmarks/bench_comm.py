@@ -8,7 +8,7 @@ Per tokens-per-rank T (H 7168, 384 experts, top-8, uniform routing, EP = world s
              alone (variant "ld", whatever the default); "dispatch_bulk": the
              same with bulk async copies (ops.dispatch(variant="bulk")); likewise "combine_bulk";
              "dispatch_ce": ops.dispatch(variant="copy_engine") -- every peer token by the copy
-             engine (not the issue's measure: that is the SM pull kernel, "dispatch");
+             engine;
              "dispatch_push": ops.dispatch(variant="push") -- each rank's SMs write its tokens
              into the peers' staging (+ the wait for its own arrivals), ratio to the
              copy-engine push of the same bytes ("copy_push_dispatch") and to the pull;
@@ -139,7 +139,8 @@ def run_case(T, iters, warmup):
     # The goal's pair once more, taken in turns (dispatch, copy, dispatch, copy, ...): the
     # copy engine's time drifts between runs and within one, the kernel's does not.
     pair = {n: capture_graph(steps[n])[0] for n in ("dispatch", "copy_pull", "dispatch_push",
-                                                    "copy_push_dispatch", "dispatch_split")}
+                                                    "copy_push_dispatch", "dispatch_split",
+                                                    "dispatch_pull")}
     td.barrier()
     turns = time_interleaved({n: g.replay for n, g in pair.items()}, iters, warmup, pre=bar)
     t_turns = {n: rank_max_median(v) for n, v in turns.items()}
@@ -187,6 +188,8 @@ def run_case(T, iters, warmup):
     row["dispatch_pull_ms"] = graph["dispatch_pull"]
     row["dispatch_pull_gbps"] = gb(dispatch_bytes, graph["dispatch_pull"])
     row["dispatch_pull_ratio_to_copy"] = row["dispatch_pull_gbps"] / row["copy_gbps"]
+    row["dispatch_pull_ratio_to_copy_interleaved"] = (
+        gb(dispatch_bytes, t_turns["dispatch_pull"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
     row["dispatch_interleaved_ms"] = t_turns["dispatch"]
     row["copy_pull_interleaved_ms"] = t_turns["copy_pull"]
     row["dispatch_ratio_to_copy_interleaved"] = (

@@ -156,6 +156,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         gemm = layer_gemm(shape, T)
     gemm_down = gemm_down or gemm
     mode, _, share = dispatch.partition(":")          # e.g. "split:1.0" = ce share 1.0
+    if share and mode != "split":
+        raise ValueError(f"--dispatch {dispatch}: only split takes a share")
     cfg = MoKConfig(row_align=max(64, gemm.row_unit, gemm_down.row_unit), dispatch=mode,
                     **({"dispatch_ce_share": float(share)} if share else {}))
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)

@@ -492,6 +492,8 @@ def step_phases(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weigh
         [publish ids, publish x] | [schedule, shared FFN (from x_buf)] |
         [dispatch .. combine] | [epilogue]
 
+    (``dispatch="split"``: the shared FFN in the dispatch phase, after the copy engine starts.)
+
     Same kernels, same data and the same three barriers as ``build_schedule`` + ``forward``;
     only ``publish_x`` moves before the first barrier (safe: see ``mok_torch.graphed``). The
     output equals ``forward``'s bit for bit. Everything is checked before anything launches."""

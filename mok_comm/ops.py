@@ -201,6 +201,9 @@ def dispatch_split_start(ws: Workspace, stream=0, ce_share=SPLIT_CE_SHARE) -> No
     copies. Needs no schedule (the copied ranges are fixed), only every peer's published x."""
     T, H = ws.tokens_per_rank, ws.hidden
     t_ce = split_tokens(ws, ce_share)
+    if ws.side.pending is not None:
+        raise RuntimeError("dispatch_split_start called twice without dispatch_split_finish")
+    ws.side.pending = t_ce
     if T == 0 or t_ce == 0:
         return
     ws.side.fork(stream)
@@ -217,6 +220,11 @@ def dispatch_split_finish(ws: Workspace, schedule, stream=0, num_blocks=None,
     the count of the copy engine's rows. ``ce_share`` must be the start's."""
     T = ws.tokens_per_rank
     t_ce = split_tokens(ws, ce_share)
+    if ws.side.pending != t_ce:
+        raise RuntimeError(f"dispatch_split_finish for {t_ce} copy-engine tokens per peer, but "
+                           f"dispatch_split_start enqueued {ws.side.pending}: call start first, "
+                           "with the same ce_share")
+    ws.side.pending = None
     if T == 0:
         return
     if t_ce < T:

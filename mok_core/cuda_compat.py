@@ -191,6 +191,7 @@ class SideStream:
 
     def __init__(self):
         self.stream = 0
+        self.pending = None         # what a caller forked for and must join (its own marker)
         if SIM:
             return
         import weakref

@@ -16,6 +16,8 @@ What runs how (all on torch's current stream, nothing waits for the host):
     graph (captured  barrier | schedule, shared gate/up + down reading ``x_buf`` (not the
       once)          caller's x) | barrier | dispatch, gather index, routed gate/up, routed down,
                      combine | barrier. Reads only the workspace and the layer weights.
+                     (``dispatch="split"``: the shared FFN after the barrier, beside the
+                     copy engine's half of the dispatch.)
     eager epilogue   out = y_shared + sum_j w_j y_j into a fresh bf16 [T, H] tensor; reads the
                      caller's router_weights.
 

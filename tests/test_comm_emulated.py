@@ -267,3 +267,21 @@ def test_non_finite_inputs_are_reported():
     with pytest.raises(MoKError, match="non-finite input: 3 NaN/Inf values seen"):
         ws.check()
     np.testing.assert_array_equal(to_host(ws.x_buf), x)       # still copied, just flagged
+
+
+def test_split_halves_must_pair():
+    """``dispatch_split_finish`` counts the copy engine's rows: it refuses to run without the
+    start that enqueued them, or for another share; a start twice over is refused too."""
+    rng = np.random.default_rng(5)
+    R, T, H, k, E = 2, 8, 16, 2, 4
+    ids, x, _, _ = round_trip_inputs(rng, R, T, H, k, E)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
+    ws, sched = group.workspaces[0], scheds[0]
+    with pytest.raises(RuntimeError, match="call start first"):
+        ops.dispatch_split_finish(ws, sched, ce_share=0.5)
+    ops.dispatch_split_start(ws, ce_share=0.5)
+    with pytest.raises(RuntimeError, match="twice"):
+        ops.dispatch_split_start(ws, ce_share=0.5)
+    with pytest.raises(RuntimeError, match="same ce_share"):
+        ops.dispatch_split_finish(ws, sched, ce_share=0.25)

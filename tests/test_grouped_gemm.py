@@ -38,6 +38,9 @@ WGMMA_MC_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma
 # The epilogue staged in shared memory and sent by bulk stores.
 WGMMA_SMEM_EPI_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
                                 tma=True, smem_epilogue=True)
+# 192 rows staged: the Hopper default for experts of 113-192 rows (WGMMA_192_GEMM's form).
+WGMMA192_SMEM_EPI_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma",
+                                   tma=True, smem_epilogue=True)
 # The same, lanes 0..15 sending a row each (probe build "rows16"; the push path's way).
 WGMMA_SMEM_EPI_ROWS16_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
                                        tma=True, smem_epilogue=True, probe="rows16")
@@ -299,8 +302,10 @@ def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
         assert gg.default_gemm(rows).bm == bm, rows
 
 
-@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG, WGMMA192_CFG, WGMMA_SMEM_EPI_CFG],
-                         ids=["wgmma", "wgmma-ws-tma", "wgmma192-tma", "wgmma-smem-epilogue"])
+@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG, WGMMA192_SMEM_EPI_CFG,
+                                 WGMMA_SMEM_EPI_CFG],
+                         ids=["wgmma", "wgmma-ws-tma", "wgmma192-smem-epilogue",
+                              "wgmma-smem-epilogue"])
 def test_down_push_equals_down_then_scatter(cfg):
     """down(push=...) -- the combine fused into the epilogue -- writes each real row's bits
     to its source rank's combine row token * k + slot and nothing else (192-row tiles: the

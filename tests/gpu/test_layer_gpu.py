@@ -187,7 +187,7 @@ def test_staged_epilogue_layer_equals_direct(torch_world, preset_name, rows):
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = MoKConfig()
     staged = (default_gemm() if rows == 128
-              else dataclasses.replace(WGMMA_192_GEMM, smem_epilogue=True))
+              else WGMMA_192_GEMM)
     assert staged.smem_epilogue and staged.bm == rows
     direct = dataclasses.replace(staged, smem_epilogue=False)
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=9, skew=0.3, masked=0.01)
