@@ -80,7 +80,7 @@ def run_case(T, variants, iters, warmup):
 
     staged = torch.as_tensor(ws.x_recv, device="cuda").view(torch.int16)   # uint16: few ops
     bar = lambda: ops.barrier(ws, stream=s)  # noqa: E731
-    src = nvs.tensor((dedup_rows, H), dtype=torch.bfloat16)
+    src = nvs.tensor((max(1, dedup_rows), H), dtype=torch.bfloat16)   # EP 1: none
     src.normal_()
     dst = torch.empty_like(src)
     pv = nvs.get_peer_tensor(src, (me + 1) % R)
