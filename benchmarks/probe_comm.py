@@ -184,7 +184,7 @@ def main(argv=None):
         for ce in ("copy_push", "copy"):
             flat.insert(0, {"variant": ce, **{f"T{r['tokens_per_rank']}_ms": r[f"{ce}_ms"]
                                                for r in rows}})
-        print(table(flat, list(flat[1])))
+        print(table(flat, list(flat[-1])))           # a variant row: every column
     bootstrap.finalize()
     td.destroy_process_group()
 
