@@ -171,6 +171,10 @@ def run_case(T, iters, warmup):
     nvs.free_tensor(src)
     heap.free()
     gb = lambda b, ms: b / ms / 1e6  # noqa: E731
+
+    def turns_ratio(name, ceiling="copy_pull"):
+        """GB/s of dispatch ``name`` over the copy engine's, both from the in-turns timing."""
+        return gb(dispatch_bytes, t_turns[name]) / gb(nrow * row_bytes, t_turns[ceiling])
     row = {"tokens_per_rank": T, "ep": R, "gpu": gpu_name(),
            **{f"{n}_eager_ms": v for n, v in eager.items()},
            "dispatch_ms": t_disp, "dispatch_bulk_ms": t_bulk, "combine_ms": t_comb,
@@ -188,26 +192,21 @@ def run_case(T, iters, warmup):
     row["dispatch_pull_ms"] = graph["dispatch_pull"]
     row["dispatch_pull_gbps"] = gb(dispatch_bytes, graph["dispatch_pull"])
     row["dispatch_pull_ratio_to_copy"] = row["dispatch_pull_gbps"] / row["copy_gbps"]
-    row["dispatch_pull_ratio_to_copy_interleaved"] = (
-        gb(dispatch_bytes, t_turns["dispatch_pull"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
+    row["dispatch_pull_ratio_to_copy_interleaved"] = turns_ratio("dispatch_pull")
     row["dispatch_interleaved_ms"] = t_turns["dispatch"]
     row["copy_pull_interleaved_ms"] = t_turns["copy_pull"]
-    row["dispatch_ratio_to_copy_interleaved"] = (
-        gb(dispatch_bytes, t_turns["dispatch"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
+    row["dispatch_ratio_to_copy_interleaved"] = turns_ratio("dispatch")
     row["dispatch_push_interleaved_ms"] = t_turns["dispatch_push"]
     row["copy_push_dispatch_interleaved_ms"] = t_turns["copy_push_dispatch"]
-    row["dispatch_push_ratio_to_copy_interleaved"] = (
-        gb(dispatch_bytes, t_turns["dispatch_push"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
-    row["dispatch_push_ratio_to_copy_push_interleaved"] = (
-        gb(dispatch_bytes, t_turns["dispatch_push"])
-        / gb(nrow * row_bytes, t_turns["copy_push_dispatch"]))
+    row["dispatch_push_ratio_to_copy_interleaved"] = turns_ratio("dispatch_push")
+    row["dispatch_push_ratio_to_copy_push_interleaved"] = turns_ratio("dispatch_push",
+                                                                      "copy_push_dispatch")
     row["dispatch_split_ms"] = graph["dispatch_split"]
     row["dispatch_split_ce_share"] = ops.SPLIT_CE_SHARE
     row["dispatch_split_gbps"] = gb(dispatch_bytes, graph["dispatch_split"])
     row["dispatch_split_ratio_to_copy"] = row["dispatch_split_gbps"] / row["copy_gbps"]
     row["dispatch_split_interleaved_ms"] = t_turns["dispatch_split"]
-    row["dispatch_split_ratio_to_copy_interleaved"] = (
-        gb(dispatch_bytes, t_turns["dispatch_split"]) / gb(nrow * row_bytes, t_turns["copy_pull"]))
+    row["dispatch_split_ratio_to_copy_interleaved"] = turns_ratio("dispatch_split")
     row["dispatch_bulk_gbps"] = gb(dispatch_bytes, t_bulk)          # variant="bulk", same rows
     row["dispatch_bulk_ratio_to_copy"] = row["dispatch_bulk_gbps"] / row["copy_gbps"]
     # copy-engine variant: whole peer buffers (more bytes than the dedup'd rows); GB/s counted
@@ -255,8 +254,8 @@ def main(argv=None):
                            "dispatch_push_ratio_to_copy_push", "dispatch_push_ratio_to_copy",
                            "combine_bulk_ratio_to_copy",
                            "combine_ratio_to_copy", "speedup_vs_nccl"]))
-        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_split_ms", "dispatch_push_ms",
-                           "dispatch_ce_ms",
+        print(table(rows, ["tokens_per_rank", "dispatch_ms", "dispatch_split_ms",
+                           "dispatch_push_ms", "dispatch_ce_ms",
                            "copy_push_dispatch_ms", "dispatch_eager_ms", "combine_ms",
                            "combine_eager_ms", "copy_pull_ms", "copy_push_ms", "nccl_ms",
                            "dispatch_bytes", "dispatch_bytes_without_dedup", "combine_bytes"]))

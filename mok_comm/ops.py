@@ -153,11 +153,7 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
         wait_dispatch_push(ws, schedule, stream)
         return
     if variant == "copy_engine":
-        T, H = ws.tokens_per_rank, ws.hidden
-        staging = _flat(ws.x_recv)
-        for r in range(ws.ep_size):
-            if r != ws.rank and T:
-                device_copy(staging[r * T * H:(r + 1) * T * H], ws.peer_x[r], stream)
+        _copy_peer_tokens(ws, ws.tokens_per_rank, stream)
         q = schedule.ready.shape[0]
         publish_all_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
             schedule.minibatch_rows, schedule.ready)
@@ -167,6 +163,19 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
         pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
     else:
         _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
+
+
+def _copy_peer_tokens(ws: Workspace, tokens: int, stream) -> None:
+    """Copy-engine copies (one per peer, on ``stream``) of every peer's first ``tokens``
+    tokens from its x buffer into their staging rows here."""
+    T, H = ws.tokens_per_rank, ws.hidden
+    if not tokens:
+        return
+    staging = _flat(ws.x_recv)
+    for r in range(ws.ep_size):
+        if r != ws.rank:
+            device_copy(staging[r * T * H:(r * T + tokens) * H], ws.peer_x[r][:tokens * H],
+                        stream)
 
 
 def split_tokens(ws: Workspace, ce_share) -> int:
@@ -199,19 +208,14 @@ def dispatch_split(ws: Workspace, schedule, stream=0, num_blocks=None,
 def dispatch_split_start(ws: Workspace, stream=0, ce_share=SPLIT_CE_SHARE) -> None:
     """First half of ``dispatch_split``: fork the side stream and enqueue the copy engine's
     copies. Needs no schedule (the copied ranges are fixed), only every peer's published x."""
-    T, H = ws.tokens_per_rank, ws.hidden
     t_ce = split_tokens(ws, ce_share)
     if ws.side.pending is not None:
         raise RuntimeError("dispatch_split_start called twice without dispatch_split_finish")
     ws.side.pending = t_ce
-    if T == 0 or t_ce == 0:
+    if ws.tokens_per_rank == 0 or t_ce == 0:
         return
     ws.side.fork(stream)
-    staging = _flat(ws.x_recv)
-    for r in range(ws.ep_size):
-        if r != ws.rank:
-            device_copy(staging[r * T * H:(r * T + t_ce) * H], ws.peer_x[r][:t_ce * H],
-                        ws.side.stream)
+    _copy_peer_tokens(ws, t_ce, ws.side.stream)
 
 
 def dispatch_split_finish(ws: Workspace, schedule, stream=0, num_blocks=None,

@@ -4,10 +4,10 @@ NVLink, the token rows its experts need -- each (token, rank) pair crosses NVLin
 Roles and order. Work is *tokens*, not rows: the kernel's tokens (r, t), t >= ``t_begin`` of
 every rank r (0: all R*T; the split dispatch leaves t < t_begin to the copy engine and counts
 those rows with ``publish_tokens_kernel``), numbered v = r*(T - t_begin) + t - t_begin, are
-dealt to warp v mod (warps in the grid). The warp reads the token's k entries of ``recv_row``; if any is >= 0
-(the token routes to one of our experts) it copies the row from rank r's x buffer into the
-token-indexed staging buffer ``x_recv[u]``, u = r*T + t -- unless r is this rank: our own tokens already sit
-in their staging rows (the x buffer *is* that slice of ``x_recv``). Every other row of that
+dealt to warp v mod (warps in the grid). The warp reads the token's k entries of
+``recv_row``; if any is >= 0 (the token routes to one of our experts) it copies the row from
+rank r's x buffer into the token-indexed staging buffer ``x_recv[u]``, u = r*T + t -- unless
+r is this rank: our own tokens already sit in their staging rows (the x buffer *is* that slice of ``x_recv``). Every other row of that
 token (its other local experts) reads the same staging row through the GEMM's gather index: no
 fan-out copy. Dealing tokens, not rows, keeps every warp equally busy -- rows are expert-sorted,
 so the first rows of each token cluster in the low experts and a row-ordered walk leaves most
