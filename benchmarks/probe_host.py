@@ -8,7 +8,9 @@ per rank: the host wall time (time.perf_counter) of issuing one eager build_sche
 and one mok_torch.compile_step call, mean over 20 calls after warm-up, without synchronising
 (the GPU runs behind; ``steady`` = the 20 calls plus the final synchronise, per call), and a
 cProfile of 10 eager calls (top 25 by cumulative and by own time) in
-$OUT/probe_host_rank{r}.txt.
+$OUT/probe_host_rank{r}.txt. Both launch paths -- ``mok_core.launcher`` and numba's dispatcher
+(``launcher.ENABLED = False``) -- in turns, ``--rounds`` rounds, the median round of each; their
+eager outputs must be bitwise equal (checked). Runs at any EP (``--nproc-per-node=1``: EP 1).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kimi-k2.7")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     import torch
 
@@ -54,6 +57,7 @@ def main(argv=None):
     dist = init_distributed()
 
     import mok_torch
+    from mok_core import launcher
     from mok_core.config import MoKConfig, preset
     from mok_torch import synthetic
     R, me, T = dist.get_world_size(), dist.get_rank(), args.tokens
@@ -74,11 +78,24 @@ def main(argv=None):
         return step(x, ids, w)
 
     try:
-        for _ in range(WARMUP):
-            eager()
-            compiled()                  # first call: eager core + capture; then replays
-        eager_ms, eager_steady = issue_times(eager, N_ISSUE)
-        step_ms, step_steady = issue_times(compiled, N_ISSUE)
+        paths = {"launcher": True, "numba": False}
+        outs = {}
+        for name, enabled in paths.items():
+            launcher.ENABLED = enabled
+            for _ in range(WARMUP):
+                out = eager()
+                compiled()              # first call: eager core + capture; then replays
+            torch.cuda.synchronize()
+            outs[name] = out.clone()
+        same = bool(torch.equal(outs["launcher"].view(torch.int16),
+                                outs["numba"].view(torch.int16)))
+        times = {name: [] for name in paths}
+        for _ in range(args.rounds):
+            for name, enabled in paths.items():
+                launcher.ENABLED = enabled
+                times[name].append(issue_times(eager, N_ISSUE) + issue_times(compiled, N_ISSUE))
+        med = {name: sorted(rows)[len(rows) // 2] for name, rows in times.items()}
+        launcher.ENABLED = True
         torch.cuda.synchronize()
         dist.barrier()
         prof = cProfile.Profile()
@@ -90,17 +107,23 @@ def main(argv=None):
         lw.check()
         report = io.StringIO()
         head = (f"{args.preset} T={T} EP={R} rank {me}: host issue per call (mean of {N_ISSUE}, "
-                f"no sync): eager {eager_ms:.3f} ms, compiled step {step_ms:.3f} ms; steady "
-                f"per call incl. final sync: eager {eager_steady:.3f} ms, compiled step "
-                f"{step_steady:.3f} ms (captures: {step.captures})")
-        report.write(head + "\n\n")
+                f"no sync; median of {args.rounds} rounds in turns) and steady per call incl. "
+                f"the final sync; eager outputs of the two launch paths bitwise equal: {same}")
+        lines = [f"  {name:8s}: eager {e:.3f} ms (steady {es:.3f}), compiled step {c:.3f} ms "
+                 f"(steady {cs:.3f})" for name, (e, es, c, cs) in med.items()]
+        lines.append(f"  launcher / numba eager issue: {med['launcher'][0] / med['numba'][0]:.3f}"
+                     f" (captures: {step.captures})")
+        report.write("\n".join([head] + lines) + "\n\n")
+        report.write(f"--- cProfile of {N_PROFILE} eager calls through the launcher ---\n")
         for key in ("cumulative", "tottime"):
-            report.write(f"--- cProfile of {N_PROFILE} eager calls, top 25 by {key} ---\n")
+            report.write(f"--- top 25 by {key} ---\n")
             pstats.Stats(prof, stream=report).sort_stats(key).print_stats(25)
         path = os.path.join(os.environ.get("OUT", "/tmp"), f"probe_host_rank{me}.txt")
         with open(path, "w") as f:
             f.write(report.getvalue())
-        print(head + f"\n  profile: {path}", flush=True)
+        print("\n".join([head] + lines) + f"\n  profile: {path}", flush=True)
+        if not same:
+            raise SystemExit("the two launch paths gave different outputs")
     finally:
         torch.cuda.synchronize()
         step = None

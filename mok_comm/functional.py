@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import as_device_array, device_empty, device_full, upload
+from mok_core.cuda_compat import as_device_array, device_empty, device_full, launch, upload
 from mok_core.grouped_gemm import GemmConfig, default_gemm, down, gate_up_swiglu
 from mok_core.schedule import Schedule
 from mok_core.schedule import build_schedule as _schedule_kernels
@@ -208,11 +208,12 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
 def verify_ranks_agree(lw: LayerWorkspace, stream=0):
     """Two phases (barrier between): push our fingerprint, compare everyone's."""
     def push():
-        push_fingerprint_kernel[1, 32, stream](lw.rank, lw.fingerprint, lw.peer_fingerprints)
+        launch(push_fingerprint_kernel, 1, 32, stream, 0, lw.rank, lw.fingerprint,
+               lw.peer_fingerprints)
 
     def compare():
-        compare_fingerprints_kernel[1, 32, stream](lw.rank, lw.fingerprint_table,
-                                                   lw.comm.errors)
+        launch(compare_fingerprints_kernel, 1, 32, stream, 0, lw.rank, lw.fingerprint_table,
+               lw.comm.errors)
     return push, compare
 
 
@@ -231,8 +232,8 @@ def _routing_allgather_step(lw: LayerWorkspace, topk_ids, stream):
 
         def routing_allgather():
             if n:
-                ids_to_int32_kernel[min(256, -(-n // 256)), 256, stream](
-                    ids.reshape(n), lw.ids32.reshape(n))
+                launch(ids_to_int32_kernel, min(256, -(-n // 256)), 256, stream, 0,
+                       ids.reshape(n), lw.ids32.reshape(n))
             ops.publish_ids(lw.comm, lw.ids32, stream)
     elif np.dtype(ids.dtype) == np.int32:
         def routing_allgather():
@@ -251,8 +252,8 @@ def _schedule_step(lw: LayerWorkspace, stream):
 
 def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
     """Routing all-gather + this rank's schedule (see ``mok_core.schedule``), on the device."""
-    for _, launch in with_barriers(schedule_phases(lw, topk_ids, stream), lw.comm, stream):
-        launch()
+    for _, run in with_barriers(schedule_phases(lw, topk_ids, stream), lw.comm, stream):
+        run()
     return lw.schedule
 
 
@@ -478,8 +479,8 @@ def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_sha
 def run_step_core(core_phases, comm, stream=0):
     """barrier, core phase 0, barrier, core phase 1, barrier (what a step's graph holds)."""
     ops.barrier(comm, stream)
-    for _, launch in with_barriers(core_phases, comm, stream):
-        launch()
+    for _, run in with_barriers(core_phases, comm, stream):
+        run()
     ops.barrier(comm, stream)
 
 
@@ -541,8 +542,8 @@ def forward(config: MoKConfig, workspace: LayerWorkspace, schedule: Schedule, x,
     phases, out = forward_phases(config, workspace, schedule, x, router_weights, w_shared_gate,
                                  w_shared_up, w_shared_down, w_gate, w_up, w_down,
                                  swiglu_limit, out, stream)
-    for _, launch in with_barriers(phases, workspace.comm, stream):
-        launch()
+    for _, run in with_barriers(phases, workspace.comm, stream):
+        run()
     return out, _context(workspace, schedule)
 
 

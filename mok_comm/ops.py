@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mok_core.config import MoKConfig
-from mok_core.cuda_compat import (SIM, as_device_array, device_copy, launch,
+from mok_core.cuda_compat import (SIM, as_device_array, device_copy, flat_view, launch,
                                   multiprocessor_count)
 
 from .kernels.allgather import push_ids_kernel
@@ -44,8 +44,7 @@ def _comm_grid(ws: Workspace, num_blocks):
     return num_blocks or (2 if SIM else 2 * multiprocessor_count())
 
 
-def _flat(a):
-    return a.reshape(a.size) if a.ndim != 1 else a
+_flat = flat_view
 
 
 def publish_ids(ws: Workspace, topk_ids, stream=0) -> None:
@@ -59,7 +58,8 @@ def publish_ids(ws: Workspace, topk_ids, stream=0) -> None:
     ids = as_device_array(topk_ids, "topk_ids", dtype=np.int32, shape=(T, k))
     if T * k:
         blocks = min(256, -(-T * k // _COPY_THREADS))
-        push_ids_kernel[blocks, _COPY_THREADS, stream](ws.rank, _flat(ids), ws.peer_ids_table)
+        launch(push_ids_kernel, blocks, _COPY_THREADS, stream, 0, ws.rank, _flat(ids),
+               ws.peer_ids_table)
 
 
 def publish_x(ws: Workspace, x, router_weights=None, stream=0) -> None:
@@ -76,8 +76,8 @@ def publish_x(ws: Workspace, x, router_weights=None, stream=0) -> None:
     if T == 0:
         return
     blocks = 2 if SIM else min(4 * multiprocessor_count(), -(-T * H // 8 // _COPY_THREADS))
-    publish_x_kernel[blocks, _COPY_THREADS, stream](_flat(x), _flat(ws.x_buf), _flat(w),
-                                                    ws.errors)
+    launch(publish_x_kernel, blocks, _COPY_THREADS, stream, 0, _flat(x), _flat(ws.x_buf),
+           _flat(w), ws.errors)
 
 
 def publish_tokens(ws: Workspace, x, topk_ids, stream=0) -> None:
@@ -88,19 +88,18 @@ def publish_tokens(ws: Workspace, x, topk_ids, stream=0) -> None:
 
 def barrier(ws: Workspace, stream=0) -> None:
     """Device-side barrier of the EP group (one 1-thread launch; bounded wait, see kernels)."""
-    barrier_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.barrier_flags,
-                                 ws.peer_barrier_flags, ws.config.spin_timeout_cycles,
-                                 ws.errors)
+    launch(barrier_kernel, 1, 1, stream, 0, ws.rank, ws.barrier_epoch, ws.barrier_flags,
+           ws.peer_barrier_flags, ws.config.spin_timeout_cycles, ws.errors)
 
 
 def barrier_arrive(ws: Workspace, stream=0) -> None:
     """First half of ``barrier`` (emulated ranks: every rank arrives, then every rank waits)."""
-    arrive_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.peer_barrier_flags)
+    launch(arrive_kernel, 1, 1, stream, 0, ws.rank, ws.barrier_epoch, ws.peer_barrier_flags)
 
 
 def barrier_wait(ws: Workspace, stream=0) -> None:
-    wait_kernel[1, 1, stream](ws.rank, ws.barrier_epoch, ws.barrier_flags,
-                              ws.config.spin_timeout_cycles, ws.errors)
+    launch(wait_kernel, 1, 1, stream, 0, ws.rank, ws.barrier_epoch, ws.barrier_flags,
+           ws.config.spin_timeout_cycles, ws.errors)
 
 
 COPY_VARIANTS = ("ld", "bulk")
@@ -155,12 +154,13 @@ def dispatch(ws: Workspace, schedule, stream=0, num_blocks=None, variant="ld",
     if variant == "copy_engine":
         _copy_peer_tokens(ws, ws.tokens_per_rank, stream)
         q = schedule.ready.shape[0]
-        publish_all_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
-            schedule.minibatch_rows, schedule.ready)
+        launch(publish_all_kernel, max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream, 0,
+               schedule.minibatch_rows, schedule.ready)
         return
     args = pull_dispatch_args(ws, schedule)
     if variant == "ld":
-        pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+        launch(pull_dispatch_kernel, _comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream, 0,
+               *args)
     else:
         _bulk_launch(pull_dispatch_bulk_kernel, ws, num_blocks, stream, bulk_chunk, *args)
 
@@ -233,12 +233,13 @@ def dispatch_split_finish(ws: Workspace, schedule, stream=0, num_blocks=None,
         return
     if t_ce < T:
         args = pull_dispatch_args(ws, schedule, t_begin=t_ce)
-        pull_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+        launch(pull_dispatch_kernel, _comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream, 0,
+               *args)
     if t_ce:
         ws.side.join(stream)
-        publish_tokens_kernel[_PUBLISH_BLOCKS, _COPY_THREADS, stream](
-            _flat(schedule.recv_row), schedule.ready, np.int64(T), np.int64(ws.topk),
-            np.int64(schedule.minibatch_size), np.int64(t_ce))
+        launch(publish_tokens_kernel, _PUBLISH_BLOCKS, _COPY_THREADS, stream, 0,
+               _flat(schedule.recv_row), schedule.ready, np.int64(T), np.int64(ws.topk),
+               np.int64(schedule.minibatch_size), np.int64(t_ce))
 
 
 _PUBLISH_BLOCKS = 2 if SIM else 64
@@ -268,17 +269,17 @@ def dispatch_push(ws: Workspace, schedule, stream=0, num_blocks=None) -> None:
     rank waits."""
     if ws.tokens_per_rank == 0:
         return
-    push_dispatch_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](
-        *push_dispatch_args(ws, schedule))
+    launch(push_dispatch_kernel, _comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream, 0,
+           *push_dispatch_args(ws, schedule))
 
 
 def wait_dispatch_push(ws: Workspace, schedule, stream=0) -> None:
     """Second half: wait (bounded) until every minibatch's rows have landed here, then
     ``schedule.ready[q] += minibatch_rows[q]``; ``push_arrivals`` goes back to zero."""
     q = schedule.ready.shape[0]
-    wait_arrivals_kernel[max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream](
-        ws.rank, ws.push_arrivals, schedule.minibatch_rows, schedule.ready,
-        np.int64(ws.config.spin_timeout_cycles), ws.errors)
+    launch(wait_arrivals_kernel, max(1, -(-q // _COPY_THREADS)), _COPY_THREADS, stream, 0,
+           ws.rank, ws.push_arrivals, schedule.minibatch_rows, schedule.ready,
+           np.int64(ws.config.spin_timeout_cycles), ws.errors)
 
 
 def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None, variant="ld",
@@ -290,7 +291,8 @@ def combine(ws: Workspace, schedule, y, stream=0, num_blocks=None, variant="ld",
     args = (_flat(y), schedule.src_rank, schedule.src_token, schedule.src_slot,
             schedule.num_rows, ws.peer_combine, np.int64(ws.hidden), np.int64(ws.topk))
     if variant == "ld":
-        push_combine_kernel[_comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream](*args)
+        launch(push_combine_kernel, _comm_grid(ws, num_blocks), 32 * COMM_WARPS, stream, 0,
+               *args)
     else:
         _bulk_launch(push_combine_bulk_kernel, ws, num_blocks, stream, bulk_chunk, ws.rank,
                      *args)
@@ -313,15 +315,15 @@ def epilogue(ws: Workspace, router_weights, out, y_shared=None, stream=0) -> Non
         return
     chunks = T * H // 8
     blocks = min(4 * multiprocessor_count() if not SIM else 2, -(-chunks // _COPY_THREADS))
-    combine_epilogue_kernel[blocks, _COPY_THREADS, stream](
-        _flat(ys), has_shared, _flat(ws.combine_buf), _flat(ws.ids_table[ws.rank]), _flat(w),
-        _flat(out), np.int64(T), np.int64(H), np.int64(k))
+    launch(combine_epilogue_kernel, blocks, _COPY_THREADS, stream, 0,
+           _flat(ys), has_shared, _flat(ws.combine_buf), _flat(ws.ids_table[ws.rank]), _flat(w),
+           _flat(out), np.int64(T), np.int64(H), np.int64(k))
 
 
 def gather_index(ws: Workspace, schedule, out, stream=0) -> None:
     """GEMM row index into ``x_recv`` for every expert-sorted row (-1 on padding)."""
     from .kernels.index import gather_index_kernel
     out = as_device_array(out, "gather_index", dtype=np.int32, shape=(ws.capacity,))
-    gather_index_kernel[max(1, min(1024, -(-ws.capacity // _COPY_THREADS))), _COPY_THREADS,
-                        stream](schedule.src_rank, schedule.src_token,
-                                np.int64(ws.tokens_per_rank), out)
+    blocks = max(1, min(1024, -(-ws.capacity // _COPY_THREADS)))
+    launch(gather_index_kernel, blocks, _COPY_THREADS, stream, 0, schedule.src_rank,
+           schedule.src_token, np.int64(ws.tokens_per_rank), out)

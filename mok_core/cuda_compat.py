@@ -142,6 +142,24 @@ def _check_props(arr, name, *, dtype, ndim, shape):
             raise ValueError(f"{name}: expected shape {want}, got {got}")
 
 
+def flat_view(arr, dtype=None):
+    """``arr`` as a 1-D array (its bits as ``dtype`` when given: a ``.view``), zero-copy. On the
+    GPU memoised on ``arr``: every step's launches flatten the workspace's persistent arrays
+    again, and making and typing a numba view costs ~15 us of host time."""
+    views = getattr(arr, "__dict__", None) if not SIM else None
+    if views is not None:
+        views = views.setdefault("_mok_flat_views", {})
+        view = views.get(dtype)
+        if view is not None:
+            return view
+    view = arr.reshape(arr.size) if arr.ndim != 1 else arr
+    if dtype is not None:
+        view = view.view(dtype)
+    if views is not None:
+        views[dtype] = view
+    return view
+
+
 def device_address(arr) -> int:
     """Address of an array's first element: the device pointer on a GPU, the host address of
     the simulator's NumPy arrays."""
@@ -248,7 +266,7 @@ def fill(arr, value, stream=0):
     if flat.size == 0:
         return
     blocks = min(1024, (flat.size + 255) // 256)
-    _fill_kernel[blocks, 256, stream](flat, flat.dtype.type(value))
+    launch(_fill_kernel, blocks, 256, stream, 0, flat, flat.dtype.type(value))
 
 
 _COMPILED: dict = {}         # (kernel, argument types, dynamic smem bytes) -> compiled kernel
@@ -273,10 +291,15 @@ def _compiled(kernel, args, smem_bytes):
 
 
 def launch(kernel, grid, block, stream, smem_bytes, *args):
-    """Launch a kjit kernel, raising its dynamic shared-memory limit first when it needs more
-    than 48 KiB."""
-    if not SIM and smem_bytes > 48 * 1024:
-        _compiled(kernel, args, smem_bytes)
+    """Launch a kjit kernel: ``kernel[grid, block, stream, smem_bytes](*args)``, raising its
+    dynamic shared-memory limit first when it needs more than 48 KiB. On the GPU through
+    ``mok_core.launcher`` (the same launch with a fraction of numba's host time)."""
+    if not SIM:
+        from . import launcher
+        if launcher.launch(kernel, grid, block, stream, smem_bytes, args, _compiled):
+            return
+        if smem_bytes > 48 * 1024:
+            _compiled(kernel, args, smem_bytes)
     kernel[grid, block, stream, smem_bytes](*args)
 
 
@@ -300,7 +323,8 @@ def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args, pers
                                   "run clusters of several blocks: launch with cluster=1")
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
-    from numba.cuda.cudadrv.driver import _to_core_stream
+
+    from . import launcher
     compiled = _compiled(kernel, args, smem_bytes)
     if persistent:
         resident = _max_active_clusters(compiled, cluster, block, smem_bytes)
@@ -308,15 +332,11 @@ def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args, pers
             raise ValueError(f"no cluster of {cluster} blocks x {block} threads with "
                              f"{smem_bytes} B of shared memory fits on this GPU")
         grid = min(grid, resident * cluster)
-    core_stream = _to_core_stream(stream)
-    retr, packed = [], []
-    for ty, value in zip(compiled.argument_types, args):
-        compiled._prepare_args(ty, value, core_stream, retr, packed)
+    packed = launcher.pack(compiled, args, stream)
     config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block,
                           shmem_size=smem_bytes)
-    core_launch(core_stream, config, compiled._codelibrary.get_cufunc().kernel, *packed)
-    for writeback in retr:
-        writeback()
+    core_launch(launcher.core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel,
+                *packed)
 
 
 _MAX_CLUSTERS: dict = {}     # (compiled kernel, cluster, block, smem bytes) -> clusters

@@ -3,7 +3,7 @@ record a bounded wait that expired."""
 from numba import cuda
 
 from . import errors as err
-from .cuda_compat import SIM, kjit
+from .cuda_compat import SIM, kjit, launch
 
 
 @kjit
@@ -25,7 +25,7 @@ def reset_error_word(word, stream=0) -> None:
     if SIM:
         word[...] = err.initial_error_word()
         return
-    _reset_kernel[1, err.ERROR_WORDS, stream](word)
+    launch(_reset_kernel, 1, err.ERROR_WORDS, stream, 0, word)
 
 
 @kjit(device=True)

@@ -18,8 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cuda_compat import (SIM, as_device_array, device_address, launch, launch_cluster,
-                          multiprocessor_count, upload)
+from .cuda_compat import (SIM, as_device_array, device_address, flat_view, launch,
+                          launch_cluster, multiprocessor_count, upload)
 from .grouped_gemm_kernels import make_grouped_gemm
 from . import grouped_gemm_wgmma_kernels as _wgmma
 from . import grouped_gemm_wgmma_ws_kernels as _wgmma_ws
@@ -407,10 +407,9 @@ def _check_dims(cfg, *, C, K, N, n_tile, name_k, name_n):
         raise ValueError(f"{name_n}={N}: must be a multiple of {n_tile}")
 
 
-def _flat(a):
-    return a.reshape(a.size) if a.ndim != 1 else a
+_flat = flat_view
 
 
 def _flat32(a):
     """uint16 [.., N] (N even) -> flat uint32 view of packed bf16 pairs."""
-    return _flat(a).view(np.uint32)
+    return flat_view(a, np.uint32)

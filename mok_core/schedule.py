@@ -26,7 +26,7 @@ import numpy as np
 
 from . import errors as err
 from .config import MoKConfig
-from .cuda_compat import SIM, as_device_array, device_empty, to_host, upload
+from .cuda_compat import SIM, as_device_array, device_empty, launch, to_host, upload
 from .errors_kernels import reset_error_word
 from .schedule_kernels import (count_routes_kernel, expert_offsets_kernel, place_routes_kernel,
                                scan_chunks_kernel)
@@ -187,15 +187,15 @@ def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream
     reset_error_word(s.errors, stream)
     B = SCHEDULE_THREADS
     grid = (s.num_chunks, R)
-    count_routes_kernel[grid, B, stream, 4 * E](ids, live, s.chunk_counts, s.src_rank,
-                                                 s.src_token, s.src_slot, s.minibatch_rows,
-                                                 s.ready, s.errors)
-    scan_chunks_kernel[-(-(E * R) // B), B, stream](s.chunk_counts, s.chunk_base, s.rank_counts)
-    expert_offsets_kernel[1, _OFFSETS_THREADS, stream](
-        s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank, s.expert_scan,
-        s.all_offsets, s.expert_counts, s.errors)
-    place_routes_kernel[grid, B, stream, 4 * (B + B // 32 * E)](
-        ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts, s.all_offsets,
-        s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank, s.dest_row,
-        s.minibatch_size, s.minibatch_rows)
+    launch(count_routes_kernel, grid, B, stream, 4 * E, ids, live, s.chunk_counts, s.src_rank,
+           s.src_token, s.src_slot, s.minibatch_rows, s.ready, s.errors)
+    launch(scan_chunks_kernel, -(-(E * R) // B), B, stream, 0, s.chunk_counts, s.chunk_base,
+           s.rank_counts)
+    launch(expert_offsets_kernel, 1, _OFFSETS_THREADS, stream, 0,
+           s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank, s.expert_scan,
+           s.all_offsets, s.expert_counts, s.errors)
+    launch(place_routes_kernel, grid, B, stream, 4 * (B + B // 32 * E),
+           ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts, s.all_offsets,
+           s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank, s.dest_row,
+           s.minibatch_size, s.minibatch_rows)
     return s
