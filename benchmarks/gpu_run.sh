@@ -8,7 +8,8 @@
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
 #        pull, push and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
-#        probe-host probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
+#        gpu-single (the GPU tests one GPU runs, emulated ranks included)
+#        probe-host (PROBE_PRESETS, PROBE_TOKENS) probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
 #        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle)
 #        probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
@@ -81,8 +82,13 @@ for s in "$@"; do
     probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
          --out "$OUT/probe_comm.json" ;;
-    probe-host) step probe-host torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/probe_host.py ;;
+    probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
+         --nproc-per-node="$NGPU" benchmarks/probe_host.py --preset "$p" \
+         --tokens "${PROBE_TOKENS:-4096}"; done ;;   # launcher vs numba's dispatcher
+    gpu-single) export SUITE=gpusingle; step gpu-single torchrun --standalone --nproc-per-node=1 \
+         --no-python bash tests/gpu/pytest_rank.sh tests/test_comm_emulated.py \
+         tests/gpu/test_split_capture_gpu.py tests/gpu/test_schedule_gpu.py \
+         tests/gpu/test_cluster_gpu.py; rank_logs gpusingle ;;   # what one GPU can run
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
          -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py; rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \

@@ -364,8 +364,8 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         rank, token, slot, peers, k = push
         rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
                              ((rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
-        peers = tuple(_flat(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1))
-                      .view(np.uint32) for p in peers)
+        peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
+                                np.uint32) for p in peers)
         if any(p.shape[0] % (H // 2) for p in peers):
             raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
         for p in peers:
