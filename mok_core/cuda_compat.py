@@ -146,6 +146,8 @@ def flat_view(arr, dtype=None):
     """``arr`` as a 1-D array (its bits as ``dtype`` when given: a ``.view``), zero-copy. On the
     GPU memoised on ``arr``: every step's launches flatten the workspace's persistent arrays
     again, and making and typing a numba view costs ~15 us of host time."""
+    if arr.ndim == 1 and dtype is None:
+        return arr
     views = getattr(arr, "__dict__", None) if not SIM else None
     if views is not None:
         views = views.setdefault("_mok_flat_views", {})
@@ -155,7 +157,7 @@ def flat_view(arr, dtype=None):
     view = arr.reshape(arr.size) if arr.ndim != 1 else arr
     if dtype is not None:
         view = view.view(dtype)
-    if views is not None:
+    if views is not None:                 # (never the array itself: no cycle through it)
         views[dtype] = view
     return view
 
@@ -270,22 +272,25 @@ def fill(arr, value, stream=0):
 
 
 _COMPILED: dict = {}         # (kernel, argument types, dynamic smem bytes) -> compiled kernel
+_SMEM_LIMIT: dict = {}       # compiled kernel -> the dynamic smem limit set on it
 
 
 def _compiled(kernel, args, smem_bytes):
     """numba's compiled specialisation of ``kernel`` for ``args``; above 48 KiB of dynamic
-    shared memory the kernel's limit is raised first (numba does not). Both once per
+    shared memory the kernel's limit is raised first (numba does not) -- to the largest size
+    asked for so far, so that launches of one kernel with two sizes both fit. Once per
     specialisation and size."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in args)
     key = (id(kernel), argtypes, smem_bytes)
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel.compile(argtypes)
-        if smem_bytes > 48 * 1024:
+        if smem_bytes > _SMEM_LIMIT.get(compiled, 48 * 1024):
             from numba.cuda.cudadrv.driver import binding, driver
             cufunc = compiled._codelibrary.get_cufunc()
             attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             driver.cuKernelSetAttribute(attr, smem_bytes, cufunc.handle, cufunc.device.id)
+            _SMEM_LIMIT[compiled] = smem_bytes
         _COMPILED[key] = compiled
     return compiled
 

@@ -16,7 +16,9 @@ launch. Here, per launch:
 3. cuda.core's ``launch`` (what numba itself calls) runs it, with the ``LaunchConfig`` and the
    cuda.core stream wrapper cached.
 
-Anything else (an argument kind not listed above) goes through numba's dispatcher unchanged.
+Anything else (an argument kind not listed above; a cooperative, debug or extension kernel)
+goes through numba's dispatcher unchanged. One GPU per process (MoK's EP model: a compiled
+kernel is looked up for the device current at its first launch).
 ``MOK_NUMBA_LAUNCH=1`` in the environment (or ``ENABLED = False``) sends every launch through
 numba's dispatcher -- the A/B switch of ``benchmarks/probe_host.py``. GPU only (imported by
 ``cuda_compat.launch`` off the simulator, which launches through its own dispatcher).
@@ -95,7 +97,7 @@ def pack(compiled, args, stream) -> list:
     params: list = []
     for ty, value in zip(compiled.argument_types, args):
         code = _code(ty)
-        if code is None:
+        if code is None or (code[0] == _ARRAY and not isinstance(value, DeviceNDArray)):
             compiled._prepare_args(ty, value, core_stream(stream), [], params)
         else:
             flatten((code,), (value,), params)
@@ -110,16 +112,16 @@ def _key(value):
             ty = value._numba_type_
             value._mok_numba_type = ty
         return ty
-    if isinstance(value, bool):
+    if type(value) is bool:
         return bool
-    if isinstance(value, int):
+    if type(value) is int:         # (not an IntEnum: numba types those apart)
         # numba types a Python int as int64, or uint64 from 2**63 on
         return int if -(1 << 63) <= value < (1 << 63) else None
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.dtype
-    if isinstance(value, float):
+    if type(value) is float:
         return float
-    if isinstance(value, tuple):
+    if type(value) is tuple:       # (not a namedtuple: numba types each class apart)
         inner = tuple(_key(v) for v in value)
         return None if any(k is None for k in inner) else inner
     return None
@@ -134,8 +136,9 @@ def _entry(kernel, args, smem_bytes, compile_fn):
     if entry is None:
         compiled = compile_fn(kernel, args, smem_bytes)
         codes = tuple(_code(t) for t in compiled.argument_types)
-        if any(c is None for c in codes):
-            entry = False
+        if (any(c is None for c in codes) or compiled.cooperative or compiled.debug
+                or compiled.extensions):
+            entry = False                      # what numba's launch does beyond packing
         else:
             entry = _Entry(compiled._codelibrary.get_cufunc().kernel, codes)
         _ENTRIES[key] = entry

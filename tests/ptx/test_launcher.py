@@ -88,6 +88,27 @@ def test_key_decides_numba_type():
 
 
 def test_unknown_kinds_fall_back_to_numba():
+    import collections
+    import enum
+
+    class Mode(enum.IntEnum):
+        A = 1
+
+    Pair = collections.namedtuple("Pair", "a b")
     assert launcher._key(1 << 63) is None                 # numba: uint64
     assert launcher._key(object()) is None
     assert launcher._key((1, object())) is None
+    assert launcher._key(Mode.A) is None                  # numba: IntEnumMember
+    assert launcher._key(Pair(1, 2)) is None              # numba: a NamedTuple per class
+
+
+def test_flat_views_memoised_on_the_array():
+    from mok_core.cuda_compat import flat_view
+    a2 = _device_array((64, 7168), np.uint16)
+    flat = flat_view(a2)
+    assert flat is flat_view(a2) and flat.shape == (64 * 7168,)
+    assert flat_view(a2, np.uint32) is flat_view(a2, np.uint32)
+    assert flat_view(a2, np.uint32).shape == (32 * 7168,)
+    a1 = _device_array((1000,), np.uint16)
+    assert flat_view(a1) is a1 and "_mok_flat_views" not in a1.__dict__     # no self-cycle
+    assert flat_view(a1, np.uint32).device_ctypes_pointer.value == a1.device_ctypes_pointer.value
