@@ -15,7 +15,11 @@ median over iterations after warm-up. ``ours_ms`` is the eager pair (build_sched
 around a CUDA-graph replay of the core, fresh inputs allowed; checked bitwise against eager
 first), with ``speedup_step_vs_best_baseline``. Floor = max(FLOPs / dense cuBLAS rate,
 NVLink bytes / peer-copy rate), both rates measured in this run; NVLink bytes = deduplicated
-dispatch + combine rows that cross GPUs (from our schedule).
+dispatch + combine rows that cross GPUs (from our schedule). The floor leaves out that every
+weight of an expert with rows must come from HBM once per step (at small rows per expert the
+GEMMs stream weights): ``floor_hbm_ms`` = those bytes (this rank's experts that got rows, and
+the shared expert) / the HBM rate of a local device copy measured in this run (bytes read +
+written / time), and ``step_over_roofline`` = compiled step / max(floor_ms, floor_hbm_ms).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from benchmarks.common import (gpu_name, progress, rank_max_median, table,  # no
 
 
 def ceilings():
-    """Dense bf16 cuBLAS TFLOP/s and NVLink peer-copy GB/s (pull), measured now."""
+    """Dense bf16 cuBLAS TFLOP/s, NVLink peer-copy GB/s (pull) and HBM GB/s (a local device
+    copy: bytes read + written), measured now."""
     import nvshmem.core as nvs
     import torch
     import torch.distributed as dist
@@ -46,10 +51,13 @@ def ceilings():
     dist.barrier()
     ms = rank_max_median(time_iters(lambda: dst.copy_(peer), 10, 3))
     gbps = src.numel() * 2 / ms / 1e6
+    local = torch.empty_like(dst)
+    ms = rank_max_median(time_iters(lambda: local.copy_(dst), 10, 3))
+    hbm_gbps = 2 * local.numel() * 2 / ms / 1e6
     torch.cuda.synchronize()
     dist.barrier()
     nvs.free_tensor(src)
-    return tflops, gbps
+    return tflops, gbps, hbm_gbps
 
 
 def check(out, x, ids, w, shared, shape, pick, dev):
@@ -225,11 +233,15 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         nvl_bytes = (tokens + int(remote.sum())) * shape.hidden * 2
         flops = 6.0 * int(real.sum()) * shape.hidden * shape.intermediate \
             + shape.shared_flops(T)
-        tflops, gbps = rates
+        tflops, gbps, hbm_gbps = rates
         floor = max(flops / tflops / 1e9, nvl_bytes / gbps / 1e6)
-        floors = torch.tensor([floor], dtype=torch.float64, device="cuda")
+        experts = int((sc["expert_counts"] > 0).sum())
+        weight_bytes = 2 * 3 * shape.hidden * (experts * shape.intermediate
+                                               + shape.shared_intermediate)
+        floor_hbm = weight_bytes / hbm_gbps / 1e6
+        floors = torch.tensor([floor, floor_hbm], dtype=torch.float64, device="cuda")
         dist.all_reduce(floors, op=dist.ReduceOp.MAX)
-        floor = float(floors[0])
+        floor, floor_hbm = float(floors[0]), float(floors[1])
     finally:
         torch.cuda.synchronize()
         step = None                              # its graph references the workspace
@@ -240,7 +252,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
             "baselines": times, "baseline_notes": {"torch_symm_mem": note}, "floor_ms": floor,
             "speedup_vs_best_baseline": min(times.values()) / t_ours,
             "speedup_step_vs_best_baseline": min(times.values()) / t_step,
-            "ours_over_floor": t_ours / floor, "ours_rel_l1": err_ours,
+            "ours_over_floor": t_ours / floor, "floor_hbm_ms": floor_hbm,
+            "step_over_roofline": t_step / max(floor, floor_hbm), "ours_rel_l1": err_ours,
             "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
             "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps}
 
@@ -265,6 +278,7 @@ def plot(rows, path):
     bars += [(BASELINE_LABELS[b], [r["baselines"].get(b, 0.0) for r in rows])
              for b in baseline_names(rows)]
     bars.append(("floor", [r["floor_ms"] for r in rows]))
+    bars.append(("HBM floor (weights once)", [r.get("floor_hbm_ms", 0.0) for r in rows]))
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(bars) * len(rows)), 4))
     for j, (label, ys) in enumerate(bars):
@@ -320,7 +334,8 @@ def main(argv=None):
     rank0 = dist.get_rank() == 0
     if rank0:
         progress(f"GEMM tiles: {pair_of or gemm_of or 'the library default per shape'}")
-        progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull")
+        progress(f"ceilings: {rates[0]:.0f} TFLOP/s dense bf16, {rates[1]:.0f} GB/s peer pull, "
+                 f"{rates[2]:.0f} GB/s HBM (local copy)")
     rows = []
     for name in args.presets.split(","):
         for T in map(int, args.tokens.split(",")):
@@ -341,7 +356,7 @@ def main(argv=None):
                 r = rows[-1]
                 base = "  ".join(f"{b} {ms:.2f} ms" for b, ms in r["baselines"].items())
                 progress(f"  ours {r['ours_ms']:.2f} ms  compiled step {r['ours_step_ms']:.2f} ms  "
-                         f"{base}  floor {r['floor_ms']:.2f} ms  "
+                         f"{base}  floor {r['floor_ms']:.2f} ms (HBM {r['floor_hbm_ms']:.2f})  "
                          f"speedup {r['speedup_vs_best_baseline']:.2f}x "
                          f"(step {r['speedup_step_vs_best_baseline']:.2f}x)  "
                          f"(symm-mem: {r['baseline_notes']['torch_symm_mem']})")
@@ -358,8 +373,9 @@ def main(argv=None):
         flat = [dict(r, **{f"{b}_ms": r["baselines"].get(b) for b in names}) for r in rows]
         print(table(flat, ["preset", "tokens_per_rank", "ep", "dispatch", "ours_ms", "ours_step_ms",
                            "ours_graph_ms", *(f"{b}_ms" for b in names), "floor_ms",
-                           "speedup_vs_best_baseline", "speedup_step_vs_best_baseline",
-                           "ours_over_floor"]))
+                           "floor_hbm_ms", "speedup_vs_best_baseline",
+                           "speedup_step_vs_best_baseline", "ours_over_floor",
+                           "step_over_roofline"]))
     bootstrap.finalize()
     dist.destroy_process_group()
 
