@@ -54,12 +54,12 @@ _DLPACK_CUDA_HOST = 3   # kDLCUDAHost
 _DLPACK_CPU = 1
 
 
-def _np_dtype_of(obj):
-    dt = getattr(obj, "dtype", None)
+def _is_bf16(obj) -> bool:
+    """Whether ``obj`` says its dtype is bfloat16 (ml_dtypes' NumPy dtype: jax, ml_dtypes)."""
     try:
-        return np.dtype(dt)
+        return np.dtype(getattr(obj, "dtype", None)).name == "bfloat16"
     except TypeError:
-        return None
+        return False
 
 
 def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shape=None):
@@ -92,7 +92,11 @@ def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shap
 def _sim_view(obj, name):
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
     if isinstance(obj, (np.ndarray, FakeCUDAArray)):
-        return obj
+        return obj.view(np.uint16) if _is_bf16(obj) else obj
+    if _is_bf16(obj) and hasattr(obj, "__array__"):
+        # NumPy's DLPack import has no bfloat16; a jax array / buffer callback buffer gives
+        # its memory to np.asarray (writable where the producer allows)
+        return np.asarray(obj).view(np.uint16)
     if hasattr(obj, "__dlpack__"):
         dev = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else _DLPACK_CPU
         if dev != _DLPACK_CPU:
@@ -107,7 +111,7 @@ def _gpu_view(obj, name):
         return obj
     if cuda.is_cuda_array(obj):
         cai = dict(obj.__cuda_array_interface__)
-        if cai.get("typestr") in _BF16_TYPESTRS:      # bf16 travels as its uint16 bits
+        if cai.get("typestr") in _BF16_TYPESTRS or _is_bf16(obj):   # bf16 -> its uint16 bits
             cai["typestr"] = "<u2"
             return cuda.from_cuda_array_interface(cai, owner=obj, sync=False)
         return cuda.as_cuda_array(obj, sync=False)

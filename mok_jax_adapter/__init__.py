@@ -1,8 +1,13 @@
-"""JAX adapter (planned; not implemented yet -- see NOTES.md "Next").
+"""JAX adapter: the MoE layer forward on ``jax.Array``s, zero-copy, inside ``jax.jit``.
 
-Plan: inside ``jax.jit`` through ``jax.experimental.buffer_callback`` (the callback receives
-XLA's buffers and stream; MoK-Py kernels launch on that stream and write the output buffer in
-place, zero-copy), with ``jax.custom_vjp`` for the backward. Until then, JAX users can hand
-single-device ``jax.Array``s to ``mok_comm.functional`` eagerly: inputs are read zero-copy via
-DLPack / the CUDA array interface (bf16 as uint16 bits).
+    lw = mok_jax_adapter.get_workspace(shape, tokens_per_rank, config)
+    out = jax.jit(lambda *a: mok_jax_adapter.forward(config, lw, *a))(
+        x, topk_ids, router_weights, w_shared_gate, w_shared_up, w_shared_down,
+        w_gate, w_up, w_down)
+
+One ``jax.experimental.buffer_callback`` per step runs the layer's kernels on XLA's stream over
+XLA's own buffers (``functional``'s docstring: the contract and the limits -- no autodiff yet).
 """
+from .functional import forward, get_workspace
+
+__all__ = ["forward", "get_workspace"]

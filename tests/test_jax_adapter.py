@@ -1,0 +1,95 @@
+"""mok_jax_adapter: jax arrays through the layer in one XLA buffer callback, inside and outside
+``jax.jit`` (EP = 1; the simulator on JAX's CPU backend in CI, unchanged on one GPU), against
+the float64 reference and bit for bit against ``mok_comm.functional`` on the same inputs."""
+import os
+
+import numpy as np
+import pytest
+
+from helpers import to_dev
+from layer_support import layer_inputs, reference_out, rel_l1
+from mok_comm import functional as F
+from mok_comm.heap import LocalHeap
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import SIM, to_host
+from mok_core.errors import MoKError
+from mok_core.grouped_gemm import SIM_GEMM
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GPU to the rest
+jax = pytest.importorskip("jax") if not SIM else __import__("jax")   # CI installs it (README)
+if SIM:
+    jax.config.update("jax_platforms", "cpu")        # the simulator's "device" is the host
+import jax.numpy as jnp  # noqa: E402
+
+import mok_jax_adapter  # noqa: E402
+
+GEMM = SIM_GEMM
+CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
+                   ep_size=1)
+T = 40
+
+
+def _inputs(seed=0, limit=None):
+    inp = layer_inputs(np.random.default_rng(seed), SHAPE, T,
+                       weight_scale=3.0 if limit else 1.0)
+    args = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
+            jnp.asarray(inp["w"][0]), *(jnp.asarray(inp[n]) for n in
+                                        ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d")))
+    return inp, args
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_forward_matches_reference_and_functional(limit):
+    inp, args = _inputs(1, limit)
+    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
+    step = jax.jit(lambda *a: mok_jax_adapter.forward(CFG, lw, *a, swiglu_limit=limit))
+    out = step(*args)
+    lw.check()
+    assert out.dtype == jnp.bfloat16 and out.shape == (T, SHAPE.hidden)
+    got = np.asarray(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_l1(got, reference_out(inp, limit)[0]) < 5e-3
+    # the same bits as the framework-neutral layer on the same inputs ...
+    lw2 = F.get_workspace(SHAPE, T, CFG, gemm=GEMM, heap=LocalHeap(0))
+    sched = F.build_schedule(lw2, to_dev(inp["ids"][0].astype(np.int32)))
+    want, _ = F.forward(CFG, lw2, sched, *(to_dev(_bits(inp[n][0]) if n == "x" else inp[n][0])
+                                           for n in ("x", "w")),
+                        *(to_dev(_bits(inp[n])) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u",
+                                                          "w_d")),
+                        limit)
+    np.testing.assert_array_equal(_bits(out), to_host(want).view(np.uint16))
+    # ... again under jit, and eagerly (outside jit) -- deterministic
+    np.testing.assert_array_equal(_bits(step(*args)), _bits(out))
+    eager = mok_jax_adapter.forward(CFG, lw, *args, swiglu_limit=limit)
+    np.testing.assert_array_equal(_bits(eager), _bits(out))
+
+
+def test_jax_inputs_checked():
+    _, args = _inputs(2)
+    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
+    x, ids, w, sg, su, sd, wg, wu, wd = args
+    fwd = mok_jax_adapter.forward
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float32"):
+        fwd(CFG, lw, x.astype(jnp.float32), ids, w, sg, su, sd, wg, wu, wd)
+    with pytest.raises(TypeError, match="router_weights: expected dtype float32"):
+        fwd(CFG, lw, x, ids, w.astype(jnp.bfloat16), sg, su, sd, wg, wu, wd)
+    with pytest.raises(TypeError, match="topk_ids: expected dtype int32"):
+        fwd(CFG, lw, x, ids.astype(jnp.float32), w, sg, su, sd, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"w_gate: expected shape \(4, 32, 64\)"):
+        fwd(CFG, lw, x, ids, w, sg, su, sd, wg[:, :16], wu, wd)
+    with pytest.raises(ValueError, match=r"x: expected shape \(40, 64\)"):
+        jax.jit(lambda *a: fwd(CFG, lw, *a))(x[:8], ids, w, sg, su, sd, wg, wu, wd)
+
+
+def test_out_of_range_expert_id_is_reported():
+    _, args = _inputs(3)
+    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
+    bad = args[1].at[5, 1].set(SHAPE.num_experts)         # one id past the last expert
+    mok_jax_adapter.forward(CFG, lw, args[0], bad, *args[2:]).block_until_ready()
+    with pytest.raises(MoKError, match=r"expert id out of range.*largest bad id 4"):
+        lw.check()
