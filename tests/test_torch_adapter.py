@@ -23,13 +23,17 @@ def np64(t):
     return t.detach().double().cpu().numpy()
 
 
-def full_reference(shape, x, ids, w, limit=None, seed=0):
-    E = shape.num_experts
-    ew = [synthetic.expert_weights(shape, e, "cpu", seed) for e in range(E)]
-    sh = synthetic.shared_weights(shape, "cpu", seed)
-    return moe_forward(np64(x), np64(w), ids.cpu().numpy(), *(np64(a) for a in sh),
-                       np.stack([np64(a[0]) for a in ew]), np.stack([np64(a[1]) for a in ew]),
-                       np.stack([np64(a[2]) for a in ew]), swiglu_limit=limit)
+def full_reference(shape, x, ids, w, limit=None, seed=0, weights=None):
+    """float64 layer on all experts; ``weights`` = (shared (3), routed (3)) tensors, else the
+    synthetic ones rebuilt on the CPU (a CUDA generator draws other numbers: a GPU run must
+    pass the weights it used)."""
+    if weights is None:
+        ew = [synthetic.expert_weights(shape, e, "cpu", seed) for e in range(shape.num_experts)]
+        weights = (synthetic.shared_weights(shape, "cpu", seed),
+                   [torch.stack([a[i] for a in ew]) for i in range(3)])
+    shared, routed = weights
+    return moe_forward(np64(x), np64(w), ids.cpu().numpy(), *(np64(a) for a in shared),
+                       *(np64(a) for a in routed), swiglu_limit=limit)
 
 
 @pytest.mark.parametrize("limit", [None, 0.5])
@@ -54,7 +58,7 @@ def test_forward_ep1(id_dtype):
     out, ctx = mok_torch.forward(CFG, lw, sched, x, w, sg, su, sd, wg, wu, wd)
     lw.check()
     assert out.dtype == torch.bfloat16 and out.shape == (T, 64)
-    want = full_reference(SHAPE, x, ids, w)
+    want = full_reference(SHAPE, x, ids, w, weights=((sg, su, sd), (wg, wu, wd)))
     got = np64(out)
     assert np.isfinite(got).all()
     assert np.abs(got - want).sum() / np.abs(want).sum() < 5e-3
