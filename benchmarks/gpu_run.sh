@@ -91,7 +91,8 @@ for s in "$@"; do
          tests/gpu/test_cluster_gpu.py tests/test_jax_adapter.py tests/test_torch_adapter.py; \
          rank_logs gpusingle ;;   # what one GPU can run
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
-         -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py; rank_logs launch ;;
+         -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py tests/gpu/test_jax_gpu.py; \
+         rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \
          --out "$OUT/bench_schedule.json" ;;
     bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --sweep-all \
