@@ -25,10 +25,11 @@ def test_jax_layer_equals_torch_layer(request, dist):
     if R > 1:
         request.getfixturevalue("nvshmem_world")
     jax = pytest.importorskip("jax")
-    try:                               # JAX on this rank's GPU only (before its backend starts)
-        jax.config.update("jax_cuda_visible_devices", str(dist.local_rank))
-    except (AttributeError, RuntimeError) as e:
-        pytest.skip(f"cannot pin JAX to GPU {dist.local_rank}: {e}")
+    if R > 1:                          # JAX on this rank's GPU only (before its backend starts)
+        try:
+            jax.config.update("jax_cuda_visible_devices", str(dist.local_rank))
+        except (AttributeError, RuntimeError) as e:
+            pytest.skip(f"cannot pin JAX to GPU {dist.local_rank}: {e}")
     if jax.default_backend() != "gpu":
         pytest.skip("this jax has no GPU backend")
     import jax.numpy as jnp
