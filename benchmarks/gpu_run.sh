@@ -89,7 +89,7 @@ for s in "$@"; do
          --no-python bash tests/gpu/pytest_rank.sh tests/test_comm_emulated.py \
          tests/gpu/test_split_capture_gpu.py tests/gpu/test_schedule_gpu.py \
          tests/gpu/test_cluster_gpu.py tests/test_jax_adapter.py tests/test_torch_adapter.py \
-         tests/gpu/test_jax_gpu.py; \
+         tests/gpu/test_jax_gpu.py tests/test_torch_op.py; \
          rank_logs gpusingle ;;   # what one GPU can run
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
          -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py tests/gpu/test_jax_gpu.py; \

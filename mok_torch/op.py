@@ -1,0 +1,76 @@
+"""``torch.ops.mok.moe_forward``: the layer step (routing all-gather + schedule + forward) as
+one torch custom op, so ``torch.compile`` and other graph tracers see one opaque node with a
+known output instead of tracing into numba launches.
+
+    layer = mok_torch.register_layer(config, lw)        # an int handle for the workspace
+    out = torch.ops.mok.moe_forward(x, topk_ids, router_weights,
+                                    w_shared_gate, w_shared_up, w_shared_down,
+                                    w_gate, w_up, w_down, layer, swiglu_limit)
+
+Contract: the same tensors and shapes as ``mok_torch.forward`` (docstring there), ``out`` a
+fresh [T, H] bf16 tensor, bit for bit what ``forward`` returns. Custom ops take tensors and
+scalars only, hence the handle: the config and workspace stay in a registry here
+(``unregister_layer`` drops them). The op's hidden effect -- the workspace, and at EP > 1 the
+other ranks -- is outside torch's view: every rank must run its compiled graph alike (the
+ranks' fingerprints are compared on the device, as in eager). No autograd yet (the backward
+comes with its own issue): no autograd formula is registered, so a backward through the op
+raises.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+
+from mok_core.config import MoKConfig
+
+from . import functional
+
+_LAYERS: dict = {}                       # handle -> (MoKConfig, LayerWorkspace)
+_HANDLES = itertools.count(1)
+
+
+def register_layer(config: MoKConfig, lw) -> int:
+    """Make (config, workspace) callable from ``torch.ops.mok.moe_forward``; returns its handle."""
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+    handle = next(_HANDLES)
+    _LAYERS[handle] = (config, lw)
+    return handle
+
+
+def unregister_layer(handle: int) -> None:
+    _LAYERS.pop(handle, None)
+
+
+def _layer(handle: int):
+    try:
+        return _LAYERS[handle]
+    except KeyError:
+        raise ValueError(f"layer={handle}: no such layer (mok_torch.register_layer returns the "
+                         "handle; unregister_layer drops it)") from None
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=())
+def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.Tensor,
+                w_shared_gate: torch.Tensor, w_shared_up: torch.Tensor,
+                w_shared_down: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor, layer: int,
+                swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    config, lw = _layer(layer)
+    schedule = functional.build_schedule(lw, topk_ids)
+    return functional.forward(config, lw, schedule, x, router_weights, w_shared_gate,
+                              w_shared_up, w_shared_down, w_gate, w_up, w_down,
+                              swiglu_limit)[0]
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(x, topk_ids, router_weights, w_shared_gate, w_shared_up, w_shared_down,
+                      w_gate, w_up, w_down, layer, swiglu_limit=None):
+    _, lw = _layer(layer)
+    T, H = lw.tokens_per_rank, lw.shape.hidden
+    if tuple(x.shape) != (T, H) or x.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected a [{T}, {H}] bf16 tensor, got {x.dtype} "
+                         f"{list(x.shape)}")
+    return x.new_empty((T, H))
