@@ -86,11 +86,12 @@ for s in "$@"; do
          --nproc-per-node="$NGPU" benchmarks/probe_host.py --preset "$p" \
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # launcher vs numba's dispatcher
     gpu-single) export SUITE=gpusingle; step gpu-single torchrun --standalone --nproc-per-node=1 \
-         --no-python bash tests/gpu/pytest_rank.sh tests/test_comm_emulated.py \
-         tests/gpu/test_split_capture_gpu.py tests/gpu/test_schedule_gpu.py \
-         tests/gpu/test_cluster_gpu.py tests/test_jax_adapter.py tests/test_torch_adapter.py \
-         tests/gpu/test_jax_gpu.py tests/test_torch_op.py; \
-         rank_logs gpusingle ;;   # what one GPU can run
+         --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_split_capture_gpu.py \
+         tests/gpu/test_schedule_gpu.py tests/gpu/test_cluster_gpu.py tests/gpu/test_jax_gpu.py \
+         tests/test_comm_emulated.py tests/test_jax_adapter.py tests/test_torch_adapter.py \
+         tests/test_torch_op.py; rank_logs gpusingle ;;   # what one GPU can run (the tests/gpu
+         # files first and together: the host's pytest lost tests/gpu's fixtures for a file
+         # named after files of tests/, run 71)
     launch-suite) export SUITE=launch; step launch-suite python3 -m mok_comm.launch --nproc "$NGPU" \
          -- bash tests/gpu/pytest_rank.sh tests/gpu/test_comm_gpu.py tests/gpu/test_jax_gpu.py; \
          rank_logs launch ;;
