@@ -300,7 +300,8 @@ def _check_weights(lw: LayerWorkspace, w_shared_gate, w_shared_up, w_shared_down
     return _Weights(sg, su, sd, wg, wu, wd, swiglu_limit)
 
 
-def _check_limit(swiglu_limit):
+def check_swiglu_limit(swiglu_limit):
+    """ValueError unless ``swiglu_limit`` is None or a finite number > 0."""
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float))
                                          and math.isfinite(swiglu_limit) and swiglu_limit > 0):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
@@ -431,7 +432,7 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
     W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
                        swiglu_limit)
     out = _check_out(lw, out)
-    _check_limit(swiglu_limit)
+    check_swiglu_limit(swiglu_limit)
     phase0 = _phase(_publish_x_step(lw, x, w, stream), *_early_shared_steps(lw, x, W, stream),
                     *_push_steps(lw, schedule, stream))
     phase1 = _dispatch_phase(lw, schedule, W, x, stream)
@@ -469,7 +470,7 @@ def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_sha
     _check_config(config, lw)
     W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
                        swiglu_limit)
-    _check_limit(swiglu_limit)
+    check_swiglu_limit(swiglu_limit)
     x_buf = lw.comm.x_buf
     return [_phase(_schedule_step(lw, stream), *_early_shared_steps(lw, x_buf, W, stream),
                    *_push_steps(lw, lw.schedule, stream)),
@@ -502,6 +503,21 @@ def step_phases(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weigh
     core = step_core_phases(config, lw, w_shared_gate, w_shared_up, w_shared_down, w_gate,
                             w_up, w_down, swiglu_limit, stream)
     return [prologue, *core, epilogue], out
+
+
+def step(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weights, w_shared_gate,
+         w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit=None, *, out=None,
+         stream=0):
+    """``build_schedule`` + ``forward`` in one call, every input checked before the first
+    launch (``step_phases``; at EP > 1 a rank that refuses its inputs launches nothing, so no
+    peer is left waiting at a barrier it would have reached). Returns ``out`` (uint16 [T, H]),
+    bit for bit ``forward``'s; no ``ForwardContext`` (what the framework ops use)."""
+    phases, out = step_phases(config, lw, topk_ids, x, router_weights, w_shared_gate,
+                              w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit,
+                              out, stream)
+    for _, run in with_barriers(phases, lw.comm, stream):
+        run()
+    return out
 
 
 def with_barriers(phases, comm, stream=0):

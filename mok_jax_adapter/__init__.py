@@ -8,6 +8,6 @@
 One ``jax.experimental.buffer_callback`` per step runs the layer's kernels on XLA's stream over
 XLA's own buffers (``functional``'s docstring: the contract and the limits -- no autodiff yet).
 """
-from .functional import forward, get_workspace
+from .functional import check, forward, get_workspace
 
-__all__ = ["forward", "get_workspace"]
+__all__ = ["check", "forward", "get_workspace"]

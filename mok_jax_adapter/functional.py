@@ -8,18 +8,21 @@ as soon as the kernels are enqueued). Under the CUDA simulator (CI) the same cod
 CPU backend (host buffers stand in for device memory).
 
 Contract and limits:
-* one GPU per process (JAX's only device there; with NVSHMEM, EP > 1, start the processes with
-  ``python -m mok_comm.launch`` or MPI and keep XLA from preallocating the GPU:
-  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``);
-* the callback has a side effect (the workspace, and at EP > 1 the other ranks), so XLA keeps
-  it and keeps its order; every rank must call the layer alike (the ranks' fingerprints are
-  compared on the device, as in the torch path);
+* one GPU per process, numba's current device (checked each step: the output buffer must live
+  there); with NVSHMEM, EP > 1, start the processes with ``python -m mok_comm.launch`` or MPI,
+  pin JAX to the rank's GPU (``jax_cuda_visible_devices``) and keep XLA from preallocating it
+  (``XLA_PYTHON_CLIENT_PREALLOCATE=false``);
+* every input is checked before the first launch (shapes and dtypes when traced); the callback
+  is declared to have a side effect (the workspace, and at EP > 1 the other ranks), so XLA
+  never drops it, even with its output unused; every rank must call the layer alike (the
+  ranks' fingerprints are compared on the device, as in the torch path);
+* XLA's stream does not wait for the default stream nor the other way round: ``check(lw, out)``
+  waits for ``out`` before it reads the workspace's error words (``lw.check()`` alone could
+  read them before the step ran);
 * no autodiff yet (``jax.grad`` raises: the backward comes with its own issue), no ``vmap``;
 * not captured into XLA's command buffers (CUDA graphs): the callback runs Python each step.
 """
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -88,10 +91,39 @@ def forward(config: MoKConfig, lw: F.LayerWorkspace, x, topk_ids, router_weights
                       (w_gate, "w_gate", (E_l, I, H)), (w_up, "w_up", (E_l, I, H)),
                       (w_down, "w_down", (E_l, H, I))):
         _check(a, n, (bf16,), shp)
-    step = functools.partial(_step, config, lw, swiglu_limit)
-    call = buffer_callback(step, jax.ShapeDtypeStruct((T, H), bf16), has_side_effect=True)
+    if swiglu_limit is not None:
+        swiglu_limit = float(swiglu_limit)
+    F.check_swiglu_limit(swiglu_limit)
+    call = _callback(lw, config, swiglu_limit)
     return call(x, topk_ids, router_weights, w_shared_gate, w_shared_up, w_shared_down,
                 w_gate, w_up, w_down)
+
+
+def check(lw: F.LayerWorkspace, out) -> None:
+    """Wait for ``out`` (a step's output), then raise what the workspace's error words recorded
+    (``MoKError``: bad expert ids, capacity overflow, NaN/Inf input, a peer that never came)."""
+    out.block_until_ready()
+    lw.check()
+
+
+def _callback(lw, config, swiglu_limit):
+    """The layer's buffer callback for (workspace, config, limit), made once: JAX keys its
+    compilation cache on the callback object, so a fresh one per call would compile again."""
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+    cache = lw.__dict__.setdefault("_jax_callbacks", {})
+    key = (config, swiglu_limit)
+    call = cache.get(key)
+    if call is None:
+        T, H = lw.tokens_per_rank, lw.shape.hidden
+
+        def mok_layer_step(ctx, out, x, topk_ids, router_weights, *weights):
+            _step(config, lw, swiglu_limit, ctx, out, x, topk_ids, router_weights, *weights)
+
+        call = cache[key] = buffer_callback(mok_layer_step,
+                                            jax.ShapeDtypeStruct((T, H), jax.numpy.bfloat16),
+                                            has_side_effect=True)
+    return call
 
 
 def _step(config, lw, swiglu_limit, ctx, out, x, topk_ids, router_weights, *weights):
@@ -100,10 +132,24 @@ def _step(config, lw, swiglu_limit, ctx, out, x, topk_ids, router_weights, *weig
     stream = 0
     if not SIM:
         from numba import cuda
+        _check_device(out)
         stream = cuda.external_stream(int(ctx.stream))
-    schedule = F.build_schedule(lw, topk_ids, stream=stream)
     shared, routed = weights[:3], weights[3:]
     if not lw.shape.shared_intermediate:
         shared = (None, None, None)
-    F.forward(config, lw, schedule, x, router_weights, *shared, *routed, swiglu_limit,
-              out=out, stream=stream)
+    F.step(config, lw, topk_ids, x, router_weights, *shared, *routed, swiglu_limit, out=out,
+           stream=stream)
+
+
+def _check_device(out) -> None:
+    """XLA's buffers must live on numba's current device (the workspace's)."""
+    from cuda.bindings import driver as cu
+    from numba import cuda
+    ptr = int(out.__cuda_array_interface__["data"][0])
+    attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    err, ordinal = cu.cuPointerGetAttribute(attr, ptr)
+    here = cuda.get_current_device().id
+    if err == cu.CUresult.CUDA_SUCCESS and int(ordinal) != here:
+        raise RuntimeError(f"mok_jax_adapter: XLA placed the layer on GPU {int(ordinal)}, but "
+                           f"this process's workspace is on GPU {here}: one GPU per process "
+                           "(pin JAX with jax_cuda_visible_devices, or put the inputs there)")

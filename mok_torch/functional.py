@@ -101,3 +101,21 @@ def forward(config: MoKConfig, lw: F.LayerWorkspace, schedule, x, router_weights
                        _bits(w_down, "w_down"), swiglu_limit, out=out.view(torch.uint16),
                        stream=_stream())
     return out, ctx
+
+
+def step(config: MoKConfig, lw: F.LayerWorkspace, topk_ids, x, router_weights, w_shared_gate,
+         w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit=None):
+    """``build_schedule`` + ``forward`` in one call with every input checked before the first
+    launch (``mok_comm.functional.step``); returns out [T, H] bf16 (a fresh tensor), bit for
+    bit ``forward``'s. What ``torch.ops.mok.moe_forward`` runs."""
+    T, H = lw.tokens_per_rank, lw.shape.hidden
+    xb = _bits(x, "x")
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=xb.device)
+    shared = [(_bits(w, n) if lw.shape.shared_intermediate else None) for w, n in
+              ((w_shared_gate, "w_shared_gate"), (w_shared_up, "w_shared_up"),
+               (w_shared_down, "w_shared_down"))]
+    F.step(config, lw, _ids(topk_ids), xb, _check(router_weights, "router_weights",
+                                                   torch.float32),
+           *shared, _bits(w_gate, "w_gate"), _bits(w_up, "w_up"), _bits(w_down, "w_down"),
+           swiglu_limit, out=out.view(torch.uint16), stream=_stream())
+    return out

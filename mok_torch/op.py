@@ -8,13 +8,14 @@ known output instead of tracing into numba launches.
                                     w_gate, w_up, w_down, layer, swiglu_limit)
 
 Contract: the same tensors and shapes as ``mok_torch.forward`` (docstring there), ``out`` a
-fresh [T, H] bf16 tensor, bit for bit what ``forward`` returns. Custom ops take tensors and
-scalars only, hence the handle: the config and workspace stay in a registry here
-(``unregister_layer`` drops them). The op's hidden effect -- the workspace, and at EP > 1 the
-other ranks -- is outside torch's view: every rank must run its compiled graph alike (the
-ranks' fingerprints are compared on the device, as in eager). No autograd yet (the backward
-comes with its own issue): no autograd formula is registered, so a backward through the op
-raises.
+fresh [T, H] bf16 tensor, bit for bit what ``forward`` returns; every input is checked before
+the first launch. Custom ops take tensors and scalars only, hence the handle: the config and
+workspace stay in a registry here (``unregister_layer`` drops them). The op's hidden effect --
+the workspace, and at EP > 1 the other ranks -- is outside torch's view: the op is declared
+functional, so a compiler may drop a call whose output is unused -- use the output (at EP > 1
+every rank must run the layer alike: the ranks' fingerprints are compared on the device, as in
+eager). No autograd yet (the backward comes with its own issue): no autograd formula is
+registered, so a backward through the op raises.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def unregister_layer(handle: int) -> None:
 
 def _layer(handle: int):
     try:
-        return _LAYERS[handle]
+        return _LAYERS[int(handle)]     # (a SymInt under torch.compile: pinned to its value)
     except KeyError:
         raise ValueError(f"layer={handle}: no such layer (mok_torch.register_layer returns the "
                          "handle; unregister_layer drops it)") from None
@@ -59,10 +60,8 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.T
                 w_down: torch.Tensor, layer: int,
                 swiglu_limit: Optional[float] = None) -> torch.Tensor:
     config, lw = _layer(layer)
-    schedule = functional.build_schedule(lw, topk_ids)
-    return functional.forward(config, lw, schedule, x, router_weights, w_shared_gate,
-                              w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                              swiglu_limit)[0]
+    return functional.step(config, lw, topk_ids, x, router_weights, w_shared_gate, w_shared_up,
+                           w_shared_down, w_gate, w_up, w_down, swiglu_limit)
 
 
 @moe_forward.register_fake

@@ -51,7 +51,7 @@ def test_forward_matches_reference_and_functional(limit):
     lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
     step = jax.jit(lambda *a: mok_jax_adapter.forward(CFG, lw, *a, swiglu_limit=limit))
     out = step(*args)
-    lw.check()
+    mok_jax_adapter.check(lw, out)
     assert out.dtype == jnp.bfloat16 and out.shape == (T, SHAPE.hidden)
     got = np.asarray(out).astype(np.float64)
     assert np.isfinite(got).all()
@@ -65,10 +65,32 @@ def test_forward_matches_reference_and_functional(limit):
                                                           "w_d")),
                         limit)
     np.testing.assert_array_equal(_bits(out), to_host(want).view(np.uint16))
-    # ... again under jit, and eagerly (outside jit) -- deterministic
-    np.testing.assert_array_equal(_bits(step(*args)), _bits(out))
-    eager = mok_jax_adapter.forward(CFG, lw, *args, swiglu_limit=limit)
-    np.testing.assert_array_equal(_bits(eager), _bits(out))
+    # ... again under jit, and eagerly (outside jit) -- deterministic; the outputs kept alive,
+    # so each call writes a buffer of its own
+    again = step(*args)
+    eager = [mok_jax_adapter.forward(CFG, lw, *args, swiglu_limit=limit) for _ in range(2)]
+    for o in (again, *eager):
+        np.testing.assert_array_equal(_bits(o), _bits(out))
+    # one buffer callback per (workspace, config, limit): JAX compiles an eager call once
+    from mok_jax_adapter.functional import _callback
+    assert _callback(lw, CFG, limit) is _callback(lw, CFG, limit)
+    assert len(lw._jax_callbacks) == 1
+
+
+def test_forward_without_shared_expert():
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=0, num_experts=4,
+                       topk=2, ep_size=1)
+    inp = layer_inputs(np.random.default_rng(5), shape, T)
+    lw = mok_jax_adapter.get_workspace(shape, T, CFG, gemm=GEMM)
+    out = mok_jax_adapter.forward(CFG, lw, jnp.asarray(inp["x"][0]),
+                                  jnp.asarray(inp["ids"][0].astype(np.int32)),
+                                  jnp.asarray(inp["w"][0]),
+                                  *(jnp.asarray(inp[n]) for n in ("w_sg", "w_su", "w_sd", "w_g",
+                                                                  "w_u", "w_d")),
+                                  swiglu_limit=np.float32(4.0))       # a NumPy scalar is taken
+    mok_jax_adapter.check(lw, out)
+    got = np.asarray(out).astype(np.float64)
+    assert rel_l1(got, reference_out(inp, 4.0)[0]) < 5e-3
 
 
 def test_jax_inputs_checked():
@@ -86,12 +108,14 @@ def test_jax_inputs_checked():
         fwd(CFG, lw, x, ids, w, sg, su, sd, wg[:, :16], wu, wd)
     with pytest.raises(ValueError, match=r"x: expected shape \(40, 64\)"):
         jax.jit(lambda *a: fwd(CFG, lw, *a))(x[:8], ids, w, sg, su, sd, wg, wu, wd)
+    with pytest.raises(ValueError, match="swiglu_limit=-1.0"):
+        fwd(CFG, lw, x, ids, w, sg, su, sd, wg, wu, wd, swiglu_limit=-1.0)
 
 
 def test_out_of_range_expert_id_is_reported():
     _, args = _inputs(3)
     lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
     bad = args[1].at[5, 1].set(SHAPE.num_experts)         # one id past the last expert
-    mok_jax_adapter.forward(CFG, lw, args[0], bad, *args[2:]).block_until_ready()
+    out = mok_jax_adapter.forward(CFG, lw, args[0], bad, *args[2:])
     with pytest.raises(MoKError, match=r"expert id out of range.*largest bad id 4"):
-        lw.check()
+        mok_jax_adapter.check(lw, out)

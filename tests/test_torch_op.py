@@ -42,14 +42,23 @@ def test_op_equals_forward(layer, limit):
 def test_op_under_torch_compile(layer):
     lw, handle, (x, ids, w), weights = layer
 
-    def block(x, ids, w):                       # a little torch around the op, as in a model
+    def block(x, ids, w, layer):                # a little torch around the op, as in a model
         h = x * 1.0
-        return torch.ops.mok.moe_forward(h, ids, w, *weights, handle, None) + x
+        return torch.ops.mok.moe_forward(h, ids, w, *weights, layer, None) + x
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
-    want = block(x, ids, w)
-    assert torch.equal(compiled(x, ids, w), want)
-    assert torch.equal(compiled(x, ids, w), want)
+    want = block(x, ids, w, handle)
+    assert torch.equal(compiled(x, ids, w, handle), want)
+    assert torch.equal(compiled(x, ids, w, handle), want)
+    # a second layer (its own workspace) through the same compiled function: the handle is
+    # pinned per call, never a symbolic int the registry cannot look up
+    lw2 = mok_torch.get_workspace(SHAPE, T, CFG, gemm=GEMM)
+    handle2 = mok_torch.register_layer(CFG, lw2)
+    try:
+        assert torch.equal(compiled(x, ids, w, handle2), want)
+        assert torch.equal(compiled(x, ids, w, handle), want)
+    finally:
+        mok_torch.unregister_layer(handle2)
 
 
 def test_opcheck(layer):
