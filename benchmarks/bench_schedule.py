@@ -4,6 +4,8 @@
 
 Reports eager time (5 launches from Python, per-iteration CUDA events) and CUDA-graph replay
 time (the GPU work alone; the layer runs captured). Goal: <= 60 us at T=8192, R=8, E=384, k=8.
+``--per-kernel``: also the graph-replay time of each prefix of the launches (reset, + count,
++ scan, + offsets, + place); consecutive differences = what each launch adds (``*_us``).
 """
 from __future__ import annotations
 
@@ -19,11 +21,27 @@ from benchmarks.common import (gpu_name, median, numba_stream, progress, table, 
                                time_iters, write_json)
 
 
-def run_case(T, R, E, k, iters):
+def replay_us(launches, iters, reps=10):
+    """Replay time of ``reps`` copies of the launch sequence captured in one graph, per copy."""
+    import torch
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for run in launches():                         # warm (compiled, loaded) on this stream
+            run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            for _ in range(reps):
+                for run in launches():
+                    run()
+    return median(time_iters(g.replay, iters)) / reps * 1e3
+
+
+def run_case(T, R, E, k, iters, per_kernel=False):
     import torch
 
     from mok_core.config import MoKConfig
-    from mok_core.schedule import Schedule, build_schedule
+    from mok_core.schedule import Schedule, build_schedule, schedule_launches
     rng = np.random.default_rng(T + R)
     g = rng.gumbel(size=(R * T, E)).astype(np.float32)
     ids = np.argpartition(g, -k, axis=1)[:, -k:].reshape(R, T, k).astype(np.int32)
@@ -38,35 +56,43 @@ def run_case(T, R, E, k, iters):
     eager = median(time_iters(once, iters))
     graph_us = float("nan")
     try:
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            s_side = numba_stream()
-            build_schedule(sched, d_ids, stream=s_side)                # warm, on this stream
-            torch.cuda.synchronize()
-            g_ = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g_, stream=side):
-                for _ in range(10):
-                    build_schedule(sched, d_ids, stream=numba_stream())
-        replay = median(time_iters(g_.replay, iters))
-        graph_us = replay / 10 * 1e3
-    except Exception as exc:
+        graph_us = replay_us(lambda: [lambda: build_schedule(sched, d_ids,
+                                                             stream=numba_stream())], iters)
+    except Exception as exc:                        # noqa: BLE001 - reported, not fatal
         progress(f"graph capture failed: {type(exc).__name__}: {exc}")
+    row = {"tokens_per_rank": T, "ep": R, "experts": E, "topk": k, "eager_us": eager * 1e3,
+           "graph_us": graph_us}
+    if per_kernel:
+        names = [n for n, _ in schedule_launches(sched, d_ids)]
+        prev = 0.0
+        for i, name in enumerate(names):
+            def prefix(i=i):
+                return [run for _, run in
+                        schedule_launches(sched, d_ids, stream=numba_stream())[:i + 1]]
+            t = replay_us(prefix, iters)
+            row[f"{name}_us"] = t - prev
+            prev = t
     sched.check()
-    return {"tokens_per_rank": T, "ep": R, "experts": E, "topk": k, "eager_us": eager * 1e3,
-            "graph_us": graph_us, "gpu": gpu_name()}
+    row["gpu"] = gpu_name()
+    return row
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--per-kernel", action="store_true",
+                    help="also time what each of the five launches adds (graph replays)")
     ap.add_argument("--out", default="benchmarks/results/bench_schedule.json")
     args = ap.parse_args(argv)
     rows = []
     for T, R in [(8192, 8), (4096, 2), (8192, 2), (16384, 8)]:
         progress(f"schedule T={T} R={R}")
-        rows.append(run_case(T, R, 384, 8, args.iters))
+        rows.append(run_case(T, R, 384, 8, args.iters, args.per_kernel))
     write_json(args.out, rows)
-    print(table(rows, ["tokens_per_rank", "ep", "experts", "topk", "eager_us", "graph_us"]))
+    cols = ["tokens_per_rank", "ep", "experts", "topk", "eager_us", "graph_us"]
+    if args.per_kernel:
+        cols += [c for c in rows[0] if c.endswith("_us") and c not in cols]
+    print(table(rows, cols))
 
 
 if __name__ == "__main__":

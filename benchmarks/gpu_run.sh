@@ -4,7 +4,7 @@
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite (gpu-suite-gemm + gpu-suite-rest: the same in two
 #        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
-#        launch-suite layer-suite demo bench-schedule bench-ffn bench-ffn-sweep bench-ffn-quick
+#        launch-suite layer-suite demo bench-schedule bench-schedule-kernels bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
 #        pull, push and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
@@ -97,6 +97,8 @@ for s in "$@"; do
          rank_logs launch ;;
     bench-schedule) step bench-schedule python3 benchmarks/bench_schedule.py \
          --out "$OUT/bench_schedule.json" ;;
+    bench-schedule-kernels) step bench-schedule-kernels python3 benchmarks/bench_schedule.py \
+         --per-kernel --out "$OUT/bench_schedule_kernels.json" ;;   # what each launch adds
     bench-ffn) step bench-ffn python3 benchmarks/bench_ffn.py --sweep --sweep-all \
          --out "$OUT/bench_ffn.json" ;;
     bench-ffn-sweep) step bench-ffn-sweep python3 benchmarks/bench_ffn.py --sweep \

@@ -179,23 +179,44 @@ def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream
         ``schedule`` (same object). Errors (ids outside [-1, E), capacity overflow) are recorded
         on the device; call ``schedule.check()`` to raise them.
     """
+    for _, run in schedule_launches(schedule, topk_ids_all, rank_tokens=rank_tokens,
+                                    stream=stream):
+        run()
+    return schedule
+
+
+def schedule_launches(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream=0):
+    """``build_schedule``'s launches as (name, launch) in order, inputs checked first (what
+    ``benchmarks/bench_schedule.py --per-kernel`` times one by one)."""
     s = schedule
     R, T, k, E = s.ep_size, s.tokens_per_rank, s.topk, s.num_experts
     ids = as_device_array(topk_ids_all, "topk_ids_all", dtype=np.int32, shape=(R, T, k))
     live = s.live_tokens if rank_tokens is None else as_device_array(
         rank_tokens, "rank_tokens", dtype=np.int32, shape=(R,))
-    reset_error_word(s.errors, stream)
     B = SCHEDULE_THREADS
     grid = (s.num_chunks, R)
-    launch(count_routes_kernel, grid, B, stream, 4 * E, ids, live, s.chunk_counts, s.src_rank,
-           s.src_token, s.src_slot, s.minibatch_rows, s.ready, s.errors)
-    launch(scan_chunks_kernel, -(-(E * R) // B), B, stream, 0, s.chunk_counts, s.chunk_base,
-           s.rank_counts)
-    launch(expert_offsets_kernel, 1, _OFFSETS_THREADS, stream, 0,
-           s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank, s.expert_scan,
-           s.all_offsets, s.expert_counts, s.errors)
-    launch(place_routes_kernel, grid, B, stream, 4 * (B + B // 32 * E),
-           ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts, s.all_offsets,
-           s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank, s.dest_row,
-           s.minibatch_size, s.minibatch_rows)
-    return s
+
+    def reset():
+        reset_error_word(s.errors, stream)
+
+    def count():
+        launch(count_routes_kernel, grid, B, stream, 4 * E, ids, live, s.chunk_counts,
+               s.src_rank, s.src_token, s.src_slot, s.minibatch_rows, s.ready, s.errors)
+
+    def scan():
+        launch(scan_chunks_kernel, -(-(E * R) // B), B, stream, 0, s.chunk_counts,
+               s.chunk_base, s.rank_counts)
+
+    def offsets():
+        launch(expert_offsets_kernel, 1, _OFFSETS_THREADS, stream, 0,
+               s.rank_counts, s.experts_per_rank, s.row_align, s.capacity, s.rank,
+               s.expert_scan, s.all_offsets, s.expert_counts, s.errors)
+
+    def place():
+        launch(place_routes_kernel, grid, B, stream, 4 * (B + B // 32 * E),
+               ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts,
+               s.all_offsets, s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank,
+               s.dest_row, s.minibatch_size, s.minibatch_rows)
+
+    return [("reset", reset), ("count_routes", count), ("scan_chunks", scan),
+            ("expert_offsets", offsets), ("place_routes", place)]
