@@ -19,8 +19,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GP
 jax = pytest.importorskip("jax") if not SIM else __import__("jax")   # CI installs it (README)
 if SIM:
     jax.config.update("jax_platforms", "cpu")        # the simulator's "device" is the host
-elif jax.default_backend() != "gpu":
-    pytest.skip("GPU run: this jax has no GPU backend", allow_module_level=True)
+else:
+    if "LOCAL_RANK" in os.environ:      # one process per GPU (torchrun): JAX on this one only
+        jax.config.update("jax_cuda_visible_devices", os.environ["LOCAL_RANK"])
+    if jax.default_backend() != "gpu":
+        pytest.skip("GPU run: this jax has no GPU backend", allow_module_level=True)
 import jax.numpy as jnp  # noqa: E402
 
 import mok_jax_adapter  # noqa: E402
