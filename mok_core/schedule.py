@@ -213,7 +213,7 @@ def schedule_launches(schedule: Schedule, topk_ids_all, *, rank_tokens=None, str
                s.expert_scan, s.all_offsets, s.expert_counts, s.errors)
 
     def place():
-        launch(place_routes_kernel, grid, B, stream, 4 * (B + B // 32 * E),
+        launch(place_routes_kernel, grid, B, stream, 4 * (B // 32 * E),
                ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts,
                s.all_offsets, s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank,
                s.dest_row, s.minibatch_size, s.minibatch_rows)

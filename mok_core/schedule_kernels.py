@@ -17,16 +17,18 @@ order-dependent atomics -- so the schedule is bitwise deterministic:
 
 A chunk is ``blockDim.x`` consecutive tokens of one source rank; warp w of the block owns tokens
 [32w, 32w+32) of the chunk and walks their routes in groups of 32 (k groups). Inside a group a
-route's rank among equal experts is found by comparing against the group's keys in shared memory
-(no warp intrinsics: the simulator has none); per-warp running counts in shared memory carry the
-ordinal across groups and warps. Route order is therefore (token, slot) order -- independent of
-the block size, which the tests check.
+route's rank among equal experts comes from ``match_any`` (the lanes holding the same expert,
+one instruction; it was a 32-step compare loop over shared memory that took most of the
+schedule's time: place_routes 82 of 99 us, run 73); per-warp running counts in shared memory
+carry the ordinal across groups and warps. Route order is therefore (token, slot) order --
+independent of the block size, which the tests check.
 """
-from numba import cuda, int32
+from numba import cuda, int32, int64
 
 from . import errors as err
 from .block_primitives import MAX_BLOCK_THREADS, block_exclusive_scan
 from .cuda_compat import kjit
+from .intrinsics import match_any, syncwarp
 
 GROUP = 32   # routes ranked together: one warp's worth
 
@@ -181,16 +183,12 @@ def _route_key(ids, r, t, s, n_live, me, experts_per_rank, E):
 
 
 @kjit(device=True)
-def _rank_in_group(keys, group_base, lane, key):
-    """(# earlier lanes with this key, whether a later lane has it) within one 32-route group."""
-    before = 0
-    later = False
-    for j in range(GROUP):
-        if keys[group_base + j] == key:
-            if j < lane:
-                before += 1
-            elif j > lane:
-                later = True
+def _rank_in_group(lane, key):
+    """(# earlier lanes with this key, whether a later lane has it) within the warp's 32-route
+    group. Every lane of the warp calls it."""
+    mask = int64(match_any(key))
+    before = cuda.popc(mask & ((int64(1) << lane) - 1))
+    later = (mask >> (lane + 1)) != 0
     return before, later
 
 
@@ -198,7 +196,7 @@ def _rank_in_group(keys, group_base, lane, key):
 def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank_counts,
                         all_offsets, src_rank, src_token, src_slot, recv_row, dest_rank,
                         dest_row, minibatch_size, minibatch_rows):
-    """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[B + (B/32)*E].
+    """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[(B/32)*E].
 
     A route (r, t, s) -> expert e on rank d = e // E_local is *relevant* here if d == me (it
     is pulled by this rank: pull table + recv_row) or r == me (it is ours: dest_rank/dest_row).
@@ -222,25 +220,24 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
     R = ids.shape[0]
     E = rank_counts.shape[0]
     capacity = src_rank.shape[0]
-    keys = dyn                    # [0, B): this group's keys
-    hist_base = nthreads          # [B, B + W*E): per-warp running count per expert
-    group_base = warp * GROUP
+    hist_base = 0                 # [0, W*E): per-warp running count per expert
 
     for i in range(tid, nwarps * E, nthreads):
         dyn[hist_base + i] = 0
     n_live = min(rank_tokens[r], T)
     first_route = c * nthreads * k + warp * GROUP * k
 
-    # Pass 1: routes per (warp, expert) in this chunk.
+    cuda.syncthreads()
+
+    # Pass 1: routes per (warp, expert) in this chunk. A warp's counts are its own: warp-level
+    # ordering suffices (the last lane holding a key bumps its count, once per group).
     for g in range(k):
         route = first_route + g * GROUP + lane
         key = _route_key(ids, r, route // k, route % k, n_live, me, experts_per_rank, E)
-        cuda.syncthreads()
-        keys[tid] = key
-        cuda.syncthreads()
-        before, later = _rank_in_group(keys, group_base, lane, key)
+        before, later = _rank_in_group(lane, key)
         if key >= 0 and not later:
             dyn[hist_base + warp * E + key] += before + 1
+        syncwarp()
     cuda.syncthreads()
 
     # Warp bases: where each warp's routes of expert e start in the (e, r) list.
@@ -258,16 +255,14 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
         t = route // k
         s = route % k
         key = _route_key(ids, r, t, s, n_live, me, experts_per_rank, E)
-        cuda.syncthreads()
-        keys[tid] = key
-        cuda.syncthreads()
-        before, later = _rank_in_group(keys, group_base, lane, key)
+        before, later = _rank_in_group(lane, key)
         ordinal = 0
         if key >= 0:
             ordinal = dyn[hist_base + warp * E + key] + before
-        cuda.syncthreads()
+        syncwarp()                # every lane has read its count before the bump
         if key >= 0 and not later:
             dyn[hist_base + warp * E + key] += before + 1
+        syncwarp()                # the bump lands before the next group reads
 
         if t < T:
             row = -1

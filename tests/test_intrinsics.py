@@ -16,7 +16,7 @@ from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, c
                                  f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
                                  ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
                                  red_add_release_gpu, red_add_release_sys, shared_addr,
-                                 st_release_sys, st_v4, tuple_pick)
+                                 match_any, st_release_sys, st_v4, tuple_pick)
 from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
                                  mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
                                  mbarrier_try_wait_cluster, tma_load_2d_multicast, trap)
@@ -167,6 +167,24 @@ def test_tuple_pick_selects_by_runtime_index():
     if SIM:                                 # out of range: a caller's bug, raised here
         with pytest.raises(IndexError, match="index 3 outside a 3-tuple"):
             _pick_write[1, 8](*arrs, to_dev(np.full(8, 3, np.int32)))
+
+
+@kjit
+def _match_masks(keys, masks):
+    """Two warps: each lane's mask of the lanes of its warp holding its key."""
+    i = cuda.threadIdx.x
+    masks[i] = match_any(keys[i])
+
+
+def test_match_any_masks_equal_keys_per_warp():
+    rng = np.random.default_rng(3)
+    keys = rng.integers(-1, 6, 64).astype(np.int32)
+    keys[40:] = 7                                   # a run of one key (several whole bytes)
+    masks = to_dev(np.zeros(64, np.uint32))
+    _match_masks[1, 64](to_dev(keys), masks)
+    want = np.array([sum(1 << j for j in range(32) if keys[w * 32 + j] == keys[i])
+                     for i in range(64) for w in [i // 32]], np.uint32)
+    np.testing.assert_array_equal(to_host(masks), want)
 
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------

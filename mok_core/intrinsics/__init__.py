@@ -5,6 +5,7 @@
     ordering:     ld_acquire_sys, ld_acquire_gpu, st_release_sys, red_add_release_gpu,
                   red_add_release_sys, clock64,
                   nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform),
+                  match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
     bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn,
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
@@ -39,7 +40,7 @@ __all__ = [
     "ld_v4", "ld_v4_nc", "st_v4",
     "ld_acquire_sys", "ld_acquire_gpu", "st_release_sys", "red_add_release_gpu",
     "red_add_release_sys", "clock64",
-    "nanosleep", "syncwarp", "warp_all", "tuple_pick",
+    "nanosleep", "syncwarp", "warp_all", "match_any", "tuple_pick",
     "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",

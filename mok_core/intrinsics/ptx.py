@@ -188,6 +188,22 @@ def warp_all(typingctx, pred):
 
 
 @intrinsic
+def match_any(typingctx, value):
+    """The mask (uint32) of the warp's lanes whose ``value`` (an integer, as int32) equals this
+    lane's (``match.any.sync.b32``; every lane must call it). Why it exists: it ranks equal
+    keys within a warp in one instruction -- the schedule's placement did it by a 32-step
+    compare loop over shared memory."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.int32)
+        return _asm(builder, ir.IntType(32), [v], "match.any.sync.b32 $0, $1, -1;", "=r,r",
+                    True)
+    return types.uint32(value), codegen
+
+
+@intrinsic
 def tuple_pick(typingctx, tup, i):
     """``tup[i]`` for a run-time ``i`` (a UniTuple, e.g. of peer arrays) by a chain of selects,
     no branch. Why it exists: numba lowers ``tup[i]`` to a switch, and a switch in the

@@ -91,6 +91,11 @@ def warp_all(pred):
     return np.int32(all(bool(v) for v in warp_exchange(bool(pred))))
 
 
+def match_any(value):
+    v = int(np.int32(value))
+    return np.uint32(sum(1 << j for j, w in enumerate(warp_exchange(v)) if w == v))
+
+
 def clock64():
     return np.int64(time.perf_counter_ns() * 2)     # ~2 GHz, like an H200 SM clock
 
