@@ -74,9 +74,7 @@ def forward(config: MoKConfig, lw: F.LayerWorkspace, x, topk_ids, router_weights
     [I_s, H] / [H, I_s] bf16, routed weights [E_local, I, H] / [E_local, I, H] /
     [E_local, H, I] bf16 (this rank's experts). Returns out [T, H] bf16. Traceable: call it
     inside ``jax.jit``; shapes are checked when it is traced."""
-    import jax
     import jax.numpy as jnp
-    from jax.experimental.buffer_callback import buffer_callback
 
     s = lw.shape
     T, H, k, I_s = lw.tokens_per_rank, s.hidden, s.topk, s.shared_intermediate

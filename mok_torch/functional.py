@@ -88,6 +88,17 @@ def forward(config: MoKConfig, lw: F.LayerWorkspace, schedule, x, router_weights
     [I_s, H] / [I_s, H] / [H, I_s] bf16, routed [E_local, I, H] / [E_local, I, H] /
     [E_local, H, I] bf16 (this rank's experts). Returns (out [T, H] bf16 -- a fresh tensor,
     ForwardContext)."""
+    out, args = _layer_args(lw, x, router_weights, w_shared_gate, w_shared_up, w_shared_down,
+                            w_gate, w_up, w_down)
+    _, ctx = F.forward(config, lw, schedule, *args, swiglu_limit, out=out.view(torch.uint16),
+                       stream=_stream())
+    return out, ctx
+
+
+def _layer_args(lw, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up,
+                w_down):
+    """(a fresh bf16 out [T, H], the checked views of x, router_weights and the six weights
+    in ``mok_comm.functional``'s order; shared ones None when I_s = 0)."""
     T, H = lw.tokens_per_rank, lw.shape.hidden
     xb = _bits(x, "x")
     out = torch.empty((T, H), dtype=torch.bfloat16, device=xb.device)
@@ -95,12 +106,8 @@ def forward(config: MoKConfig, lw: F.LayerWorkspace, schedule, x, router_weights
     shared = [(_bits(w, n) if I_s else None) for w, n in
               ((w_shared_gate, "w_shared_gate"), (w_shared_up, "w_shared_up"),
                (w_shared_down, "w_shared_down"))]
-    _, ctx = F.forward(config, lw, schedule, xb, _check(router_weights, "router_weights",
-                                                          torch.float32),
-                       *shared, _bits(w_gate, "w_gate"), _bits(w_up, "w_up"),
-                       _bits(w_down, "w_down"), swiglu_limit, out=out.view(torch.uint16),
-                       stream=_stream())
-    return out, ctx
+    return out, (xb, _check(router_weights, "router_weights", torch.float32), *shared,
+                 _bits(w_gate, "w_gate"), _bits(w_up, "w_up"), _bits(w_down, "w_down"))
 
 
 def step(config: MoKConfig, lw: F.LayerWorkspace, topk_ids, x, router_weights, w_shared_gate,
@@ -108,14 +115,7 @@ def step(config: MoKConfig, lw: F.LayerWorkspace, topk_ids, x, router_weights, w
     """``build_schedule`` + ``forward`` in one call with every input checked before the first
     launch (``mok_comm.functional.step``); returns out [T, H] bf16 (a fresh tensor), bit for
     bit ``forward``'s. What ``torch.ops.mok.moe_forward`` runs."""
-    T, H = lw.tokens_per_rank, lw.shape.hidden
-    xb = _bits(x, "x")
-    out = torch.empty((T, H), dtype=torch.bfloat16, device=xb.device)
-    shared = [(_bits(w, n) if lw.shape.shared_intermediate else None) for w, n in
-              ((w_shared_gate, "w_shared_gate"), (w_shared_up, "w_shared_up"),
-               (w_shared_down, "w_shared_down"))]
-    F.step(config, lw, _ids(topk_ids), xb, _check(router_weights, "router_weights",
-                                                   torch.float32),
-           *shared, _bits(w_gate, "w_gate"), _bits(w_up, "w_up"), _bits(w_down, "w_down"),
-           swiglu_limit, out=out.view(torch.uint16), stream=_stream())
+    out, args = _layer_args(lw, x, router_weights, w_shared_gate, w_shared_up, w_shared_down,
+                            w_gate, w_up, w_down)
+    F.step(config, lw, _ids(topk_ids), *args, swiglu_limit, out=out.view(torch.uint16), stream=_stream())
     return out
