@@ -236,7 +236,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/bench_comm.json")
     args = ap.parse_args(argv)
     from benchmarks.common import init_distributed
-    from mok_comm import bootstrap
+    from mok_comm.launch import bootstrap
     td = init_distributed()
     rows = []
     for T in map(int, args.tokens.split(",")):

@@ -311,7 +311,7 @@ def main(argv=None):
                     help="also time each launch group of our forward alone (breakdown_ms)")
     ap.add_argument("--dispatch", default="split:1.0",
                     help="MoKConfig.dispatch modes to run each case with (comma-separated: "
-                         "pull,push,split; split:S sets dispatch_ce_share=S)")
+                         "pull,split; split:S sets dispatch_ce_share=S)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
@@ -328,7 +328,7 @@ def main(argv=None):
         else:
             gemm_of = fastest_per_preset(trial)
     from benchmarks.common import init_distributed
-    from mok_comm import bootstrap
+    from mok_comm.launch import bootstrap
     dist = init_distributed()
     rates = ceilings()
     rank0 = dist.get_rank() == 0

@@ -29,12 +29,12 @@ def numba_stream():
 def init_distributed():
     """This torchrun process on GPU LOCAL_RANK (torch and numba), torch.distributed (gloo +
     NCCL) and NVSHMEM over all processes. Returns ``torch.distributed``; tear down with
-    ``mok_comm.bootstrap.finalize()`` then ``destroy_process_group()``."""
+    ``mok_comm.launch.bootstrap.finalize()`` then ``destroy_process_group()``."""
     import torch
     import torch.distributed as dist
     from numba import cuda
 
-    from mok_comm import bootstrap
+    from mok_comm.launch import bootstrap
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     cuda.select_device(local)

@@ -53,7 +53,7 @@ def main(argv=None):
     import torch
 
     from benchmarks.common import init_distributed
-    from mok_comm import bootstrap
+    from mok_comm.launch import bootstrap
     dist = init_distributed()
 
     import mok_torch

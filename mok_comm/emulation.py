@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mok_core.config import LayerShape, MoKConfig
 
-from . import ops
+from . import barrier
 from .heap import EmulatedHeap
 from .workspace import create_workspace
 
@@ -19,9 +19,9 @@ from .workspace import create_workspace
 def barrier_all(comm_workspaces, stream=0) -> None:
     """Emulated barrier over the ranks' comm workspaces: all arrive, then all wait."""
     for ws in comm_workspaces:
-        ops.barrier_arrive(ws, stream)
+        barrier.arrive(ws, stream)
     for ws in comm_workspaces:
-        ops.barrier_wait(ws, stream)
+        barrier.wait(ws, stream)
 
 
 def run_phases(comm_workspaces, phase_lists, stream=0) -> None:

@@ -13,15 +13,14 @@ separated by device-side barriers (the only cross-GPU synchronisation):
     build_schedule   phase 0: ids -> every rank's table          | barrier |
                      phase 1: schedule (local)
     forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN
-                              (+ the push of this rank's tokens: ``config.dispatch="push"``)
                                                                               | barrier |
-                     phase 1: dispatch (pull the rows, or wait for the pushed ones), gather
-                              index, routed FFN, push combine                 | barrier |
+                     phase 1: dispatch (pull the rows), gather index, routed FFN, push
+                              combine                                         | barrier |
                      phase 2: fixed-order epilogue -> out
 
 With ``config.dispatch="split"`` the shared expert FFN moves into phase 1: the copy engine's
 half of the dispatch starts first, the shared FFN runs on the SMs while it copies, then the SM
-pull of the remaining tokens (``ops.dispatch_split_start`` / ``_finish``).
+pull of the remaining tokens (``dispatch.split_start`` / ``split_finish``).
 
 ``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
 simulator, one GPU) can run each phase on every rank before the barrier.
@@ -49,15 +48,16 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import as_device_array, device_empty, device_full, launch, upload
+from mok_core.cuda_compat import as_device_array, device_empty, device_full, upload
 from mok_core.grouped_gemm import GemmConfig, default_gemm, down, gate_up_swiglu
 from mok_core.schedule import Schedule
 from mok_core.schedule import build_schedule as _schedule_kernels
 
-from . import ops
+from . import barrier as comm_barrier
+from . import combine as comm_combine
+from . import dispatch as comm_dispatch
+from . import routing
 from .heap import Heap
-from .kernels.agreement import compare_fingerprints_kernel, push_fingerprint_kernel
-from .kernels.cast import ids_to_int32_kernel
 from .workspace import Workspace, create_workspace  # noqa: F401  (Workspace: type)
 
 
@@ -199,7 +199,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
     if verify:
         push, compare = verify_ranks_agree(lw, stream)
         push()
-        ops.barrier(comm, stream)
+        comm_barrier.barrier(comm, stream)
         compare()
         comm.check(stream)
     return lw
@@ -208,12 +208,10 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
 def verify_ranks_agree(lw: LayerWorkspace, stream=0):
     """Two phases (barrier between): push our fingerprint, compare everyone's."""
     def push():
-        launch(push_fingerprint_kernel, 1, 32, stream, 0, lw.rank, lw.fingerprint,
-               lw.peer_fingerprints)
+        routing.push_fingerprint(lw.comm, lw.fingerprint, lw.peer_fingerprints, stream)
 
     def compare():
-        launch(compare_fingerprints_kernel, 1, 32, stream, 0, lw.rank, lw.fingerprint_table,
-               lw.comm.errors)
+        routing.compare_fingerprints(lw.comm, lw.fingerprint_table, stream)
     return push, compare
 
 
@@ -228,16 +226,12 @@ def _routing_allgather_step(lw: LayerWorkspace, topk_ids, stream):
     T, k = lw.tokens_per_rank, lw.shape.topk
     ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(T, k))
     if np.dtype(ids.dtype) == np.int64:
-        n = T * k
-
         def routing_allgather():
-            if n:
-                launch(ids_to_int32_kernel, min(256, -(-n // 256)), 256, stream, 0,
-                       ids.reshape(n), lw.ids32.reshape(n))
-            ops.publish_ids(lw.comm, lw.ids32, stream)
+            routing.ids_to_int32(ids, lw.ids32, stream)
+            routing.publish_ids(lw.comm, lw.ids32, stream)
     elif np.dtype(ids.dtype) == np.int32:
         def routing_allgather():
-            ops.publish_ids(lw.comm, ids, stream)
+            routing.publish_ids(lw.comm, ids, stream)
     else:
         raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
     return routing_allgather
@@ -311,7 +305,7 @@ def _publish_x_step(lw: LayerWorkspace, x, w, stream):
     """Launch: x -> this rank's slice of the staging buffer (``lw.comm.x_buf``) + NaN/Inf check
     of x and the router weights. Reads the caller's ``x`` and ``router_weights``."""
     def publish_x():
-        ops.publish_x(lw.comm, x, w, stream)
+        comm_dispatch.publish_x(lw.comm, x, w, stream)
     return publish_x
 
 
@@ -346,14 +340,11 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
     fused = _fused_combine(lw.config, gd)
 
     def dispatch():
-        if lw.config.dispatch == "push":    # the rows were pushed in the phase before
-            ops.wait_dispatch_push(lw.comm, schedule, stream)
-        elif lw.config.dispatch == "split":     # the copy engine started before the shared FFN
-            ops.dispatch_split_finish(lw.comm, schedule, stream,
-                                      ce_share=lw.config.dispatch_ce_share)
+        if lw.config.dispatch == "split":     # the copy engine started before the shared FFN
+            comm_dispatch.split_finish(lw.comm, schedule, stream, lw.config.dispatch_ce_share)
         else:
-            ops.dispatch(lw.comm, schedule, stream)
-        ops.gather_index(lw.comm, schedule, lw.gather_index, stream)
+            comm_dispatch.pull(lw.comm, schedule, stream)
+        comm_dispatch.gather_index(lw.comm, schedule, lw.gather_index, stream)
 
     def routed_gate_up():
         gate_up_swiglu(lw.comm.x_recv, lw.gather_index, W.wg, W.wu, schedule.expert_offsets,
@@ -365,7 +356,7 @@ def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
              row_index=lw.gather_index, config=gd, stream=stream)
 
     def combine():
-        ops.combine(lw.comm, schedule, lw.y, stream)
+        comm_combine.combine(lw.comm, schedule, lw.y, stream)
 
     def routed_down_push():
         down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, None,
@@ -387,7 +378,7 @@ def _dispatch_phase(lw: LayerWorkspace, schedule: Schedule, W: _Weights, shared_
         return _phase(*steps)
 
     def dispatch_split_start():
-        ops.dispatch_split_start(lw.comm, stream, lw.config.dispatch_ce_share)
+        comm_dispatch.split_start(lw.comm, stream, lw.config.dispatch_ce_share)
     return _phase(dispatch_split_start, *_shared_steps(lw, shared_x, W, stream), *steps)
 
 
@@ -396,27 +387,13 @@ def _early_shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
     return [] if lw.config.dispatch == "split" else _shared_steps(lw, x, W, stream)
 
 
-def _push_steps(lw: LayerWorkspace, schedule: Schedule, stream):
-    """With ``config.dispatch == "push"``: the launch that writes this rank's tokens into the
-    ranks that need them, last in the phase before the dispatch's -- after the schedule (it
-    says where each route lands) and this rank's x publish, and a barrier away from the
-    peers' reads of their staging in the previous step (``kernels.push_dispatch``: the
-    caller's ordering duty). The dispatch step then waits for the rows (``_routed_steps``)."""
-    if lw.config.dispatch != "push":
-        return []
-
-    def dispatch_push():
-        ops.dispatch_push(lw.comm, schedule, stream)
-    return [dispatch_push]
-
-
 def _epilogue_step(lw: LayerWorkspace, w, out, stream):
     """Launch: out = y_shared + sum_j w_j y_j. Reads the caller's ``router_weights``."""
     T = lw.tokens_per_rank
     y_shared = lw.y_shared[:T] if lw.shape.shared_intermediate else None
 
     def epilogue():
-        ops.epilogue(lw.comm, w, out, y_shared, stream)
+        comm_combine.epilogue(lw.comm, w, out, y_shared, stream)
     return epilogue
 
 
@@ -433,8 +410,7 @@ def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x,
                        swiglu_limit)
     out = _check_out(lw, out)
     check_swiglu_limit(swiglu_limit)
-    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_early_shared_steps(lw, x, W, stream),
-                    *_push_steps(lw, schedule, stream))
+    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_early_shared_steps(lw, x, W, stream))
     phase1 = _dispatch_phase(lw, schedule, W, x, stream)
     phase2 = _phase(_epilogue_step(lw, w, out, stream))
     return [phase0, phase1, phase2], out
@@ -472,17 +448,16 @@ def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_sha
                        swiglu_limit)
     check_swiglu_limit(swiglu_limit)
     x_buf = lw.comm.x_buf
-    return [_phase(_schedule_step(lw, stream), *_early_shared_steps(lw, x_buf, W, stream),
-                   *_push_steps(lw, lw.schedule, stream)),
+    return [_phase(_schedule_step(lw, stream), *_early_shared_steps(lw, x_buf, W, stream)),
             _dispatch_phase(lw, lw.schedule, W, x_buf, stream)]
 
 
 def run_step_core(core_phases, comm, stream=0):
     """barrier, core phase 0, barrier, core phase 1, barrier (what a step's graph holds)."""
-    ops.barrier(comm, stream)
+    comm_barrier.barrier(comm, stream)
     for _, run in with_barriers(core_phases, comm, stream):
         run()
-    ops.barrier(comm, stream)
+    comm_barrier.barrier(comm, stream)
 
 
 def step_phases(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weights,
@@ -525,7 +500,7 @@ def with_barriers(phases, comm, stream=0):
     when it has them), with the cross-rank barrier on ``comm`` between consecutive phases --
     how ``build_schedule`` and ``forward`` run, and what a per-step timer walks."""
     def barrier():
-        ops.barrier(comm, stream)
+        comm_barrier.barrier(comm, stream)
     for i, phase in enumerate(phases):
         if i:
             yield "barrier", barrier

@@ -84,7 +84,7 @@ class _EmulatedRankHeap(Heap):
 
 
 class NvshmemHeap(Heap):
-    """Symmetric buffers on the NVSHMEM heap (after ``mok_comm.bootstrap.init``).
+    """Symmetric buffers on the NVSHMEM heap (after ``mok_comm.launch.bootstrap.init``).
 
     ``team`` selects the EP group (default: the whole world); peer views are made for the
     team's ranks in team order.

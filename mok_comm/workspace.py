@@ -11,15 +11,14 @@ Symmetric (same shape on every rank; peer views are tuples indexed by rank):
                                        from it, so local tokens are never copied again.
     ids_table      int32  [R, T, k]    every rank's top-k ids (row r pushed by rank r)
     combine_buf    uint16 [T*k, H]     expert outputs pushed home, row token*k + slot
-    barrier_flags  int32  [R]          epoch each rank reached (see kernels/barrier.py)
-    push_arrivals  int32  [R*T*k + E/R + 1]  rows landed per minibatch by the push dispatch
-                                       (``kernels/push_dispatch.py``; back to 0 after each
-                                       wait; sized for any config's minibatch count)
+    barrier_flags  int32  [R]          epoch each rank reached (see ``barrier``)
 Local:
     barrier_epoch  int32 [1]           barriers this rank passed
     errors         int32 [ERROR_WORDS] device error word (timeouts, non-finite input)
     side           SideStream          the split dispatch's copy-engine stream (made here: the
                                        first dispatch may be inside a graph capture)
+Which op reads and writes which buffer, and in which order: the op modules' docstrings
+(``routing``, ``dispatch``, ``combine``, ``barrier``).
 """
 from __future__ import annotations
 
@@ -50,13 +49,10 @@ class Workspace:
     ids_table: object
     combine_buf: object
     barrier_flags: object
-    push_arrivals: object
     peer_x: tuple
-    peer_x_recv: tuple
     peer_ids_table: tuple
     peer_combine: tuple
     peer_barrier_flags: tuple
-    peer_push_arrivals: tuple
     barrier_epoch: object
     x_recv: object
     errors: object
@@ -78,9 +74,6 @@ class Workspace:
     def free(self) -> None:
         """Release the symmetric heap (collective on NVSHMEM)."""
         self.heap.free()
-        key = getattr(self, "_key", None)
-        if key is not None:
-            _CACHE.pop(key, None)
 
 
 def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int,
@@ -108,21 +101,16 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
     ids_table, peer_ids = heap.alloc((R, T, k), i32, -1)
     combine_buf, peer_combine = heap.alloc((T * k, H), u16)
     flags, peer_flags = heap.alloc((R,), i32)
-    # From shapes alone (ranks' configs are compared only after allocation, so no config value
-    # may size a symmetric buffer): capacity <= R*T*k + E/R*(row_align - 1) rounded up, and
-    # minibatch_size >= row_align >= 1, so there are at most R*T*k + E/R + 1 minibatches.
-    arrivals, peer_arrivals = heap.alloc((R * T * k + E // R + 1,), i32)
     ws = Workspace(
         rank=heap.rank, ep_size=R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E,
         config=config, capacity=capacity, heap=heap,
         x_buf=x_recv[heap.rank * T:(heap.rank + 1) * T], ids_table=ids_table,
-        combine_buf=combine_buf, barrier_flags=flags, push_arrivals=arrivals,
+        combine_buf=combine_buf, barrier_flags=flags,
         peer_x=tuple(p.reshape(p.size)[q * T * H:(q + 1) * T * H]
                      for q, p in enumerate(peer_recv)),
-        peer_x_recv=tuple(p.reshape(p.size) for p in peer_recv),
         peer_ids_table=tuple(p.reshape(p.size) for p in peer_ids),
         peer_combine=tuple(p.reshape(p.size) for p in peer_combine),
-        peer_barrier_flags=peer_flags, peer_push_arrivals=peer_arrivals,
+        peer_barrier_flags=peer_flags,
         barrier_epoch=device_full((1,), 0, i32, stream),
         x_recv=x_recv,
         errors=device_full((err.ERROR_WORDS,), 0, i32, stream),
@@ -132,23 +120,3 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
     heap.fence()              # nobody writes into a peer before the peer's fills are done
     return ws
 
-
-_CACHE: dict = {}
-
-
-def get_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int,
-                  num_experts: int, config: MoKConfig, stream=0) -> Workspace:
-    """Cached ``create_workspace``: one workspace per (heap, shapes, config), shared by every
-    layer of that shape."""
-    key = (id(heap), heap.rank, tokens_per_rank, hidden, topk, num_experts, config)
-    ws = _CACHE.get(key)
-    if ws is None:
-        ws = create_workspace(heap, tokens_per_rank=tokens_per_rank, hidden=hidden, topk=topk,
-                              num_experts=num_experts, config=config, stream=stream)
-        ws._key = key
-        _CACHE[key] = ws
-    return ws
-
-
-def clear_workspace_cache() -> None:
-    _CACHE.clear()

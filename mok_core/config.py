@@ -103,7 +103,7 @@ def preset(name: str, ep_size: int = 1) -> LayerShape:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
 
 
-DISPATCH_MODES = ("pull", "push", "split")
+DISPATCH_MODES = ("pull", "split")
 
 
 @dataclass(frozen=True)
@@ -129,20 +129,16 @@ class MoKConfig:
             instead of writing y and running the combine kernel after it; same bits. The
             mma.sync GEMM always combines separately.
         dispatch: how tokens reach the experts' ranks. "pull" -- this rank's SMs read the
-            rows it needs from the peers (``mok_comm.kernels.dispatch``); "push" -- each rank's
-            SMs write its tokens into the ranks that need them (``kernels.push_dispatch``),
-            issued at the end of the phase before the dispatch (after the schedule, before
-            the barrier), and the dispatch step only waits for the rows to land; "split" --
-            the copy engine pulls each peer's first ``dispatch_ce_share`` of tokens (needed
+            rows it needs from the peers (``mok_comm.dispatch.pull``); "split" (the default)
+            -- the copy engine pulls each peer's first ``dispatch_ce_share`` of tokens (needed
             or not) while this rank's SMs pull the rows needed among the rest
-            (``mok_comm.ops.dispatch_split``), and the shared expert FFN runs on the SMs
-            while the copy engine copies. Same ``ready`` counts, same output bits. The
-            default: on 2 H200 the split with the copy engine taking every token measured
-            0.93-0.96 of the copy-engine ceiling where the SM pull stays at ~0.89, and the
-            compiled step 1-2 % faster (run 74).
+            (``mok_comm.dispatch.split_start`` / ``split_finish``), and the shared expert FFN
+            runs on the SMs while the copy engine copies. Same ``ready`` counts, same output
+            bits; the split comes closer to the copy engine's rate than SM reads alone (see
+            docs/perf.md).
         dispatch_ce_share: with ``dispatch="split"``, the share in [0, 1] of each peer's
-            tokens the copy engine moves (1.0: all; at EP 2 top-8 only 0.4 % of them are not
-            needed -- at larger EP more are: lower it there, e.g. 0.5 at EP 8).
+            tokens the copy engine moves (1.0: all; it also moves the tokens no local expert
+            needs, few at small EP and more at larger EP: lower it there).
     """
     fwd_num_comm_sms: int = 24
     bwd_num_comm_sms: int = 24

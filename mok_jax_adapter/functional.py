@@ -42,7 +42,7 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = M
         if shape.ep_size == 1:
             heap = LocalHeap(0)
         else:
-            from mok_comm import bootstrap
+            from mok_comm.launch import bootstrap
             info = bootstrap.init("auto")
             if info.world_size != shape.ep_size:
                 raise ValueError(f"shape.ep_size={shape.ep_size} but {info.world_size} processes "

@@ -1,4 +1,4 @@
-"""CPU tests of mok_comm.launch and mok_comm.bootstrap (no GPU, no nvshmem4py).
+"""CPU tests of mok_comm.launch and mok_comm.launch.bootstrap (no GPU, no nvshmem4py).
 
 The launcher is run as a real `python -m mok_comm.launch` process with small Python children;
 the UID exchanges run with fake UIDs (random bytes) over real files, stub broadcasts and stub
@@ -18,8 +18,8 @@ import types
 
 import pytest
 
-from mok_comm import bootstrap
-from mok_comm.bootstrap import (CommInfo, clean_stale_sockets, exchange_uid_via_broadcast,
+from mok_comm.launch import bootstrap
+from mok_comm.launch.bootstrap import (CommInfo, clean_stale_sockets, exchange_uid_via_broadcast,
                                 exchange_uid_via_file, exchange_uid_via_mpi)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,7 +231,7 @@ def test_launcher_requires_command():
 def test_uid_file_exchange_between_launched_processes():
     snippet = """
         import os
-        from mok_comm.bootstrap import exchange_uid_via_file
+        from mok_comm.launch.bootstrap import exchange_uid_via_file
         uid = exchange_uid_via_file(int(os.environ["RANK"]), os.environ["MOK_UID_FILE"],
                                     lambda: os.urandom(128), timeout=20)
         print(uid.hex())
@@ -293,7 +293,7 @@ def test_uid_broadcast_exchange_with_torch_gloo():
     snippet = """
         import os
         import torch.distributed as dist
-        from mok_comm.bootstrap import exchange_uid_via_broadcast
+        from mok_comm.launch.bootstrap import exchange_uid_via_broadcast
         dist.init_process_group("gloo")
         uid = exchange_uid_via_broadcast(
             dist.get_rank(), lambda box: dist.broadcast_object_list(box, src=0),

@@ -103,13 +103,11 @@ def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
     assert rel_l1(as_f64(got), reference_out(inp, None)) < 5e-3
 
 
-@pytest.mark.parametrize("dispatch", ["push", "split"])
+@pytest.mark.parametrize("dispatch", ["split"])
 def test_dispatch_modes_layer_equals_pull_layer(dispatch):
-    """``MoKConfig(dispatch="push")``: every rank writes its tokens into the ranks that need
-    them at the end of phase 0 and the dispatch only waits -- the same output bits as the
-    pull, skewed routing with masked routes. (Two consecutive steps, i.e. the arrival counters
-    back at zero and the peers' staging rewritten: ``test_layer_step``, push case.) "split":
-    the copy engine takes the peers' first 40 % of tokens, the SM pull the rest."""
+    """``MoKConfig(dispatch="split")``: the copy engine takes the peers' first 40 % of tokens,
+    the SM pull the rest -- the same output bits as the pull, skewed routing with masked
+    routes."""
     from dataclasses import replace
     R, T = 2, 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,

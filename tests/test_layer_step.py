@@ -96,12 +96,12 @@ def test_compiled_step_checks_inputs():
     assert step.captures == 0
 
 
-@pytest.mark.parametrize("dispatch,R", [("pull", 3), ("push", 2), ("split", 2)])
+@pytest.mark.parametrize("dispatch,R", [("pull", 3), ("split", 2)])
 def test_step_phases_equal_eager_emulated(dispatch, R, limit=1.0):
     """R ranks: the step order (publish x before the first barrier, shared FFN from x_buf)
     gives the eager layer's bits, over two consecutive steps with different inputs on the same
-    workspaces (the cross-step reuse of x_buf / ids table / combine buffer; with the push
-    dispatch also of the peers' staging and the arrival counters). The eager layer pulls."""
+    workspaces (the cross-step reuse of x_buf / ids table / combine buffer). The eager layer
+    pulls."""
     from dataclasses import replace
 
     from mok_core.grouped_gemm import SIM_GEMM

@@ -52,7 +52,7 @@ def nvshmem_world(dist):
         import torch.distributed as td
         if not td.is_initialized():
             td.init_process_group("cpu:gloo,cuda:nccl", device_id=None)
-    from mok_comm import bootstrap
+    from mok_comm.launch import bootstrap
     info = bootstrap.init(method)
     yield info
     bootstrap.finalize()

@@ -120,14 +120,13 @@ def test_compiled_step_preset(torch_world, preset_name):
         lw.comm.free()
 
 
-@pytest.mark.parametrize("dispatch", ["push", "split"])
+@pytest.mark.parametrize("dispatch", ["split"])
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 def test_dispatch_mode_step_equals_pull(torch_world, preset_name, dispatch):
-    """``MoKConfig(dispatch="push")`` at real shapes: the compiled step (the push at the end of
-    the graph's first phase, the dispatch only waiting) equals the pull layer's eager forward
-    bit for bit over 3 calls with fresh inputs -- capture, then replays that reuse the
-    arrival counters and the peers' staging. "split": the copy engine's half of the dispatch
-    on a side stream forked and joined inside the captured graph."""
+    """``MoKConfig(dispatch="split")`` at real shapes: the compiled step (the copy engine's
+    half of the dispatch on a side stream forked and joined inside the captured graph) equals
+    the pull layer's eager forward bit for bit over 3 calls with fresh inputs -- capture, then
+    replays that reuse the peers' staging."""
     import torch
 
     import mok_torch

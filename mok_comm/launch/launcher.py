@@ -6,8 +6,8 @@ Every child runs the same command with its own rank in the environment:
 * ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, so torch programs can call
   ``torch.distributed.init_process_group`` with the default ``env://`` rendezvous;
 * ``MOK_UID_FILE``: a fresh path (in a private temporary directory, deleted when the launcher
-  exits) through which `mok_comm.bootstrap.init` on rank 0 hands the NVSHMEM unique id to the
-  other ranks;
+  exits) through which `mok_comm.launch.bootstrap.init` on rank 0 hands the NVSHMEM unique id
+  to the other ranks;
 * ``NVSHMEM_DISABLE_NVLS=1``, ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
   whatever the launcher's own environment says (NVLink multicast stays off on our hosts).
 
@@ -120,7 +120,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mok_comm.launch",
         description="Run a command once per GPU on this host with RANK/WORLD_SIZE/LOCAL_RANK/"
-                    "MOK_UID_FILE set, for mok_comm.bootstrap.init().",
+                    "MOK_UID_FILE set, for mok_comm.launch.bootstrap.init().",
         usage="%(prog)s --nproc N [--devices 0,1,...] [--timeout S] [--grace S] "
               "[--tag-output] -- command [args ...]")
     p.add_argument("--nproc", type=int, required=True, help="number of processes (one per GPU)")
@@ -356,6 +356,3 @@ def _wait(procs: List[subprocess.Popen], args: argparse.Namespace, received: Lis
         return 128 + int(received[0])
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

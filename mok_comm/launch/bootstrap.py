@@ -189,7 +189,7 @@ def exchange_uid_via_file(rank: int, path: str, make_uid: Callable[[], Any],
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"rank {rank}: NVSHMEM unique id file {path!r} did not appear within "
-                f"{limit:g} s (is rank 0 running and did it reach mok_comm.bootstrap.init? "
+                f"{limit:g} s (is rank 0 running and did it reach mok_comm.launch.bootstrap.init? "
                 f"raise the limit with MOK_BOOTSTRAP_TIMEOUT)")
         time.sleep(poll_interval)
 
@@ -636,6 +636,6 @@ def info() -> CommInfo:
     """
     current = _STATE.info
     if current is None:
-        raise RuntimeError("mok_comm.bootstrap.init() has not been called (or NVSHMEM was "
+        raise RuntimeError("mok_comm.launch.bootstrap.init() has not been called (or NVSHMEM was "
                            "finalized)")
     return current
