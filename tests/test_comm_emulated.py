@@ -3,7 +3,8 @@
 dispatch -> identity "expert" -> combine -> epilogue must reproduce, bit for bit, the float32
 evaluation of out = y_shared + sum_j w_j x (slots ascending): every route was pulled from the
 right peer, landed in the right row, went home to the right (token, slot) and was weighted in
-the fixed order. Skewed routing, masked routes, ranks with no live tokens, R = 2, 3, 4.
+the fixed order. Skewed routing, masked routes, ranks with no live tokens, R = 2, 3, 4; the SM pull and the
+split (copy engine + SM) dispatch.
 """
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from numba import cuda
 from comm_support import (bf16_bits, identity_expert_kernel, make_routing,
                           reference_round_trip)
 from helpers import to_dev
-from mok_comm import ops
+from mok_comm import barrier, combine, dispatch, routing
 from mok_comm.emulation import EmulatedGroup
 from mok_core.config import MoKConfig
 from mok_core.cuda_compat import SIM, kjit, to_host
@@ -28,10 +29,17 @@ def scheduled_group(R, T, H, k, E, x, ids, cfg):
     wss = group.workspaces
     scheds = [Schedule.allocate(rank=r, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
                                 config=cfg, capacity=wss[r].capacity) for r in range(R)]
-    group.each(lambda r, ws: ops.publish_tokens(ws, to_dev(x[r]), to_dev(ids[r])))
+    group.each(lambda r, ws: publish(ws, x[r], ids[r]))
     group.barrier()
     group.each(lambda r, ws: build_schedule(scheds[r], ws.ids_table))
     return group, scheds
+
+
+def publish(ws, x, ids, w=None):
+    """The checked entry a direct caller uses: check once, then the trusted launches."""
+    xv, wv = dispatch.check_x(ws, to_dev(x), None if w is None else to_dev(w))
+    dispatch.publish_x(ws, xv, wv)
+    routing.publish_ids(ws, routing.check_ids(ws, to_dev(ids)))
 
 
 def round_trip_inputs(rng, R, T, H, k, E, skew=0.5, masked=0.2):
@@ -43,29 +51,25 @@ def round_trip_inputs(rng, R, T, H, k, E, skew=0.5, masked=0.2):
     return ids, x, w, ys
 
 
-def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld", ce_share=0.5):
+def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="pull", ce_share=0.5):
     group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
     C = group.workspaces[0].capacity
     index = [to_dev(np.zeros(C, np.int32)) for _ in range(R)]
     y = [to_dev(np.full((C, H), 0xFFFF, np.uint16)) for _ in range(R)]
     out = [to_dev(np.full((T, H), 0xFFFF, np.uint16)) for _ in range(R)]
 
-    # bulk (dispatch and combine): 32-byte chunks, so a 64-byte row moves in two (GPU: 8 KiB)
-    if variant == "push":           # every rank pushes, then every rank waits for its rows
-        group.each(lambda r, ws: ops.dispatch_push(ws, scheds[r]))
-        group.each(lambda r, ws: ops.wait_dispatch_push(ws, scheds[r]))
+    if variant == "split":
+        group.each(lambda r, ws: dispatch.split(ws, scheds[r], ce_share=ce_share))
     else:
-        group.each(lambda r, ws: ops.dispatch(ws, scheds[r], variant=variant, bulk_chunk=32,
-                                              ce_share=ce_share))
-    group.each(lambda r, ws: ops.gather_index(ws, scheds[r], index[r]))
+        group.each(lambda r, ws: dispatch.pull(ws, scheds[r]))
+    group.each(lambda r, ws: dispatch.gather_index(ws, scheds[r], index[r]))
     group.each(lambda r, ws: identity_expert_kernel[2, 64](
         ws.x_recv.reshape(ws.x_recv.size), index[r], scheds[r].num_rows,
         y[r].reshape(y[r].size), H))
-    combine_variant = variant if variant in ops.COPY_VARIANTS else "ld"
-    group.each(lambda r, ws: ops.combine(ws, scheds[r], y[r], variant=combine_variant,
-                                         bulk_chunk=32))
+    group.each(lambda r, ws: combine.combine(ws, scheds[r], y[r]))
     group.barrier()
-    group.each(lambda r, ws: ops.epilogue(ws, to_dev(w[r]), out[r], to_dev(ys[r])))
+    group.each(lambda r, ws: combine.epilogue(
+        ws, *combine.check_epilogue(ws, to_dev(w[r]), out[r], to_dev(ys[r]))))
     group.check()
     for s in scheds:
         s.check()
@@ -73,16 +77,11 @@ def run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant="ld", ce_share=0.5
 
 
 @pytest.mark.parametrize("R,case,variant", [
-    (2, "skewed", "ld"), (3, "skewed", "ld"), (4, "skewed", "ld"),
-    (2, "masked_and_empty_rank", "ld"), (3, "masked_and_empty_rank", "ld"),
-    (4, "masked_and_empty_rank", "ld"),
-    # bulk-copy dispatch + combine (rows in two chunks); R = 3 with masked routes, empty rank
-    (3, "masked_and_empty_rank", "bulk"), (2, "skewed", "bulk"),
-    # dense copy-engine pull of every peer's x buffer (+ the ld combine)
-    (2, "skewed", "copy_engine"), (3, "masked_and_empty_rank", "copy_engine"),
-    # push dispatch: owners write into the peers' staging, arrivals counted on the peer
-    (2, "skewed", "push"), (3, "masked_and_empty_rank", "push"), (4, "skewed", "push"),
-    # split: the copy engine takes each peer's first tokens, the SM pull the rest
+    (2, "skewed", "pull"), (3, "skewed", "pull"), (4, "skewed", "pull"),
+    (2, "masked_and_empty_rank", "pull"), (3, "masked_and_empty_rank", "pull"),
+    (4, "masked_and_empty_rank", "pull"),
+    # split: the copy engine takes each peer's first tokens, the SM pull the rest (all of
+    # them to the copy engine, none of them: the two ends of the share)
     (2, "skewed", "split"), (3, "masked_and_empty_rank", "split"),
     (3, "skewed", "split_all"), (2, "masked_and_empty_rank", "split_none"),
 ])
@@ -94,7 +93,7 @@ def test_round_trip_exact(R, case, variant):
     x = bf16_bits(rng.standard_normal((R, T, H)))
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     variant, ce_share = {"split": ("split", 0.3), "split_all": ("split", 1.0),
                          "split_none": ("split", 0.0)}.get(variant, (variant, 0.5))
     group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share)
@@ -108,15 +107,13 @@ def test_round_trip_exact(R, case, variant):
         want = np.bincount(real_rows // cfg.minibatch_size, minlength=len(to_host(s.ready)))
         np.testing.assert_array_equal(to_host(s.ready), want)
         np.testing.assert_array_equal(to_host(s.minibatch_rows), want)
-    for ws in group.workspaces:         # push arrivals consumed: back to zero for the next step
-        assert not to_host(ws.push_arrivals).any()
 
 
-@pytest.mark.parametrize("variant,ce_tokens", [("ld", 0), ("push", 0), ("split", 5)])
+@pytest.mark.parametrize("variant,ce_tokens", [("pull", 0), ("split", 5)])
 def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
     """x_recv holds exactly the peers' tokens with >= 1 route to this rank (the rest stays
-    zero), plus this rank's own tokens in its own slice (written by publish, never copied) --
-    whether pulled by this rank or pushed by the owner. The split dispatch's copy engine also
+    zero), plus this rank's own tokens in its own slice (written by publish, never copied).
+    The split dispatch's copy engine also
     brings each peer's first ``ce_tokens`` tokens, needed or not (5 of 16: ce_share 0.3)."""
     rng = np.random.default_rng(9)
     R, T, H, k, E = 2, 16, 16, 4, 8
@@ -126,7 +123,7 @@ def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
     x = bf16_bits(rng.standard_normal((R, T, H)) + 3.0)      # no zero rows
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(np.zeros((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share=0.3)
     for me, ws in enumerate(group.workspaces):
         staged = to_host(ws.x_recv).reshape(R, T, H)
@@ -141,11 +138,10 @@ def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
 def test_split_dispatch_counts_without_shared_counters(monkeypatch):
     """The copy engine's rows counted one global add per row when the minibatches outnumber
     the block's shared counters (``AGG_SLOTS``): the same ``ready`` totals and output."""
-    from mok_comm.kernels import dispatch as dispatch_kernels
-    monkeypatch.setattr(dispatch_kernels, "AGG_SLOTS", 1)
+    monkeypatch.setattr(dispatch, "AGG_SLOTS", 1)
     R, T, H, k, E = 2, 12, 16, 3, 4
     ids, x, w, ys = round_trip_inputs(np.random.default_rng(21), R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=4, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=4, capacity_factor=1.0)
     _, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "split", ce_share=0.6)
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
     for s in scheds:
@@ -154,10 +150,10 @@ def test_split_dispatch_counts_without_shared_counters(monkeypatch):
 
 
 def test_split_share_out_of_range_is_refused():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=1, num_experts=2, config=cfg)
     with pytest.raises(ValueError, match="ce_share"):
-        ops.split_tokens(group.workspaces[0], 1.5)
+        dispatch.split_tokens(group.workspaces[0], 1.5)
 
 
 def test_repeated_forward_is_bitwise_identical():
@@ -167,63 +163,28 @@ def test_repeated_forward_is_bitwise_identical():
     x = bf16_bits(rng.standard_normal((R, T, H)))
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     a = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)[2]
     b = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)[2]
     np.testing.assert_array_equal(a, b)
 
 
 def test_peer_that_never_arrives_times_out_with_clear_error():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64,
+    cfg = MoKConfig(row_align=4, minibatch_size=8,
                     spin_timeout_cycles=2_000_000)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=1, num_experts=2, config=cfg)
     ws0 = group.workspaces[0]
-    ops.barrier_arrive(ws0)          # rank 1 never arrives
-    ops.barrier_wait(ws0)
+    barrier.arrive(ws0)              # rank 1 never arrives
+    barrier.wait(ws0)
     with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' of "
                                        r"peer rank 1 expected >= 1, saw 0"):
         ws0.check()
 
 
-def test_push_dispatch_per_route_counting_matches(monkeypatch):
-    """The push dispatch's fallback (a release add per route: R * minibatches too many for
-    the block's shared counters) stages the same rows and the same ready totals."""
-    from mok_comm.kernels.push_dispatch import make_push_dispatch_kernel
-    monkeypatch.setattr(ops, "push_dispatch_kernel", make_push_dispatch_kernel(aggregate=False))
-    R, T, H, k, E = 3, 16, 32, 3, 6
-    ids, x, w, ys = round_trip_inputs(np.random.default_rng(31), R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
-    group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "push")
-    np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
-    for s in scheds:
-        np.testing.assert_array_equal(to_host(s.ready), to_host(s.minibatch_rows))
-    for ws in group.workspaces:
-        assert not to_host(ws.push_arrivals).any()
-
-
-def test_push_rows_that_never_arrive_time_out_with_clear_error():
-    """Rank 0 waits for its push arrivals; rank 1 never pushes: the bounded wait names the
-    counter and the minibatch's target, and nothing hangs."""
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0,
-                    spin_timeout_cycles=2_000_000)
-    R, T, H, k, E = 2, 8, 16, 2, 4
-    ids = np.zeros((R, T, k), np.int32)
-    ids[:, :, 1] = 1                              # every token to experts 0 and 1 (rank 0)
-    group, scheds = scheduled_group(R, T, H, k, E, bf16_bits(np.ones((R, T, H))), ids, cfg)
-    wss = group.workspaces
-    ops.dispatch_push(wss[0], scheds[0])            # rank 0's own rows only
-    ops.wait_dispatch_push(wss[0], scheds[0])
-    # expert 0's 16 rows fill minibatches 0-1, rows interleaved by source rank: of each
-    # minibatch's 8 rows the 4 from rank 0 arrived
-    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
-                                       r"'dispatch_push_arrivals' expected >= 8, saw 4"):
-        wss[0].check()
-
-
 @kjit
 def _two_timeouts(errors):
     if cuda.threadIdx.x == 0:
-        record_timeout(errors, 1, 6, 8, 4, -1)
+        record_timeout(errors, 1, 0, 8, 4, 0)
         record_timeout(errors, 1, 0, 99, 98, 0)      # a later timeout: must not mix in
 
 
@@ -234,28 +195,30 @@ def test_first_timeout_is_the_one_reported():
     word = to_dev(np.zeros(err.ERROR_WORDS, np.int32))
     reset_error_word(word)
     _two_timeouts[1, 32](word)
-    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 1: counter "
-                                       r"'dispatch_push_arrivals' expected >= 8, saw 4"):
+    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 1: counter 'barrier' of "
+                                       r"peer rank 0 expected >= 8, saw 4"):
         err.raise_if_set(to_host(word), context="test")
 
 
 def test_publish_rejects_bad_input():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=2, num_experts=4, config=cfg)
     ws = group.workspaces[0]
     with pytest.raises(ValueError, match="x: expected shape"):
-        ops.publish_tokens(ws, to_dev(np.zeros((5, 16), np.uint16)),
-                           to_dev(np.zeros((4, 2), np.int32)))
-    with pytest.raises(TypeError, match="topk_ids: expected dtype int32"):
-        ops.publish_tokens(ws, to_dev(np.zeros((4, 16), np.uint16)),
-                           to_dev(np.zeros((4, 2), np.int64)))
+        dispatch.check_x(ws, to_dev(np.zeros((5, 16), np.uint16)))
+    with pytest.raises(TypeError, match="topk_ids: expected dtype int32 or int64"):
+        routing.check_ids(ws, to_dev(np.zeros((4, 2), np.float32)))
+    with pytest.raises(ValueError, match="topk_ids: expected shape"):
+        routing.check_ids(ws, to_dev(np.zeros((4, 3), np.int32)))
     with pytest.raises(TypeError, match="router_weights: expected dtype float32"):
-        ops.epilogue(ws, to_dev(np.zeros((4, 2), np.float64)),
-                     to_dev(np.zeros((4, 16), np.uint16)))
+        combine.check_epilogue(ws, to_dev(np.zeros((4, 2), np.float64)),
+                               to_dev(np.zeros((4, 16), np.uint16)))
+    with pytest.raises(ValueError, match="y: expected shape"):
+        combine.check_y(ws, to_dev(np.zeros((ws.capacity + 1, 16), np.uint16)))
 
 
 def test_non_finite_inputs_are_reported():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=2, num_experts=4, config=cfg)
     ws = group.workspaces[0]
     x = bf16_bits(np.ones((4, 16)))
@@ -263,25 +226,27 @@ def test_non_finite_inputs_are_reported():
     x[3, 0] = bf16_bits(np.array([np.inf]))[0]
     w = np.ones((4, 2), np.float32)
     w[1, 1] = np.nan
-    ops.publish_x(ws, to_dev(x), to_dev(w))
+    dispatch.publish_x(ws, *dispatch.check_x(ws, to_dev(x), to_dev(w)))
     with pytest.raises(MoKError, match="non-finite input: 3 NaN/Inf values seen"):
         ws.check()
     np.testing.assert_array_equal(to_host(ws.x_buf), x)       # still copied, just flagged
 
 
 def test_split_halves_must_pair():
-    """``dispatch_split_finish`` counts the copy engine's rows: it refuses to run without the
+    """``split_finish`` counts the copy engine's rows: it refuses to run without the
     start that enqueued them, or for another share; a start twice over is refused too."""
     rng = np.random.default_rng(5)
     R, T, H, k, E = 2, 8, 16, 2, 4
     ids, x, _, _ = round_trip_inputs(rng, R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
     ws, sched = group.workspaces[0], scheds[0]
     with pytest.raises(RuntimeError, match="call start first"):
-        ops.dispatch_split_finish(ws, sched, ce_share=0.5)
-    ops.dispatch_split_start(ws, ce_share=0.5)
+        dispatch.split_finish(ws, sched, ce_share=0.5)
+    dispatch.split_start(ws, ce_share=0.5)
     with pytest.raises(RuntimeError, match="twice"):
-        ops.dispatch_split_start(ws, ce_share=0.5)
+        dispatch.split_start(ws, ce_share=0.5)
     with pytest.raises(RuntimeError, match="same ce_share"):
-        ops.dispatch_split_finish(ws, sched, ce_share=0.25)
+        dispatch.split_finish(ws, sched, ce_share=0.25)
+    dispatch.split_finish(ws, sched, ce_share=0.5)      # the pair completes: nothing pending
+    assert ws.side.pending is None
