@@ -3,8 +3,8 @@
 dispatch -> identity "expert" -> combine -> epilogue must reproduce, bit for bit, the float32
 evaluation of out = y_shared + sum_j w_j x (slots ascending): every route was pulled from the
 right peer, landed in the right row, went home to the right (token, slot) and was weighted in
-the fixed order. Skewed routing, masked routes, ranks with no live tokens, R = 2, 3, 4; the SM pull and the
-split (copy engine + SM) dispatch.
+the fixed order. Skewed routing, masked routes, ranks with no live tokens, R = 2, 3, 4; the SM
+pull and the split (copy engine + SM) dispatch.
 """
 import numpy as np
 import pytest

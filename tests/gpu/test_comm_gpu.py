@@ -16,15 +16,14 @@ def _inputs(R, T, seed):
     return ids
 
 
-@pytest.mark.parametrize("T,variant", [(4096, "ld"), (8192, "ld"), (4096, "bulk"),
-                                       (4096, "copy_engine"), (4096, "push"), (8192, "push"),
-                                       (4096, "split"), (8192, "split")])
+@pytest.mark.parametrize("T,variant", [(4096, "pull"), (8192, "pull"), (4096, "split"),
+                                       (8192, "split")])
 def test_round_trip_real_shape(nvshmem_world, T, variant):
     import torch
     from numba import cuda
 
     from benchmarks.common import comm_setup, numba_stream
-    from mok_comm import ops
+    from mok_comm import barrier, combine, dispatch, routing
     from mok_core.config import MoKConfig
     from mok_core.schedule import build_schedule
     R, me = nvshmem_world.world_size, nvshmem_world.rank
@@ -38,21 +37,27 @@ def test_round_trip_real_shape(nvshmem_world, T, variant):
     heap, ws, sched = comm_setup(T, H, K, E, cfg, s)
     idx = cuda.device_array(ws.capacity, np.int32)
     y = torch.empty(ws.capacity, H, device="cuda", dtype=torch.bfloat16)
-    d_ids = torch.from_numpy(ids[me]).cuda()
     u16 = torch.uint16
+    d_ids = routing.check_ids(ws, torch.from_numpy(ids[me]).cuda())
+    xv, _ = dispatch.check_x(ws, x.view(u16))
+    yv = combine.check_y(ws, y.view(u16))
 
     def forward(out):
-        ops.publish_tokens(ws, x.view(u16), d_ids, stream=s)
-        ops.barrier(ws, stream=s)
+        dispatch.publish_x(ws, xv, None, stream=s)
+        routing.publish_ids(ws, d_ids, stream=s)
+        barrier.barrier(ws, stream=s)
         build_schedule(sched, ws.ids_table, stream=s)
-        ops.dispatch(ws, sched, stream=s, variant=variant)
-        ops.gather_index(ws, sched, idx, stream=s)
+        if variant == "split":
+            dispatch.split(ws, sched, stream=s, ce_share=0.5)
+        else:
+            dispatch.pull(ws, sched, stream=s)
+        dispatch.gather_index(ws, sched, idx, stream=s)
         identity_expert_kernel[264, 256, s](ws.x_recv.reshape(ws.x_recv.size), idx,
-                                            sched.num_rows, y.view(u16).reshape(-1), H)
-        ops.combine(ws, sched, y.view(u16), stream=s,
-                    variant=variant if variant in ops.COPY_VARIANTS else "ld")
-        ops.barrier(ws, stream=s)
-        ops.epilogue(ws, w, out.view(u16), ys.view(u16), stream=s)
+                                            sched.num_rows, yv.reshape(yv.size), H)
+        combine.combine(ws, sched, yv, stream=s)
+        barrier.barrier(ws, stream=s)
+        combine.epilogue(ws, *combine.check_epilogue(ws, w, out.view(u16), ys.view(u16)),
+                         stream=s)
 
     try:
         outs = run_reps(forward, T)
@@ -86,7 +91,7 @@ def test_peer_never_arrives_times_out(nvshmem_world):
     import torch
 
     from benchmarks.common import numba_stream
-    from mok_comm import ops
+    from mok_comm.barrier import barrier
     from mok_comm.heap import NvshmemHeap
     from mok_comm.workspace import create_workspace
     from mok_core.config import MoKConfig
@@ -99,18 +104,18 @@ def test_peer_never_arrives_times_out(nvshmem_world):
         ws = create_workspace(heap, config=MoKConfig(spin_timeout_cycles=200_000_000), **small)
         sync_ws = create_workspace(heap, config=MoKConfig(), **small)   # a healthy barrier
         torch.cuda.synchronize()
-        ops.barrier(ws, stream=s)                      # everyone in step: epoch 1
+        barrier(ws, stream=s)                      # everyone in step: epoch 1
         torch.cuda.synchronize()
         if me == 0:
-            ops.barrier(ws, stream=s)                  # nobody else comes (for now)
+            barrier(ws, stream=s)                  # nobody else comes (for now)
             torch.cuda.synchronize()
             with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter "
                                                r"'barrier' of peer rank 1 expected >= 2, saw 1"):
                 ws.check()
-        ops.barrier(sync_ws, stream=s)                 # rank 0 comes here after its timeout
+        barrier(sync_ws, stream=s)                 # rank 0 comes here after its timeout
         torch.cuda.synchronize()
         if me != 0:
-            ops.barrier(ws, stream=s)                  # late arrivals: epoch 2 completes
+            barrier(ws, stream=s)                  # late arrivals: epoch 2 completes
         torch.cuda.synchronize()
         sync_ws.check()
     finally:

@@ -12,7 +12,7 @@ def test_split_dispatch_captured_equals_eager(dist):
     import torch
 
     from benchmarks.common import numba_stream
-    from mok_comm import ops
+    from mok_comm import dispatch, routing
     from mok_comm.emulation import EmulatedGroup
     from mok_core.config import MoKConfig
     from mok_core.cuda_compat import to_host
@@ -30,8 +30,8 @@ def test_split_dispatch_captured_equals_eager(dist):
               for r in range(R)]
     x = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(R)]
     for r, ws in enumerate(wss):
-        ops.publish_tokens(ws, x[r].view(torch.uint16), torch.from_numpy(ids[r]).cuda(),
-                           stream=s)
+        dispatch.publish_x(ws, *dispatch.check_x(ws, x[r].view(torch.uint16)), stream=s)
+        routing.publish_ids(ws, routing.check_ids(ws, torch.from_numpy(ids[r]).cuda()), stream=s)
     group.barrier()
     for r, ws in enumerate(wss):
         build_schedule(scheds[r], ws.ids_table, stream=s)
@@ -40,7 +40,7 @@ def test_split_dispatch_captured_equals_eager(dist):
 
     def dispatch_all():
         for r, ws in enumerate(wss):
-            ops.dispatch(ws, scheds[r], stream=numba_stream(), variant="split", ce_share=0.5)
+            dispatch.split(ws, scheds[r], stream=numba_stream(), ce_share=0.5)
 
     def clear_peer_slices():
         for r in range(R):
