@@ -7,11 +7,10 @@
 #        launch-suite layer-suite demo bench-schedule bench-schedule-kernels bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
-#        pull, push and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
+#        pull and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        gpu-single (the GPU tests one GPU runs, emulated ranks included)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS) probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
 #        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle)
-#        probe-comm (PROBE_COMM_VARIANTS)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
@@ -79,9 +78,6 @@ for s in "$@"; do
     probe-timing) step probe-timing python3 benchmarks/probe_timing.py \
          --presets "${PROBE_PRESETS:-qwen3.5-397b,kimi-k2.7,glm-5.2}" \
          --tokens "${PROBE_TOKENS:-4096}" --out "$OUT/probe_timing.json" ;;   # protocol vs ratio
-    probe-comm) step probe-comm torchrun --standalone --nproc-per-node="$NGPU" \
-         benchmarks/probe_comm.py ${PROBE_COMM_VARIANTS:+--variants "$PROBE_COMM_VARIANTS"} \
-         --out "$OUT/probe_comm.json" ;;
     probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
          --nproc-per-node="$NGPU" benchmarks/probe_host.py --preset "$p" \
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # launcher vs numba's dispatcher
