@@ -37,11 +37,23 @@ def x(v):
     return "-" if v is None else f"{v:.2f}x"
 
 
+# GemmConfig options a result may have been measured with that the library no longer has.
+REMOVED = {"packed_weights=True": "packed weights", "tma=False": "cp.async weights",
+           "async_ring=True": "async ring", "multicast=2": "multicast"}
+
+
+def removed(*gemms):
+    return sorted({v for g in gemms for k, v in REMOVED.items() if k in (g or "")})
+
+
 def tile(gemm):
-    """'192' or '128 staged' from a GemmConfig repr (fields the repr no longer has read as off)."""
+    """'192', '128 staged' or '192 (packed weights)' from a GemmConfig repr (fields the repr
+    no longer has read as off)."""
     bm = re.search(r"bm=(\d+)", gemm or "")
     staged = "smem_epilogue=True" in (gemm or "")
-    return (bm.group(1) if bm else "?") + (" staged" if staged else "")
+    gone = removed(gemm)
+    return ((bm.group(1) if bm else "?") + (" staged" if staged else "")
+            + (f" ({', '.join(gone)})" if gone else ""))
 
 
 def table(head, rows):
@@ -62,11 +74,14 @@ def readme_block(tokens=4096):
     ffn = {(r["preset"], r["routing"]): r for r in load("bench_ffn")
            if r["tokens_per_rank"] == tokens}
     comm = [r for r in load("bench_comm") if r["tokens_per_rank"] == tokens]
-    rows = []
+    rows, stale = [], False
     for r in layer:
         fu, fs = ffn.get((r["preset"], "uniform")), ffn.get((r["preset"], "skewed"))
         f = (f"{fu['ratio_vs_grouped_mm']:.2f}x / {fs['ratio_vs_grouped_mm']:.2f}x"
              if fu and fs else "-")
+        if fu and fs and removed(fu["gemm"], fu["gemm_down"], fs["gemm"], fs["gemm_down"]):
+            f += " *"
+            stale = True
         rows.append([r["preset"], ms(r["ours_step_ms"]), ms(r["ours_ms"]),
                      ms(r["baselines"].get("torch_native")),
                      f"**{x(r['speedup_step_vs_best_baseline'])}**", f])
@@ -74,6 +89,9 @@ def readme_block(tokens=4096):
             "speedup (step)", "expert FFN vs `torch._grouped_mm` (uniform / skewed)"]
     ep = layer[0]["ep"] if layer else "?"
     lines = [table(head, rows), ""]
+    if stale:
+        lines += ["\\* the FFN benchmark's tile sweep picked a GEMM option this version no longer "
+                  "has (see docs/perf.md); to be measured again.", ""]
     for c in comm:
         lines.append(
             f"Dispatch ({c['dispatch_variant']}) / combine at the same shape: "
