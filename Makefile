@@ -1,12 +1,12 @@
 # Two commands on a fresh machine:
 #   make demo   -- the MoE layer demo (GPUs when present, else the CUDA simulator, 2 emulated ranks)
-#   make test   -- the CPU suite: references, schedule, kernels under the simulator, sm_90 typing
+#   make test   -- lint, then the CPU suite: references, schedule, kernels under the simulator, sm_90 typing
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mok-installed
 
-.PHONY: demo test test-sim test-ptx test-gpu bench-schedule clean
+.PHONY: demo test lint test-sim test-ptx test-gpu bench-schedule clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
-# The two suites in parallel, the PTX one niced: the simulator suite is the longer and its
-# block threads want more than one core, the compiles fill what is left; each one's output
-# is printed whole when it ends.
+# Seconds, no GPU: every config field is read somewhere in the library, no dead code
+# (vulture; false positives listed in tools/vulture_allow.py), README's table matches
+# benchmarks/results/*.json.
+LIBRARY := mok_core mok_comm mok_torch mok_jax_adapter
+lint: $(STAMP)
+	$(PY) tools/check_config_fields.py
+	$(PY) -m vulture $(LIBRARY) tools/vulture_allow.py --min-confidence 80
+	$(PY) benchmarks/report.py --check
+
+# lint first (cheap), then the two suites in parallel, the PTX one niced: the simulator
+# suite is the longer and its block threads want more than one core, the compiles fill what
+# is left; each one's output is printed whole when it ends.
 test: $(STAMP)
+	$(MAKE) lint
 	$(MAKE) -j2 --output-sync=target test-sim test-ptx PTX_NICE="nice -n 15"
 
 test-sim: $(STAMP)
