@@ -94,7 +94,7 @@ def test_round_trip_exact(R, case, variant):
     x = bf16_bits(rng.standard_normal((R, T, H)))
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     variant, ce_share = {"split": ("split", 0.3), "split_all": ("split", 1.0),
                          "split_none": ("split", 0.0)}.get(variant, (variant, 0.5))
     group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share)
@@ -126,7 +126,7 @@ def test_staging_pulls_each_token_once_per_rank(variant, ce_tokens):
     x = bf16_bits(rng.standard_normal((R, T, H)) + 3.0)      # no zero rows
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(np.zeros((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     group, _, _ = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, variant, ce_share=0.3)
     for me, ws in enumerate(group.workspaces):
         staged = to_host(ws.x_recv).reshape(R, T, H)
@@ -145,7 +145,7 @@ def test_split_dispatch_counts_without_shared_counters(monkeypatch):
     monkeypatch.setattr(dispatch_kernels, "AGG_SLOTS", 1)
     R, T, H, k, E = 2, 12, 16, 3, 4
     ids, x, w, ys = round_trip_inputs(np.random.default_rng(21), R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=4, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=4, capacity_factor=1.0)
     _, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "split", ce_share=0.6)
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
     for s in scheds:
@@ -154,7 +154,7 @@ def test_split_dispatch_counts_without_shared_counters(monkeypatch):
 
 
 def test_split_share_out_of_range_is_refused():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=1, num_experts=2, config=cfg)
     with pytest.raises(ValueError, match="ce_share"):
         ops.split_tokens(group.workspaces[0], 1.5)
@@ -167,14 +167,14 @@ def test_repeated_forward_is_bitwise_identical():
     x = bf16_bits(rng.standard_normal((R, T, H)))
     w = rng.random((R, T, k)).astype(np.float32)
     ys = bf16_bits(rng.standard_normal((R, T, H)))
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     a = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)[2]
     b = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg)[2]
     np.testing.assert_array_equal(a, b)
 
 
 def test_peer_that_never_arrives_times_out_with_clear_error():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64,
+    cfg = MoKConfig(row_align=4, minibatch_size=8,
                     spin_timeout_cycles=2_000_000)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=1, num_experts=2, config=cfg)
     ws0 = group.workspaces[0]
@@ -192,7 +192,7 @@ def test_push_dispatch_per_route_counting_matches(monkeypatch):
     monkeypatch.setattr(ops, "push_dispatch_kernel", make_push_dispatch_kernel(aggregate=False))
     R, T, H, k, E = 3, 16, 32, 3, 6
     ids, x, w, ys = round_trip_inputs(np.random.default_rng(31), R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     group, scheds, out = run_round_trip(R, T, H, k, E, x, ids, w, ys, cfg, "push")
     np.testing.assert_array_equal(out, reference_round_trip(x, ids, w, ys))
     for s in scheds:
@@ -204,7 +204,7 @@ def test_push_dispatch_per_route_counting_matches(monkeypatch):
 def test_push_rows_that_never_arrive_time_out_with_clear_error():
     """Rank 0 waits for its push arrivals; rank 1 never pushes: the bounded wait names the
     counter and the minibatch's target, and nothing hangs."""
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0,
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0,
                     spin_timeout_cycles=2_000_000)
     R, T, H, k, E = 2, 8, 16, 2, 4
     ids = np.zeros((R, T, k), np.int32)
@@ -240,7 +240,7 @@ def test_first_timeout_is_the_one_reported():
 
 
 def test_publish_rejects_bad_input():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=2, num_experts=4, config=cfg)
     ws = group.workspaces[0]
     with pytest.raises(ValueError, match="x: expected shape"):
@@ -255,7 +255,7 @@ def test_publish_rejects_bad_input():
 
 
 def test_non_finite_inputs_are_reported():
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=8)
     group = EmulatedGroup(2, tokens_per_rank=4, hidden=16, topk=2, num_experts=4, config=cfg)
     ws = group.workspaces[0]
     x = bf16_bits(np.ones((4, 16)))
@@ -275,7 +275,7 @@ def test_split_halves_must_pair():
     rng = np.random.default_rng(5)
     R, T, H, k, E = 2, 8, 16, 2, 4
     ids, x, _, _ = round_trip_inputs(rng, R, T, H, k, E)
-    cfg = MoKConfig(row_align=4, minibatch_size=8, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=8, capacity_factor=1.0)
     group, scheds = scheduled_group(R, T, H, k, E, x, ids, cfg)
     ws, sched = group.workspaces[0], scheds[0]
     with pytest.raises(RuntimeError, match="call start first"):

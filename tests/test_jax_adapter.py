@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import mok_jax_adapter  # noqa: E402
 
 GEMM = SIM_GEMM
-CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
 T = 40

@@ -18,7 +18,7 @@ from mok_torch import synthetic
 from test_layer_emulated import run_layer, u16
 
 DEV = "cpu" if SIM else "cuda"
-CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
 
