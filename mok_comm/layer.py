@@ -32,6 +32,7 @@ bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors 
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from functools import partial
 from typing import NamedTuple
@@ -80,7 +81,7 @@ def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
 
 def check_swiglu_limit(swiglu_limit):
     """ValueError unless ``swiglu_limit`` is None or a finite number > 0."""
-    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float))
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, numbers.Real)
                                          and not isinstance(swiglu_limit, bool)
                                          and math.isfinite(swiglu_limit) and swiglu_limit > 0):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
@@ -142,7 +143,8 @@ class Layer:
         gemm_down = gemm_down or gemm
         _check_tiles(shape, config, gemm, gemm_down)
         self.shape, self.config, self.tokens_per_rank = shape, config, T
-        self.gemm, self.gemm_down, self.swiglu_limit = gemm, gemm_down, swiglu_limit
+        self.gemm, self.gemm_down = gemm, gemm_down
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
         self.comm = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=k,
                                      num_experts=shape.num_experts, config=config,
@@ -169,7 +171,7 @@ class Layer:
         fp = np.array([H, I, I_s, shape.num_experts, k, shape.ep_size, T, config.row_align,
                        config.minibatch_size, int(config.capacity_factor * 1e6),
                        _digest(config), _digest(gemm), _digest(gemm_down),
-                       _digest(swiglu_limit)], i32)
+                       _digest(self.swiglu_limit)], i32)
         self.fingerprint = upload(fp, stream)
         self.fingerprint_table, peers = heap.alloc((shape.ep_size, fp.size), i32, -1)
         self.peer_fingerprints = tuple(p.reshape(p.size) for p in peers)
