@@ -32,7 +32,7 @@ def simulator_demo() -> int:
     R, T = 2, 32
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=8,
                        topk=3, ep_size=R)
-    cfg = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
     gemm = SIM_GEMM
     rng = np.random.default_rng(0)
     E, k, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate

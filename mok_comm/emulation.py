@@ -27,13 +27,15 @@ def barrier_all(comm_workspaces, stream=0) -> None:
 def run_phases(comm_workspaces, phase_lists, stream=0) -> None:
     """Run phase i of every rank, then an emulated barrier, then phase i+1 ...
 
-    ``phase_lists[r]`` is rank r's list of callables (same length for every rank).
+    ``phase_lists[r]`` is rank r's list of phases (same length for every rank); a phase is a
+    callable or a list of callables run in order.
     """
     for i in range(len(phase_lists[0])):
         if i:
             barrier_all(comm_workspaces, stream)
         for phases in phase_lists:
-            phases[i]()
+            for call in (phases[i] if isinstance(phases[i], list) else [phases[i]]):
+                call()
 
 
 class EmulatedGroup:
@@ -64,17 +66,23 @@ class EmulatedGroup:
         self.each(lambda r, ws: ws.check(self.stream))
 
 
-def emulated_layer(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,
-                   stream=0, gemm_down=None):
-    """Layer workspaces of ``shape.ep_size`` emulated ranks (fingerprints verified)."""
-    from .functional import default_gemm, get_workspace, verify_ranks_agree
+def emulated_layers(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,
+                    gemm_down=None, swiglu_limit=None, stream=0):
+    """``Layer``s of ``shape.ep_size`` emulated ranks on one heap, their agreement verified."""
+    from mok_core.gemm import default_gemm
+    from .layer import Layer, agreement_phases
     heap = EmulatedHeap(shape.ep_size, stream)
-    lws = [get_workspace(shape, tokens_per_rank, config, heap=heap.for_rank(r),
-                         gemm=gemm or default_gemm(), gemm_down=gemm_down, verify=False,
-                         stream=stream)
-           for r in range(shape.ep_size)]
-    comms = [lw.comm for lw in lws]
-    run_phases(comms, [list(verify_ranks_agree(lw, stream)) for lw in lws], stream)
-    for lw in lws:
-        lw.comm.check(stream)
-    return lws
+    layers = [Layer(shape, tokens_per_rank, config, heap=heap.for_rank(r),
+                    gemm=gemm or default_gemm(), gemm_down=gemm_down,
+                    swiglu_limit=swiglu_limit, verify=False, stream=stream)
+              for r in range(shape.ep_size)]
+    run_phases([lay.comm for lay in layers], [agreement_phases(lay, stream) for lay in layers],
+               stream)
+    for lay in layers:
+        lay.comm.check(stream)
+    return layers
+
+
+def run_steps(layers, phase_lists, stream=0) -> None:
+    """Run every rank's ``functional.step_phases`` lists (phase by phase, barriers between)."""
+    run_phases([lay.comm for lay in layers], phase_lists, stream)

@@ -1,554 +1,235 @@
-"""The expert-parallel MoE layer forward, as a small functional API (MoK's ``functional``).
+"""The layer step as functions: validate once, then four phases with a barrier between each.
 
-    lw = get_workspace(shape, tokens_per_rank, config, heap=heap)         # once per layer shape
-    sched = build_schedule(lw, topk_ids, stream=s)                        # each step
-    out, ctx = forward(config, lw, sched, x, router_weights,
-                       w_shared_gate, w_shared_up, w_shared_down,
-                       w_gate, w_up, w_down, swiglu_limit=None, stream=s)
+    out, ctx = forward(layer, x, topk_ids, router_weights, weights, out=None, stream=s)
 
-Every step is a kernel launch on ``stream``; nothing waits for the host, and no count ever leaves
-the GPU, so a whole step can be captured in a CUDA graph. The step is a sequence of *phases*
-separated by device-side barriers (the only cross-GPU synchronisation):
+``layer`` is a ``mok_comm.layer.Layer`` (it owns config, buffers and schedule). Every launch is
+on ``stream``; nothing waits for the host and no count leaves the GPU, so a step can be captured
+in a CUDA graph. Inputs (per rank; bf16 as uint16 bits):
 
-    build_schedule   phase 0: ids -> every rank's table          | barrier |
-                     phase 1: schedule (local)
-    forward          phase 0: publish x (+ NaN/Inf check), shared expert FFN
-                                                                              | barrier |
-                     phase 1: dispatch (pull the rows), gather index, routed FFN, push
-                              combine                                         | barrier |
-                     phase 2: fixed-order epilogue -> out
+    x [T, H] uint16, topk_ids [T, k] int32 or int64 (-1 = masked route), router_weights [T, k]
+    float32, weights: ``Weights`` (shapes there), out [T, H] uint16 (default: ``layer.out``).
 
-With ``config.dispatch="split"`` the shared expert FFN moves into phase 1: the copy engine's
-half of the dispatch starts first, the shared FFN runs on the SMs while it copies, then the SM
-pull of the remaining tokens (``dispatch.split_start`` / ``split_finish``).
+The phases (``step_phases``), the only cross-rank synchronisation being the barriers:
 
-``*_phases`` return the phases as callables so that R ranks emulated in one process (CUDA
-simulator, one GPU) can run each phase on every rank before the barrier.
+    0 publish     ids -> row ``rank`` of every rank's ids table; x -> this rank's token
+                  staging slice ``x_buf`` (NaN/Inf in x and router_weights counted)  | barrier |
+    1 schedule    this rank's schedule from the complete ids table; with
+                  ``dispatch="pull"`` also the shared expert FFN on ``x_buf``         | barrier |
+    2 experts     dispatch (``"split"``: the copy engine starts, the shared expert FFN runs on
+                  the SMs meanwhile, then the SM pull of the rest), gather index, routed
+                  gate/up + SwiGLU, down with the combine pushed home from its epilogue
+                  (or down into ``y`` + the combine kernel)                            | barrier |
+    3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
-The same launches, regrouped, make the *step* of the graphed fast path (``mok_torch.graphed``):
-``step_io`` gives the launches that read the caller's per-step tensors (prologue: publish ids +
-publish x; epilogue), ``step_core_phases`` everything between them (schedule, shared FFN on the
-published copy ``x_buf``, dispatch .. combine), which reads only the workspace and the weights
-and is therefore capturable once and replayable with new inputs; ``step_phases`` = all four.
+Phases 1 and 2 read only the layer's buffers and the weights -- never the caller's x, ids or
+router weights -- so ``barrier, 1, barrier, 2, barrier`` is what a graphed step captures once
+(``run_core``) while phases 0 and 3 run eagerly around the replay with fresh tensors. Eager and
+graphed steps are therefore the same launches in the same order.
 
-Shapes (per rank; T tokens, H hidden, I / I_s routed / shared intermediate, E_local experts
-here, k top-k, C schedule capacity) and dtypes (bf16 travels as uint16 bits at this level; the
-torch/JAX adapters view their bf16 tensors as uint16, zero-copy):
-    x [T, H] uint16, topk_ids [T, k] int32 or int64 (-1 = masked), router_weights [T, k] f32,
-    w_shared_gate / w_shared_up [I_s, H], w_shared_down [H, I_s],
-    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]  (all uint16), out [T, H] uint16.
+Ordering duties the barriers carry: barrier 0->1 makes every rank's ids and tokens visible
+before anyone schedules or pulls; 1->2 is kept so that a peer's pull of step N (phase 2) and our
+publish of step N+1 (phase 0) are always separated by the 2->3 barrier of step N (write after
+read across steps); 2->3 makes every pushed combine row visible before the epilogue reads it.
+
+``step_phases`` returns the phases as lists of named calls so that R ranks emulated in one
+process (simulator, one GPU; ``mok_comm.emulation``) can run each phase on every rank before
+the barrier.
 """
 from __future__ import annotations
 
-import math
-import zlib
-from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
-from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import as_device_array, device_empty, device_full, upload
-from mok_core.grouped_gemm import GemmConfig, default_gemm, down, gate_up_swiglu
-from mok_core.schedule import Schedule
-from mok_core.schedule import build_schedule as _schedule_kernels
+from mok_core.cuda_compat import as_device_array
+from mok_core.gemm import launch_down, launch_gate_up_swiglu
+from mok_core.schedule import build_schedule
 
-from . import barrier as comm_barrier
-from . import combine as comm_combine
-from . import dispatch as comm_dispatch
-from . import routing
-from .heap import Heap
-from .workspace import Workspace, create_workspace  # noqa: F401  (Workspace: type)
+from . import combine, dispatch, routing
+from .barrier import barrier
+from .layer import ForwardContext, Layer, Weights
 
 
-@dataclass
-class LayerWorkspace:
-    """Everything one layer shape needs on one rank, allocated once from shapes.
-
-    comm: the symmetric ``Workspace``; schedule: this rank's ``Schedule``; device buffers:
-    ids32 [T, k], gather_index [C], hidden [C, I], y [C, H] (None when the combine is fused
-    into the down GEMM), shared_index [T_pad] (row -> token,
-    -1 past T), shared_offsets [2], shared_rows [1], hidden_shared [T_pad, I_s],
-    y_shared [T_pad, H], out [T, H] (the default output; overwritten by the next call).
-    """
-    shape: LayerShape
-    config: MoKConfig
-    gemm: GemmConfig              # gate/up GEMMs (routed and shared)
-    gemm_down: GemmConfig         # down GEMMs (``gemm`` unless given apart)
-    tokens_per_rank: int
-    comm: Workspace
-    schedule: Schedule
-    ids32: object
-    gather_index: object
-    hidden: object
-    y: object
-    shared_index: object
-    shared_offsets: object
-    shared_rows: object
-    hidden_shared: object
-    y_shared: object
-    out: object
-    fingerprint: object
-    fingerprint_table: object
-    peer_fingerprints: tuple
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    def check(self, stream=0) -> None:
-        """Raise ``MoKError`` for anything the last steps recorded on the device (syncs)."""
-        self.schedule.check(stream)
-        self.comm.check(stream)
+class StepInputs(NamedTuple):
+    """One step's checked device views of the caller's tensors."""
+    topk_ids: object          # int32 or int64 [T, k]
+    x: object                 # uint16 [T, H]
+    router_weights: object    # float32 [T, k]
+    out: object               # uint16 [T, H]
 
 
-class ForwardContext(NamedTuple):
-    """What the backward needs; views into the workspace, valid until the next forward."""
-    schedule: Schedule
-    gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
-    x_recv: object            # uint16 [R*T, H] token staging
-    hidden: object            # uint16 [C, I] routed SwiGLU output
-    hidden_shared: object     # uint16 [T_pad, I_s]
+def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInputs:
+    """Checked zero-copy views of a step's tensors (TypeError / ValueError naming the tensor)."""
+    ids = routing.check_ids(layer.comm, topk_ids)
+    x, router_weights = dispatch.check_x(layer.comm, x, router_weights)
+    T, H = layer.tokens_per_rank, layer.shape.hidden
+    return StepInputs(ids, x, router_weights,
+                      layer.out if out is None else as_device_array(out, "out", dtype=np.uint16,
+                                                                    shape=(T, H)))
 
 
-def _fingerprint(shape: LayerShape, T: int, config: MoKConfig, gemm: GemmConfig,
-                 gemm_down: GemmConfig) -> np.ndarray:
-    vals = [shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
-            shape.topk, shape.ep_size, T, config.row_align, config.minibatch_size,
-            config.macrobatch_size, int(config.capacity_factor * 1e6), gemm.bm, gemm.bn,
-            gemm.bk, _digest(config), _digest(gemm), _digest(gemm_down)]
-    return np.array(vals, np.int32)
-
-
-def _digest(cfg) -> int:
-    """Same value in every process (``hash`` of a dataclass with a str field is salted per
-    process, which made ranks 'disagree' on an identical GemmConfig)."""
-    return zlib.crc32(repr(cfg).encode()) & 0x7FFFFFFF
-
-
-def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
-    """The GEMM tiles ``get_workspace`` uses when given none: ``default_gemm`` for the mean
-    rows per local expert, R*T*k/E (uniform routing)."""
-    return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
-
-
-def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *, heap: Heap,
-                  gemm: GemmConfig | None = None, gemm_down: GemmConfig | None = None,
-                  verify: bool = True, stream=0) -> LayerWorkspace:
-    """Allocate the layer workspace on ``heap`` (collective on NVSHMEM: every rank calls it
-    with the same arguments). With ``verify`` (default) the ranks compare fingerprints of their
-    shapes and config on the device and a mismatch raises ``MoKError`` here -- the one host
-    sync of the layer, at setup. (Emulated heaps: call ``verify_ranks_agree`` per phase.)
-
-    ``gemm``: the tiles of the gate/up GEMMs (default ``layer_gemm``); ``gemm_down``: those of
-    the down GEMMs, when they differ (the two shapes favour different tiles: N = 2I, K = H
-    against N = H, K = I -- ``benchmarks/bench_ffn.py --sweep`` times them apart)."""
-    T = tokens_per_rank
-    gemm = gemm or layer_gemm(shape, tokens_per_rank)
-    gemm_down = gemm_down or gemm
-    if heap.ep_size != shape.ep_size:
-        raise ValueError(f"shape.ep_size={shape.ep_size} but the heap has {heap.ep_size} ranks")
-    H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
-    for g in {gemm, gemm_down}:
-        if config.row_align % g.row_unit:
-            raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
-                             f"{g.row_unit} for {g}")
-        if g.packed_weights:
-            raise ValueError("GemmConfig(packed_weights=True) is not supported by the layer "
-                             "yet: it passes the weights as given (plain [E, N, K]); the packed "
-                             "layout is for direct grouped_gemm calls on weights packed with "
-                             "mok_core.weight_pack.pack_weights")
-    # gate/up: K = H, N = I (bn/2 per SwiGLU tile); down: K = I, N = H
-    for name, n, tile, g in (("hidden", H, gemm.bk, gemm), ("hidden", H, gemm_down.bn, gemm_down),
-                             ("intermediate", I, gemm_down.bk, gemm_down),
-                             ("intermediate", I, gemm.bn // 2, gemm)):
-        if n % tile:
-            raise ValueError(f"{name}={n}: must be a multiple of {tile} for {g}")
-    if I_s and (I_s % gemm.bk or I_s % (gemm.bn // 2) or I_s % gemm_down.bk):
-        raise ValueError(f"shared_intermediate={I_s}: must be a multiple of {gemm.bk}, "
-                         f"{gemm.bn // 2} and {gemm_down.bk}")
-    comm = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=k,
-                            num_experts=shape.num_experts, config=config, stream=stream)
-    sched = Schedule.allocate(rank=heap.rank, ep_size=shape.ep_size, tokens_per_rank=T, topk=k,
-                              num_experts=shape.num_experts, config=config,
-                              capacity=comm.capacity, stream=stream)
-    C = comm.capacity
-    unit = math.lcm(gemm.bm, gemm_down.bm)            # the shared expert's rows, both GEMMs
-    T_pad = max(unit, -(-T // unit) * unit)
-    u16, i32 = np.uint16, np.int32
-    shared_index = np.where(np.arange(T_pad) < T, np.arange(T_pad), -1).astype(i32)
-    fp = _fingerprint(shape, T, config, gemm, gemm_down)
-    table, peer_tables = heap.alloc((shape.ep_size, fp.size), i32, -1)
-    lw = LayerWorkspace(
-        shape=shape, config=config, gemm=gemm, gemm_down=gemm_down, tokens_per_rank=T,
-        comm=comm, schedule=sched,
-        ids32=device_empty((T, k), i32, stream),
-        gather_index=device_full((C,), -1, i32, stream),
-        hidden=device_empty((C, I), u16, stream),
-        y=(None if _fused_combine(config, gemm_down) else device_empty((C, H), u16, stream)),
-        shared_index=upload(shared_index, stream),
-        shared_offsets=upload(np.array([0, T_pad], i32), stream),
-        shared_rows=upload(np.array([T_pad], i32), stream),
-        hidden_shared=device_empty((T_pad, max(I_s, 8)), u16, stream),
-        y_shared=device_empty((T_pad, H), u16, stream),
-        out=device_empty((T, H), u16, stream),
-        fingerprint=upload(fp, stream), fingerprint_table=table,
-        peer_fingerprints=tuple(p.reshape(p.size) for p in peer_tables),
-    )
-    heap.fence()                          # the fingerprint table's fill precedes peers' pushes
-    if verify:
-        push, compare = verify_ranks_agree(lw, stream)
-        push()
-        comm_barrier.barrier(comm, stream)
-        compare()
-        comm.check(stream)
-    return lw
-
-
-def verify_ranks_agree(lw: LayerWorkspace, stream=0):
-    """Two phases (barrier between): push our fingerprint, compare everyone's."""
-    def push():
-        routing.push_fingerprint(lw.comm, lw.fingerprint, lw.peer_fingerprints, stream)
-
-    def compare():
-        routing.compare_fingerprints(lw.comm, lw.fingerprint_table, stream)
-    return push, compare
-
-
-def schedule_phases(lw: LayerWorkspace, topk_ids, stream=0):
-    """[publish ids, build schedule] -- a barrier goes between them."""
-    return [_routing_allgather_step(lw, topk_ids, stream), _schedule_step(lw, stream)]
-
-
-def _routing_allgather_step(lw: LayerWorkspace, topk_ids, stream):
-    """Launch: this rank's ids (int64 cast to int32 into ``lw.ids32`` first) into row ``rank``
-    of every rank's ids table. Reads the caller's ``topk_ids``."""
-    T, k = lw.tokens_per_rank, lw.shape.topk
-    ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(T, k))
-    if np.dtype(ids.dtype) == np.int64:
-        def routing_allgather():
-            routing.ids_to_int32(ids, lw.ids32, stream)
-            routing.publish_ids(lw.comm, lw.ids32, stream)
-    elif np.dtype(ids.dtype) == np.int32:
-        def routing_allgather():
-            routing.publish_ids(lw.comm, ids, stream)
-    else:
-        raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
-    return routing_allgather
-
-
-def _schedule_step(lw: LayerWorkspace, stream):
-    """Launch: this rank's schedule from the (complete) ids table -- workspace only."""
-    def schedule():
-        _schedule_kernels(lw.schedule, lw.comm.ids_table, stream=stream)
-    return schedule
-
-
-def build_schedule(lw: LayerWorkspace, topk_ids, *, stream=0) -> Schedule:
-    """Routing all-gather + this rank's schedule (see ``mok_core.schedule``), on the device."""
-    for _, run in with_barriers(schedule_phases(lw, topk_ids, stream), lw.comm, stream):
-        run()
-    return lw.schedule
-
-
-class _Weights(NamedTuple):
-    """Checked device views of one rank's layer weights (shared ones None when I_s = 0)."""
-    sg: object
-    su: object
-    sd: object
-    wg: object
-    wu: object
-    wd: object
-    swiglu_limit: object
-
-
-def _check_config(config: MoKConfig, lw: LayerWorkspace):
-    if config != lw.config:
-        raise ValueError("config differs from the one the workspace was built with")
-
-
-def _check_x(lw: LayerWorkspace, x, router_weights):
-    T, H, k = lw.tokens_per_rank, lw.shape.hidden, lw.shape.topk
-    return (as_device_array(x, "x", dtype=np.uint16, shape=(T, H)),
-            as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k)))
-
-
-def _check_out(lw: LayerWorkspace, out):
-    T, H = lw.tokens_per_rank, lw.shape.hidden
-    return lw.out if out is None else as_device_array(out, "out", dtype=np.uint16, shape=(T, H))
-
-
-def _check_weights(lw: LayerWorkspace, w_shared_gate, w_shared_up, w_shared_down, w_gate,
-                   w_up, w_down, swiglu_limit) -> _Weights:
-    s = lw.shape
+def check_weights(layer: Layer, weights) -> Weights:
+    """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order); the shared
+    ones are None when the shape has no shared expert."""
+    s = layer.shape
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
-    u16 = np.uint16
-    wg = as_device_array(w_gate, "w_gate", dtype=u16, shape=(E_l, I, H))
-    wu = as_device_array(w_up, "w_up", dtype=u16, shape=(E_l, I, H))
-    wd = as_device_array(w_down, "w_down", dtype=u16, shape=(E_l, H, I))
-    sg = su = sd = None
-    if I_s:
-        sg = as_device_array(w_shared_gate, "w_shared_gate", dtype=u16, shape=(I_s, H))
-        su = as_device_array(w_shared_up, "w_shared_up", dtype=u16, shape=(I_s, H))
-        sd = as_device_array(w_shared_down, "w_shared_down", dtype=u16, shape=(H, I_s))
-    return _Weights(sg, su, sd, wg, wu, wd, swiglu_limit)
+    if len(weights) != 6:
+        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), got "
+                        f"{len(weights)}")
+    shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
+    return Weights(*(
+        None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
+        for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))))
 
 
-def check_swiglu_limit(swiglu_limit):
-    """ValueError unless ``swiglu_limit`` is None or a finite number > 0."""
-    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float))
-                                         and math.isfinite(swiglu_limit) and swiglu_limit > 0):
-        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
+# --- the phases' launches (named, so that traces and per-launch timers read them) --------------
+
+def publish_ids(layer: Layer, ids, stream):
+    """This rank's ids (int64 narrowed to int32 first) into row ``rank`` of every ids table."""
+    if np.dtype(ids.dtype) == np.int64:
+        routing.ids_to_int32(ids, layer.ids32, stream)
+        ids = layer.ids32
+    routing.publish_ids(layer.comm, ids, stream)
 
 
-def _publish_x_step(lw: LayerWorkspace, x, w, stream):
-    """Launch: x -> this rank's slice of the staging buffer (``lw.comm.x_buf``) + NaN/Inf check
-    of x and the router weights. Reads the caller's ``x`` and ``router_weights``."""
-    def publish_x():
-        comm_dispatch.publish_x(lw.comm, x, w, stream)
-    return publish_x
+def publish_x(layer: Layer, x, router_weights, stream):
+    dispatch.publish_x(layer.comm, x, router_weights, stream)
 
 
-def _shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
-    """Launches of the shared expert FFN on the [T, H] token rows ``x`` -> ``lw.y_shared``
-    (none when I_s = 0). ``x`` is the caller's input (eager forward) or ``lw.comm.x_buf``, the
-    published copy of it (the step): the same bits either way."""
-    H, I_s = lw.shape.hidden, lw.shape.shared_intermediate
-    if not I_s:
-        return []
-
-    def shared_gate_up():
-        gate_up_swiglu(x, lw.shared_index, W.sg.reshape((1, I_s, H)), W.su.reshape((1, I_s, H)),
-                       lw.shared_offsets, lw.shared_rows, lw.hidden_shared,
-                       swiglu_limit=W.swiglu_limit, config=lw.gemm, stream=stream)
-
-    def shared_down():
-        down(lw.hidden_shared, W.sd.reshape((1, H, I_s)), lw.shared_offsets, lw.shared_rows,
-             lw.y_shared, row_index=lw.shared_index, config=lw.gemm_down, stream=stream)
-    return [shared_gate_up, shared_down]
+def schedule(layer: Layer, stream):
+    build_schedule(layer.schedule, layer.comm.ids_table, stream=stream)
 
 
-def _fused_combine(config: MoKConfig, gemm: GemmConfig) -> bool:
-    return config.fuse_combine and gemm.mma != "mma_sync"
+def shared_gate_up(layer: Layer, W: Weights, stream):
+    """The shared expert's gate/up + SwiGLU on this rank's tokens, read from ``x_buf``."""
+    H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
+    launch_gate_up_swiglu(layer.comm.x_buf, layer.shared_index, W.w_shared_gate.reshape((1, I_s, H)),
+                          W.w_shared_up.reshape((1, I_s, H)), layer.shared_offsets,
+                          layer.shared_rows, layer.hidden_shared,
+                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream)
 
 
-def _routed_steps(lw: LayerWorkspace, schedule: Schedule, W: _Weights, stream):
-    """Launches from dispatch to combine: workspace and weights only, no caller input. With
-    ``config.fuse_combine`` and a wgmma GEMM the down GEMM's epilogue pushes the rows home
-    itself (no y, no combine launch)."""
-    g, gd = lw.gemm, lw.gemm_down
-    fused = _fused_combine(lw.config, gd)
-
-    def dispatch():
-        if lw.config.dispatch == "split":     # the copy engine started before the shared FFN
-            comm_dispatch.split_finish(lw.comm, schedule, stream, lw.config.dispatch_ce_share)
-        else:
-            comm_dispatch.pull(lw.comm, schedule, stream)
-        comm_dispatch.gather_index(lw.comm, schedule, lw.gather_index, stream)
-
-    def routed_gate_up():
-        gate_up_swiglu(lw.comm.x_recv, lw.gather_index, W.wg, W.wu, schedule.expert_offsets,
-                       schedule.num_rows, lw.hidden, swiglu_limit=W.swiglu_limit, config=g,
-                       stream=stream)
-
-    def routed_down():
-        down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, lw.y,
-             row_index=lw.gather_index, config=gd, stream=stream)
-
-    def combine():
-        comm_combine.combine(lw.comm, schedule, lw.y, stream)
-
-    def routed_down_push():
-        down(lw.hidden, W.wd, schedule.expert_offsets, schedule.num_rows, None,
-             row_index=lw.gather_index, push=(schedule.src_rank, schedule.src_token,
-                                              schedule.src_slot, lw.comm.peer_combine,
-                                              lw.shape.topk), config=gd, stream=stream)
-    if fused:
-        return [dispatch, routed_gate_up, routed_down_push]
-    return [dispatch, routed_gate_up, routed_down, combine]
+def shared_down(layer: Layer, W: Weights, stream):
+    H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
+    launch_down(layer.hidden_shared, W.w_shared_down.reshape((1, H, I_s)), layer.shared_offsets,
+                layer.shared_rows, layer.y_shared, row_index=layer.shared_index,
+                config=layer.gemm_down, stream=stream)
 
 
-def _dispatch_phase(lw: LayerWorkspace, schedule: Schedule, W: _Weights, shared_x, stream):
-    """The phase after the barrier that follows the x publish: dispatch .. combine. With
-    ``config.dispatch == "split"`` the copy engine's half of the dispatch starts first and the
-    shared expert FFN (on ``shared_x``) runs on the SMs while it copies -- the copy engine
-    needs none; otherwise the shared FFN sits in the phase before (``_early_shared_steps``)."""
-    steps = _routed_steps(lw, schedule, W, stream)
-    if lw.config.dispatch != "split":
-        return _phase(*steps)
-
-    def dispatch_split_start():
-        comm_dispatch.split_start(lw.comm, stream, lw.config.dispatch_ce_share)
-    return _phase(dispatch_split_start, *_shared_steps(lw, shared_x, W, stream), *steps)
+def split_start(layer: Layer, stream):
+    dispatch.split_start(layer.comm, stream, layer.config.dispatch_ce_share)
 
 
-def _early_shared_steps(lw: LayerWorkspace, x, W: _Weights, stream):
-    """The shared expert FFN in the phase before the dispatch's (see ``_dispatch_phase``)."""
-    return [] if lw.config.dispatch == "split" else _shared_steps(lw, x, W, stream)
+def pull(layer: Layer, stream):
+    """The SM pull of the needed tokens (``"split"``: of those the copy engine does not move,
+    joining its side stream), then the GEMMs' gather index."""
+    if layer.config.dispatch == "split":
+        dispatch.split_finish(layer.comm, layer.schedule, stream, layer.config.dispatch_ce_share)
+    else:
+        dispatch.pull(layer.comm, layer.schedule, stream)
+    dispatch.gather_index(layer.comm, layer.schedule, layer.gather_index, stream)
 
 
-def _epilogue_step(lw: LayerWorkspace, w, out, stream):
-    """Launch: out = y_shared + sum_j w_j y_j. Reads the caller's ``router_weights``."""
-    T = lw.tokens_per_rank
-    y_shared = lw.y_shared[:T] if lw.shape.shared_intermediate else None
-
-    def epilogue():
-        comm_combine.epilogue(lw.comm, w, out, y_shared, stream)
-    return epilogue
+def routed_gate_up(layer: Layer, W: Weights, stream):
+    s = layer.schedule
+    launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
+                          s.expert_offsets, s.num_rows, layer.hidden,
+                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream)
 
 
-def forward_phases(config: MoKConfig, lw: LayerWorkspace, schedule: Schedule, x, router_weights,
-                   w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                   swiglu_limit=None, out=None, stream=0):
-    """Validate every input, then return the forward's three phases (barriers between) and the
-    output array. Nothing is launched before all inputs have passed their checks."""
-    _check_config(config, lw)
-    if schedule is not lw.schedule:
-        raise ValueError("schedule was not built on this workspace (use build_schedule(lw, ...))")
-    x, w = _check_x(lw, x, router_weights)
-    W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                       swiglu_limit)
-    out = _check_out(lw, out)
-    check_swiglu_limit(swiglu_limit)
-    phase0 = _phase(_publish_x_step(lw, x, w, stream), *_early_shared_steps(lw, x, W, stream))
-    phase1 = _dispatch_phase(lw, schedule, W, x, stream)
-    phase2 = _phase(_epilogue_step(lw, w, out, stream))
-    return [phase0, phase1, phase2], out
+def routed_down_push(layer: Layer, W: Weights, stream):
+    """down with the combine fused: each row goes home from the GEMM's epilogue."""
+    s = layer.schedule
+    launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, None,
+                row_index=layer.gather_index,
+                push=(s.src_rank, s.src_token, s.src_slot, layer.comm.peer_combine,
+                      layer.shape.topk), config=layer.gemm_down, stream=stream)
 
 
-# --- the whole step (schedule + forward) split for CUDA-graph capture -------------------------
-
-def step_io(lw: LayerWorkspace, topk_ids, x, router_weights, out=None, stream=0):
-    """The launches of a step that read the caller's per-step tensors, checked:
-    ``(prologue, epilogue, out)``.
-
-    prologue: routing all-gather (ids -> every rank's ids table) + ``publish_x`` (x -> this
-    rank's staging slice ``lw.comm.x_buf``, NaN/Inf check of x and router weights).
-    epilogue: out = y_shared + sum_j w_j y_j (reads router_weights, writes ``out``).
-    Everything between them (``step_core_phases``) reads only the workspace and the weights,
-    so it can be captured once in a CUDA graph and replayed with new x / ids / weights
-    tensors every step."""
-    prologue_ids = _routing_allgather_step(lw, topk_ids, stream)
-    x, w = _check_x(lw, x, router_weights)
-    out = _check_out(lw, out)
-    return _phase(prologue_ids, _publish_x_step(lw, x, w, stream)), \
-        _phase(_epilogue_step(lw, w, out, stream)), out
+def routed_down(layer: Layer, W: Weights, stream):
+    s = layer.schedule
+    launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, layer.y,
+                row_index=layer.gather_index, config=layer.gemm_down, stream=stream)
 
 
-def step_core_phases(config: MoKConfig, lw: LayerWorkspace, w_shared_gate, w_shared_up,
-                     w_shared_down, w_gate, w_up, w_down, swiglu_limit=None, stream=0):
-    """The step between prologue and epilogue as two phases (a barrier before, between and
-    after them, see ``run_step_core``): [schedule, shared FFN on ``lw.comm.x_buf``] and
-    [dispatch, gather index, routed gate/up, routed down, combine] (``dispatch="split"``: the
-    shared FFN in the second, after the copy engine's start). No caller input is read:
-    the shared expert takes its tokens from this rank's staging slice, which ``publish_x``
-    (prologue) filled with the same bits. Weights are checked here."""
-    _check_config(config, lw)
-    W = _check_weights(lw, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                       swiglu_limit)
-    check_swiglu_limit(swiglu_limit)
-    x_buf = lw.comm.x_buf
-    return [_phase(_schedule_step(lw, stream), *_early_shared_steps(lw, x_buf, W, stream)),
-            _dispatch_phase(lw, lw.schedule, W, x_buf, stream)]
+def combine_rows(layer: Layer, stream):
+    combine.combine(layer.comm, layer.schedule, layer.y, stream)
 
 
-def run_step_core(core_phases, comm, stream=0):
-    """barrier, core phase 0, barrier, core phase 1, barrier (what a step's graph holds)."""
-    comm_barrier.barrier(comm, stream)
-    for _, run in with_barriers(core_phases, comm, stream):
-        run()
-    comm_barrier.barrier(comm, stream)
+def epilogue(layer: Layer, router_weights, out, stream):
+    T = layer.tokens_per_rank
+    y_shared = layer.y_shared[:T] if layer.shape.shared_intermediate else None
+    combine.epilogue(layer.comm, router_weights, out, y_shared, stream)
 
 
-def step_phases(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weights,
-                w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                swiglu_limit=None, out=None, stream=0):
-    """The whole step (``build_schedule`` + ``forward``) in the order of the graphed fast path,
-    as four phases with a barrier between consecutive ones, and the output array:
+# --- phases -------------------------------------------------------------------------------------
 
-        [publish ids, publish x] | [schedule, shared FFN (from x_buf)] |
-        [dispatch .. combine] | [epilogue]
-
-    (``dispatch="split"``: the shared FFN in the dispatch phase, after the copy engine starts.)
-
-    Same kernels, same data and the same three barriers as ``build_schedule`` + ``forward``;
-    only ``publish_x`` moves before the first barrier (safe: see ``mok_torch.graphed``). The
-    output equals ``forward``'s bit for bit. Everything is checked before anything launches."""
-    prologue, epilogue, out = step_io(lw, topk_ids, x, router_weights, out, stream)
-    core = step_core_phases(config, lw, w_shared_gate, w_shared_up, w_shared_down, w_gate,
-                            w_up, w_down, swiglu_limit, stream)
-    return [prologue, *core, epilogue], out
+def io_phases(layer: Layer, inputs: StepInputs, stream=0):
+    """(phase 0, phase 3): the launches that read the caller's tensors."""
+    p0 = [partial(publish_ids, layer, inputs.topk_ids, stream),
+          partial(publish_x, layer, inputs.x, inputs.router_weights, stream)]
+    p3 = [partial(epilogue, layer, inputs.router_weights, inputs.out, stream)]
+    return p0, p3
 
 
-def step(config: MoKConfig, lw: LayerWorkspace, topk_ids, x, router_weights, w_shared_gate,
-         w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit=None, *, out=None,
-         stream=0):
-    """``build_schedule`` + ``forward`` in one call, every input checked before the first
-    launch (``step_phases``; at EP > 1 a rank that refuses its inputs launches nothing, so no
-    peer is left waiting at a barrier it would have reached). Returns ``out`` (uint16 [T, H]),
-    bit for bit ``forward``'s; no ``ForwardContext`` (what the framework ops use)."""
-    phases, out = step_phases(config, lw, topk_ids, x, router_weights, w_shared_gate,
-                              w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit,
-                              out, stream)
-    for _, run in with_barriers(phases, lw.comm, stream):
-        run()
-    return out
+def core_phases(layer: Layer, W: Weights, stream=0):
+    """[phase 1, phase 2]: the launches that read only the layer's buffers and ``W``."""
+    shared = []
+    if layer.shape.shared_intermediate:
+        shared = [partial(shared_gate_up, layer, W, stream), partial(shared_down, layer, W, stream)]
+    split = layer.config.dispatch == "split"
+    p1 = [partial(schedule, layer, stream)] + ([] if split else shared)
+    p2 = ([partial(split_start, layer, stream)] + shared if split else [])
+    p2 += [partial(pull, layer, stream), partial(routed_gate_up, layer, W, stream)]
+    if layer.fused_combine:
+        p2.append(partial(routed_down_push, layer, W, stream))
+    else:
+        p2 += [partial(routed_down, layer, W, stream), partial(combine_rows, layer, stream)]
+    return [p1, p2]
 
 
-def with_barriers(phases, comm, stream=0):
-    """(name, launch) of every launch group of ``phases`` in order (a phase's own ``.steps``
-    when it has them), with the cross-rank barrier on ``comm`` between consecutive phases --
-    how ``build_schedule`` and ``forward`` run, and what a per-step timer walks."""
-    def barrier():
-        comm_barrier.barrier(comm, stream)
+def step_phases(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, stream=0):
+    """Every input checked, then ``([phase 0, 1, 2, 3], out)``: each phase a list of calls."""
+    inputs = check_inputs(layer, x, topk_ids, router_weights, out)
+    W = check_weights(layer, weights)
+    p0, p3 = io_phases(layer, inputs, stream)
+    return [p0, *core_phases(layer, W, stream), p3], inputs.out
+
+
+def run_phases(phases, layer: Layer, stream=0) -> None:
+    """Run the phases in order with the cross-rank barrier between consecutive ones."""
     for i, phase in enumerate(phases):
         if i:
-            yield "barrier", barrier
-        for step in getattr(phase, "steps", (phase,)):
-            yield step.__name__, step
+            barrier(layer.comm, stream)
+        for call in phase:
+            call()
 
 
-def _phase(*steps):
-    """A phase = its launches in order; ``.steps`` exposes them one by one (per-step timing)."""
-    def run():
-        for step in steps:
-            step()
-    run.steps = steps
-    return run
+def run_core(core, layer: Layer, stream=0) -> None:
+    """barrier, phase 1, barrier, phase 2, barrier: what a graphed step captures."""
+    barrier(layer.comm, stream)
+    run_phases(core, layer, stream)
+    barrier(layer.comm, stream)
 
 
-def forward(config: MoKConfig, workspace: LayerWorkspace, schedule: Schedule, x, router_weights,
-            w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down,
-            swiglu_limit=None, *, out=None, stream=0):
-    """The MoE layer forward on this rank (see the module docstring for shapes).
+def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, stream=0):
+    """One step of the MoE layer on this rank (shapes: module docstring).
 
     Returns:
-        (out uint16 [T, H], ForwardContext). ``out`` defaults to the workspace's output buffer
-        (overwritten by the next call); pass ``out=`` to keep results.
+        (out uint16 [T, H], ForwardContext). ``out`` defaults to ``layer.out`` (overwritten by
+        the next step); pass ``out=`` to keep results.
     Raises:
-        TypeError / ValueError for a wrong dtype, shape or device -- before any launch.
-        Device-side problems (bad expert ids, capacity overflow, NaN/Inf input, a peer that
-        never arrives) are recorded in the error words; ``workspace.check()`` raises them.
+        TypeError / ValueError for a wrong dtype, shape or device, before any launch (at EP > 1
+        a rank that refuses its inputs launches nothing, so no peer waits at a barrier it
+        would have reached). Device-side problems (bad expert ids, capacity overflow, NaN/Inf
+        input, a peer that never arrives) go to the error words; ``layer.check()`` raises them.
     """
-    phases, out = forward_phases(config, workspace, schedule, x, router_weights, w_shared_gate,
-                                 w_shared_up, w_shared_down, w_gate, w_up, w_down,
-                                 swiglu_limit, out, stream)
-    for _, run in with_barriers(phases, workspace.comm, stream):
-        run()
-    return out, _context(workspace, schedule)
+    phases, out = step_phases(layer, x, topk_ids, router_weights, weights, out=out,
+                              stream=stream)
+    run_phases(phases, layer, stream)
+    return out, layer.context()
 
 
-def _context(lw: LayerWorkspace, schedule: Schedule) -> ForwardContext:
-    return ForwardContext(schedule, lw.gather_index, lw.comm.x_recv, lw.hidden,
-                          lw.hidden_shared)
-
-
-def context_of(lw: LayerWorkspace) -> ForwardContext:
-    """The forward context of the last forward run on ``lw``."""
-    return _context(lw, lw.schedule)
-
-
-__all__ = ["ForwardContext", "LayerWorkspace", "build_schedule", "context_of", "forward",
-           "forward_phases", "get_workspace", "layer_gemm", "run_step_core",
-           "schedule_phases", "step_core_phases", "step_io", "step_phases",
-           "verify_ranks_agree", "with_barriers"]
+__all__ = ["StepInputs", "check_inputs", "check_weights", "core_phases", "forward", "io_phases",
+           "run_core", "run_phases", "step_phases"]

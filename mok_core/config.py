@@ -1,11 +1,11 @@
 """Layer shapes and the one tuning config, each validated in one place.
 
 ``LayerShape`` is *what* the layer computes (model dimensions and expert-parallel size);
-``MoKConfig`` is *how* it runs (comm SMs, overlap granularity, ring size, capacity, alignment,
+``MoKConfig`` is *how* it runs (capacity, alignment, readiness granularity, dispatch mode,
 spin-wait bound). Both are frozen dataclasses; ``__post_init__`` rejects bad values with a
 ``ValueError`` that names the field and the rule it broke.
 
-Sizes derived from them (schedule capacity, ring rows) are functions of shapes only -- never of
+Sizes derived from them (the schedule capacity) are functions of shapes only -- never of
 routing data -- so the host never needs to read token counts back from the GPU.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class LayerShape:
         return 6.0 * tokens * self.hidden * self.shared_intermediate
 
 
-# Model families from DESIGN.md section 10 (shared expert as wide as a routed expert, as MoK
+# Model families from MoK's design card (shared expert as wide as a routed expert, as MoK
 # requires), plus DeepSeek-V3.
 PRESETS: dict[str, LayerShape] = {
     "kimi-k2.7": LayerShape(hidden=7168, intermediate=2048, shared_intermediate=2048,
@@ -111,12 +111,8 @@ class MoKConfig:
     """How the layer runs. Every field is checked here and nowhere else.
 
     Attributes:
-        fwd_num_comm_sms / bwd_num_comm_sms: blocks given to communication (pull dispatch,
-            push combine) in forward / backward; the rest compute.
-        minibatch_size: rows per overlap unit -- dispatch completion and GEMM readiness are
-            tracked per minibatch of expert-sorted rows. Multiple of ``row_align``.
-        macrobatch_size: rows of the routed-token ring (all per-row intermediates are sized by
-            it). Multiple of ``minibatch_size``.
+        minibatch_size: rows per readiness unit: the dispatch counts the rows it has staged per
+            minibatch of expert-sorted rows (the ``ready`` counters). Multiple of ``row_align``.
         capacity_factor: worst-case fraction of *all* routes (all ranks) that may land on one
             rank; 1.0 can never overflow. Capacity = ceil(min(R, max(2, R*cf)) * T*k) rows plus
             alignment padding (at least twice the average load, as MoK does). Overflow is an
@@ -128,22 +124,17 @@ class MoKConfig:
         fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma GEMMs)
             instead of writing y and running the combine kernel after it; same bits. The
             mma.sync GEMM always combines separately.
-        dispatch: how tokens reach the experts' ranks. "pull" -- this rank's SMs read the
-            rows it needs from the peers (``mok_comm.dispatch.pull``); "split" (the default)
-            -- the copy engine pulls each peer's first ``dispatch_ce_share`` of tokens (needed
-            or not) while this rank's SMs pull the rows needed among the rest
-            (``mok_comm.dispatch.split_start`` / ``split_finish``), and the shared expert FFN
-            runs on the SMs while the copy engine copies. Same ``ready`` counts, same output
-            bits; the split comes closer to the copy engine's rate than SM reads alone (see
-            docs/perf.md).
+        dispatch: how tokens reach the experts' ranks. "split" (default) -- the copy engine
+            pulls each peer's first ``dispatch_ce_share`` of tokens (needed or not) on a side
+            stream while the shared expert FFN runs on the SMs, then the SMs pull the needed
+            rows among the rest; "pull" -- the SMs pull exactly the needed rows. Same staging
+            rows, same ``ready`` counts, same output bits (docs/perf.md: why split is the
+            default at EP 2).
         dispatch_ce_share: with ``dispatch="split"``, the share in [0, 1] of each peer's
-            tokens the copy engine moves (1.0: all; it also moves the tokens no local expert
-            needs, few at small EP and more at larger EP: lower it there).
+            tokens the copy engine moves. It copies every token in that range, so at larger EP
+            (fewer of a peer's tokens needed here) a lower share wastes less NVLink traffic.
     """
-    fwd_num_comm_sms: int = 24
-    bwd_num_comm_sms: int = 24
     minibatch_size: int = 4096
-    macrobatch_size: int = 131072
     capacity_factor: float = 0.5
     row_align: int = 64
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
@@ -152,9 +143,6 @@ class MoKConfig:
     dispatch_ce_share: float = 1.0
 
     def __post_init__(self):
-        for f in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
-            v = getattr(self, f)
-            _require(_is_int(v) and 1 <= v <= 1024, f, "must be an int in [1, 1024]", v)
         _require(_is_int(self.row_align) and _is_pow2(self.row_align)
                  and self.row_align <= 1024, "row_align", "must be a power of two <= 1024",
                  self.row_align)
@@ -162,10 +150,6 @@ class MoKConfig:
                  and self.minibatch_size % self.row_align == 0, "minibatch_size",
                  f"must be a positive multiple of row_align={self.row_align}",
                  self.minibatch_size)
-        _require(_is_int(self.macrobatch_size) and self.macrobatch_size > 0
-                 and self.macrobatch_size % self.minibatch_size == 0, "macrobatch_size",
-                 f"must be a positive multiple of minibatch_size={self.minibatch_size}",
-                 self.macrobatch_size)
         cf = self.capacity_factor
         _require(isinstance(cf, (int, float)) and not isinstance(cf, bool)
                  and math.isfinite(cf) and 0.0 < cf <= 1.0, "capacity_factor",

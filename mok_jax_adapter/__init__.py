@@ -1,13 +1,11 @@
-"""JAX adapter: the MoE layer forward on ``jax.Array``s, zero-copy, inside ``jax.jit``.
+"""JAX adapter: the MoE layer on ``jax.Array``s, zero-copy, inside ``jax.jit``.
 
-    lw = mok_jax_adapter.get_workspace(shape, tokens_per_rank, config)
-    out = jax.jit(lambda *a: mok_jax_adapter.forward(config, lw, *a))(
-        x, topk_ids, router_weights, w_shared_gate, w_shared_up, w_shared_down,
-        w_gate, w_up, w_down)
+    layer = mok_jax_adapter.Layer(shape, tokens_per_rank, config)
+    out = jax.jit(layer)(x, topk_ids, router_weights, mok_jax_adapter.Weights(...))
 
 One ``jax.experimental.buffer_callback`` per step runs the layer's kernels on XLA's stream over
-XLA's own buffers (``functional``'s docstring: the contract and the limits -- no autodiff yet).
+XLA's own buffers (``layer``'s docstring: the contract and the limits -- no autodiff yet).
 """
-from .functional import check, forward, get_workspace
+from .layer import Layer, Weights
 
-__all__ = ["check", "forward", "get_workspace"]
+__all__ = ["Layer", "Weights"]

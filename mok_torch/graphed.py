@@ -1,24 +1,21 @@
 """The layer step as a CUDA graph with fresh inputs every call: MoK-Py's fast path.
 
-    step = mok_torch.compile_step(config, lw, w_shared_gate, w_shared_up, w_shared_down,
-                                  w_gate, w_up, w_down, swiglu_limit=None)
+    step = layer.compile(weights)                 # mok_torch.Layer, Weights of this rank
     out = step(x, topk_ids, router_weights)       # each training step, NEW tensors are fine
 
-``out`` equals ``build_schedule`` + ``forward``'s output bit for bit (same kernels, same data).
-The eager pair issues ~22 Numba launches per step and is host-bound (Python launch overhead
-exceeds the GPU time at training sizes); here most of them are one graph replay.
+``out`` equals the eager step's bit for bit: the same phases of ``mok_comm.functional`` in the
+same order. The eager step issues a few dozen Numba launches and is host-bound at training
+sizes; here most of them are one graph replay.
 
 What runs how (all on torch's current stream, nothing waits for the host):
 
-    eager prologue   routing all-gather (int64 ids -> int32 first) + publish_x: x -> this
-                     rank's slice of the symmetric staging buffer (``lw.comm.x_buf``) and the
-                     NaN/Inf check of x and router_weights. Reads the caller's x / ids / weights.
-    graph (captured  barrier | schedule, shared gate/up + down reading ``x_buf`` (not the
-      once)          caller's x) | barrier | dispatch, gather index, routed gate/up, routed down,
-                     combine | barrier. Reads only the workspace and the layer weights.
-                     (``dispatch="split"``: the shared FFN after the barrier, beside the
-                     copy engine's half of the dispatch.)
-    eager epilogue   out = y_shared + sum_j w_j y_j into a fresh bf16 [T, H] tensor; reads the
+    eager phase 0    routing all-gather (int64 ids -> int32 first) + publish_x: x -> this
+                     rank's slice of the symmetric staging buffer (``x_buf``) and the NaN/Inf
+                     check of x and router_weights. Reads the caller's x / ids / weights.
+    graph (captured  barrier | phase 1 | barrier | phase 2 | barrier (``functional.run_core``):
+      once)          schedule, shared expert FFN on ``x_buf``, dispatch, routed FFN, combine.
+                     Reads only the layer's buffers and the weights.
+    eager phase 3    out = y_shared + sum_j w_j y_j into a fresh bf16 [T, H] tensor; reads the
                      caller's router_weights.
 
 So the graph holds no pointer to x, topk_ids or router_weights: callers pass new tensors every
@@ -27,26 +24,15 @@ step. It does hold the workspace's buffers and the weight pointers. Weights upda
 given to ``set_weights``, or ``param.data = other`` on a tensor this step holds -- it keeps the
 caller's tensor objects, not detached copies) is caught by a per-call comparison of every
 weight's (data_ptr, shape, stride, dtype, device): the next call runs the core eagerly and
-captures it again. The graph is tied to ``lw``: do not use the step after ``lw.comm.free()``.
+captures it again. The graph is tied to the layer: do not use the step after ``layer.comm.free()``.
 
 First call (and after a recapture): the core runs eagerly -- that step's result, and the warm-up
 that makes Numba compile and load every kernel outside the capture -- and then the core is
 captured (``torch.cuda.graph``: a device synchronisation and ``empty_cache`` at that point
 only). Capturing launches nothing, so a rank that recaptures while others replay is fine.
 
-Why ``publish_x`` may run before the first barrier (eager ``forward`` runs it after the
-schedule barrier). Readers of this rank's ``x_buf``: (a) peers' dispatch of the same step, which
-starts after barrier 2 -- we published before barrier 1, so even earlier than eager does;
-(b) our own shared FFN and routed gate/up (local tokens are read in place from ``x_buf``) --
-same stream, before our barrier 3. The one new risk is write-after-read across steps: our
-publish_x of step N+1 overwriting tokens a peer is still pulling for step N. It cannot: a
-peer's dispatch of step N is stream-ordered before its arrival at barrier 3 of step N; we pass
-our barrier 3 of step N only after every peer has arrived there, and our publish_x of step N+1
-comes after that barrier on our stream (then epilogue N, then prologue N+1). The routing publish
-is first in both orders, so its argument is the eager one. The step keeps the eager path's
-three barriers (the middle one is not needed for data in this order, but keeping it makes eager
-steps, graph replays and plain ``forward`` interchangeable step by step and rank by rank: in
-each pairing every x is published before barrier 2 and overwritten only after barrier 3).
+Why phase 0 may publish x before the first barrier, and why the graph keeps three barriers:
+``mok_comm.functional``'s docstring (the ordering duties of each barrier).
 
 Under the CUDA simulator there are no CUDA graphs: the same pieces run eagerly in the same order
 (the core's launches are built once per weight set, like a capture, so CI exercises the
@@ -57,29 +43,17 @@ from __future__ import annotations
 import torch
 
 from mok_comm import functional as F
-from mok_core.config import MoKConfig
-from mok_core.cuda_compat import SIM, as_device_array
+from mok_core.cuda_compat import SIM
 
-from .functional import _bits, _check, _ids, _stream
-
-_WEIGHT_NAMES = ("w_shared_gate", "w_shared_up", "w_shared_down", "w_gate", "w_up", "w_down")
+from .layer import Layer, Weights, current_stream, tensor_view, weight_views
 
 
-def compile_step(config: MoKConfig, lw: F.LayerWorkspace, w_shared_gate, w_shared_up,
-                 w_shared_down, w_gate, w_up, w_down, swiglu_limit=None) -> "LayerStep":
-    """A ``LayerStep`` for this rank's weights (shapes and dtypes as in ``mok_torch.forward``;
-    the shared ones may be None when the shape has no shared expert). Checks everything now;
-    the graph is captured on the first call."""
-    return LayerStep(config, lw, (w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up,
-                                  w_down), swiglu_limit)
-
-
-class LayerStep:
+class CompiledStep:
     """``step(x, topk_ids, router_weights) -> out`` (also callable directly); see the module
     docstring. ``captures`` counts (re)builds of the core (graph captures on a GPU)."""
 
-    def __init__(self, config: MoKConfig, lw: F.LayerWorkspace, weights, swiglu_limit=None):
-        self.config, self.lw, self.swiglu_limit = config, lw, swiglu_limit
+    def __init__(self, layer: Layer, weights):
+        self.layer = layer
         self._weights = list(weights)
         self._sig = None          # weight signature the current core / graph was built for
         self._views = None
@@ -87,19 +61,15 @@ class LayerStep:
         self._core = None         # simulator: the core's launches, built once per weight set
         self._retired = None      # replaced graph + weight views, kept until the next capture
         self.captures = 0
-        self._prepare()           # fail fast on bad weights, config or limit
+        self._prepare()           # fail fast on bad weights
 
     def set_weights(self, **weights) -> None:
         """Replace some weights (by name: w_shared_gate ... w_down); the next call recaptures."""
         for name, t in weights.items():
-            if name not in _WEIGHT_NAMES:
+            if name not in Weights._fields:
                 raise TypeError(f"set_weights: unknown weight {name!r}")
-            self._weights[_WEIGHT_NAMES.index(name)] = t
+            self._weights[Weights._fields.index(name)] = t
         self._prepare()
-
-    def context(self) -> F.ForwardContext:
-        """The forward context of the last step (views into the workspace)."""
-        return F.context_of(self.lw)
 
     def _signature(self):
         return tuple(None if t is None else
@@ -107,13 +77,10 @@ class LayerStep:
                      for t in self._weights)
 
     def _prepare(self) -> None:
-        """Check the weights and take uint16 views of them; drop the graph (rebuilt lazily)."""
-        has_shared = bool(self.lw.shape.shared_intermediate)
-        # numba views now, outside any capture (they keep the tensors' storage alive as long
-        # as the graph that bakes their pointers)
-        views = [(as_device_array(_bits(t, n), n) if (has_shared or i >= 3) else None)
-                 for i, (t, n) in enumerate(zip(self._weights, _WEIGHT_NAMES))]
-        self._core_phases(views, 0)   # shapes, config, swiglu_limit: checked, nothing launched
+        """Check the weights and take device views of them; drop the graph (rebuilt lazily).
+        The views are taken now, outside any capture: they keep the tensors' storage alive as
+        long as the graph that bakes their pointers."""
+        views = F.check_weights(self.layer, weight_views(self.layer, self._weights))
         if self._graph is not None:
             # replays of the old graph may still run and read the old weights: keep both
             # alive until the next capture (torch.cuda.graph synchronises the device first)
@@ -121,14 +88,11 @@ class LayerStep:
         self._views, self._sig = views, self._signature()
         self._graph = self._core = None
 
-    def _core_phases(self, views, stream):
-        return F.step_core_phases(self.config, self.lw, *views, self.swiglu_limit, stream)
-
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            s = _stream()                                   # the capture stream
-            F.run_step_core(self._core_phases(self._views, s), self.lw.comm, s)
+            s = current_stream()                            # the capture stream
+            F.run_core(F.core_phases(self.layer, self._views, s), self.layer, s)
         self._graph, self._retired = graph, None
         self.captures += 1
 
@@ -136,35 +100,37 @@ class LayerStep:
              router_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int64/int32 (-1 = masked), router_weights [T, k] f32
         -> out [T, H] bf16, a fresh tensor. Everything is checked before anything launches."""
-        lw = self.lw
-        s = _stream()
-        ids = _ids(topk_ids)
-        xb = _bits(x, "x")
-        w = _check(router_weights, "router_weights", torch.float32)
-        out = torch.empty((lw.tokens_per_rank, lw.shape.hidden), dtype=torch.bfloat16,
+        layer = self.layer
+        s = current_stream()
+        xb = tensor_view(x, "x")
+        out = torch.empty((layer.tokens_per_rank, layer.shape.hidden), dtype=torch.bfloat16,
                           device=xb.device)
-        prologue, epilogue, _ = F.step_io(lw, ids, xb, w, out.view(torch.uint16), s)
+        inputs = F.check_inputs(layer, xb, tensor_view(topk_ids, "topk_ids",
+                                                       (torch.int64, torch.int32)),
+                                tensor_view(router_weights, "router_weights", (torch.float32,)),
+                                out.view(torch.uint16))
         if self._signature() != self._sig:                 # a weight tensor was replaced
             self._prepare()
-        prologue()
+        publish, epilogue = F.io_phases(layer, inputs, s)
+        F.run_phases([publish], layer, s)
         if SIM:
             if self._core is None:
-                self._core = self._core_phases(self._views, s)
+                self._core = F.core_phases(layer, self._views, s)
                 self.captures += 1
-            F.run_step_core(self._core, lw.comm, s)
-            epilogue()
+            F.run_core(self._core, layer, s)
         elif self._graph is None:
             # Eager core: this step's result and the warm-up (Numba compiles and loads modules
             # here, never during the capture); then capture the core for the next calls.
-            F.run_step_core(self._core_phases(self._views, s), lw.comm, s)
-            epilogue()
+            F.run_core(F.core_phases(layer, self._views, s), layer, s)
+            F.run_phases([epilogue], layer, s)
             self._capture()
+            return out
         else:
             self._graph.replay()
-            epilogue()
+        F.run_phases([epilogue], layer, s)
         return out
 
     __call__ = step
 
 
-__all__ = ["LayerStep", "compile_step"]
+__all__ = ["CompiledStep"]

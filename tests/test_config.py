@@ -7,16 +7,13 @@ from mok_core.config import PRESETS, LayerShape, MoKConfig, preset
 
 def test_defaults_valid():
     cfg = MoKConfig()
-    assert cfg.macrobatch_size % cfg.minibatch_size == 0
     assert cfg.minibatch_size % cfg.row_align == 0
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"fwd_num_comm_sms": 0}, "fwd_num_comm_sms"),
-    ({"bwd_num_comm_sms": 2.5}, "bwd_num_comm_sms"),
     ({"row_align": 96}, "row_align"),
     ({"minibatch_size": 100}, "minibatch_size"),
-    ({"macrobatch_size": 4096 + 128}, "macrobatch_size"),
+    ({"dispatch": "push"}, "dispatch"),
     ({"capacity_factor": 0.0}, "capacity_factor"),
     ({"capacity_factor": 1.5}, "capacity_factor"),
     ({"capacity_factor": math.nan}, "capacity_factor"),

@@ -8,12 +8,12 @@ import pytest
 
 from helpers import to_dev
 from layer_support import layer_inputs, reference_out, rel_l1
-from mok_comm import functional as F
 from mok_comm.heap import LocalHeap
+from mok_comm.layer import Layer, Weights
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.errors import MoKError
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import SIM_GEMM
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GPU to the rest
 jax = pytest.importorskip("jax") if not SIM else __import__("jax")   # CI installs it (README)
@@ -29,18 +29,18 @@ import jax.numpy as jnp  # noqa: E402
 import mok_jax_adapter  # noqa: E402
 
 GEMM = SIM_GEMM
-CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
 T = 40
 
 
-def _inputs(seed=0, limit=None):
-    inp = layer_inputs(np.random.default_rng(seed), SHAPE, T,
+def _inputs(seed=0, limit=None, shape=SHAPE):
+    inp = layer_inputs(np.random.default_rng(seed), shape, T,
                        weight_scale=3.0 if limit else 1.0)
     args = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
-            jnp.asarray(inp["w"][0]), *(jnp.asarray(inp[n]) for n in
-                                        ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d")))
+            jnp.asarray(inp["w"][0]), mok_jax_adapter.Weights(*(
+                jnp.asarray(inp[n]) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d"))))
     return inp, args
 
 
@@ -51,74 +51,66 @@ def _bits(a):
 @pytest.mark.parametrize("limit", [None, 1.0])
 def test_forward_matches_reference_and_functional(limit):
     inp, args = _inputs(1, limit)
-    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
-    step = jax.jit(lambda *a: mok_jax_adapter.forward(CFG, lw, *a, swiglu_limit=limit))
+    layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, swiglu_limit=limit)
+    step = jax.jit(layer)
     out = step(*args)
-    mok_jax_adapter.check(lw, out)
+    layer.check(out)
     assert out.dtype == jnp.bfloat16 and out.shape == (T, SHAPE.hidden)
     got = np.asarray(out).astype(np.float64)
     assert np.isfinite(got).all()
     assert rel_l1(got, reference_out(inp, limit)[0]) < 5e-3
     # the same bits as the framework-neutral layer on the same inputs ...
-    lw2 = F.get_workspace(SHAPE, T, CFG, gemm=GEMM, heap=LocalHeap(0))
-    sched = F.build_schedule(lw2, to_dev(inp["ids"][0].astype(np.int32)))
-    want, _ = F.forward(CFG, lw2, sched, *(to_dev(_bits(inp[n][0]) if n == "x" else inp[n][0])
-                                           for n in ("x", "w")),
-                        *(to_dev(_bits(inp[n])) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u",
-                                                          "w_d")),
-                        limit)
+    plain = Layer(SHAPE, T, CFG, gemm=GEMM, heap=LocalHeap(0), swiglu_limit=limit)
+    want = plain(to_dev(_bits(inp["x"][0])), to_dev(inp["ids"][0].astype(np.int32)),
+                 to_dev(inp["w"][0]),
+                 Weights(*(to_dev(_bits(inp[n])) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u",
+                                                           "w_d"))))
     np.testing.assert_array_equal(_bits(out), to_host(want).view(np.uint16))
     # ... again under jit, and eagerly (outside jit) -- deterministic; the outputs kept alive,
     # so each call writes a buffer of its own
     again = step(*args)
-    eager = [mok_jax_adapter.forward(CFG, lw, *args, swiglu_limit=limit) for _ in range(2)]
+    eager = [layer(*args) for _ in range(2)]
     for o in (again, *eager):
         np.testing.assert_array_equal(_bits(o), _bits(out))
-    # one buffer callback per (workspace, config, limit): JAX compiles an eager call once
-    from mok_jax_adapter.functional import _callback
-    assert _callback(lw, CFG, limit) is _callback(lw, CFG, limit)
-    assert len(lw._jax_callbacks) == 1
+    # one buffer callback per layer: JAX compiles an eager call once
+    assert layer._call() is layer._call()
 
 
 def test_forward_without_shared_expert():
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=0, num_experts=4,
                        topk=2, ep_size=1)
-    inp = layer_inputs(np.random.default_rng(5), shape, T)
-    lw = mok_jax_adapter.get_workspace(shape, T, CFG, gemm=GEMM)
-    out = mok_jax_adapter.forward(CFG, lw, jnp.asarray(inp["x"][0]),
-                                  jnp.asarray(inp["ids"][0].astype(np.int32)),
-                                  jnp.asarray(inp["w"][0]),
-                                  *(jnp.asarray(inp[n]) for n in ("w_sg", "w_su", "w_sd", "w_g",
-                                                                  "w_u", "w_d")),
-                                  swiglu_limit=np.float32(4.0))       # a NumPy scalar is taken
-    mok_jax_adapter.check(lw, out)
+    inp, args = _inputs(5, shape=shape)
+    layer = mok_jax_adapter.Layer(shape, T, CFG, gemm=GEMM,
+                                  swiglu_limit=np.float32(4.0))      # a NumPy scalar is taken
+    out = layer(*args)
+    layer.check(out)
     got = np.asarray(out).astype(np.float64)
     assert rel_l1(got, reference_out(inp, 4.0)[0]) < 5e-3
 
 
 def test_jax_inputs_checked():
-    _, args = _inputs(2)
-    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
-    x, ids, w, sg, su, sd, wg, wu, wd = args
-    fwd = mok_jax_adapter.forward
+    _, (x, ids, w, W) = _inputs(2)
+    layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
     with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float32"):
-        fwd(CFG, lw, x.astype(jnp.float32), ids, w, sg, su, sd, wg, wu, wd)
+        layer(x.astype(jnp.float32), ids, w, W)
     with pytest.raises(TypeError, match="router_weights: expected dtype float32"):
-        fwd(CFG, lw, x, ids, w.astype(jnp.bfloat16), sg, su, sd, wg, wu, wd)
+        layer(x, ids, w.astype(jnp.bfloat16), W)
     with pytest.raises(TypeError, match="topk_ids: expected dtype int32"):
-        fwd(CFG, lw, x, ids.astype(jnp.float32), w, sg, su, sd, wg, wu, wd)
+        layer(x, ids.astype(jnp.float32), w, W)
     with pytest.raises(ValueError, match=r"w_gate: expected shape \(4, 32, 64\)"):
-        fwd(CFG, lw, x, ids, w, sg, su, sd, wg[:, :16], wu, wd)
+        layer(x, ids, w, W._replace(w_gate=W.w_gate[:, :16]))
+    with pytest.raises(TypeError, match="weights: expected 6 arrays"):
+        layer(x, ids, w, tuple(W)[:5])
     with pytest.raises(ValueError, match=r"x: expected shape \(40, 64\)"):
-        jax.jit(lambda *a: fwd(CFG, lw, *a))(x[:8], ids, w, sg, su, sd, wg, wu, wd)
+        jax.jit(layer)(x[:8], ids, w, W)
     with pytest.raises(ValueError, match="swiglu_limit=-1.0"):
-        fwd(CFG, lw, x, ids, w, sg, su, sd, wg, wu, wd, swiglu_limit=-1.0)
+        mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, swiglu_limit=-1.0)
 
 
 def test_out_of_range_expert_id_is_reported():
-    _, args = _inputs(3)
-    lw = mok_jax_adapter.get_workspace(SHAPE, T, CFG, gemm=GEMM)
-    bad = args[1].at[5, 1].set(SHAPE.num_experts)         # one id past the last expert
-    out = mok_jax_adapter.forward(CFG, lw, args[0], bad, *args[2:])
+    _, (x, ids, w, W) = _inputs(3)
+    layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
+    bad = ids.at[5, 1].set(SHAPE.num_experts)             # one id past the last expert
+    out = layer(x, bad, w, W)
     with pytest.raises(MoKError, match=r"expert id out of range.*largest bad id 4"):
-        mok_jax_adapter.check(lw, out)
+        layer.check(out)

@@ -6,39 +6,39 @@ import pytest
 
 from helpers import to_dev
 from layer_support import layer_inputs, reference_out, rel_l1
-from mok_comm.emulation import emulated_layer, run_phases
-from mok_comm.functional import forward_phases, get_workspace, schedule_phases
+from mok_comm.emulation import emulated_layers, run_phases, run_steps
+from mok_comm.functional import step_phases
 from mok_comm.heap import EmulatedHeap
+from mok_comm.layer import Layer, Weights, agreement_phases
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import GemmConfig, SIM_GEMM
 
 GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
-CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 
 
 def u16(a):
     return np.ascontiguousarray(np.asarray(a).view(np.uint16))
 
 
-def run_layer(lws, inp, limit=None, ids=None, cfg=CFG):
+def rank_weights(inp, r, E_l):
+    sl = slice(r * E_l, (r + 1) * E_l)
+    return Weights(to_dev(u16(inp["w_sg"])), to_dev(u16(inp["w_su"])), to_dev(u16(inp["w_sd"])),
+                   to_dev(u16(inp["w_g"][sl])), to_dev(u16(inp["w_u"][sl])),
+                   to_dev(u16(inp["w_d"][sl])))
+
+
+def run_layer(lws, inp, ids=None):
     R = len(lws)
     E_l = lws[0].shape.experts_per_rank
     ids = inp["ids"] if ids is None else ids
     outs = [to_dev(np.full(inp["x"].shape[1:], 0xFFFF, np.uint16)) for _ in range(R)]
-    comms = [lw.comm for lw in lws]
-    run_phases(comms, [schedule_phases(lw, to_dev(ids[r])) for r, lw in enumerate(lws)])
-    phases = []
-    for r, lw in enumerate(lws):
-        sl = slice(r * E_l, (r + 1) * E_l)
-        p, _ = forward_phases(cfg, lw, lw.schedule, to_dev(u16(inp["x"][r])), to_dev(inp["w"][r]),
-                              to_dev(u16(inp["w_sg"])), to_dev(u16(inp["w_su"])),
-                              to_dev(u16(inp["w_sd"])), to_dev(u16(inp["w_g"][sl])),
-                              to_dev(u16(inp["w_u"][sl])), to_dev(u16(inp["w_d"][sl])),
-                              swiglu_limit=limit, out=outs[r])
-        phases.append(p)
-    run_phases(comms, phases)
+    phases = [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]), to_dev(inp["w"][r]),
+                          rank_weights(inp, r, E_l), out=outs[r])[0]
+              for r, lw in enumerate(lws)]
+    run_steps(lws, phases)
     for lw in lws:
         lw.check()
     return np.stack([to_host(o).view(np.uint16) for o in outs])
@@ -56,30 +56,29 @@ def test_forward_matches_float64_reference(R, limit):
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)
     inp = layer_inputs(rng, shape, T, weight_scale=3.0 if limit else 1.0)
-    lws = emulated_layer(shape, T, CFG, GEMM)
-    got = run_layer(lws, inp, limit)
+    lws = emulated_layers(shape, T, CFG, GEMM, swiglu_limit=limit)
+    got = run_layer(lws, inp)
     want = reference_out(inp, limit)
     assert np.isfinite(as_f64(got)).all()
     assert rel_l1(as_f64(got), want) < 5e-3
-    again = run_layer(lws, inp, limit)                  # same workspaces, second step
+    again = run_layer(lws, inp)                  # same workspaces, second step
     np.testing.assert_array_equal(again, got)
 
 
 def test_down_gemm_with_tiles_of_its_own():
     """``gemm_down``: the down GEMMs (routed and shared) run their own tiles; same float64
     bar, and the fingerprint carries both configs."""
-    from mok_core.grouped_gemm import GemmConfig
     down_tiles = GemmConfig(bm=32, bn=64, bk=32, wm=2, wn=2, stages=2)
     rng = np.random.default_rng(4)
     T = 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=3, ep_size=2)
     inp = layer_inputs(rng, shape, T)
-    lws = emulated_layer(shape, T, CFG, GEMM, gemm_down=down_tiles)
+    lws = emulated_layers(shape, T, CFG, GEMM, gemm_down=down_tiles)
     assert all(lw.gemm == GEMM and lw.gemm_down == down_tiles for lw in lws)
     got = run_layer(lws, inp)
     assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
-    same = emulated_layer(shape, T, CFG, GEMM)[0]
+    same = emulated_layers(shape, T, CFG, GEMM)[0]
     assert not np.array_equal(to_host(same.fingerprint), to_host(lws[0].fingerprint))
 
 
@@ -88,23 +87,21 @@ def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
     rows home from its epilogue (no y buffer, no combine launch) -- the float64 bar over all
     ranks' tokens. (That the push writes the same bits as y + combine is
     ``test_grouped_gemm.test_down_push_equals_down_then_scatter``.)"""
-    from mok_core.grouped_gemm import GemmConfig
     gemm = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
-    cfg = MoKConfig(row_align=64, minibatch_size=128, macrobatch_size=512, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=64, minibatch_size=128, capacity_factor=1.0)
     rng = np.random.default_rng(9)
     R, T = 2, 12
     shape = LayerShape(hidden=128, intermediate=64, shared_intermediate=64, num_experts=4,
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T)
-    lws = emulated_layer(shape, T, cfg, gemm)
+    lws = emulated_layers(shape, T, cfg, gemm)
     assert all(lw.y is None for lw in lws)           # fused: no y buffer at all
-    got = run_layer(lws, inp, cfg=cfg)
+    got = run_layer(lws, inp)
     assert np.isfinite(as_f64(got)).all()
     assert rel_l1(as_f64(got), reference_out(inp, None)) < 5e-3
 
 
-@pytest.mark.parametrize("dispatch", ["split"])
-def test_dispatch_modes_layer_equals_pull_layer(dispatch):
+def test_split_dispatch_layer_equals_pull_layer():
     """``MoKConfig(dispatch="split")``: the copy engine takes the peers' first 40 % of tokens,
     the SM pull the rest -- the same output bits as the pull, skewed routing with masked
     routes."""
@@ -112,12 +109,11 @@ def test_dispatch_modes_layer_equals_pull_layer(dispatch):
     R, T = 2, 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)
-    cfg = replace(CFG, dispatch=dispatch, dispatch_ce_share=0.4)
-    pull_lws = emulated_layer(shape, T, CFG, GEMM)
-    lws = emulated_layer(shape, T, cfg, GEMM)
+    pull = replace(CFG, dispatch="pull")
+    split = replace(CFG, dispatch="split", dispatch_ce_share=0.4)
     inp = layer_inputs(np.random.default_rng(11), shape, T, masked=0.2, skew=0.6)
-    want = run_layer(pull_lws, inp)
-    got = run_layer(lws, inp, cfg=cfg)
+    want = run_layer(emulated_layers(shape, T, pull, GEMM), inp)
+    got = run_layer(emulated_layers(shape, T, split, GEMM), inp)
     np.testing.assert_array_equal(got, want)
     assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
 
@@ -129,7 +125,7 @@ def test_int64_ids_and_rank_without_tokens():
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T)
     inp["ids"][1] = -1                                  # rank 1 routes nothing (T = 0 in effect)
-    lws = emulated_layer(shape, T, CFG, GEMM)
+    lws = emulated_layers(shape, T, CFG, GEMM)
     got = run_layer(lws, inp, ids=inp["ids"].astype(np.int64))
     assert rel_l1(as_f64(got), reference_out(inp)) < 5e-3
 
@@ -140,58 +136,51 @@ def test_bad_inputs_rejected_before_any_launch():
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T)
-    lw = emulated_layer(shape, T, CFG, GEMM)[0]
+    lw = emulated_layers(shape, T, CFG, GEMM)[0]
     E_l = 2
-    good = dict(x=to_dev(u16(inp["x"][0])), router_weights=to_dev(inp["w"][0]),
-                w_shared_gate=to_dev(u16(inp["w_sg"])), w_shared_up=to_dev(u16(inp["w_su"])),
-                w_shared_down=to_dev(u16(inp["w_sd"])), w_gate=to_dev(u16(inp["w_g"][:E_l])),
-                w_up=to_dev(u16(inp["w_u"][:E_l])), w_down=to_dev(u16(inp["w_d"][:E_l])))
+    good = dict(x=to_dev(u16(inp["x"][0])), topk_ids=to_dev(inp["ids"][0]),
+                router_weights=to_dev(inp["w"][0]), weights=rank_weights(inp, 0, E_l))
+    W = good["weights"]
     before = to_host(lw.comm.x_buf).copy()
     cases = [
         ("x", to_dev(np.zeros((T, 64), np.float32)), TypeError, "x: expected dtype uint16"),
         ("x", to_dev(np.zeros((T + 1, 64), np.uint16)), ValueError, "x: expected shape"),
         ("router_weights", to_dev(np.zeros((T, 2), np.float64)), TypeError, "router_weights"),
-        ("w_gate", to_dev(u16(inp["w_g"])), ValueError, "w_gate: expected shape"),
-        ("w_down", to_dev(u16(inp["w_g"][:E_l])), ValueError, "w_down"),
-        ("w_shared_down", to_dev(u16(inp["w_sg"])), ValueError, "w_shared_down"),
+        ("topk_ids", to_dev(np.zeros((T, 2), np.int16)), TypeError,
+         "topk_ids: expected dtype int32 or int64"),
+        ("weights", W._replace(w_gate=to_dev(u16(inp["w_g"]))), ValueError,
+         "w_gate: expected shape"),
+        ("weights", W._replace(w_down=W.w_gate), ValueError, "w_down"),
+        ("weights", W._replace(w_shared_down=W.w_shared_gate), ValueError, "w_shared_down"),
+        ("weights", tuple(W)[:5], TypeError, "weights: expected 6 tensors"),
     ]
     for name, bad, exc, msg in cases:
         args = dict(good, **{name: bad})
         with pytest.raises(exc, match=msg):
-            forward_phases(CFG, lw, lw.schedule, **args)
-    with pytest.raises(ValueError, match="swiglu_limit"):
-        forward_phases(CFG, lw, lw.schedule, **good, swiglu_limit=-2.0)
-    with pytest.raises(ValueError, match="config differs"):
-        forward_phases(MoKConfig(row_align=32, minibatch_size=32, macrobatch_size=256), lw,
-                       lw.schedule, **good)
-    with pytest.raises(TypeError, match="topk_ids: expected dtype int32 or int64"):
-        schedule_phases(lw, to_dev(np.zeros((T, 2), np.int16)))
+            step_phases(lw, **args)
     np.testing.assert_array_equal(to_host(lw.comm.x_buf), before)   # nothing ran
 
 
-def test_layer_refuses_packed_weights_config():
-    """The layer passes weights as given: a packed-weights GEMM config would read plain
-    weights as packed ones (silently wrong), so the workspace refuses it."""
-    from mok_core.grouped_gemm import GemmConfig
-    shape = LayerShape(hidden=128, intermediate=64, shared_intermediate=64, num_experts=4,
+def test_layer_refuses_bad_construction():
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=2)
-    packed = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
-                        packed_weights=True)
-    with pytest.raises(ValueError, match="packed_weights"):
-        get_workspace(shape, 8, MoKConfig(row_align=128, minibatch_size=128,
-                                          macrobatch_size=256),
-                      heap=EmulatedHeap(2).for_rank(0), gemm=packed, verify=False)
+    heap = EmulatedHeap(2).for_rank(0)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        Layer(shape, 8, CFG, heap=heap, gemm=GEMM, swiglu_limit=-2.0, verify=False)
+    with pytest.raises(TypeError, match="config: expected a MoKConfig"):
+        Layer(shape, 8, {"row_align": 32}, heap=heap, gemm=GEMM, verify=False)
+    with pytest.raises(ValueError, match="LayerShape.ep_size=1 but the heap has 2 ranks"):
+        Layer(shape.with_ep(1), 8, CFG, heap=heap, gemm=GEMM, verify=False)
 
 
 def test_ranks_that_disagree_are_detected():
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=2)
     heap = EmulatedHeap(2)
-    other = MoKConfig(row_align=32, minibatch_size=32, macrobatch_size=256, capacity_factor=1.0)
-    lws = [get_workspace(shape, 8, cfg, heap=heap.for_rank(r), gemm=GEMM, verify=False)
+    other = MoKConfig(row_align=32, minibatch_size=32, capacity_factor=1.0)
+    lws = [Layer(shape, 8, cfg, heap=heap.for_rank(r), gemm=GEMM, verify=False)
            for r, cfg in enumerate([CFG, other])]
-    from mok_comm.functional import verify_ranks_agree
-    run_phases([lw.comm for lw in lws], [list(verify_ranks_agree(lw)) for lw in lws])
+    run_phases([lw.comm for lw in lws], [agreement_phases(lw) for lw in lws])
     with pytest.raises(MoKError, match="ranks disagree"):
         lws[0].comm.check()
 
@@ -203,6 +192,6 @@ def test_out_of_range_expert_id_is_reported():
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T)
     inp["ids"][0, 3, 1] = 4                             # E = 4: out of range
-    lws = emulated_layer(shape, T, CFG, GEMM)
+    lws = emulated_layers(shape, T, CFG, GEMM)
     with pytest.raises(MoKError, match="expert id out of range.*largest bad id 4"):
         run_layer(lws, inp)

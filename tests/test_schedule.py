@@ -98,7 +98,7 @@ def test_matches_reference_all_ranks(R, T, k, E_local, mode):
     rng = np.random.default_rng(R * 1000 + T)
     E = R * E_local
     ids = make_ids(rng, R, T, k, E, mode)
-    cfg = MoKConfig(row_align=4, minibatch_size=16, macrobatch_size=64, capacity_factor=1.0)
+    cfg = MoKConfig(row_align=4, minibatch_size=16, capacity_factor=1.0)
     for rank in range(R):
         s, got = run_kernel(ids, rank, E, cfg)
         ref = build_schedule_numpy(ids, rank, E_local, s.capacity, cfg.row_align,
@@ -129,7 +129,7 @@ def test_property_random_routing(data):
         rank_tokens = rng.integers(0, T + 1, R).astype(np.int32)
         rank_tokens[rng.integers(R)] = 0
     cfg = MoKConfig(row_align=row_align, minibatch_size=8 * row_align,
-                    macrobatch_size=8 * row_align, capacity_factor=1.0)
+                    capacity_factor=1.0)
     s, got = run_kernel(ids, rank, E, cfg, rank_tokens=rank_tokens)
     ref = build_schedule_numpy(ids, rank, E_local, s.capacity, row_align, rank_tokens,
                                minibatch_size=s.minibatch_size)
@@ -141,7 +141,7 @@ def test_block_size_does_not_change_result(monkeypatch):
     rng = np.random.default_rng(7)
     R, T, k, E = 2, 100, 6, 8
     ids = make_ids(rng, R, T, k, E, "skewed")
-    cfg = MoKConfig(row_align=4, minibatch_size=16, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=16)
     results = []
     for threads in (32, 64):
         monkeypatch.setattr(sched_mod, "SCHEDULE_THREADS", threads)
@@ -152,7 +152,7 @@ def test_block_size_does_not_change_result(monkeypatch):
 def test_deterministic_repeat():
     rng = np.random.default_rng(3)
     ids = make_ids(rng, 2, 48, 4, 8, "uniform")
-    cfg = MoKConfig(row_align=8, minibatch_size=16, macrobatch_size=64)
+    cfg = MoKConfig(row_align=8, minibatch_size=16)
     a = run_kernel(ids, 0, 8, cfg)[1]
     b = run_kernel(ids, 0, 8, cfg)[1]
     assert_same(a, b)
@@ -161,7 +161,7 @@ def test_deterministic_repeat():
 # ---- bad input ---------------------------------------------------------------------------
 
 def _small_schedule(R=2, T=16, k=2, E=4, **kw):
-    cfg = MoKConfig(row_align=4, minibatch_size=16, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=16)
     return Schedule.allocate(rank=0, ep_size=R, tokens_per_rank=T, topk=k, num_experts=E,
                              config=cfg, **kw)
 
@@ -193,7 +193,7 @@ def test_rejects_bad_rank_tokens():
 
 
 def test_allocate_rejects_bad_geometry():
-    cfg = MoKConfig(row_align=4, minibatch_size=16, macrobatch_size=64)
+    cfg = MoKConfig(row_align=4, minibatch_size=16)
     with pytest.raises(ValueError, match="rank"):
         Schedule.allocate(rank=2, ep_size=2, tokens_per_rank=4, topk=1, num_experts=4, config=cfg)
     with pytest.raises(ValueError, match="num_experts"):

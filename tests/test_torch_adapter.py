@@ -7,14 +7,14 @@ import torch
 import mok_torch
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import SIM_GEMM
 from mok_core.reference import moe_forward
-from mok_torch import synthetic
-from mok_torch.reference import reference_tokens
+from mok_testing import synthetic
+from mok_testing.sampled import reference_tokens
 
 DEV = "cpu" if SIM else "cuda"
 GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
-CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
 
@@ -47,43 +47,50 @@ def test_sampled_reference_equals_numpy_reference(limit):
     assert np.abs(np64(got) - want).max() / np.abs(want).max() < 1e-10
 
 
+def layer_weights(shape=SHAPE):
+    return mok_torch.Weights(*synthetic.shared_weights(shape, DEV),
+                             *synthetic.local_expert_weights(shape, 0, DEV))
+
+
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
 def test_forward_ep1(id_dtype):
     T = 40
     x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV, masked=0.1, skew=0.5)
-    wg, wu, wd = synthetic.local_expert_weights(SHAPE, 0, DEV)
-    sg, su, sd = synthetic.shared_weights(SHAPE, DEV)
-    lw = mok_torch.get_workspace(SHAPE, T, CFG, gemm=GEMM)
-    sched = mok_torch.build_schedule(lw, ids.to(id_dtype))
-    out, ctx = mok_torch.forward(CFG, lw, sched, x, w, sg, su, sd, wg, wu, wd)
-    lw.check()
+    W = layer_weights()
+    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
+    out, ctx = layer.forward(x, ids.to(id_dtype), w, W)
+    layer.check()
     assert out.dtype == torch.bfloat16 and out.shape == (T, 64)
-    want = full_reference(SHAPE, x, ids, w, weights=((sg, su, sd), (wg, wu, wd)))
+    want = full_reference(SHAPE, x, ids, w, weights=(W[:3], W[3:]))
     got = np64(out)
     assert np.isfinite(got).all()
     assert np.abs(got - want).sum() / np.abs(want).sum() < 5e-3
-    out2, _ = mok_torch.forward(CFG, lw, sched, x, w, sg, su, sd, wg, wu, wd)
-    assert torch.equal(out2, out)
-    assert ctx.hidden is lw.hidden
+    assert torch.equal(layer(x, ids, w, W), out)
+    assert ctx.hidden is layer.hidden
 
 
 def test_torch_inputs_checked():
     T = 8
     x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV)
-    wg, wu, wd = synthetic.local_expert_weights(SHAPE, 0, DEV)
-    sg, su, sd = synthetic.shared_weights(SHAPE, DEV)
-    lw = mok_torch.get_workspace(SHAPE, T, CFG, gemm=GEMM)
-    sched = mok_torch.build_schedule(lw, ids)
-    with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16"):
-        mok_torch.forward(CFG, lw, sched, x.float(), w, sg, su, sd, wg, wu, wd)
+    W = layer_weights()
+    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
+    before = layer.comm.x_buf.copy() if SIM else None
+    with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16, got torch.float32"):
+        layer(x.float(), ids, w, W)
     with pytest.raises(ValueError, match="w_gate: must be contiguous"):
-        mok_torch.forward(CFG, lw, sched, x, w, sg, su, sd, wg.transpose(1, 2), wu, wd)
+        layer(x, ids, w, W._replace(w_gate=W.w_gate.transpose(1, 2)))
     with pytest.raises(TypeError, match="router_weights: expected dtype torch.float32"):
-        mok_torch.forward(CFG, lw, sched, x, w.double(), sg, su, sd, wg, wu, wd)
-    with pytest.raises(TypeError, match="topk_ids"):
-        mok_torch.build_schedule(lw, ids.float())
+        layer(x, ids, w.double(), W)
+    with pytest.raises(TypeError, match="topk_ids: expected dtype torch.int64 or torch.int32"):
+        layer(x, ids.float(), w, W)
     with pytest.raises(ValueError, match="w_up: expected shape"):
-        mok_torch.forward(CFG, lw, sched, x, w, sg, su, sd, wg, wu[:1], wd)
-    # tensors that require grad are read through .detach()
-    out, _ = mok_torch.forward(CFG, lw, sched, x.requires_grad_(), w, sg, su, sd, wg, wu, wd)
-    assert out.shape == (T, 64)
+        layer(x, ids, w, W._replace(w_up=W.w_up[:1]))
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor, got ndarray"):
+        layer(x.float().numpy(), ids, w, W)
+    # until the backward exists, a tensor that wants a gradient is refused, not detached
+    with pytest.raises(ValueError, match="x: requires_grad=True, but the layer has no backward"):
+        layer(x.clone().requires_grad_(), ids, w, W)
+    if SIM:
+        np.testing.assert_array_equal(layer.comm.x_buf, before)        # nothing ran
+    with torch.no_grad():
+        assert layer(x.clone().requires_grad_(), ids, w, W).shape == (T, 64)

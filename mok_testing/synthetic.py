@@ -1,4 +1,4 @@
-"""Deterministic synthetic layers for demos, tests and benchmarks at real shapes.
+"""Deterministic synthetic layers and inputs for demos, tests and benchmarks at real shapes.
 
 Every tensor comes from a torch generator seeded by (seed, what, index), so any rank can rebuild
 any expert's weights -- what a float64 check of a sampled token needs when its experts live on

@@ -1,0 +1,220 @@
+"""The MoE layer on one expert-parallel rank: one object that owns its config, buffers and
+schedule.
+
+    layer = Layer(shape, tokens_per_rank, config, heap=heap)    # once (collective at EP > 1)
+    weights = Weights(w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down)
+    out = layer(x, topk_ids, router_weights, weights)            # one step, nothing syncs
+    layer.check()                                                # device-side errors, syncs
+
+A step is ``mok_comm.functional.forward``: four phases separated by device-side barriers (the
+phases and their ordering duties are documented there). Everything the step needs lives here,
+allocated once from shapes alone, so a step launches kernels and nothing else.
+
+Buffers (per rank; T tokens, H hidden, I / I_s routed / shared intermediate, k top-k,
+C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
+
+    comm            the symmetric ``Workspace`` (token staging, ids table, combine rows, barrier
+                    flags, error word)
+    schedule        this rank's ``Schedule`` (rebuilt on the device every step)
+    ids32           int32 [T, k]      int64 ids narrowed on the device before the all-gather
+    gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
+    hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
+    y               uint16 [C, H]     routed expert rows, only when the combine is not fused
+    shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past T)
+    hidden_shared   uint16 [T_pad, I_s], y_shared uint16 [T_pad, H]: the shared expert FFN
+    out             uint16 [T, H]     the default output (overwritten by the next step)
+
+``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
+step: ``ForwardContext`` hands them to the backward.
+
+bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors as uint16.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import zlib
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import device_empty, device_full, upload
+from mok_core.gemm import GemmConfig, default_gemm
+from mok_core.schedule import Schedule
+
+from .heap import Heap
+from .barrier import barrier
+from .routing import compare_fingerprints, push_fingerprint
+from .workspace import create_workspace
+
+
+class Weights(NamedTuple):
+    """One rank's layer weights (bf16; uint16 bits or framework bf16 tensors).
+
+    w_shared_gate / w_shared_up [I_s, H], w_shared_down [H, I_s] (None when I_s = 0);
+    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]: this rank's experts, in order.
+    """
+    w_shared_gate: object
+    w_shared_up: object
+    w_shared_down: object
+    w_gate: object
+    w_up: object
+    w_down: object
+
+
+class ForwardContext(NamedTuple):
+    """What the backward needs from a step; views into the layer, valid until its next step."""
+    schedule: Schedule
+    gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
+    x_recv: object            # uint16 [R*T, H] token staging
+    hidden: object            # uint16 [C, I] routed SwiGLU output
+    hidden_shared: object     # uint16 [T_pad, I_s]
+
+
+def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
+    """The GEMM tiles a layer takes when given none: ``default_gemm`` for the mean rows per
+    local expert under uniform routing, R*T*k/E."""
+    return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
+
+
+def check_swiglu_limit(swiglu_limit):
+    """ValueError unless ``swiglu_limit`` is None or a finite number > 0."""
+    if swiglu_limit is not None and not (isinstance(swiglu_limit, numbers.Real)
+                                         and not isinstance(swiglu_limit, bool)
+                                         and math.isfinite(swiglu_limit) and swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
+
+
+def _check_tiles(shape: LayerShape, config: MoKConfig, gemm: GemmConfig, gemm_down: GemmConfig):
+    """The shapes must split into the GEMMs' tiles: gate/up has K = H and N = I (bn/2 columns
+    of each half per tile), down has K = I and N = H; the shared expert likewise with I_s."""
+    for g in {gemm, gemm_down}:
+        if config.row_align % g.row_unit:
+            raise ValueError(f"MoKConfig.row_align={config.row_align}: must be a multiple of "
+                             f"{g.row_unit} for {g}")
+    H, I, I_s = shape.hidden, shape.intermediate, shape.shared_intermediate
+    for field, n, tile, g in (("hidden", H, gemm.bk, gemm), ("hidden", H, gemm_down.bn, gemm_down),
+                              ("intermediate", I, gemm_down.bk, gemm_down),
+                              ("intermediate", I, gemm.bn // 2, gemm)):
+        if n % tile:
+            raise ValueError(f"LayerShape.{field}={n}: must be a multiple of {tile} for {g}")
+    if I_s and (I_s % gemm.bk or I_s % (gemm.bn // 2) or I_s % gemm_down.bk):
+        raise ValueError(f"LayerShape.shared_intermediate={I_s}: must be a multiple of "
+                         f"{gemm.bk}, {gemm.bn // 2} and {gemm_down.bk}")
+
+
+def _digest(obj) -> int:
+    """The same value in every process (``hash`` of a dataclass with a str field is salted)."""
+    return zlib.crc32(repr(obj).encode()) & 0x7FFFFFFF
+
+
+class Layer:
+    """The layer's state on this rank; see the module docstring.
+
+    Arguments:
+        shape: the model's ``LayerShape`` (``shape.ep_size`` ranks, one per process, or
+            emulated ranks on one ``EmulatedHeap``).
+        tokens_per_rank: T, tokens every rank brings to each step.
+        config: the ``MoKConfig``.
+        heap: where the symmetric buffers live (``LocalHeap`` at EP 1, ``NvshmemHeap``, or an
+            emulated rank's heap). Collective on NVSHMEM: every rank constructs alike.
+        gemm / gemm_down: tiles of the gate/up GEMMs (default ``layer_gemm``) and of the down
+            GEMMs (default ``gemm``).
+        swiglu_limit: None, or L > 0: gate clamped above at L, up to [-L, L] (as some models do).
+        verify: compare every rank's shapes and config on the device and raise ``MoKError`` on
+            a mismatch -- the layer's one host sync, at construction. Emulated ranks pass False
+            and run ``agreement_phases`` themselves.
+    """
+
+    def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
+                 *, heap: Heap, gemm: GemmConfig | None = None,
+                 gemm_down: GemmConfig | None = None, swiglu_limit=None, verify: bool = True,
+                 stream=0):
+        if not isinstance(config, MoKConfig):
+            raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+        if heap.ep_size != shape.ep_size:
+            raise ValueError(f"LayerShape.ep_size={shape.ep_size} but the heap has "
+                             f"{heap.ep_size} ranks")
+        check_swiglu_limit(swiglu_limit)
+        T = tokens_per_rank
+        gemm = gemm or layer_gemm(shape, T)
+        gemm_down = gemm_down or gemm
+        _check_tiles(shape, config, gemm, gemm_down)
+        self.shape, self.config, self.tokens_per_rank = shape, config, T
+        self.gemm, self.gemm_down = gemm, gemm_down
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        H, I, I_s, k = shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
+        self.comm = create_workspace(heap, tokens_per_rank=T, hidden=H, topk=k,
+                                     num_experts=shape.num_experts, config=config,
+                                     stream=stream)
+        C = self.comm.capacity
+        self.schedule = Schedule.allocate(rank=heap.rank, ep_size=shape.ep_size,
+                                          tokens_per_rank=T, topk=k,
+                                          num_experts=shape.num_experts, config=config,
+                                          capacity=C, stream=stream)
+        u16, i32 = np.uint16, np.int32
+        unit = math.lcm(gemm.bm, gemm_down.bm)           # the shared expert's rows, both GEMMs
+        T_pad = max(unit, -(-T // unit) * unit)
+        rows = np.arange(T_pad)
+        self.ids32 = device_empty((T, k), i32, stream)
+        self.gather_index = device_full((C,), -1, i32, stream)
+        self.hidden = device_empty((C, I), u16, stream)
+        self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
+        self.shared_index = upload(np.where(rows < T, rows, -1).astype(i32), stream)
+        self.shared_offsets = upload(np.array([0, T_pad], i32), stream)
+        self.shared_rows = upload(np.array([T_pad], i32), stream)
+        self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
+        self.y_shared = device_empty((T_pad, H), u16, stream)
+        self.out = device_empty((T, H), u16, stream)
+        fp = np.array([H, I, I_s, shape.num_experts, k, shape.ep_size, T, config.row_align,
+                       config.minibatch_size, int(config.capacity_factor * 1e6),
+                       _digest(config), _digest(gemm), _digest(gemm_down),
+                       _digest(self.swiglu_limit)], i32)
+        self.fingerprint = upload(fp, stream)
+        self.fingerprint_table, peers = heap.alloc((shape.ep_size, fp.size), i32, -1)
+        self.peer_fingerprints = tuple(p.reshape(p.size) for p in peers)
+        heap.fence()                      # the fingerprint table's fill precedes peers' pushes
+        if verify:
+            push, compare = agreement_phases(self, stream)
+            push()
+            barrier(self.comm, stream)
+            compare()
+            self.comm.check(stream)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def fused_combine(self) -> bool:
+        """The down GEMM pushes rows home from its epilogue (wgmma GEMMs with
+        ``MoKConfig.fuse_combine``); else it writes ``y`` and the combine kernel sends it."""
+        return self.config.fuse_combine and self.gemm_down.mma != "mma_sync"
+
+    def __call__(self, x, topk_ids, router_weights, weights: Weights, *, out=None, stream=0):
+        """One step (``mok_comm.functional.forward``); returns ``out`` uint16 [T, H]."""
+        from .functional import forward
+        return forward(self, x, topk_ids, router_weights, weights, out=out, stream=stream)[0]
+
+    def context(self) -> ForwardContext:
+        """The forward context of the last step run on this layer."""
+        return ForwardContext(self.schedule, self.gather_index, self.comm.x_recv, self.hidden,
+                              self.hidden_shared)
+
+    def check(self, stream=0) -> None:
+        """Raise ``MoKError`` for anything the last steps recorded on the device (syncs)."""
+        self.schedule.check(stream)
+        self.comm.check(stream)
+
+
+def agreement_phases(layer: Layer, stream=0):
+    """[push our fingerprint, compare everyone's] -- a barrier goes between them."""
+    return [partial(push_fingerprint, layer.comm, layer.fingerprint, layer.peer_fingerprints,
+                    stream),
+            partial(compare_fingerprints, layer.comm, layer.fingerprint_table, stream)]
+
+
+__all__ = ["ForwardContext", "Layer", "Weights", "agreement_phases", "check_swiglu_limit",
+           "layer_gemm"]

@@ -1,0 +1,115 @@
+"""The layer for torch tensors: ``mok_comm.layer.Layer`` with torch in and out, zero-copy.
+
+    layer = mok_torch.Layer(shape, tokens_per_rank, config)          # NVSHMEM when EP > 1
+    out = layer(x, topk_ids, router_weights, weights)                # one step
+    step = layer.compile(weights)                                    # the CUDA-graph fast path
+
+Tensors are checked here for what only torch knows (type, device, contiguity) and handed to
+``mok_comm.functional`` as zero-copy views (bf16 as its uint16 bits), which checks shapes and
+dtypes once. Kernels run on ``torch.cuda.current_stream()``; nothing synchronises with the host,
+so a step can be captured in a ``torch.cuda.CUDAGraph`` (``compile`` does it). Under the CUDA
+simulator the same code takes CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from mok_comm import functional as F
+from mok_comm import layer as L
+from mok_comm.heap import LocalHeap, NvshmemHeap
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import SIM
+
+Weights = L.Weights
+
+
+def current_stream():
+    """torch's current stream as a numba stream (0 on the simulator)."""
+    if SIM:
+        return 0
+    from numba import cuda
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def tensor_view(t, name, dtypes=(torch.bfloat16,)):
+    """``t`` after torch-side checks (a tensor of one of ``dtypes``, on this process's device,
+    contiguous, not requiring grad); bf16 as its uint16 bits. Shapes are checked by
+    ``mok_comm.functional``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: requires_grad=True, but the layer has no backward yet: "
+                         "call it under torch.no_grad() or pass a detached tensor")
+    want = "cpu" if SIM else "cuda"
+    if t.device.type != want:
+        raise ValueError(f"{name}: expected a {want} tensor, got one on {t.device}")
+    if not SIM and t.device.index != torch.cuda.current_device():
+        raise ValueError(f"{name}: tensor on {t.device} but the current device is "
+                         f"cuda:{torch.cuda.current_device()}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
+
+
+def weight_views(layer: L.Layer, weights):
+    """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none)."""
+    if len(weights) != 6:
+        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), got "
+                        f"{len(weights)}")
+    shared = bool(layer.shape.shared_intermediate)
+    return Weights(*(tensor_view(w, n) if shared or i >= 3 else None
+                     for i, (w, n) in enumerate(zip(weights, Weights._fields))))
+
+
+def _heap(shape: LayerShape):
+    if shape.ep_size == 1:
+        return LocalHeap(current_stream())
+    from mok_comm.launch import bootstrap
+    info = bootstrap.init("auto")
+    if info.world_size != shape.ep_size:
+        raise ValueError(f"LayerShape.ep_size={shape.ep_size} but {info.world_size} processes "
+                         "are running (one EP rank per process)")
+    return NvshmemHeap(current_stream())
+
+
+class Layer(L.Layer):
+    """``mok_comm.layer.Layer`` taking and returning torch tensors.
+
+    EP = 1: local buffers, no NVSHMEM. EP > 1: NVSHMEM is initialised from the running
+    torch.distributed group (or ``mok_comm.launch``'s environment) and every process is one EP
+    rank; collective: all ranks construct alike. Arguments as ``mok_comm.layer.Layer``; ``heap``
+    defaults as just said."""
+
+    def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
+                 *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None):
+        super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
+                         gemm_down=gemm_down, swiglu_limit=swiglu_limit,
+                         stream=current_stream())
+
+    def forward(self, x, topk_ids, router_weights, weights):
+        """One step: x [T, H] bf16, topk_ids [T, k] int64 or int32 (-1 = masked route),
+        router_weights [T, k] float32, ``weights`` (``Weights``: bf16, this rank's experts).
+        Returns (out [T, H] bf16 -- a fresh tensor, ForwardContext)."""
+        xb = tensor_view(x, "x")
+        out = torch.empty((self.tokens_per_rank, self.shape.hidden), dtype=torch.bfloat16,
+                          device=xb.device)
+        F.forward(self, xb, tensor_view(topk_ids, "topk_ids", (torch.int64, torch.int32)),
+                  tensor_view(router_weights, "router_weights", (torch.float32,)),
+                  weight_views(self, weights),
+                  out=out.view(torch.uint16), stream=current_stream())
+        return out, self.context()
+
+    def __call__(self, x, topk_ids, router_weights, weights) -> torch.Tensor:
+        return self.forward(x, topk_ids, router_weights, weights)[0]
+
+    def compile(self, weights) -> "CompiledStep":
+        """The step as a CUDA graph with fresh x / ids / router weights every call
+        (``mok_torch.graphed``); bit for bit the eager step."""
+        from .graphed import CompiledStep
+        return CompiledStep(self, weights)
+
+
+__all__ = ["Layer", "Weights", "current_stream", "tensor_view", "weight_views"]
