@@ -55,7 +55,7 @@ SWEEP = [
 
 def fastest_per_preset(trial):
     """{preset: GemmConfig} of the fastest row per preset of a sweep (rows carry our repr;
-    ``ours_ms`` = gate_up + down with that one config: what one ``LayerWorkspace.gemm`` runs)."""
+    ``ours_ms`` = gate_up + down with that one config: what one ``Layer.gemm`` runs)."""
     best = {}
     for r in trial:
         if r["preset"] not in best or r["ours_ms"] < best[r["preset"]]["ours_ms"]:

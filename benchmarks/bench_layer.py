@@ -10,16 +10,17 @@ a baseline that is unavailable or fails its check gets a line in "baseline_notes
 Per preset and tokens/rank: each implementation is first checked against float64 on sampled
 tokens (rel-L1 <= 0.005 ours, 0.01 baselines), then timed: per iteration (routing all-gather +
 schedule + forward for ours; the whole forward for a baseline) CUDA events, max over ranks,
-median over iterations after warm-up. ``ours_ms`` is the eager pair (build_schedule + forward);
-``ours_step_ms`` the same step through ``mok_torch.compile_step`` (eager prologue / epilogue
-around a CUDA-graph replay of the core, fresh inputs allowed; checked bitwise against eager
-first), with ``speedup_step_vs_best_baseline``. Floor = max(FLOPs / dense cuBLAS rate,
-NVLink bytes / peer-copy rate), both rates measured in this run; NVLink bytes = deduplicated
-dispatch + combine rows that cross GPUs (from our schedule). The floor leaves out that every
-weight of an expert with rows must come from HBM once per step (at small rows per expert the
-GEMMs stream weights): ``floor_hbm_ms`` = those bytes (this rank's experts that got rows, and
-the shared expert) / the HBM rate of a local device copy measured in this run (bytes read +
-written / time), and ``step_over_roofline`` = compiled step / max(floor_ms, floor_hbm_ms).
+median over iterations after warm-up. ``ours_ms`` is the eager step (``mok_torch.Layer``:
+``layer(x, ids, w, weights)``); ``ours_step_ms`` the same step through ``layer.compile(weights)``
+(eager prologue / epilogue around a CUDA-graph replay of the core, fresh inputs allowed; checked
+bitwise against eager first), with ``speedup_step_vs_best_baseline``. Floor = max(FLOPs / dense
+cuBLAS rate, NVLink bytes / peer-copy rate), both rates measured in this run; NVLink bytes =
+deduplicated dispatch + combine rows that cross GPUs (from our schedule). The floor leaves out
+that every weight of an expert with rows must come from HBM once per step (at small rows per
+expert the GEMMs stream weights): ``floor_hbm_ms`` = those bytes (this rank's experts that got
+rows, and the shared expert) / the HBM rate of a local device copy measured in this run (bytes
+read + written / time), and ``step_over_roofline`` = compiled step / max(floor_ms,
+floor_hbm_ms).
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def ceilings():
 
 
 def check(out, x, ids, w, shared, shape, pick, dev):
-    from mok_torch import synthetic
-    from mok_torch.reference import reference_tokens
+    from mok_testing import synthetic
+    from mok_testing.sampled import reference_tokens
     ref = reference_tokens(x[pick], ids[pick], w[pick], shared,
                            lambda e: synthetic.expert_weights(shape, e, dev))
     return float((out[pick].double() - ref).abs().sum() / ref.abs().sum())
@@ -93,26 +94,29 @@ def symm_mem_baseline(shared, wg, wu, wd, T, shape, x, ids, w, pick, dev):
     return base, err, f"{syncs} host syncs seen by torch's sync-debug mode in one forward"
 
 
-def step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, iters):
+def step_breakdown(layer, ids, x, w, weights, iters):
     """{step: ms}: every launch group of our layer timed alone with CUDA events (routing
     all-gather, barriers, schedule, publish x, shared FFN, dispatch, routed GEMMs, combine,
     epilogue), median over ``iters``, max over ranks. Barriers include waiting for the slower
     rank, so they show imbalance too."""
     import statistics
+    from functools import partial
 
     import torch
     import torch.distributed as dist
 
     from benchmarks.common import numba_stream
     from mok_comm import functional as F
+    from mok_comm.barrier import barrier
+    from mok_torch.layer import tensor_view, weight_views
     s = numba_stream()
-    u16 = torch.uint16
-    phases, _ = F.forward_phases(cfg, lw, lw.schedule, x.view(u16), w,
-                                 *[t.view(u16) if t is not None else None for t in shared],
-                                 wg.view(u16), wu.view(u16), wd.view(u16), stream=s)
-    steps = [(name.replace("_", " "), fn)
-             for part in (F.schedule_phases(lw, ids, s), phases)
-             for name, fn in F.with_barriers(part, lw.comm, s)]
+    phases, _ = F.step_phases(layer, tensor_view(x, "x"), ids, w, weight_views(layer, weights),
+                              stream=s)
+    steps = []                                       # the phases with the barriers between
+    for i, phase in enumerate(phases):
+        if i:
+            steps.append(("barrier", partial(barrier, layer.comm, s)))
+        steps += [(call.func.__name__.replace("_", " "), call) for call in phase]
     samples = [[] for _ in steps]
     for it in range(iters + 2):
         dist.barrier()
@@ -155,12 +159,12 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     import mok_torch
     from benchmarks.baselines.torch_native import TorchNativeEP
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
+    from mok_testing import synthetic
     R, me = dist.get_world_size(), dist.get_rank()
     shape = preset(name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
-    if gemm is None:                       # what get_workspace would pick for this shape
-        from mok_comm.functional import layer_gemm
+    if gemm is None:                       # what mok_torch.Layer would pick for this shape
+        from mok_comm.layer import layer_gemm
         gemm = layer_gemm(shape, T)
     gemm_down = gemm_down or gemm
     mode, _, share = dispatch.partition(":")          # e.g. "split:1.0" = ce share 1.0
@@ -172,22 +176,23 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
     pick = torch.linspace(0, T - 1, 16, device=dev).long()
-    lw = mok_torch.get_workspace(shape, T, cfg, gemm=gemm, gemm_down=gemm_down)
+    weights = mok_torch.Weights(*shared, wg, wu, wd)
+    layer = mok_torch.Layer(shape, T, cfg, gemm=gemm, gemm_down=gemm_down)
+    step = None
     try:
         def ours():
-            sched = mok_torch.build_schedule(lw, ids)
-            return mok_torch.forward(cfg, lw, sched, x, w, *shared, wg, wu, wd)[0]
+            return layer(x, ids, w, weights)
 
         out_eager = ours()
         err_ours = check(out_eager, x, ids, w, shared, shape, pick, dev)
-        step = mok_torch.compile_step(cfg, lw, *shared, wg, wu, wd)
+        step = layer.compile(weights)
 
         def ours_step():
             return step(x, ids, w)
 
         # the first call runs the core eagerly and captures it; the second replays the graph
         if not all(torch.equal(o, out_eager) for o in [ours_step(), ours_step()]):
-            raise RuntimeError(f"{name} T={T}: compile_step differs from the eager forward")
+            raise RuntimeError(f"{name} T={T}: the compiled step differs from the eager one")
         base = TorchNativeEP(*shared, wg, wu, wd)
         err_base = check(base.forward(x, ids, w), x, ids, w, shared, shape, pick, dev)
         # Ours must meet the layer's bf16 bar (5e-3); the baseline rounds gate/up and SwiGLU to
@@ -219,12 +224,12 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         steps = {}
         if breakdown:
             try:
-                steps = step_breakdown(lw, cfg, ids, x, w, shared, wg, wu, wd, 10)
+                steps = step_breakdown(layer, ids, x, w, weights, 10)
             except Exception as e:                  # noqa: BLE001 - diagnostics only
                 progress(f"  breakdown failed: {type(e).__name__}: {e}")
-        lw.check()
+        layer.check()
         # Floor from this rank's actual routed work and NVLink bytes.
-        sc = lw.schedule.to_host()
+        sc = layer.schedule.to_host()
         n = int(sc["num_rows"][0])
         real = sc["src_rank"][:n] >= 0
         remote = real & (sc["src_rank"][:n] != me)
@@ -244,8 +249,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         floor, floor_hbm = float(floors[0]), float(floors[1])
     finally:
         torch.cuda.synchronize()
-        step = None                              # its graph references the workspace
-        lw.comm.free()
+        step = None                              # its graph references the layer's buffers
+        layer.comm.free()
     return {"preset": name, "tokens_per_rank": T, "ep": R, "dispatch": dispatch,
             "ours_ms": t_ours,
             "ours_step_ms": t_step, "ours_graph_ms": t_graph,
@@ -301,7 +306,7 @@ def main(argv=None):
                     help="bench_ffn sweep JSON: use its fastest GEMM config per preset")
     ap.add_argument("--gemm-per-gemm", action="store_true",
                     help="with --gemm-from: the fastest gate_up and down tiles of each (preset, "
-                         "T) the sweep covered, apart (LayerWorkspace.gemm / gemm_down)")
+                         "T) the sweep covered, apart (mok_torch.Layer's gemm / gemm_down)")
     ap.add_argument("--symm-mem", action="store_true",
                     help="also run the torch symmetric-memory (NVSHMEM all_to_all_vdev) baseline "
                          "(opt-in until it has run on our GPU host: torch's NVSHMEM beside ours)")
@@ -320,7 +325,7 @@ def main(argv=None):
         import json
 
         from benchmarks.bench_ffn import fastest_per_gemm, fastest_per_preset
-        # the layer passes weights unpacked: packed-weight configs are not candidates
+        # older sweeps also tried packed weights (an option since removed): not candidates
         trial = [r for r in json.load(open(args.gemm_from))
                  if "packed_weights=True" not in r["gemm"]]
         if args.gemm_per_gemm:

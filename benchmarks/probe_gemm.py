@@ -4,7 +4,7 @@
 
 For each preset (EP=2, rank 0's routed experts, uniform routing) and for its dense shared
 expert (one expert, T rows), times gate_up and down separately with the library's tiles for the
-shape (``functional.layer_gemm``) changed by one field:
+shape (``mok_comm.layer.layer_gemm``) changed by one field:
   base       as shipped
   no_a       A chunks zero-filled, never read       (GemmConfig.probe; results are wrong)
   no_b       weight boxes never loaded              (probe)
@@ -145,7 +145,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
 
-    from mok_comm.functional import layer_gemm
+    from mok_comm.layer import layer_gemm
     from mok_core.config import preset
     cases = [(p, False, T) for T in map(int, args.tokens.split(","))
              for p in args.presets.split(",")]

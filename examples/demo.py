@@ -22,11 +22,12 @@ def simulator_demo() -> int:
     import ml_dtypes
     import numpy as np
 
-    from mok_comm.emulation import emulated_layer, run_phases
-    from mok_comm.functional import forward_phases, schedule_phases
+    from mok_comm.emulation import emulated_layers, run_steps
+    from mok_comm.functional import step_phases
+    from mok_comm.layer import Weights
     from mok_core.config import LayerShape, MoKConfig
     from mok_core.cuda_compat import to_host
-    from mok_core.grouped_gemm import SIM_GEMM
+    from mok_core.gemm import SIM_GEMM
     from mok_core.reference import moe_forward
 
     R, T = 2, 32
@@ -48,16 +49,15 @@ def simulator_demo() -> int:
     print(f"MoK-Py demo on the CUDA simulator (CPU): EP={R}, {T} tokens/rank, {E} experts, "
           f"top-{k}, H={H}, I={I}, shared expert, rows padded to {cfg.row_align}")
     t0 = time.perf_counter()
-    lws = emulated_layer(shape, T, cfg, gemm)
-    run_phases([lw.comm for lw in lws], [schedule_phases(lw, ids[r]) for r, lw in enumerate(lws)])
+    lws = emulated_layers(shape, T, cfg, gemm)
     outs = [np.full((T, H), 0xFFFF, np.uint16) for _ in range(R)]
     E_l = shape.experts_per_rank
-    phases = [forward_phases(cfg, lw, lw.schedule, bits(x[r]), w[r], bits(ws[0]), bits(ws[1]),
-                             bits(ws[2]), bits(ws[3][r * E_l:(r + 1) * E_l]),
-                             bits(ws[4][r * E_l:(r + 1) * E_l]),
-                             bits(ws[5][r * E_l:(r + 1) * E_l]), out=outs[r])[0]
+    weights = [Weights(bits(ws[0]), bits(ws[1]), bits(ws[2]),
+                       *(bits(a[r * E_l:(r + 1) * E_l]) for a in ws[3:]))
+               for r in range(R)]
+    phases = [step_phases(lw, bits(x[r]), ids[r], w[r], weights[r], out=outs[r])[0]
               for r, lw in enumerate(lws)]
-    run_phases([lw.comm for lw in lws], phases)
+    run_steps(lws, phases)
     for lw in lws:
         lw.check()
     dt = time.perf_counter() - t0
@@ -88,8 +88,8 @@ def gpu_demo() -> int:
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
-    from mok_torch.reference import reference_tokens
+    from mok_testing import synthetic
+    from mok_testing.sampled import reference_tokens
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -103,15 +103,15 @@ def gpu_demo() -> int:
     x, ids, w = synthetic.rank_inputs(shape, T, rank, dev)
     wg, wu, wd = synthetic.local_expert_weights(shape, rank, dev)
     shared = synthetic.shared_weights(shape, dev)
-    lw = mok_torch.get_workspace(shape, T, cfg)
+    layer = mok_torch.Layer(shape, T, cfg)
+    weights = mok_torch.Weights(*shared, wg, wu, wd)
 
     def step():
-        sched = mok_torch.build_schedule(lw, ids)
-        return mok_torch.forward(cfg, lw, sched, x, w, *shared, wg, wu, wd)[0]
+        return layer(x, ids, w, weights)
 
     out = step()
     torch.cuda.synchronize()
-    lw.check()
+    layer.check()
     pick = torch.linspace(0, T - 1, 16, device=dev).long()
     ref = reference_tokens(x[pick], ids[pick], w[pick], shared,
                            lambda e: synthetic.expert_weights(shape, e, dev))
@@ -127,10 +127,10 @@ def gpu_demo() -> int:
     ms = sorted(times)[len(times) // 2]
     ok = err < 5e-3
     print(f"[rank {rank}/{world}] kimi-k2.7, {T} tokens/rank, EP={world}: rel-L1 vs float64 "
-          f"(16 sampled tokens) {err:.2e}, step (schedule + forward) {ms:.2f} ms -> "
+          f"(16 sampled tokens) {err:.2e}, step {ms:.2f} ms -> "
           f"{'OK' if ok else 'MISMATCH'}", flush=True)
     torch.cuda.synchronize()
-    lw.comm.free()
+    layer.comm.free()
     return 0 if ok else 1
 
 

@@ -20,7 +20,7 @@ Anything else (an argument kind not listed above; a cooperative, debug or extens
 goes through numba's dispatcher unchanged. One GPU per process (MoK's EP model: a compiled
 kernel is looked up for the device current at its first launch).
 ``MOK_NUMBA_LAUNCH=1`` in the environment (or ``ENABLED = False``) sends every launch through
-numba's dispatcher -- the A/B switch of ``benchmarks/probe_host.py``. GPU only (imported by
+numba's dispatcher -- the A/B switch of ``benchmarks/probes/probe_host.py``. GPU only (imported by
 ``cuda_compat.launch`` off the simulator, which launches through its own dispatcher).
 """
 from __future__ import annotations

@@ -97,7 +97,7 @@ def tensor_maps(arrays2d, box_rows: int, stream=0):
                 f"uploading the TMA tensor maps of {len(arrays2d)} weight array(s) failed "
                 f"({type(exc).__name__}: {exc}). New weights (a new address or shape) need "
                 "their maps built outside a CUDA-graph capture: run the step once eagerly "
-                "before capturing it (mok_torch.compile_step does)") from exc
+                "before capturing it (mok_torch.Layer.compile does)") from exc
         _cache[key] = maps
     return maps
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from mok_core.config import LayerShape
-from mok_torch import synthetic
-from mok_torch.reference import reference_tokens
+from mok_testing import synthetic
+from mok_testing.sampled import reference_tokens
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@
     -> unpad/unsort -> all_to_all_single back -> weighted sum over slots (fixed order)
     shared expert: plain matmuls.
 
-Same inputs and outputs as ``mok_torch.forward`` (x [T, H] bf16, topk_ids [T, k] int64 with -1
-masked, router_weights [T, k] f32, weights bf16 of this rank's experts). Deterministic: the
-weighted sum is a fixed-order reduction, no index_add_ / atomics.
+Same inputs and outputs as a ``mok_torch.Layer`` step (x [T, H] bf16, topk_ids [T, k] int64
+with -1 masked, router_weights [T, k] f32, weights bf16 of this rank's experts). Deterministic:
+the weighted sum is a fixed-order reduction, no index_add_ / atomics.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The JAX adapter on GPUs (torchrun / mok_comm.launch; any number of processes, EP = their
-number): a real preset at 4096 tokens/rank through ``mok_jax_adapter.forward`` under
-``jax.jit`` equals the torch path on the same inputs bit for bit, three calls alike."""
+number): a real preset at 4096 tokens/rank through ``mok_jax_adapter.Layer`` under ``jax.jit``
+equals ``mok_torch.Layer`` on the same inputs bit for bit, three calls alike."""
 import os
 
 import numpy as np
@@ -38,27 +38,32 @@ def test_jax_layer_equals_torch_layer(request, dist):
     import mok_jax_adapter
     import mok_torch
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
+    from mok_testing import synthetic
     shape = preset("qwen3.5-397b", ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = MoKConfig()
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.3, masked=0.01)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
-    lw = mok_torch.get_workspace(shape, T, cfg)
+    torch_layer = mok_torch.Layer(shape, T, cfg)
+    jax_layer = None
     try:
-        sched = mok_torch.build_schedule(lw, ids)
-        want = mok_torch.forward(cfg, lw, sched, x, w, sg, su, sd, wg, wu, wd)[0]
+        want = torch_layer(x, ids, w, mok_torch.Weights(sg, su, sd, wg, wu, wd))
         torch.cuda.synchronize()
-        lw.check()
-        args = [jnp.asarray(_host(t)) for t in (x, ids.int(), w, sg, su, sd, wg, wu, wd)]
-        step = jax.jit(lambda *a: mok_jax_adapter.forward(cfg, lw, *a))
-        outs = [step(*args) for _ in range(3)]           # kept alive: three output buffers
-        mok_jax_adapter.check(lw, outs[-1])
+        torch_layer.check()
+        jax_layer = mok_jax_adapter.Layer(shape, T, cfg)
+        x_j, ids_j, w_j, *weights = [jnp.asarray(_host(t))
+                                     for t in (x, ids.int(), w, sg, su, sd, wg, wu, wd)]
+        weights = mok_jax_adapter.Weights(*weights)
+        step = jax.jit(jax_layer)
+        outs = [step(x_j, ids_j, w_j, weights) for _ in range(3)]   # kept alive: three buffers
+        jax_layer.check(outs[-1])
         ref = _host(want).view(np.uint16)
         for rep, o in enumerate(outs):
             np.testing.assert_array_equal(np.asarray(o).view(np.uint16), ref,
                                           err_msg=f"call {rep}")
     finally:
         torch.cuda.synchronize()
-        lw.comm.free()
+        if jax_layer is not None:
+            jax_layer.comm.free()
+        torch_layer.comm.free()

@@ -20,8 +20,8 @@ def test_layer_preset(torch_world, preset_name):
     import mok_torch
     from benchmarks.common import capture_graph
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
-    from mok_torch.reference import reference_tokens
+    from mok_testing import synthetic
+    from mok_testing.sampled import reference_tokens
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -29,15 +29,15 @@ def test_layer_preset(torch_world, preset_name):
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.3, masked=0.01)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
-    lw = mok_torch.get_workspace(shape, T, cfg)
+    weights = mok_torch.Weights(sg, su, sd, wg, wu, wd)
+    layer = mok_torch.Layer(shape, T, cfg)
     try:
         def step():
-            sched = mok_torch.build_schedule(lw, ids)
-            return mok_torch.forward(cfg, lw, sched, x, w, sg, su, sd, wg, wu, wd)[0]
+            return layer(x, ids, w, weights)
 
         outs = [step() for _ in range(20)]
         torch.cuda.synchronize()
-        lw.check()
+        layer.check()
         for rep, o in enumerate(outs[1:], 1):
             assert torch.equal(o, outs[0]), f"repetition {rep} differs"
         out = outs[0]
@@ -49,52 +49,54 @@ def test_layer_preset(torch_world, preset_name):
         err = (out[pick].double() - ref).abs().sum() / ref.abs().sum()
         assert err < 5e-3, f"rel-L1 {err:.2e}"
 
-        # CUDA graph: capture schedule + forward once, replay, compare with eager.
+        # CUDA graph: capture the whole eager step (schedule + forward) once, replay, compare
+        # with eager.
         graph, static_out = capture_graph(step)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        lw.check()
+        layer.check()
         assert torch.equal(static_out, out), "graph replay differs from eager"
 
         # Bad inputs: rejected on the host, before any launch.
         with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16"):
-            mok_torch.forward(cfg, lw, lw.schedule, x.float(), w, sg, su, sd, wg, wu, wd)
+            layer(x.float(), ids, w, weights)
         with pytest.raises(ValueError, match="w_down: expected shape"):
-            mok_torch.forward(cfg, lw, lw.schedule, x, w, sg, su, sd, wg, wu, wg)
+            layer(x, ids, w, weights._replace(w_down=wg))
         with pytest.raises(ValueError, match="expected a cuda tensor"):
-            mok_torch.forward(cfg, lw, lw.schedule, x.cpu(), w, sg, su, sd, wg, wu, wd)
+            layer(x.cpu(), ids, w, weights)
+        with pytest.raises(ValueError, match="x: requires_grad=True"):
+            layer(x.clone().requires_grad_(), ids, w, weights)
     finally:
         torch.cuda.synchronize()
-        lw.comm.free()
+        layer.comm.free()
 
 
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "glm-5.2", "qwen3.5-397b",
                                          "deepseek-v4-pro"])
 def test_compiled_step_preset(torch_world, preset_name):
-    """mok_torch.compile_step (eager prologue + CUDA-graph core + eager epilogue) equals eager
-    build_schedule + forward bit for bit over 3 consecutive calls (the first captures, the
-    others replay) with fresh input tensors of new values each call, and after a weight swap
-    (recapture)."""
+    """``Layer.compile`` (eager prologue + CUDA-graph core + eager epilogue) equals the eager
+    step (``layer(x, ids, w, weights)``) bit for bit over 3 consecutive calls (the first
+    captures, the others replay) with fresh input tensors of new values each call, and after a
+    weight swap (recapture)."""
     import torch
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
+    from mok_testing import synthetic
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = MoKConfig()
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
-    lw = mok_torch.get_workspace(shape, T, cfg)
+    layer = mok_torch.Layer(shape, T, cfg)
     step = None
     try:
-        step = mok_torch.compile_step(cfg, lw, sg, su, sd, wg, wu, wd)
+        step = layer.compile(mok_torch.Weights(sg, su, sd, wg, wu, wd))
 
         def eager(x, ids, w, w_down):
-            sched = mok_torch.build_schedule(lw, ids)
-            return mok_torch.forward(cfg, lw, sched, x, w, sg, su, sd, wg, wu, w_down)[0]
+            return layer(x, ids, w, mok_torch.Weights(sg, su, sd, wg, wu, w_down))
 
         keep, pairs = [], []          # inputs stay alive: no address is reused across calls
         for seed in (1, 2, 3):
@@ -109,15 +111,15 @@ def test_compiled_step_preset(torch_world, preset_name):
         x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=4, skew=0.3, masked=0.01)
         pairs.append((step(x.clone(), ids.clone(), w.clone()), eager(x, ids, w, wd2)))
         torch.cuda.synchronize()
-        lw.check()
+        layer.check()
         assert step.captures == 2
         for i, (got, want) in enumerate(pairs):
             assert torch.isfinite(got.float()).all(), f"call {i}: non-finite output"
             assert torch.equal(got, want), f"call {i}: compiled step differs from eager"
     finally:
         torch.cuda.synchronize()
-        del step                      # the graph references the workspace's buffers
-        lw.comm.free()
+        del step                      # the graph references the layer's buffers
+        layer.comm.free()
 
 
 @pytest.mark.parametrize("dispatch", ["split"])
@@ -131,79 +133,34 @@ def test_dispatch_mode_step_equals_pull(torch_world, preset_name, dispatch):
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
+    from mok_testing import synthetic
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
     pull, mode = MoKConfig(), MoKConfig(dispatch=dispatch)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     sg, su, sd = synthetic.shared_weights(shape, dev)
-    lw_pull = mok_torch.get_workspace(shape, T, pull)
-    lw_mode = mok_torch.get_workspace(shape, T, mode)
+    weights = mok_torch.Weights(sg, su, sd, wg, wu, wd)
+    layer_pull = mok_torch.Layer(shape, T, pull)
+    layer_mode = mok_torch.Layer(shape, T, mode)
     step = None
     try:
-        step = mok_torch.compile_step(mode, lw_mode, sg, su, sd, wg, wu, wd)
+        step = layer_mode.compile(weights)
         keep, pairs = [], []
         for seed in (5, 6, 7):
             x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=seed, skew=0.3,
                                               masked=0.01)
-            sched = mok_torch.build_schedule(lw_pull, ids)
-            want = mok_torch.forward(pull, lw_pull, sched, x, w, sg, su, sd, wg, wu, wd)[0]
+            want = layer_pull(x, ids, w, weights)
             keep += [x, ids, w]
             pairs.append((step(x, ids, w), want))
         torch.cuda.synchronize()
-        lw_pull.check()
-        lw_mode.check()
+        layer_pull.check()
+        layer_mode.check()
         for i, (got, want) in enumerate(pairs):
             assert torch.isfinite(got.float()).all(), f"call {i}: non-finite output"
             assert torch.equal(got, want), f"call {i}: {dispatch} step differs from the pull layer"
     finally:
         torch.cuda.synchronize()
         del step
-        lw_mode.comm.free()
-        lw_pull.comm.free()
-
-
-@pytest.mark.parametrize("rows", [128, 192])
-@pytest.mark.parametrize("preset_name", ["kimi-k2.7", "glm-5.2"])
-def test_staged_epilogue_layer_equals_direct(torch_world, preset_name, rows):
-    """The default tiles stage the epilogue in shared memory (``GemmConfig.smem_epilogue``):
-    the fused combine then sends each row home by one bulk store, to a peer over NVLink. The
-    layer's output equals the same tiles with the direct epilogue bit for bit (the tiles and
-    so the sums are the same; only the way the bits travel differs). ``rows``: the default
-    128-row tiles, or the 192-row ones (``WGMMA_192_GEMM``, staged by default since session
-    11)."""
-    import dataclasses
-
-    import torch
-
-    import mok_torch
-    from mok_core.config import MoKConfig, preset
-    from mok_core.grouped_gemm import WGMMA_192_GEMM, default_gemm
-    from mok_torch import synthetic
-    R, me = torch_world.world_size, torch_world.rank
-    shape = preset(preset_name, ep_size=R)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = MoKConfig()
-    staged = (default_gemm() if rows == 128
-              else WGMMA_192_GEMM)
-    assert staged.smem_epilogue and staged.bm == rows
-    direct = dataclasses.replace(staged, smem_epilogue=False)
-    x, ids, w = synthetic.rank_inputs(shape, T, me, dev, seed=9, skew=0.3, masked=0.01)
-    wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
-    sg, su, sd = synthetic.shared_weights(shape, dev)
-    lws = [mok_torch.get_workspace(shape, T, cfg, gemm=g) for g in (staged, direct)]
-    try:
-        outs = []
-        for lw in lws:
-            sched = mok_torch.build_schedule(lw, ids)
-            outs.append(mok_torch.forward(cfg, lw, sched, x, w, sg, su, sd, wg, wu, wd)[0])
-        torch.cuda.synchronize()
-        for lw in lws:
-            lw.check()
-        assert torch.isfinite(outs[0].float()).all()
-        assert torch.equal(outs[0], outs[1]), "staged epilogue differs from the direct one"
-    finally:
-        torch.cuda.synchronize()
-        for lw in lws:
-            lw.comm.free()
+        layer_mode.comm.free()
+        layer_pull.comm.free()

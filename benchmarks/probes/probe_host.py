@@ -1,11 +1,12 @@
 """Host-overhead probe: how long the host takes to *issue* one layer step (no synchronisation).
 
-    OUT=/tmp torchrun --standalone --nproc-per-node=2 benchmarks/probe_host.py
+    OUT=/tmp torchrun --standalone --nproc-per-node=2 benchmarks/probes/probe_host.py
                       [--preset kimi-k2.7] [--tokens 4096]
 
 Builds the layer like bench_layer (synthetic weights and inputs, default MoKConfig) and reports
-per rank: the host wall time (time.perf_counter) of issuing one eager build_schedule + forward
-and one mok_torch.compile_step call, mean over 20 calls after warm-up, without synchronising
+per rank: the host wall time (time.perf_counter) of issuing one eager step (``mok_torch.Layer``:
+``layer(x, ids, w, weights)``) and one compiled step (``layer.compile(weights)``) call, mean
+over 20 calls after warm-up, without synchronising
 (the GPU runs behind; ``steady`` = the 20 calls plus the final synchronise, per call), and a
 cProfile of 10 eager calls (top 25 by cumulative and by own time) in
 $OUT/probe_host_rank{r}.txt. Both launch paths -- ``mok_core.launcher`` and numba's dispatcher
@@ -22,7 +23,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 N_ISSUE, N_PROFILE, WARMUP = 20, 10, 3
 
@@ -59,7 +60,7 @@ def main(argv=None):
     import mok_torch
     from mok_core import launcher
     from mok_core.config import MoKConfig, preset
-    from mok_torch import synthetic
+    from mok_testing import synthetic
     R, me, T = dist.get_world_size(), dist.get_rank(), args.tokens
     shape = preset(args.preset, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -67,12 +68,12 @@ def main(argv=None):
     x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.0)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     shared = synthetic.shared_weights(shape, dev)
-    lw = mok_torch.get_workspace(shape, T, cfg)
-    step = mok_torch.compile_step(cfg, lw, *shared, wg, wu, wd)
+    weights = mok_torch.Weights(*shared, wg, wu, wd)
+    layer = mok_torch.Layer(shape, T, cfg)
+    step = layer.compile(weights)
 
     def eager():
-        sched = mok_torch.build_schedule(lw, ids)
-        return mok_torch.forward(cfg, lw, sched, x, w, *shared, wg, wu, wd)[0]
+        return layer(x, ids, w, weights)
 
     def compiled():
         return step(x, ids, w)
@@ -104,7 +105,7 @@ def main(argv=None):
             eager()
         prof.disable()
         torch.cuda.synchronize()
-        lw.check()
+        layer.check()
         report = io.StringIO()
         head = (f"{args.preset} T={T} EP={R} rank {me}: host issue per call (mean of {N_ISSUE}, "
                 f"no sync; median of {args.rounds} rounds in turns) and steady per call incl. "
@@ -127,7 +128,7 @@ def main(argv=None):
     finally:
         torch.cuda.synchronize()
         step = None
-        lw.comm.free()
+        layer.comm.free()
         bootstrap.finalize()
         dist.destroy_process_group()
 

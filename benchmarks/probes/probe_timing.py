@@ -1,9 +1,9 @@
 """Does the timing protocol move the FFN ratio? Ours and grouped_mm timed four ways, one run.
 
-    python benchmarks/probe_timing.py [--presets qwen3.5-397b,kimi-k2.7] [--tokens 4096]
+    python benchmarks/probes/probe_timing.py [--presets qwen3.5-397b,kimi-k2.7] [--tokens 4096]
 
 For each preset (EP=2, rank 0's routed FFN, uniform routing, the library's tiles for the shape
--- ``functional.layer_gemm``), both sides as CUDA-graph replays:
+-- ``mok_comm.layer.layer_gemm``), both sides as CUDA-graph replays:
   alone      each side's iterations back to back (bench_ffn up to session 9)
   turns      ours, grouped_mm, ours, ... (bench_ffn from session 10)
   reversed   grouped_mm, ours, grouped_mm, ...
@@ -22,7 +22,7 @@ import sys
 import time
 from datetime import datetime
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 
@@ -89,7 +89,7 @@ def protocols(ours, torch_fn, iters):
 def probe_preset(name, tokens, iters, trace):
     """Rows of one preset: each protocol's medians, ratio and the clock trace's mean over it
     (the inputs and graphs are freed on return)."""
-    from mok_comm.functional import layer_gemm
+    from mok_comm.layer import layer_gemm
     from mok_core.config import preset
     shape = preset(name, ep_size=2)
     cfg = layer_gemm(shape, tokens)
