@@ -50,7 +50,7 @@ import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import as_device_array, device_empty, device_full, launch, upload
-from mok_core.grouped_gemm import GemmConfig, default_gemm, down, gate_up_swiglu
+from mok_core.gemm import GemmConfig, default_gemm, down, gate_up_swiglu
 from mok_core.schedule import Schedule
 from mok_core.schedule import build_schedule as _schedule_kernels
 
@@ -153,11 +153,6 @@ def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, *,
         if config.row_align % g.row_unit:
             raise ValueError(f"MoKConfig.row_align={config.row_align} must be a multiple of "
                              f"{g.row_unit} for {g}")
-        if g.packed_weights:
-            raise ValueError("GemmConfig(packed_weights=True) is not supported by the layer "
-                             "yet: it passes the weights as given (plain [E, N, K]); the packed "
-                             "layout is for direct grouped_gemm calls on weights packed with "
-                             "mok_core.weight_pack.pack_weights")
     # gate/up: K = H, N = I (bn/2 per SwiGLU tile); down: K = I, N = H
     for name, n, tile, g in (("hidden", H, gemm.bk, gemm), ("hidden", H, gemm_down.bn, gemm_down),
                              ("intermediate", I, gemm_down.bk, gemm_down),

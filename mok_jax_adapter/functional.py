@@ -30,7 +30,7 @@ from mok_comm import functional as F
 from mok_comm.heap import LocalHeap, NvshmemHeap
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
-from mok_core.grouped_gemm import GemmConfig
+from mok_core.gemm import GemmConfig
 
 
 def get_workspace(shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(), *,

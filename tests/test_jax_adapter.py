@@ -13,7 +13,7 @@ from mok_comm.heap import LocalHeap
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.errors import MoKError
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import SIM_GEMM
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GPU to the rest
 jax = pytest.importorskip("jax") if not SIM else __import__("jax")   # CI installs it (README)

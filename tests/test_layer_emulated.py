@@ -12,7 +12,7 @@ from mok_comm.heap import EmulatedHeap
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import SIM_GEMM
 
 GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
 CFG = MoKConfig(row_align=32, minibatch_size=64, macrobatch_size=256, capacity_factor=1.0)
@@ -68,7 +68,7 @@ def test_forward_matches_float64_reference(R, limit):
 def test_down_gemm_with_tiles_of_its_own():
     """``gemm_down``: the down GEMMs (routed and shared) run their own tiles; same float64
     bar, and the fingerprint carries both configs."""
-    from mok_core.grouped_gemm import GemmConfig
+    from mok_core.gemm import GemmConfig
     down_tiles = GemmConfig(bm=32, bn=64, bk=32, wm=2, wn=2, stages=2)
     rng = np.random.default_rng(4)
     T = 24
@@ -88,8 +88,8 @@ def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
     rows home from its epilogue (no y buffer, no combine launch) -- the float64 bar over all
     ranks' tokens. (That the push writes the same bits as y + combine is
     ``test_grouped_gemm.test_down_push_equals_down_then_scatter``.)"""
-    from mok_core.grouped_gemm import GemmConfig
-    gemm = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
+    from mok_core.gemm import GemmConfig
+    gemm = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma")
     cfg = MoKConfig(row_align=64, minibatch_size=128, macrobatch_size=512, capacity_factor=1.0)
     rng = np.random.default_rng(9)
     R, T = 2, 12
@@ -169,20 +169,6 @@ def test_bad_inputs_rejected_before_any_launch():
     with pytest.raises(TypeError, match="topk_ids: expected dtype int32 or int64"):
         schedule_phases(lw, to_dev(np.zeros((T, 2), np.int16)))
     np.testing.assert_array_equal(to_host(lw.comm.x_buf), before)   # nothing ran
-
-
-def test_layer_refuses_packed_weights_config():
-    """The layer passes weights as given: a packed-weights GEMM config would read plain
-    weights as packed ones (silently wrong), so the workspace refuses it."""
-    from mok_core.grouped_gemm import GemmConfig
-    shape = LayerShape(hidden=128, intermediate=64, shared_intermediate=64, num_experts=4,
-                       topk=2, ep_size=2)
-    packed = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
-                        packed_weights=True)
-    with pytest.raises(ValueError, match="packed_weights"):
-        get_workspace(shape, 8, MoKConfig(row_align=128, minibatch_size=128,
-                                          macrobatch_size=256),
-                      heap=EmulatedHeap(2).for_rank(0), gemm=packed, verify=False)
 
 
 def test_ranks_that_disagree_are_detected():

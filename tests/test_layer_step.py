@@ -34,7 +34,7 @@ def fresh_inputs(T, seed, masked=0.1):
 
 
 def test_compiled_step_equals_eager_ep1():
-    from mok_core.grouped_gemm import SIM_GEMM
+    from mok_core.gemm import SIM_GEMM
     T = 40
     lw = mok_torch.get_workspace(SHAPE, T, CFG, gemm=SIM_GEMM)
     wg, wu, wd = synthetic.local_expert_weights(SHAPE, 0, DEV)
@@ -72,7 +72,7 @@ def test_compiled_step_equals_eager_ep1():
 
 
 def test_compiled_step_checks_inputs():
-    from mok_core.grouped_gemm import SIM_GEMM
+    from mok_core.gemm import SIM_GEMM
     T = 8
     lw = mok_torch.get_workspace(SHAPE, T, CFG, gemm=SIM_GEMM)
     wg, wu, wd = synthetic.local_expert_weights(SHAPE, 0, DEV)
@@ -104,7 +104,7 @@ def test_step_phases_equal_eager_emulated(dispatch, R, limit=1.0):
     dispatch also of the peers' staging and the arrival counters). The eager layer pulls."""
     from dataclasses import replace
 
-    from mok_core.grouped_gemm import SIM_GEMM
+    from mok_core.gemm import SIM_GEMM
     T = 24
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=2 * R,
                        topk=3, ep_size=R)

@@ -7,7 +7,7 @@ import torch
 import mok_torch
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
-from mok_core.grouped_gemm import SIM_GEMM
+from mok_core.gemm import SIM_GEMM
 from mok_core.reference import moe_forward
 from mok_torch import synthetic
 from mok_torch.reference import reference_tokens
