@@ -9,7 +9,7 @@
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
 #        pull and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        gpu-single (the GPU tests one GPU runs, emulated ranks included)
-#        probe-host (PROBE_PRESETS, PROBE_TOKENS) probe-gemm probe-mc (the cluster ring) probe-epi (the staged epilogue)
+#        probe-host (PROBE_PRESETS, PROBE_TOKENS)
 #        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle)
 #        (PROBE_PRESETS, PROBE_VARIANTS, PROBE_DENSE, PROBE_TOKENS)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
@@ -65,16 +65,6 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
-    probe-gemm) step probe-gemm python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-4096}" \
-         --presets "${PROBE_PRESETS:-kimi-k2.7}" --variants "${PROBE_VARIANTS:-base,no_a,no_b,no_mma,mma_first,l2pf2,l2pf4,l2pf8}" \
-         --dense "${PROBE_DENSE-deepseek-v4-pro}" --out "$OUT/probe_gemm.json" ;;
-    probe-mc) step probe-mc python3 benchmarks/probe_gemm.py --tokens 8192 --dense "" \
-         --presets "${PROBE_PRESETS:-kimi-k2.7,glm-5.2}" --variants "${PROBE_VARIANTS:-bm128,bm128+mc1,bm128+mc1+mc_b_first,bm128+mc1+mc_no_poll,bm128+mc1+mc_b_first+mc_no_poll,bm128+mc2,bm128+mc2+mc_b_first,bm128+mc2+mc_local}" \
-         --out "$OUT/probe_mc.json" ;;   # where the cluster ring's time goes (NOTES session 7)
-    probe-epi) step probe-epi python3 benchmarks/probe_gemm.py --tokens "${PROBE_TOKENS:-8192}" \
-         --dense "" --presets "${PROBE_PRESETS:-glm-5.2,kimi-k2.7,deepseek-v4-pro,qwen3.5-397b}" \
-         --variants "${PROBE_VARIANTS:-bm128+smemepi,bm128+smemepi+exact_act,bm128+smemepi+loads_first,bm128+no_store,bm192+smemepi,bm192+smemepi+exact_act,bm192}" \
-         --out "$OUT/probe_epi.json" ;;   # where the staged epilogue's time goes (NOTES s. 9, 10)
     probe-timing) step probe-timing python3 benchmarks/probe_timing.py \
          --presets "${PROBE_PRESETS:-qwen3.5-397b,kimi-k2.7,glm-5.2}" \
          --tokens "${PROBE_TOKENS:-4096}" --out "$OUT/probe_timing.json" ;;   # protocol vs ratio
@@ -83,7 +73,7 @@ for s in "$@"; do
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # launcher vs numba's dispatcher
     gpu-single) export SUITE=gpusingle; step gpu-single torchrun --standalone --nproc-per-node=1 \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_split_capture_gpu.py \
-         tests/gpu/test_schedule_gpu.py tests/gpu/test_cluster_gpu.py tests/gpu/test_jax_gpu.py \
+         tests/gpu/test_schedule_gpu.py tests/gpu/test_jax_gpu.py \
          tests/test_comm_emulated.py tests/test_jax_adapter.py tests/test_torch_adapter.py \
          tests/test_torch_op.py; rank_logs gpusingle ;;   # what one GPU can run (the tests/gpu
          # files first and together: the host's pytest lost tests/gpu's fixtures for a file

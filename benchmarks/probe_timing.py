@@ -29,7 +29,23 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_ffn import ffn_inputs, ffn_steps  # noqa: E402
 from benchmarks.common import (capture_graph, median, progress, table,  # noqa: E402
                                time_iters, write_json)
-from benchmarks.probe_gemm import torch_steps  # noqa: E402
+
+
+def torch_steps(d):
+    """(gate_up, down) of the torch._grouped_mm baseline on the same problem."""
+    import torch
+    I = d["wg"].shape[1]
+    counts = d["counts"]
+    c16 = -(-counts // 16) * 16
+    offs = torch.from_numpy(np.cumsum(c16).astype(np.int32)).cuda()
+    x16 = torch.randn(int(c16.sum()), d["x"].shape[1], device="cuda", dtype=d["x"].dtype)
+    w_gu = torch.cat([d["wg"], d["wu"]], dim=1).transpose(1, 2)
+    h = torch.empty(x16.shape[0], I, device="cuda", dtype=x16.dtype)
+
+    def gate_up():
+        g, u = torch._grouped_mm(x16, w_gu, offs=offs).split(I, dim=1)
+        h.copy_(torch.nn.functional.silu(g) * u)
+    return gate_up, lambda: torch._grouped_mm(h, d["wd"].transpose(1, 2), offs=offs)
 
 
 def trace_start(path):
@@ -95,7 +111,7 @@ def probe_preset(name, tokens, iters, trace):
     cfg = layer_gemm(shape, tokens)
     d = ffn_inputs(name, tokens, "uniform", cfg.row_unit, np.random.default_rng(0))
     gu, dn = ffn_steps(d, cfg)
-    tg, td = torch_steps(d, False)
+    tg, td = torch_steps(d)
 
     def ours():
         gu()

@@ -26,7 +26,7 @@ def simulator_demo() -> int:
     from mok_comm.functional import forward_phases, schedule_phases
     from mok_core.config import LayerShape, MoKConfig
     from mok_core.cuda_compat import to_host
-    from mok_core.grouped_gemm import SIM_GEMM
+    from mok_core.gemm import SIM_GEMM
     from mok_core.reference import moe_forward
 
     R, T = 2, 32

@@ -198,14 +198,6 @@ def _ldmatrix(smem, idx, nmat):
     return tuple(rows[8 * j + lane // 4][lane % 4] for j in range(nmat))
 
 
-def ldmatrix_x4(smem, idx):
-    return _ldmatrix(smem, idx, 4)
-
-
-def ldmatrix_x2(smem, idx):
-    return _ldmatrix(smem, idx, 2)
-
-
 def shared_addr(smem):
     return 0                              # byte offsets from the array start stand in
 
@@ -215,7 +207,7 @@ def ldmatrix_x4_at(smem, addr):
 
 
 def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
-    cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
+    _cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
 
 
 def _groups(kind):
@@ -238,7 +230,7 @@ def _land(groups, pending):
     groups[:-1] = closed
 
 
-def cp_async_16(smem, sidx, gmem, gidx, src_bytes):
+def _cp_async_16(smem, sidx, gmem, gidx, src_bytes):
     dst, dsl = _chunk(smem, sidx)
     data = np.zeros(16, np.uint8)
     if src_bytes:
@@ -324,10 +316,6 @@ def f32_zeros(n):
     return (np.float32(0.0),) * n
 
 
-def store_f32_tuple(arr, acc):
-    _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)
-
-
 def tuple_groups(fn, layout):
     def apply(acc, extra):
         for j, idx in enumerate(layout(len(acc))):
@@ -366,13 +354,6 @@ def mbarrier_init(smem, addr, count):
                                              "phase": 0, "tx": 0}
 
 
-def mbarrier_arrive(smem, addr):
-    with _lock:
-        b = _mbar(smem, addr)
-        b["left"] -= 1
-        _settle(b)
-
-
 def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
     with _lock:
         b = _mbar(smem, addr)
@@ -392,12 +373,6 @@ def mbarrier_try_wait(smem, addr, parity):
     if not done:
         time.sleep(0)                     # let the arriving threads run
     return np.uint32(done)
-
-
-def cp_async_mbarrier_arrive(smem, addr):
-    cp_async_commit()                     # all of this thread's copies land, then it arrives
-    cp_async_wait(0)
-    mbarrier_arrive(smem, addr)
 
 
 def _bulk_bytes(arr, idx, nbytes):
@@ -482,14 +457,6 @@ def tensormap_acquire(tmaps, elem):
     pass
 
 
-def cluster_ctarank():
-    return 0                # the simulator launches clusters of one block (launch_cluster)
-
-
-def cluster_sync():
-    threading.current_thread().syncthreads()     # a cluster of one block: the block barrier
-
-
 def fence_mbarrier_init():
     pass
 
@@ -523,48 +490,5 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
-def _cluster_of_one(name, mask):
-    if int(mask) != 1:
-        raise NotImplementedError(f"{name}: the simulator runs clusters of one block (mask 1), "
-                                  f"got mask {int(mask)}")
-
-
-def tma_load_2d_multicast(smem, saddr, tmaps, elem, x, y, bar, mask):
-    _cluster_of_one("tma_load_2d_multicast", mask)
-    tma_load_2d(smem, saddr, tmaps, elem, x, y, bar)
-
-
-def bulk_load_multicast(smem, saddr, gmem, gidx, nbytes, bar, mask):
-    _cluster_of_one("bulk_load_multicast", mask)
-    bulk_load(smem, saddr, gmem, gidx, nbytes, bar)
-
-
-def mbarrier_arrive_cluster(smem, addr, cta):
-    _cluster_of_one("mbarrier_arrive_cluster", 1 << int(cta))
-    mbarrier_arrive(smem, addr)
-
-
-mbarrier_try_wait_cluster = mbarrier_try_wait
-
-
-def mbarrier_test_wait_cluster(smem, addr, parity):
-    return np.uint32(_phase_done(smem, addr, parity))      # a poll: no yield
-
-
-def tma_prefetch_2d(tmaps, elem, x, y):
-    """L2 is not modelled: only the map is checked (as the hardware faults on a bad one)."""
-    elem = int(elem)
-    if elem % 16 or int(_raw(tmaps)[elem]) != TMAP_MAGIC:
-        raise ValueError(f"tma_prefetch_2d: no tensor map at element {elem}")
-
-
 def trap():
     raise RuntimeError("trap: a bounded wait inside a kernel timed out")
-
-
-def setmaxnreg_inc(count):
-    pass
-
-
-def setmaxnreg_dec(count):
-    pass
