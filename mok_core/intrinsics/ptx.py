@@ -14,7 +14,6 @@ from llvmlite import ir
 from numba.cuda import cgutils, types
 from numba.cuda.extending import intrinsic
 
-_i16 = ir.IntType(16)
 _i32 = ir.IntType(32)
 _i64 = ir.IntType(64)
 _f32 = ir.FloatType()
@@ -66,24 +65,6 @@ def ld_v4(typingctx, arr, idx):
 
 
 @intrinsic
-def ld_v4_nc(typingctx, arr, idx):
-    """``ld_v4`` through the read-only path, ``ld.global.nc.L1::no_allocate.L2::256B``: for
-    global (or peer) data nothing writes while the kernel runs; L1 is bypassed and L2 fetches
-    256 bytes around the address (whole lines for a warp's 512 contiguous bytes). The generic
-    address is used as a global one, as CUDA C++ does (they coincide for global memory)."""
-    if not (_is_1d(arr) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.ptrtoint(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), _i64)
-        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [ptr],
-                   "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
-                   "=r,=r,=r,=r,l", True)   # volatile: stays where the unrolled copy puts it
-        return _tuple(context, builder, sig, res, 4)
-    return _u32x4(arr, idx), codegen
-
-
-@intrinsic
 def st_v4(typingctx, arr, idx, v0, v1, v2, v3):
     """Store 4 uint32 as 16 bytes at element ``idx`` of ``arr`` (16-byte aligned)."""
     if not (_is_1d(arr) and isinstance(idx, types.Integer)):
@@ -122,8 +103,6 @@ def _acquire_load(scope, doc):
 
 ld_acquire_sys = _acquire_load("sys", "Acquire load (system scope) of an int32 flag: sees "
                                       "peers' release stores.")
-ld_acquire_gpu = _acquire_load("gpu", "Acquire load (GPU scope) of an int32 counter written "
-                                      "by other blocks of this GPU.")
 
 
 def _release_update(name, ptx, doc):
@@ -148,10 +127,6 @@ st_release_sys = _release_update(
 red_add_release_gpu = _release_update(
     "red_add_release_gpu", "red.release.gpu.add.s32 [$0], $1;",
     "Atomic add with release semantics (GPU scope): publish 'my rows are written'.")
-red_add_release_sys = _release_update(
-    "red_add_release_sys", "red.release.sys.add.s32 [$0], $1;",
-    "Atomic add with release semantics (system scope), e.g. on a peer's counter over NVLink: "
-    "publish 'the rows I pushed to you are written'.")
 
 
 def _statement(name, text, doc):
@@ -256,27 +231,6 @@ def u32_as_f32(typingctx, x):
         v = context.cast(builder, args[0], sig.args[0], types.uint32)
         return builder.bitcast(v, _f32)
     return types.float32(x), codegen
-
-
-@intrinsic
-def f32_as_u32(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], _i32)
-    return types.uint32(x), codegen
-
-
-@intrinsic
-def f32_to_bf16(typingctx, x):
-    """Round-to-nearest-even float32 -> bf16 bits (uint16)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _asm(builder, _i16, [args[0]], "cvt.rn.bf16.f32 $0, $1;", "=h,f")
-    return types.uint16(x), codegen
 
 
 @intrinsic
@@ -652,29 +606,6 @@ def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
              "r,r,~{memory}", True)
         return context.get_dummy_value()
     return types.void(smem, addr, tx_bytes), codegen
-
-
-def _bulk_load_codegen(context, builder, sig, args):
-    """Codegen of ``bulk_load`` (args: smem, saddr, gmem, gidx, nbytes, bar)."""
-    s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-    gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-    n = context.cast(builder, args[4], sig.args[4], types.uint32)
-    b = context.cast(builder, args[5], sig.args[5], types.uint32)
-    _asm(builder, ir.VoidType(), [s32, gptr, n, b],
-         "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
-         "mbarrier::complete_tx::bytes [$0], [g], $2, [$3]; }", "r,l,r,r,~{memory}", True)
-    return context.get_dummy_value()
-
-
-@intrinsic
-def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
-    """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
-    or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
-    transaction count of the mbarrier at ``bar`` (an address inside ``smem`` too: the twin
-    finds the barrier through that array)."""
-    if not (_is_1d(smem) and _is_1d(gmem) and _integers(saddr, gidx, nbytes, bar)):
-        return None
-    return types.void(smem, saddr, gmem, gidx, nbytes, bar), _bulk_load_codegen
 
 
 @intrinsic

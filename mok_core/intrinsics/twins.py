@@ -48,9 +48,6 @@ def ld_v4(arr, idx):
     return (w[0], w[1], w[2], w[3])
 
 
-ld_v4_nc = ld_v4                # the read-only cache path: same bytes
-
-
 def st_v4(arr, idx, v0, v1, v2, v3):
     raw, sl = _chunk(arr, idx)
     raw[sl] = np.array([v0, v1, v2, v3], dtype=np.uint32).view(raw.dtype)
@@ -62,9 +59,6 @@ def ld_acquire_sys(arr, idx):
     return _raw(arr)[idx]
 
 
-ld_acquire_gpu = ld_acquire_sys
-
-
 def st_release_sys(arr, idx, value):
     _raw(arr)[idx] = value
 
@@ -72,9 +66,6 @@ def st_release_sys(arr, idx, value):
 def red_add_release_gpu(arr, idx, value):
     with _lock:
         _raw(arr)[idx] += value
-
-
-red_add_release_sys = red_add_release_gpu
 
 
 def syncwarp():
@@ -110,20 +101,17 @@ def u32_as_f32(x):
     return np.array([x], dtype=np.uint32).view(np.float32)[0]
 
 
-def f32_as_u32(x):
-    return np.array([x], dtype=np.float32).view(np.uint32)[0]
-
-
-def f32_to_bf16(x):
-    u = int(f32_as_u32(np.float32(x)))
+def _bf16_bits(x):
+    """Round-to-nearest-even float32 -> bf16 bits, as ``cvt.rn.bf16x2.f32`` does per half."""
+    u = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
     if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):
-        return np.uint16(0x7FFF)                           # canonical NaN, as cvt.rn does
+        return 0x7FFF                                      # canonical NaN, as cvt.rn does
     u += 0x7FFF + ((u >> 16) & 1)                          # round to nearest, ties to even
-    return np.uint16((u >> 16) & 0xFFFF)
+    return (u >> 16) & 0xFFFF
 
 
 def pack_bf16x2(lo, hi):
-    return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+    return np.uint32((_bf16_bits(hi) << 16) | _bf16_bits(lo))
 
 
 def fmul_rn(a, b):
@@ -385,16 +373,6 @@ def _bulk_bytes(arr, idx, nbytes):
     if start + nbytes > flat.size:
         raise IndexError(f"bulk copy of {nbytes} bytes at byte {start} outside {flat.size}")
     return flat, slice(start, start + nbytes)
-
-
-def bulk_load(smem, saddr, gmem, gidx, nbytes, bar):
-    src, ssl = _bulk_bytes(gmem, gidx, int(nbytes))
-    dst, dsl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
-    dst[dsl] = src[ssl]                   # lands at once; the barrier's byte count settles it
-    with _lock:
-        b = _mbar(smem, bar)
-        b["tx"] -= int(nbytes)
-        _settle(b)
 
 
 def bulk_store(gmem, gidx, smem, saddr, nbytes):
