@@ -32,25 +32,13 @@ from benchmarks.common import (capture_graph, gpu_name, median, numba_stream,  #
                                time_interleaved, write_json)
 
 
-# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma, tma, l2_prefetch,
-#  async_ring, probe, packed_weights, multicast) -- GemmConfig's field order
+# (bm, bn, bk, wm, wn, stages, blocks_per_sm, max_registers, mma) -- GemmConfig's field order
 SWEEP = [
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True),
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, True),  # async ring (opt-in)
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", True),   # packed weights
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # block-barrier ring, cp.async B
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True),           # the same with TMA B
-    (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True),           # two blocks per SM
-    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True),           # 4 warpgroups: 256-row experts
-    # epilogue staged in shared memory, sent by bulk stores (GemmConfig.smem_epilogue)
-    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 0, True),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 0, True),
-    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma", False, 0, False, "", False, 0, True),
-    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma", True, 0, False, "", False, 0, True),
-    (128, 128, 64, 2, 1, 3, 2, 0, "wgmma", True, 0, False, "", False, 0, True),
+    (192, 256, 64, 3, 1, 4, 1, 0, "wgmma"),                 # WGMMA_192_GEMM
+    (128, 256, 64, 2, 1, 4, 1, 0, "wgmma"),                 # WGMMA_GEMM
+    (128, 128, 64, 2, 1, 3, 2, 0, "wgmma"),                 # two blocks per SM
+    (256, 128, 64, 4, 1, 4, 1, 0, "wgmma"),                 # 4 warpgroups: 256-row experts
 ]
-# (Clusters of 2 sharing weight slices, GemmConfig.multicast=2, lost every case of the session-7
-# sweep by 1.3-2.2x -- NOTES.md; probe them with benchmarks/probe_gemm.py variants mc1 / mc2.)
 
 
 def fastest_per_preset(trial):
@@ -77,17 +65,17 @@ def fastest_per_gemm(trial):
 
 
 def _config(text):
-    from mok_core.grouped_gemm import GemmConfig
+    from mok_core.gemm import GemmConfig
     return eval(text, {"GemmConfig": GemmConfig})
 
 
 def parse_gemm(text):
-    """'bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma,tma]' -> GemmConfig."""
-    from mok_core.grouped_gemm import GemmConfig
+    """'bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers,mma]' -> GemmConfig."""
+    from mok_core.gemm import GemmConfig
 
     def value(v):
         v = v.strip()
-        return int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+        return int(v) if v.isdigit() else v
     return GemmConfig(*[value(v) for v in text.split(",")])
 
 
@@ -124,20 +112,6 @@ def ffn_inputs(preset_name, T, skew, row_unit, rng):
         y=torch.empty(C, H, device=dev, dtype=bf))
 
 
-def weights_for(d, gemm_cfg, name, swiglu):
-    """Weight ``name`` of ``ffn_inputs`` as ``gemm_cfg`` reads it: packed
-    (``mok_core.weight_pack``, once per box size, kept in ``d``; the packing is weight
-    preparation, not timed -- parameters stored packed) or as is."""
-    if not gemm_cfg.packed_weights:
-        return d[name]
-    from mok_core.weight_pack import box_rows, pack_weights
-    rows = box_rows(gemm_cfg, swiglu)
-    key = f"{name}_packed{rows}"
-    if key not in d:
-        d[key] = pack_weights(d[name], rows)
-    return d[key]
-
-
 def gemm_pair(gemm_cfg):
     """A GemmConfig for both GEMMs, or a (gate_up, down) pair, as a pair."""
     return tuple(gemm_cfg) if isinstance(gemm_cfg, (tuple, list)) else (gemm_cfg, gemm_cfg)
@@ -147,12 +121,11 @@ def ffn_steps(d, gemm_cfg):
     """(gate_up, down) launches of our kernels over ``ffn_inputs``, on torch's current stream
     at call time (so they can be captured into a CUDA graph). ``gemm_cfg``: one GemmConfig,
     or a (gate_up, down) pair."""
-    from mok_core.grouped_gemm import down, gate_up_swiglu
+    from mok_core.gemm import down, gate_up_swiglu
     import torch
     u16 = torch.uint16
     cfg_gu, cfg_dn = gemm_pair(gemm_cfg)
-    wg, wu = (weights_for(d, cfg_gu, name, True) for name in ("wg", "wu"))
-    wd = weights_for(d, cfg_dn, "wd", False)
+    wg, wu, wd = d["wg"], d["wu"], d["wd"]
 
     def gate_up():
         gate_up_swiglu(d["x"].view(u16), d["index"], wg.view(u16), wu.view(u16),
@@ -314,7 +287,7 @@ def main(argv=None):
                          "the fastest gate_up and the fastest down tiles of its (preset, T)")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
     args = ap.parse_args(argv)
-    from mok_core.grouped_gemm import GemmConfig, default_gemm
+    from mok_core.gemm import GemmConfig, default_gemm
     cfg = default_gemm()
     if args.gemm:
         cfg = parse_gemm(args.gemm)

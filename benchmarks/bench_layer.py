@@ -325,9 +325,7 @@ def main(argv=None):
         import json
 
         from benchmarks.bench_ffn import fastest_per_gemm, fastest_per_preset
-        # older sweeps also tried packed weights (an option since removed): not candidates
-        trial = [r for r in json.load(open(args.gemm_from))
-                 if "packed_weights=True" not in r["gemm"]]
+        trial = json.load(open(args.gemm_from))
         if args.gemm_per_gemm:
             pair_of = fastest_per_gemm(trial)
         else:

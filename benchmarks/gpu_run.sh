@@ -10,8 +10,7 @@
 #        pull and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        gpu-single (the GPU tests one GPU runs, emulated ranks included)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
-#        probe-timing (the timing protocol: ours and grouped_mm alone / in turns / idle;
-#        PROBE_PRESETS, PROBE_TOKENS) -- the probes live in benchmarks/probes/
+#        -- the probes live in benchmarks/probes/
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
 #        gpu-suite-gemm and gpu-suite-rest in calls of their own)
@@ -65,15 +64,12 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
-    probe-timing) step probe-timing python3 benchmarks/probes/probe_timing.py \
-         --presets "${PROBE_PRESETS:-qwen3.5-397b,kimi-k2.7,glm-5.2}" \
-         --tokens "${PROBE_TOKENS:-4096}" --out "$OUT/probe_timing.json" ;;   # protocol vs ratio
     probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
          --nproc-per-node="$NGPU" benchmarks/probes/probe_host.py --preset "$p" \
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # eager vs compiled; launcher vs numba's dispatcher
     gpu-single) export SUITE=gpusingle; step gpu-single torchrun --standalone --nproc-per-node=1 \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_split_capture_gpu.py \
-         tests/gpu/test_schedule_gpu.py tests/gpu/test_cluster_gpu.py tests/gpu/test_jax_gpu.py \
+         tests/gpu/test_schedule_gpu.py tests/gpu/test_jax_gpu.py \
          tests/test_comm_emulated.py tests/test_jax_adapter.py tests/test_torch_adapter.py \
          tests/test_torch_op.py; rank_logs gpusingle ;;   # what one GPU can run (the tests/gpu
          # files first and together: the host's pytest lost tests/gpu's fixtures for a file

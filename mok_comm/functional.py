@@ -143,7 +143,7 @@ def routed_down_push(layer: Layer, W: Weights, stream):
     s = layer.schedule
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, None,
                 row_index=layer.gather_index,
-                push=(s.src_rank, s.src_token, s.src_slot, layer.comm.peer_combine,
+                push=(s.src_rank, s.src_token, s.src_slot, layer.peer_combine32,
                       layer.shape.topk), config=layer.gemm_down, stream=stream)
 
 

@@ -20,6 +20,7 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
+    peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
     shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past T)
     hidden_shared   uint16 [T_pad, I_s], y_shared uint16 [T_pad, H]: the shared expert FFN
     out             uint16 [T, H]     the default output (overwritten by the next step)
@@ -40,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import device_empty, device_full, upload
+from mok_core.cuda_compat import device_empty, device_full, flat_view, upload
 from mok_core.gemm import GemmConfig, default_gemm
 from mok_core.schedule import Schedule
 
@@ -162,6 +163,8 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
+        # the fused combine's destinations: every rank's combine rows as packed bf16 pairs
+        self.peer_combine32 = tuple(flat_view(p, np.uint32) for p in self.comm.peer_combine)
         self.shared_index = upload(np.where(rows < T, rows, -1).astype(i32), stream)
         self.shared_offsets = upload(np.array([0, T_pad], i32), stream)
         self.shared_rows = upload(np.array([T_pad], i32), stream)

@@ -312,59 +312,6 @@ def launch(kernel, grid, block, stream, smem_bytes, *args):
     kernel[grid, block, stream, smem_bytes](*args)
 
 
-def launch_cluster(kernel, grid, cluster, block, stream, smem_bytes, *args, persistent=False):
-    """``launch`` with thread-block clusters of ``cluster`` blocks (``grid`` blocks in all, a
-    multiple of ``cluster``); numba has no cluster launch, so the kernel's arguments are
-    packed as numba packs them and launched through cuda.core's ``LaunchConfig(cluster=)``.
-    ``persistent`` (a kernel that loops over its work): launch no more clusters than the GPU
-    holds at once (cuda.core's occupancy query) -- clusters only fit inside one GPC, so fewer
-    than SMs / cluster may be resident, and a cluster that waited for a free slot would take
-    its whole share of the work after the others are done; ValueError if none fits.
-    The simulator runs blocks one after another, so blocks that wait on each other cannot
-    run there: it takes ``cluster == 1`` only (a cluster kernel must also work as clusters of
-    one block -- that is what its simulator tests run)."""
-    if cluster < 1 or grid % cluster:
-        raise ValueError(f"grid={grid} blocks: must be a positive multiple of cluster={cluster}")
-    if cluster == 1:
-        return launch(kernel, grid, block, stream, smem_bytes, *args)
-    if SIM:
-        raise NotImplementedError("the CUDA simulator runs blocks one after another and cannot "
-                                  "run clusters of several blocks: launch with cluster=1")
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
-
-    from . import launcher
-    compiled = _compiled(kernel, args, smem_bytes)
-    if persistent:
-        resident = _max_active_clusters(compiled, cluster, block, smem_bytes)
-        if resident < 1:
-            raise ValueError(f"no cluster of {cluster} blocks x {block} threads with "
-                             f"{smem_bytes} B of shared memory fits on this GPU")
-        grid = min(grid, resident * cluster)
-    packed = launcher.pack(compiled, args, stream)
-    config = LaunchConfig(grid=grid // cluster, cluster=cluster, block=block,
-                          shmem_size=smem_bytes)
-    core_launch(launcher.core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel,
-                *packed)
-
-
-_MAX_CLUSTERS: dict = {}     # (compiled kernel, cluster, block, smem bytes) -> clusters
-
-
-def _max_active_clusters(compiled, cluster, block, smem_bytes) -> int:
-    """How many clusters of ``cluster`` blocks of ``compiled`` the GPU holds at once."""
-    key = (id(compiled), cluster, block, smem_bytes)
-    n = _MAX_CLUSTERS.get(key)
-    if n is None:
-        from cuda.core import LaunchConfig
-        from numba.cuda.cudadrv.driver import _to_core_stream
-        config = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=smem_bytes)
-        kern = compiled._codelibrary.get_cufunc().kernel
-        n = int(kern.occupancy.max_active_clusters(config, stream=_to_core_stream(0)))
-        _MAX_CLUSTERS[key] = n
-    return n
-
-
 def multiprocessor_count() -> int:
     """SMs of the current device (4 on the simulator, to exercise persistent loops)."""
     if SIM:

@@ -90,20 +90,6 @@ def flatten(codes, args, out: list) -> None:
             flatten(kind, value, out)
 
 
-def pack(compiled, args, stream) -> list:
-    """Kernel parameters of ``args`` for numba's compiled specialisation ``compiled`` (numba's
-    own ``_prepare_args`` for an argument kind ``flatten`` does not know; device arrays only:
-    nothing to copy back)."""
-    params: list = []
-    for ty, value in zip(compiled.argument_types, args):
-        code = _code(ty)
-        if code is None or (code[0] == _ARRAY and not isinstance(value, DeviceNDArray)):
-            compiled._prepare_args(ty, value, core_stream(stream), [], params)
-        else:
-            flatten((code,), (value,), params)
-    return params
-
-
 def _key(value):
     """numba's type of an argument (the part of the signature it decides), or None."""
     if isinstance(value, DeviceNDArray):

@@ -9,45 +9,17 @@ import pytest
 
 from helpers import to_dev
 from mok_core.cuda_compat import to_host
-from mok_core.grouped_gemm import SIM_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.gemm import SIM_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.reference import swiglu
 
 # Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
 CFG = SIM_GEMM
-# The wgmma kernels' smallest tiles (two 64-row warpgroups, 64 columns, 3- / 2-slice ring).
+# The wgmma kernel's smallest tiles (two 64-row warpgroups, 64 columns, a 3-slice ring); its
+# weight tiles come by TMA and its epilogue is staged in shared memory (the only wgmma path).
 WGMMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
-WGMMA_WS_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws")
-# The same with the weight tiles loaded by TMA (tensor maps, mbarrier byte counts).
-WGMMA_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True)
-WGMMA_WS_TMA_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=2, mma="wgmma_ws",
-                              tma=True)
-WGMMA192_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
-# Stages handed over by full/empty mbarriers (cp.async arrivals + TMA bytes), no block barrier.
-WGMMA192_ASYNC_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma",
-                                tma=True, async_ring=True)
-WGMMA_ASYNC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
-                             async_ring=True)
-# Weights in the packed layout (mok_core.weight_pack): each box one contiguous bulk copy.
-WGMMA_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
-                              packed_weights=True)
-# The cluster protocol (empty barriers released by every block of the cluster, weight slices
-# fetched in shares) with clusters of one block: what the simulator can run of multicast=2.
-WGMMA_MC_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma", tma=True,
-                          multicast=1)
-WGMMA_MC_PACKED_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
-                                 tma=True, packed_weights=True, multicast=1)
-# The epilogue staged in shared memory and sent by bulk stores.
-WGMMA_SMEM_EPI_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
-                                tma=True, smem_epilogue=True)
-# 192 rows staged: the Hopper default for experts of 113-192 rows (WGMMA_192_GEMM's form).
-WGMMA192_SMEM_EPI_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma",
-                                   tma=True, smem_epilogue=True)
-# The same, lanes 0..15 sending a row each (probe build "rows16"; the push path's way).
-WGMMA_SMEM_EPI_ROWS16_CFG = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma",
-                                       tma=True, smem_epilogue=True, probe="rows16")
-# 4 warpgroups (256-row tiles), weights by TMA.
-WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma", tma=True)
-from mok_core.reference import swiglu
-from mok_core.weight_pack import box_rows, pack_weights
+# 3 warpgroups (WGMMA_192_GEMM's form) and 4 warpgroups (256-row tiles).
+WGMMA192_CFG = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma")
+WGMMA256_CFG = GemmConfig(bm=256, bn=64, bk=64, wm=4, wn=1, stages=3, mma="wgmma")
 
 POISON = 0xFFFF     # bf16 NaN bits: any row the kernel forgets to write shows up
 
@@ -82,39 +54,21 @@ def rel_l1(got, want):
     (CFG, [40, 0, 17], None), (CFG, [40, 0, 17], 1.5),
     (CFG, [5, 33, 0, 1], None), (CFG, [5, 33, 0, 1], 1.5),
     # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile
-    # (blocks take several tiles: the ring wraps), clamp on (ws, TMA) and off (cp.async).
-    # (the warp-specialised kernel with TMA runs in test_down_push_equals_down_then_scatter)
-    (WGMMA_CFG, [40, 0, 150], None),
-    (WGMMA_WS_CFG, [40, 0, 150], 1.5),
-    (WGMMA_TMA_CFG, [40, 0, 150], 1.5),
+    # (blocks take several tiles: the ring wraps, mbarrier phase bits flip, the staging is
+    # reused tile after tile; no row past an expert's end or past num_rows written: 150 rows =
+    # 128 + a tile whose second warpgroup lies past the expert)
+    (WGMMA_CFG, [40, 0, 150], 1.5), (WGMMA_CFG, [40, 70], None),
     # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, a 192 + 128
-    # pair (the last warpgroup idle past the expert's end).
+    # pair (the last warpgroup idle past the expert's end)
     (WGMMA192_CFG, [40, 0, 300], 1.5),
-    # through shared memory + bulk stores (staging reused tile after tile; no row past an
-    # expert's end or past num_rows written: 150 rows = 128 + a tile whose second warpgroup
-    # lies past the expert)
-    (WGMMA_SMEM_EPI_CFG, [40, 0, 150], 1.5),
-    (WGMMA_SMEM_EPI_ROWS16_CFG, [40, 70], None),
-    # async ring: K of 4 slices for TMA (3 stages: the loop requests slices, stages wrap across
-    # tiles), cp.async-only B at 128 rows
-    (WGMMA192_ASYNC_CFG, [150, 0, 70], 1.5), (WGMMA_ASYNC_CFG, [70, 1], None),
-    (WGMMA_PACKED_CFG, [40, 0, 150], 1.5),
     # 256-row tiles: a 64-row tile (3 warpgroups idle), an empty expert, 256 + 64 rows
     (WGMMA256_CFG, [40, 0, 300], None),
-    # cluster ring: stages wrap across tiles (global slice count), halves of each packed
-    # weight box (the tensor-map halves: test_cluster_ring_waits_for_the_shares_it_needs)
-    (WGMMA_MC_PACKED_CFG, [150, 1], 1.5),
-], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-a",
-        "wgmma-ws-clamp", "wgmma-tma-clamp", "wgmma192-tma-clamp", "wgmma-smem-epilogue",
-        "wgmma-smem-epilogue-rows16",
-        "wgmma192-async-ring", "wgmma-async-ring", "wgmma-packed-weights-clamp", "wgmma256-tma",
-        "wgmma-multicast1-packed-clamp"])
+], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-clamp", "wgmma",
+        "wgmma192-clamp", "wgmma256"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit):
-    # (wgmma at a small K: several tiles per block still reuse every stage, so ring stages
-    # wrap and mbarrier phase bits flip; the simulator's big blocks are slow)
-    # (the cluster ring: gate/up K of 3 slices, one past the prologue's shares)
-    H, I = ((64, 32) if cfg.mma == "mma_sync" else (256, 64) if cfg.async_ring and cfg.tma
-            else (192, 64) if cfg.multicast else (128, 64))
+    # (wgmma at a small K: several tiles per block still reuse every stage; the simulator's
+    # big blocks are slow)
+    H, I = (64, 32) if cfg.mma == "mma_sync" else (128, 64)
     check_gemms(cfg, counts, limit, H, I)
 
 
@@ -130,10 +84,7 @@ def check_gemms(cfg, counts, limit, H, I):
     wd = bits(rng.standard_normal((E, H, I)) / 6)
     num_rows = np.array([off[-1]], np.int32)
     hidden = to_dev(np.full((C, I), POISON, np.uint16))
-    # what the kernels read: the weights as they are, or packed for the config's boxes
-    pk = ((lambda w, swiglu: pack_weights(w, box_rows(cfg, swiglu))) if cfg.packed_weights
-          else (lambda w, swiglu: w))
-    gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(pk(wg, True)), to_dev(pk(wu, True)),
+    gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(wg), to_dev(wu),
                    to_dev(off), to_dev(num_rows), hidden, swiglu_limit=limit, config=cfg)
     h = to_host(hidden)
 
@@ -153,7 +104,7 @@ def check_gemms(cfg, counts, limit, H, I):
     assert rel_l1(got, want[live]) < 5e-3
 
     y = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(pk(wd, False)), to_dev(off), to_dev(num_rows), y,
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y,
          row_index=to_dev(a_index), config=cfg)
     yh = to_host(y)
     want_y = np.zeros((C, H))
@@ -166,14 +117,14 @@ def check_gemms(cfg, counts, limit, H, I):
 
     # deterministic: a rerun is bitwise identical
     y2 = to_dev(np.full((C, H), POISON, np.uint16))
-    down(to_dev(h), to_dev(pk(wd, False)), to_dev(off), to_dev(num_rows), y2, config=cfg)
+    down(to_dev(h), to_dev(wd), to_dev(off), to_dev(num_rows), y2, config=cfg)
     np.testing.assert_array_equal(to_host(y2), yh)
 
 
-def test_smem_epilogue_needs_an_aligned_output():
-    """Bulk stores need 16-byte addresses: an output view starting 2 bytes in is refused on
-    the host, before any launch (gate/up's hidden and down's y)."""
-    cfg = WGMMA_SMEM_EPI_CFG
+def test_wgmma_output_needs_16_byte_alignment():
+    """The staged epilogue's bulk stores need 16-byte addresses: an output view starting 2
+    bytes in is refused on the host, before any launch (gate/up's hidden and down's y)."""
+    cfg = WGMMA_CFG
     E, H, I, C = 1, 128, 64, 128
     off = to_dev(np.array([0, C], np.int32))
     nr = to_dev(np.array([C], np.int32))
@@ -187,17 +138,6 @@ def test_smem_epilogue_needs_an_aligned_output():
     with pytest.raises(ValueError, match="16-byte aligned"):
         down(to_dev(np.zeros((C, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)), off,
              nr, to_dev(np.zeros(C * H + 8, np.uint16)[1:C * H + 1].reshape(C, H)), config=cfg)
-
-
-def test_cluster_ring_waits_for_the_shares_it_needs(monkeypatch):
-    """The cluster ring issues the weight shares it must have -- the prologue's, slice g + 1 at
-    step g -- by waiting on the stage, never by the poll alone: with every poll failing (a peer
-    always late) the GEMMs still complete and match; a needed share left to the poll would
-    never be issued, and the full barrier's bounded wait would trap."""
-    from mok_core import grouped_gemm_wgmma_kernels as wk
-    monkeypatch.setattr(wk, "mbarrier_test_wait_cluster", lambda smem, addr, parity: 0)
-    monkeypatch.setattr(wk, "_SPIN_LIMIT", 100_000)
-    check_gemms(WGMMA_MC_CFG, [150], None, 256, 64)     # gate/up: 2 slices past the prologue
 
 
 def test_rejects_bad_shapes():
@@ -227,20 +167,12 @@ def test_rejects_bad_shapes():
                        to_dev(hid), config=cfg)
 
 
-@pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1), dict(l2_prefetch=2),
-                                    dict(probe="no_a"), dict(multicast=2),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, multicast=2),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
-                                         multicast=3),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
-                                         probe="mc_local"),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
-                                         multicast=2, async_ring=True),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64, tma=True,
-                                         multicast=2, l2_prefetch=2),
-                                    dict(smem_epilogue=True),
-                                    dict(mma="wgmma", bk=64, wm=2, wn=1, bn=64,
-                                         smem_epilogue=True, async_ring=True),
+@pytest.mark.parametrize("kwargs", [dict(bk=48), dict(bm=40), dict(stages=1),
+                                    dict(mma="wgmma_ws"),
+                                    dict(mma="wgmma", bm=128, bk=64, wm=2, wn=1, bn=64,
+                                         stages=2),
+                                    dict(mma="wgmma", bm=256, bk=64, wm=4, wn=1, bn=256),
+                                    dict(mma="wgmma", bm=128, bk=64, wm=2, wn=1, bn=96),
                                     dict(wm=8, wn=8, bm=128, bn=128)])
 def test_gemm_config_validation(kwargs):
     with pytest.raises(ValueError, match="GemmConfig"):
@@ -279,37 +211,35 @@ def test_sweep_picks_each_gemms_fastest_tiles_per_case():
 def test_wgmma_needs_hopper_and_default_follows_the_device(monkeypatch):
     """wgmma exists only on sm_90: a wgmma config on another GPU is a clear error before any
     compile, and the default tiles follow the device (simulator: small mma.sync tiles)."""
-    import mok_core.grouped_gemm as gg
+    import mok_core.gemm as gg
+    from mok_core.gemm import config, sm90
     assert gg.default_gemm() == gg.SIM_GEMM
 
     class Device:
         compute_capability = (10, 0)
     from numba import cuda
-    monkeypatch.setattr(gg, "SIM", False)
+    monkeypatch.setattr(config, "SIM", False)
+    monkeypatch.setattr(sm90, "SIM", False)
     monkeypatch.setattr(cuda, "get_current_device", lambda: Device())
     assert gg.default_gemm() == gg.MMA_SYNC_GEMM
     with pytest.raises(ValueError, match="needs a Hopper GPU.*sm_100"):
-        gg._require_arch(gg.WGMMA_GEMM)
-    gg._require_arch(gg.MMA_SYNC_GEMM)                        # fine anywhere
+        sm90._require_arch(gg.WGMMA_GEMM)
     Device.compute_capability = (9, 0)
     assert gg.default_gemm() == gg.WGMMA_GEMM
-    gg._require_arch(gg.WGMMA_GEMM)
-    assert gg.WGMMA_GEMM.smem_epilogue and gg.WGMMA_GEMM.bm == 128
+    sm90._require_arch(gg.WGMMA_GEMM)
+    assert gg.WGMMA_GEMM.bm == 128
     # Row tile by the mean rows per expert: 192 where one tile replaces two.
-    assert gg.WGMMA_192_GEMM.bm == 192 and gg.WGMMA_192_GEMM.smem_epilogue
+    assert gg.WGMMA_192_GEMM.bm == 192
     for rows, bm in ((64, 128), (112, 128), (112.5, 192), (128, 192), (171, 192), (192, 192),
                      (193, 128), (255, 128), (342, 128), (512, 128)):
         assert gg.default_gemm(rows).bm == bm, rows
 
 
-@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA_WS_TMA_CFG, WGMMA192_SMEM_EPI_CFG,
-                                 WGMMA_SMEM_EPI_CFG],
-                         ids=["wgmma", "wgmma-ws-tma", "wgmma192-smem-epilogue",
-                              "wgmma-smem-epilogue"])
+@pytest.mark.parametrize("cfg", [WGMMA_CFG, WGMMA192_CFG], ids=["wgmma", "wgmma192"])
 def test_down_push_equals_down_then_scatter(cfg):
     """down(push=...) -- the combine fused into the epilogue -- writes each real row's bits
     to its source rank's combine row token * k + slot and nothing else (192-row tiles: the
-    idle warpgroups past an expert's end push nothing; staged: each row by one bulk store)."""
+    idle warpgroups past an expert's end push nothing; each row goes by one bulk store)."""
     rng = np.random.default_rng(11)
     counts, E, H, I, R, T, k = [70, 0, 140, 130], 4, 128, 64, 2, 128, 4
     off, C, a_index = layout(counts, cfg.row_unit, 0, rng, 1)
@@ -346,27 +276,3 @@ def test_wgmma_launch_limits_are_clear_errors():
     with pytest.raises(ValueError, match="513 experts in one launch"):
         down(to_dev(np.zeros((64, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)),
              to_dev(off), to_dev(nr), to_dev(np.zeros((64, H), np.uint16)), config=WGMMA_CFG)
-
-
-def test_probe_variants_build_valid_configs_from_the_staged_default():
-    """benchmarks/probe_gemm.py: every variant kind yields a valid GemmConfig from the staged
-    default; row-tile, async and cluster parts switch the staging off, 'smemepi' back on."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import mok_core.grouped_gemm as gg
-    from benchmarks.probe_gemm import variant_config
-    base = gg.WGMMA_GEMM
-    assert base.smem_epilogue
-    for v in ("base", "no_a", "no_store", "mma_first", "l2pf4", "async", "packed", "bm128",
-              "bm192", "bm256", "2cta", "mc1", "mc2", "st3", "bn128", "bm192+smemepi",
-              "async+no_mma", "bm128+smemepi+no_store", "bm128+smemepi+rows16",
-              "stage_only"):
-        cfg = variant_config(base, v)                   # GemmConfig validates itself
-        assert cfg.smem_epilogue == (v in ("base", "no_a", "no_store", "mma_first", "l2pf4",
-                                           "packed", "st3", "bn128", "bm192+smemepi",
-                                           "bm128+smemepi+no_store", "bm128+smemepi+rows16",
-                                           "stage_only")), v
-    with pytest.raises(ValueError, match="'rows16', 'stage_only' with smem_epilogue"):
-        variant_config(base, "bm192+rows16")
-    assert variant_config(base, "bm192+smemepi") == gg.WGMMA_192_GEMM

@@ -8,24 +8,21 @@ import pytest
 from numba import cuda, float32, int32, int64, uint16, uint64
 
 from helpers import to_dev
-from mok_core.bf16 import bf16_to_f32, hi_bf16, lo_bf16
+from mok_core.bf16 import hi_bf16, lo_bf16
 from mok_core.cuda_compat import SIM, kjit, to_host
-from mok_core.grouped_gemm_kernels import swiglu
+from mok_core.gemm.epilogue import swiglu
 from mok_core.intrinsics import ex2_approx, rcp_approx
-from mok_core.intrinsics import (cp_async_16, cp_async_16_at, cp_async_commit, cp_async_wait,
-                                 f32_to_bf16, ld_acquire_sys, ld_v4, ld_v4_nc, ldmatrix_x2,
-                                 ldmatrix_x4, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
-                                 red_add_release_gpu, red_add_release_sys, shared_addr,
+from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
+                                 ld_acquire_sys, ld_v4,
+                                 ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
+                                 red_add_release_gpu, shared_addr,
                                  match_any, st_release_sys, st_v4, tuple_pick)
-from mok_core.intrinsics import (bulk_load_multicast, cluster_ctarank, cluster_sync,
-                                 mbarrier_arrive_cluster, mbarrier_test_wait_cluster,
-                                 mbarrier_try_wait_cluster, tma_load_2d_multicast, trap)
-from mok_core.intrinsics import (bulk_commit, bulk_load, bulk_store, bulk_wait, bulk_wait_read,
+from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
                                  st_shared_u32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d)
-from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_arrive, mbarrier_init,
-                                 mbarrier_try_wait, store_f32_tuple, tuple_groups, wgmma_commit,
+from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
+                                 mbarrier_try_wait, tuple_groups, wgmma_commit,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
                                  wgmma_wait)
 
@@ -40,29 +37,22 @@ def bits_to_f32(b):
 
 # ---- vector copy ---------------------------------------------------------------------------
 
-def _copy_rows_with(load):
-    """dst row i = src row perm[i], 16 bytes per thread-step, read with ``load``."""
-    @kjit
-    def copy_rows(src, dst, perm, width):
-        i = cuda.blockIdx.x
-        for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
-            a, b, d, e = load(src, perm[i] * width + c)
-            st_v4(dst, i * width + c, a, b, d, e)
-    return copy_rows
+@kjit
+def _copy_rows_v4(src, dst, perm, width):
+    """dst row i = src row perm[i], 16 bytes per thread-step."""
+    i = cuda.blockIdx.x
+    for c in range(cuda.threadIdx.x * 8, width, cuda.blockDim.x * 8):
+        a, b, d, e = ld_v4(src, perm[i] * width + c)
+        st_v4(dst, i * width + c, a, b, d, e)
 
 
-_copy_rows_v4 = _copy_rows_with(ld_v4)
-_copy_rows_v4_nc = _copy_rows_with(ld_v4_nc)       # the read-only path
-
-
-@pytest.mark.parametrize("kernel", [_copy_rows_v4, _copy_rows_v4_nc], ids=["ld", "ld_nc"])
-def test_ld_st_v4_copy(kernel):
+def test_ld_st_v4_copy():
     rng = np.random.default_rng(0)
     rows, width = 6, 64
     src = rng.integers(0, 2**16, size=rows * width, dtype=np.uint16)
     perm = rng.permutation(rows).astype(np.int32)
     dst = to_dev(np.zeros(rows * width, np.uint16))
-    kernel[rows, 4](to_dev(src), dst, to_dev(perm), width)
+    _copy_rows_v4[rows, 4](to_dev(src), dst, to_dev(perm), width)
     np.testing.assert_array_equal(to_host(dst).reshape(rows, width),
                                   src.reshape(rows, width)[perm])
 
@@ -70,33 +60,26 @@ def test_ld_st_v4_copy(kernel):
 # ---- bf16 conversions ------------------------------------------------------------------------
 
 @kjit
-def _convert(x, out16, packed, back):
+def _convert(x, packed, back):
     i = cuda.grid(1)
-    if i < x.size:
-        out16[i] = f32_to_bf16(x[i])
-        back[i] = bf16_to_f32(out16[i])
-        if i % 2 == 0 and i + 1 < x.size:
-            w = pack_bf16x2(x[i], x[i + 1])
-            packed[i // 2] = w
-            back[x.size + i] = lo_bf16(w)
-            back[x.size + i + 1] = hi_bf16(w)
+    if i % 2 == 0 and i + 1 < x.size:
+        w = pack_bf16x2(x[i], x[i + 1])
+        packed[i // 2] = w
+        back[i] = lo_bf16(w)
+        back[i + 1] = hi_bf16(w)
 
 
 def test_bf16_rounding_matches_ml_dtypes():
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(64) * 10 ** rng.uniform(-5, 5, 64)).astype(np.float32)
     x[:4] = [1.00390625, 1.01171875, -2.0, 0.0]       # exact ties: round to even
-    out16 = to_dev(np.zeros(64, np.uint16))
     packed = to_dev(np.zeros(32, np.uint32))
-    back = to_dev(np.zeros(128, np.float32))
-    _convert[2, 32](to_dev(x), out16, packed, back)
+    back = to_dev(np.zeros(64, np.float32))
+    _convert[2, 32](to_dev(x), packed, back)
     want = bf16_bits(x)
-    np.testing.assert_array_equal(to_host(out16), want)
     np.testing.assert_array_equal(to_host(packed), want[0::2].astype(np.uint32)
                                   | (want[1::2].astype(np.uint32) << 16))
-    b = to_host(back)
-    np.testing.assert_array_equal(b[:64], bits_to_f32(want))
-    np.testing.assert_array_equal(b[64:], bits_to_f32(want))
+    np.testing.assert_array_equal(to_host(back), bits_to_f32(want))
 
 
 @kjit
@@ -133,7 +116,6 @@ def test_sfu_approximations_and_the_swiglu_built_on_them():
 def _flags(flags, out):
     i = cuda.threadIdx.x
     red_add_release_gpu(flags, 0, 1)
-    red_add_release_sys(flags, 2, 2)
     cuda.syncthreads()
     if i == 0:
         out[0] = ld_acquire_sys(flags, 0)
@@ -141,10 +123,10 @@ def _flags(flags, out):
 
 
 def test_acquire_release_and_counter():
-    flags = to_dev(np.zeros(3, np.int32))
+    flags = to_dev(np.zeros(2, np.int32))
     out = to_dev(np.zeros(1, np.int32))
     _flags[1, 64](flags, out)
-    np.testing.assert_array_equal(to_host(flags), [64, 105, 128])
+    np.testing.assert_array_equal(to_host(flags), [64, 105])
     assert to_host(out)[0] == 64
 
 
@@ -216,32 +198,9 @@ def _check_mma_tile(kernel, seed):
 
 
 @kjit
-def _mma_tile(a, b, c, d):
-    """One warp: D[16x8] = A[16x16] @ B[8x16]^T + C, operands staged through shared memory."""
-    sa = cuda.shared.array(256, uint16)
-    sb = cuda.shared.array(128, uint16)
-    lane = cuda.threadIdx.x
-    for i in range(lane, 256, 32):
-        sa[i] = a[i]
-    for i in range(lane, 128, 32):
-        sb[i] = b[i]
-    cuda.syncthreads()
-    # A as four 8x8 matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), ...
-    row = lane % 16
-    col = (lane // 16) * 8
-    a0, a1, a2, a3 = ldmatrix_x4(sa, row * 16 + col)
-    # B^T stored [n, k]: two 8x8 matrices (k 0-7), (k 8-15); lanes 0-15 give the rows.
-    b0, b1 = ldmatrix_x2(sb, (lane % 8) * 16 + ((lane // 8) % 2) * 8)
-    _mma_into(a0, a1, a2, a3, b0, b1, c, d, lane)
-
-
-def test_mma_with_ldmatrix():
-    _check_mma_tile(_mma_tile, 2)
-
-
-@kjit
 def _mma_tile_at(a, b, c, d):
-    """_mma_tile with the operands staged by cp_async_16_at and read by ldmatrix_x4_at."""
+    """One warp: D[16x8] = A[16x16] @ B[8x16]^T + C, the operands staged by cp_async_16_at
+    and read by ldmatrix_x4_at."""
     sa = cuda.shared.array(256, uint16)
     sb = cuda.shared.array(128, uint16)
     lane = cuda.threadIdx.x
@@ -284,7 +243,7 @@ def _cp_async_rows(src, rows, out, width):
         if r < 0:
             nbytes = 0
             r = 0
-        cp_async_16(sm, i * width + c, src, r * width + c, nbytes)
+        cp_async_16_at(sm, shared_addr(sm) + (i * width + c) * 2, src, r * width + c, nbytes)
     cp_async_commit()
     cp_async_wait(0)
     cuda.syncthreads()
@@ -308,7 +267,7 @@ def _cp_async_no_wait(src, out):
     sm = cuda.shared.array(8, uint16)
     if cuda.threadIdx.x == 0:
         sm[0] = 7
-        cp_async_16(sm, 0, src, 0, 16)
+        cp_async_16_at(sm, shared_addr(sm), src, 0, 16)
         cp_async_commit()
         out[0] = sm[0]          # read before the wait: the copy must not have landed
         cp_async_wait(0)
@@ -332,7 +291,7 @@ def _make_wgmma_slice(n):
     """One warpgroup: A [64, 64] and B [n, 64] (bf16, K-major) staged with plain stores in the
     128-byte-swizzled layout, then one K slice = 4 wgmma k16 steps through descriptors whose
     start address advances 32 bytes per step -- exactly what the GEMM kernels do."""
-    from mok_core.grouped_gemm_wgmma_kernels import _DESC_HIGH
+    from mok_core.gemm.sm90 import _DESC_HIGH
     mma = _WGMMA_N[n]
     elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
     nacc = n // 2
@@ -363,15 +322,20 @@ def _make_wgmma_slice(n):
         acc = mma(acc, sm, da + 6, db + 6)
         wgmma_commit()
         acc = wgmma_wait(acc, 0)
-        c = cuda.local.array(nacc, float32)
-        store_f32_tuple(c, acc)
-        row = 16 * (t // 32) + (t % 32) // 4
-        col = 2 * (t % 4)
-        for j in range(n // 8):
-            for h in range(2):
-                for q in range(2):
-                    d[(row + 8 * h) * n + 8 * j + col + q] = c[4 * j + 2 * h + q]
+        _store_acc(acc, (d, 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4), int64(n)))
     return kernel
+
+
+def _store_frag(j, d, row, col, n, x0, x1, x2, x3):
+    """Group j of a wgmma fragment: rows row and row + 8, columns 8j + col (+1)."""
+    d[row * n + 8 * j + col] = x0
+    d[row * n + 8 * j + col + 1] = x1
+    d[(row + 8) * n + 8 * j + col] = x2
+    d[(row + 8) * n + 8 * j + col + 1] = x3
+
+
+_store_acc = tuple_groups(_store_frag, lambda count: [[4 * j + i for i in range(4)]
+                                                      for j in range(count // 4)])
 
 
 @pytest.mark.parametrize("n", [64, 128])
@@ -433,7 +397,7 @@ def _mbarrier_phases(out):
     cuda.syncthreads()
     if t < 2:
         data[t] = 10 + t
-        mbarrier_arrive(bar, addr)          # release: the write above is visible to waiters
+        mbarrier_arrive_expect_tx(bar, addr, 0)   # release: the write above is seen by waiters
     if t == 2:
         while mbarrier_try_wait(bar, addr, 0) == 0:
             pass
@@ -448,33 +412,6 @@ def test_mbarrier_phase_completes_after_count_arrivals():
 
 
 # ---- bulk async copies ---------------------------------------------------------------------------
-
-@kjit
-def _bulk_copy(src, dst, first, nbytes):
-    """Thread 0: src[first:] -> shared (mbarrier counts the bytes) -> dst, twice 'nbytes'."""
-    buf = cuda.shared.array(68, uint16)            # 128 bytes of data, then the mbarrier
-    if cuda.threadIdx.x == 0:
-        s = shared_addr(buf)
-        b = s + 128
-        mbarrier_init(buf, b, 1)
-        phase = 0
-        for part in range(2):
-            mbarrier_arrive_expect_tx(buf, b, nbytes)
-            bulk_load(buf, s, src, first + part * (nbytes // 2), nbytes, b)
-            while mbarrier_try_wait(buf, b, phase) == 0:
-                pass
-            phase ^= 1
-            bulk_store(dst, part * (nbytes // 2), buf, s, nbytes)
-            bulk_commit()
-            bulk_wait(0)
-
-
-def test_bulk_copy_through_shared_memory():
-    src = np.arange(200, dtype=np.uint16)
-    dst = to_dev(np.zeros(128, np.uint16))
-    _bulk_copy[1, 32](to_dev(src), dst, 16, 128)          # 64 bf16 per part, from element 16
-    np.testing.assert_array_equal(to_host(dst), src[16:144])
-
 
 def _make_staged_stores(read_wait):
     @kjit
@@ -544,7 +481,7 @@ def _tma_box(tmaps, out, x, y, rows):
 
 
 def test_tma_box_is_swizzled_and_zero_filled_past_the_tensor():
-    from mok_core.tensor_map import tensor_maps
+    from mok_core.gemm.tensor_map import tensor_maps
     rows, cols, box = 20, 128, 16
     src = (np.arange(rows * cols) % 65521).astype(np.uint16).reshape(rows, cols)
     dsrc = to_dev(src)
@@ -559,7 +496,7 @@ def test_tma_box_is_swizzled_and_zero_filled_past_the_tensor():
 def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
     """A cache miss whose upload fails (inside a CUDA-graph capture, on a GPU) names the fix
     instead of surfacing a bare driver error."""
-    from mok_core import tensor_map
+    from mok_core.gemm import tensor_map
     from mok_core.cuda_compat import device_address
 
     def refuse(*_):
@@ -570,107 +507,3 @@ def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):
         tensor_map.tensor_maps([fresh], 8)
     assert not any(k[0][0] == device_address(fresh) for k in tensor_map._cache)
 
-
-# ---- clusters ----------------------------------------------------------------------------------
-
-@kjit
-def _cluster_ranks(out):
-    """out[block * threads + thread] = the block's rank in its cluster, after a cluster barrier
-    (the GPU suite launches it with clusters of 2: tests/gpu/test_cluster_gpu.py)."""
-    cluster_sync()
-    out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = cluster_ctarank()
-
-
-def test_cluster_of_one_block_on_the_simulator():
-    from mok_core.cuda_compat import SIM, launch_cluster
-    out = to_dev(np.full(4 * 32, -1, np.int32))
-    launch_cluster(_cluster_ranks, 4, 1, 32, 0, 0, out)
-    np.testing.assert_array_equal(to_host(out), 0)
-    with pytest.raises(ValueError, match="multiple of cluster=2"):
-        launch_cluster(_cluster_ranks, 3, 2, 32, 0, 0, out)
-    if SIM:
-        with pytest.raises(NotImplementedError, match="launch with cluster=1"):
-            launch_cluster(_cluster_ranks, 4, 2, 32, 0, 0, out)
-
-
-@kjit
-def _cluster_share(tmaps, src, out, box_rows, nblk):
-    """A cluster of ``nblk`` blocks shares one slice: rank r fetches box r of a TMA map (rows
-    [r box_rows, (r + 1) box_rows)) and the same rows of ``src`` by a bulk copy, each
-    multicast into every block; every block arms its own barrier with all the bytes. Then each
-    block's thread 0 arrives on every block's ``done`` barrier (mapa, release at cluster
-    scope) and every thread waits on its own (acquire at cluster scope). out[block] = the TMA
-    part un-swizzled, then the bulk part as it landed, then the poll's answer."""
-    buf = cuda.shared.array(8192 + 512 + 16, uint16)
-    s = shared_addr(buf)
-    ring = s + (1024 - s % 1024) % 1024
-    full = ring + 16384                            # after two 8 KB parts
-    done = full + 8
-    rank = cluster_ctarank()
-    part = box_rows * 128
-    if cuda.threadIdx.x == 0:
-        mbarrier_init(buf, full, 1)
-        mbarrier_init(buf, done, nblk)
-        fence_mbarrier_init()
-    cluster_sync()                                 # peers' barriers exist before any traffic
-    if cuda.threadIdx.x == 0:
-        tensormap_acquire(tmaps, 0)
-        mbarrier_arrive_expect_tx(buf, full, 2 * nblk * part)
-        tma_load_2d_multicast(buf, ring + rank * part, tmaps, 0, 0, rank * box_rows, full,
-                              (1 << nblk) - 1)
-        bulk_load_multicast(buf, ring + 8192 + rank * part, src, rank * box_rows * 64, part,
-                            full, (1 << nblk) - 1)
-    n = 0                                          # bounded: a bug traps, never hangs
-    while mbarrier_try_wait(buf, full, 0) == 0:
-        n += 1
-        if n == 1 << 22:
-            trap()
-    if cuda.threadIdx.x == 0:
-        for b in range(nblk):
-            mbarrier_arrive_cluster(buf, done, b)
-    while mbarrier_try_wait_cluster(buf, done, 0) == 0:
-        n += 1
-        if n == 1 << 23:
-            trap()
-    rows = nblk * box_rows
-    base = (ring - s) // 2
-    o = cuda.blockIdx.x * (2 * rows * 64 + 1)
-    for i in range(cuda.threadIdx.x, rows * 64, cuda.blockDim.x):
-        r = i // 64
-        c = i % 64
-        out[o + i] = buf[base + r * 64 + ((c // 8) ^ (r % 8)) * 8 + c % 8]
-        out[o + rows * 64 + i] = buf[base + 4096 + i]
-    if cuda.threadIdx.x == 0:
-        out[o + 2 * rows * 64] = mbarrier_test_wait_cluster(buf, done, 0)
-    cluster_sync()                                 # no block leaves before its peers' arrivals
-
-
-def cluster_share_check(nblk, blocks):
-    """Launch ``_cluster_share`` with clusters of ``nblk`` (``blocks`` in all) and check every
-    block holds the whole slice (the GPU suite runs nblk = 2: tests/gpu/test_cluster_gpu.py)."""
-    from mok_core.cuda_compat import launch_cluster
-    from mok_core.tensor_map import tensor_maps
-    box_rows = 16
-    rows = nblk * box_rows
-    src = (np.arange(rows * 64) * 7 % 65521).astype(np.uint16)
-    dsrc = to_dev(src)
-    maps = tensor_maps([dsrc.reshape(rows, 64)], box_rows)
-    width = 2 * rows * 64 + 1
-    out = to_dev(np.zeros(blocks * width, np.uint16))
-    launch_cluster(_cluster_share, blocks, nblk, 128, 0, 0, maps, dsrc, out, box_rows, nblk)
-    got = to_host(out).reshape(blocks, width)
-    for b in range(blocks):
-        np.testing.assert_array_equal(got[b, :rows * 64], src)      # TMA shares, un-swizzled
-        np.testing.assert_array_equal(got[b, rows * 64:-1], src)    # bulk shares
-        assert got[b, -1] == 1, "the poll must see the completed phase"
-
-
-def test_cluster_share_of_one_block():
-    """Multicast loads, remote arrivals and cluster-scope waits in a cluster of one block (what
-    the simulator runs); the multicast twins refuse a mask naming other blocks."""
-    from mok_core.cuda_compat import SIM
-    cluster_share_check(1, 2)
-    if SIM:
-        from mok_core.intrinsics import twins
-        with pytest.raises(NotImplementedError, match="clusters of one block"):
-            twins.tma_load_2d_multicast(None, 0, None, 0, 0, 0, 0, 3)

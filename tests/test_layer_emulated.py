@@ -87,7 +87,7 @@ def test_wgmma_layer_with_the_combine_fused_into_the_down_gemm():
     rows home from its epilogue (no y buffer, no combine launch) -- the float64 bar over all
     ranks' tokens. (That the push writes the same bits as y + combine is
     ``test_grouped_gemm.test_down_push_equals_down_then_scatter``.)"""
-    gemm = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma", tma=True)
+    gemm = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma")
     cfg = MoKConfig(row_align=64, minibatch_size=128, capacity_factor=1.0)
     rng = np.random.default_rng(9)
     R, T = 2, 12

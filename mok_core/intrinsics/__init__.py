@@ -1,34 +1,24 @@
 """MoK-Py's few GPU intrinsics, each with a simulator twin (same name, same behaviour).
 
     memory:       ld_v4, st_v4                      16-byte vector load/store
-                  ld_v4_nc                          ld_v4 via the read-only (.nc) path
-    ordering:     ld_acquire_sys, ld_acquire_gpu, st_release_sys, red_add_release_gpu,
-                  red_add_release_sys, clock64,
-                  nanosleep, syncwarp, warp_all (a vote ptxas knows is warp-uniform),
+    ordering:     ld_acquire_sys, st_release_sys, red_add_release_gpu, clock64, nanosleep,
+                  syncwarp, warp_all (a vote ptxas knows is warp-uniform),
                   match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
-    bf16 / fp32:  u32_as_f32, f32_as_u32, f32_to_bf16, pack_bf16x2, fmul_rn, fadd_rn,
+    bf16 / fp32:  u32_as_f32, pack_bf16x2, fmul_rn, fadd_rn,
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
-    tensor cores: mma_bf16_16816, ldmatrix_x4, ldmatrix_x2, cp_async_16, cp_async_commit,
-                  cp_async_wait; shared_addr + ldmatrix_x4_at / cp_async_16_at (32-bit
-                  shared byte addresses for hot loops), st_shared_u32
+    tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
+                  ldmatrix_x4_at / cp_async_16_at (32-bit shared byte addresses for hot
+                  loops), st_shared_u32
     wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
-                  fence_proxy_async, f32_zeros, store_f32_tuple (the accumulator travels as a
-                  UniTuple), tuple_groups (a per-group function over the accumulator,
-                  unrolled: constant indices, no local-memory copy)
-    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, cp_async_mbarrier_arrive,
-                  trap; setmaxnreg_inc, setmaxnreg_dec (warp-specialised register split)
-    bulk copies:  mbarrier_arrive_expect_tx, bulk_load (global or peer -> shared, completes
-                  an mbarrier's byte count), bulk_store, bulk_commit, bulk_wait (shared -> global),
-                  bulk_wait_read (the shared source may be reused)
+                  fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
+                  tuple_groups (a per-group function over the accumulator, unrolled: constant
+                  indices, no local-memory copy)
+    mbarriers:    mbarrier_init, mbarrier_try_wait, trap
+    bulk copies:  mbarrier_arrive_expect_tx, bulk_store, bulk_commit, bulk_wait (shared ->
+                  global), bulk_wait_read (the shared source may be reused)
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
-                  completes an mbarrier's byte count), tma_prefetch_2d (the same box -> L2
-                  only), fence_mbarrier_init
-    clusters:     cluster_ctarank, cluster_sync (launch: ``cuda_compat.launch_cluster``),
-                  tma_load_2d_multicast / bulk_load_multicast (one read lands in several
-                  blocks' shared memory), mbarrier_arrive_cluster (arrive on a peer block's
-                  barrier), mbarrier_try_wait_cluster (acquire at cluster scope),
-                  mbarrier_test_wait_cluster (the same, a poll that never blocks)
+                  completes an mbarrier's byte count), fence_mbarrier_init
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -37,24 +27,19 @@ import importlib
 from ..cuda_compat import SIM
 
 __all__ = [
-    "ld_v4", "ld_v4_nc", "st_v4",
-    "ld_acquire_sys", "ld_acquire_gpu", "st_release_sys", "red_add_release_gpu",
-    "red_add_release_sys", "clock64",
-    "nanosleep", "syncwarp", "warp_all", "match_any", "tuple_pick",
-    "u32_as_f32", "f32_as_u32", "f32_to_bf16", "pack_bf16x2", "fmul_rn", "fadd_rn",
+    "ld_v4", "st_v4",
+    "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
+    "syncwarp", "warp_all", "match_any", "tuple_pick",
+    "u32_as_f32", "pack_bf16x2", "fmul_rn", "fadd_rn",
     "ex2_approx", "rcp_approx",
-    "mma_bf16_16816", "ldmatrix_x4", "ldmatrix_x2", "cp_async_16", "cp_async_commit",
-    "cp_async_wait", "shared_addr", "ldmatrix_x4_at", "cp_async_16_at",
+    "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",
+    "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
-    "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "store_f32_tuple",
-    "tuple_groups",
-    "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
-    "setmaxnreg_inc", "setmaxnreg_dec",
-    "mbarrier_arrive_expect_tx", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait",
+    "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
+    "mbarrier_init", "mbarrier_try_wait", "trap",
+    "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32",
-    "tensormap_acquire", "tma_load_2d", "tma_prefetch_2d", "fence_mbarrier_init",
-    "cluster_ctarank", "cluster_sync", "tma_load_2d_multicast", "bulk_load_multicast",
-    "mbarrier_arrive_cluster", "mbarrier_try_wait_cluster", "mbarrier_test_wait_cluster",
+    "tensormap_acquire", "tma_load_2d", "fence_mbarrier_init",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

@@ -14,7 +14,6 @@ from llvmlite import ir
 from numba.cuda import cgutils, types
 from numba.cuda.extending import intrinsic
 
-_i16 = ir.IntType(16)
 _i32 = ir.IntType(32)
 _i64 = ir.IntType(64)
 _f32 = ir.FloatType()
@@ -66,24 +65,6 @@ def ld_v4(typingctx, arr, idx):
 
 
 @intrinsic
-def ld_v4_nc(typingctx, arr, idx):
-    """``ld_v4`` through the read-only path, ``ld.global.nc.L1::no_allocate.L2::256B``: for
-    global (or peer) data nothing writes while the kernel runs; L1 is bypassed and L2 fetches
-    256 bytes around the address (whole lines for a warp's 512 contiguous bytes). The generic
-    address is used as a global one, as CUDA C++ does (they coincide for global memory)."""
-    if not (_is_1d(arr) and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.ptrtoint(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), _i64)
-        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [ptr],
-                   "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
-                   "=r,=r,=r,=r,l", True)   # volatile: stays where the unrolled copy puts it
-        return _tuple(context, builder, sig, res, 4)
-    return _u32x4(arr, idx), codegen
-
-
-@intrinsic
 def st_v4(typingctx, arr, idx, v0, v1, v2, v3):
     """Store 4 uint32 as 16 bytes at element ``idx`` of ``arr`` (16-byte aligned)."""
     if not (_is_1d(arr) and isinstance(idx, types.Integer)):
@@ -122,8 +103,6 @@ def _acquire_load(scope, doc):
 
 ld_acquire_sys = _acquire_load("sys", "Acquire load (system scope) of an int32 flag: sees "
                                       "peers' release stores.")
-ld_acquire_gpu = _acquire_load("gpu", "Acquire load (GPU scope) of an int32 counter written "
-                                      "by other blocks of this GPU.")
 
 
 def _release_update(name, ptx, doc):
@@ -148,10 +127,6 @@ st_release_sys = _release_update(
 red_add_release_gpu = _release_update(
     "red_add_release_gpu", "red.release.gpu.add.s32 [$0], $1;",
     "Atomic add with release semantics (GPU scope): publish 'my rows are written'.")
-red_add_release_sys = _release_update(
-    "red_add_release_sys", "red.release.sys.add.s32 [$0], $1;",
-    "Atomic add with release semantics (system scope), e.g. on a peer's counter over NVLink: "
-    "publish 'the rows I pushed to you are written'.")
 
 
 def _statement(name, text, doc):
@@ -259,27 +234,6 @@ def u32_as_f32(typingctx, x):
 
 
 @intrinsic
-def f32_as_u32(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], _i32)
-    return types.uint32(x), codegen
-
-
-@intrinsic
-def f32_to_bf16(typingctx, x):
-    """Round-to-nearest-even float32 -> bf16 bits (uint16)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _asm(builder, _i16, [args[0]], "cvt.rn.bf16.f32 $0, $1;", "=h,f")
-    return types.uint16(x), codegen
-
-
-@intrinsic
 def pack_bf16x2(typingctx, lo, hi):
     """Two float32 -> one uint32 of two RNE bf16 (``lo`` in the low half)."""
     if lo != types.float32 or hi != types.float32:
@@ -359,34 +313,6 @@ def mma_bf16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return sig, codegen
 
 
-_TO_SHARED = "{ .reg .u64 g; .reg .u32 s; cvta.to.shared.u64 g, $%d; cvt.u32.u64 s, g; %s [s]; }"
-
-
-def _ldmatrix(n, doc):
-    """``ldmatrix .x{n}`` at element ``idx`` of a shared array: n 8x8 b16 matrices, one warp."""
-    regs = ",".join(f"${i}" for i in range(n))
-    ret = types.UniTuple(types.uint32, n)
-
-    def impl(typingctx, smem, idx):
-        if not (_is_1d(smem) and isinstance(idx, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-            text = _TO_SHARED % (n, f"ldmatrix.sync.aligned.m8n8.x{n}.shared.b16 {{{regs}}},")
-            res = _asm(builder, ir.LiteralStructType([_i32] * n), [ptr], text,
-                       ",".join(["=r"] * n) + ",l,~{memory}", True)
-            return _tuple(context, builder, sig, res, n)
-        return ret(smem, idx), codegen
-    return _named(impl, f"ldmatrix_x{n}", doc)
-
-
-ldmatrix_x4 = _ldmatrix(
-    4, "Four 8x8 b16 matrices from shared memory, one warp; lane L gives the address of row "
-       "L%8 of matrix L/8 (``smem[idx]``, 16-byte aligned); returns this lane's 4 fragments.")
-ldmatrix_x2 = _ldmatrix(
-    2, "Two 8x8 b16 matrices (lanes 0-15 give row addresses); returns 2 fragments.")
-
 
 @intrinsic
 def shared_addr(typingctx, smem):
@@ -457,26 +383,6 @@ st_shared_u32 = _shared_u32_statement(
     "st_shared_u32", "st.shared.u32 [$0], $1;",
     "Store the 32-bit value at the shared byte address (4-byte aligned; ``shared_addr`` + "
     "offset) -- e.g. a bf16 pair staged for a bulk store.")
-
-
-@intrinsic
-def cp_async_16(typingctx, smem, sidx, gmem, gidx, src_bytes):
-    """Async copy of 16 bytes global -> shared (L2 only, ``.cg``); the first ``src_bytes``
-    (0 or 16) come from global, the rest are zero-filled -- a padding row costs no load."""
-    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(sidx, types.Integer)
-            and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        sptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        text = ("{ .reg .u64 s64, g; .reg .u32 s; cvta.to.shared.u64 s64, $0; "
-                "cvt.u32.u64 s, s64; cvta.to.global.u64 g, $1; "
-                "cp.async.cg.shared.global [s], [g], 16, $2; }")
-        _asm(builder, ir.VoidType(), [sptr, gptr, n], text, "l,l,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, sidx, gmem, gidx, src_bytes), codegen
 
 
 cp_async_commit = _statement(
@@ -604,7 +510,7 @@ def _wgmma_bf16(n):
         return acc(acc, smem, desc_a, desc_b), codegen
     return _named(impl, f"wgmma_m64n{n}k16_bf16",
                   f"acc += A(64x16) . B(16x{n}), one warpgroup; A, B from shared memory "
-                  "descriptors (see ``grouped_gemm_wgmma_kernels``), K-major, 128-byte "
+                  "descriptors (see ``mok_core.gemm.sm90``), K-major, 128-byte "
                   "swizzle. Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4 (+8) "
                   "and columns 8j + 2*(t%4) (+1): acc[4j + 2h + c] = D[row + 8h, "
                   "8j + 2*(t%4) + c].")
@@ -613,22 +519,6 @@ def _wgmma_bf16(n):
 wgmma_m64n64k16_bf16 = _wgmma_bf16(64)
 wgmma_m64n128k16_bf16 = _wgmma_bf16(128)
 wgmma_m64n256k16_bf16 = _wgmma_bf16(256)
-
-
-@intrinsic
-def store_f32_tuple(typingctx, arr, acc):
-    """arr[i] = acc[i] for every element of a float32 UniTuple (constant indices): epilogues
-    loop over ``arr`` (a ``cuda.local.array``), which the compiler keeps in registers when it
-    unrolls -- indexing the tuple itself with a loop variable would compile to a switch."""
-    if not (_is_1d(arr) and arr.dtype == types.float32 and _f32_tuple(acc)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        for i in range(sig.args[1].count):
-            ptr = _elem_ptr(context, builder, sig.args[0], args[0], ir.Constant(_i64, i))
-            builder.store(builder.extract_value(args[1], i), ptr)
-        return context.get_dummy_value()
-    return types.void(arr, acc), codegen
 
 
 def tuple_groups(fn, layout):
@@ -669,29 +559,6 @@ mbarrier_init = _shared_u32_statement(
     "Initialise the mbarrier at ``addr``: phase 0, ``count`` arrivals complete a phase.")
 
 
-def _mbarrier_op(name, text, doc):
-    """An mbarrier operation that takes only the barrier's shared address ($0)."""
-    def impl(typingctx, smem, addr):
-        if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[1], sig.args[1], types.uint32)
-            _asm(builder, ir.VoidType(), [a], text, "r,~{memory}", True)
-            return context.get_dummy_value()
-        return types.void(smem, addr), codegen
-    return _named(impl, name, doc)
-
-
-mbarrier_arrive = _mbarrier_op(
-    "mbarrier_arrive", "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }",
-    "One arrival (release semantics: this thread's earlier accesses happen before).")
-cp_async_mbarrier_arrive = _mbarrier_op(
-    "cp_async_mbarrier_arrive", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
-    "Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed "
-    "(``.noinc``: the arrival is counted in the barrier's expected count).")
-
-
 def _mbarrier_wait(name, op, doc):
     """A phase test of the mbarrier at ``addr`` (``op``: the instruction and its qualifiers):
     1 once the phase of parity ``parity`` has completed, else 0."""
@@ -722,27 +589,6 @@ trap = _statement(
     "a bug in the kernel itself.")
 
 
-def _setmaxnreg(direction):
-    def impl(typingctx, count):
-        if not isinstance(count, types.IntegerLiteral):
-            return None
-        n = int(count.literal_value)
-
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], f"setmaxnreg.{direction}.sync.aligned.u32 {n};",
-                 "~{memory}", True)
-            return context.get_dummy_value()
-        return types.void(count), codegen
-    return _named(impl, f"setmaxnreg_{direction}",
-                  f"Warpgroup-wide: {direction}rease this warpgroup's per-thread register "
-                  "budget to ``count`` (compile-time, multiple of 8): producer warpgroups "
-                  "give registers to the MMA warpgroups.")
-
-
-setmaxnreg_inc = _setmaxnreg("inc")
-setmaxnreg_dec = _setmaxnreg("dec")
-
-
 # ---- bulk async copies (the copy engine inside the SM: no per-lane requests) -----------------
 
 @intrinsic
@@ -760,48 +606,6 @@ def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
              "r,r,~{memory}", True)
         return context.get_dummy_value()
     return types.void(smem, addr, tx_bytes), codegen
-
-
-def _bulk_load_codegen(multicast):
-    """Codegen of ``bulk_load`` (args: smem, saddr, gmem, gidx, nbytes, bar) and of its
-    multicast form (+ the 16-bit cta mask)."""
-    mc, mask_op = (".multicast::cluster", ", $4") if multicast else ("", "")
-
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        b = context.cast(builder, args[5], sig.args[5], types.uint32)
-        ops, cons = [s32, gptr, n, b], "r,l,r,r"
-        if multicast:
-            ops.append(context.cast(builder, args[6], sig.args[6], types.uint16))
-            cons += ",h"
-        _asm(builder, ir.VoidType(), ops,
-             "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.bulk.shared::cluster.global."
-             f"mbarrier::complete_tx::bytes{mc} [$0], [g], $2, [$3]{mask_op}; }}",
-             cons + ",~{memory}", True)
-        return context.get_dummy_value()
-    return codegen
-
-
-@intrinsic
-def bulk_load(typingctx, smem, saddr, gmem, gidx, nbytes, bar):
-    """Copy ``nbytes`` (multiple of 16, both ends 16-byte aligned) from ``gmem[gidx:]`` -- local
-    or a peer's memory -- to the shared byte address ``saddr``; completes ``nbytes`` of the
-    transaction count of the mbarrier at ``bar`` (an address inside ``smem`` too: the twin
-    finds the barrier through that array)."""
-    if not (_is_1d(smem) and _is_1d(gmem) and _integers(saddr, gidx, nbytes, bar)):
-        return None
-    return types.void(smem, saddr, gmem, gidx, nbytes, bar), _bulk_load_codegen(False)
-
-
-@intrinsic
-def bulk_load_multicast(typingctx, smem, saddr, gmem, gidx, nbytes, bar, mask):
-    """``bulk_load`` into every block of the cluster named in ``mask`` (bit i = cluster rank
-    i), at ``saddr`` and completing on the mbarrier at ``bar`` in each."""
-    if not (_is_1d(smem) and _is_1d(gmem) and _integers(saddr, gidx, nbytes, bar, mask)):
-        return None
-    return types.void(smem, saddr, gmem, gidx, nbytes, bar, mask), _bulk_load_codegen(True)
 
 
 @intrinsic
@@ -860,7 +664,7 @@ def bulk_wait_read(typingctx, pending):
 
 
 # ---- TMA: tensor-map box loads (one instruction moves a whole swizzled tile) ------------------
-# A tensor map (128 bytes, built on the host by ``mok_core.tensor_map``) lives in global memory
+# A tensor map (128 bytes, built on the host by ``mok_core.gemm.tensor_map``) lives in global memory
 # in a uint64 array, map i at element 16 i; the instructions take its generic address.
 
 @intrinsic
@@ -879,26 +683,17 @@ def tensormap_acquire(typingctx, tmaps, elem):
     return types.void(tmaps, elem), codegen
 
 
-def _tma_load_2d_codegen(multicast):
-    """Codegen of ``tma_load_2d`` (args: smem, saddr, tmaps, elem, x, y, bar) and of its
-    multicast form (+ the 16-bit cta mask)."""
-    mc, mask_op = (".multicast::cluster", ", $5") if multicast else ("", "")
-
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        p = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        cx = context.cast(builder, args[4], sig.args[4], types.int32)
-        cy = context.cast(builder, args[5], sig.args[5], types.int32)
-        b = context.cast(builder, args[6], sig.args[6], types.uint32)
-        ops, cons = [s32, p, cx, cy, b], "r,l,r,r,r"
-        if multicast:
-            ops.append(context.cast(builder, args[7], sig.args[7], types.uint16))
-            cons += ",h"
-        _asm(builder, ir.VoidType(), ops,
-             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::"
-             f"bytes{mc} [$0], [$1, {{$2, $3}}], [$4]{mask_op};", cons + ",~{memory}", True)
-        return context.get_dummy_value()
-    return codegen
+def _tma_load_2d_codegen(context, builder, sig, args):
+    """Codegen of ``tma_load_2d`` (args: smem, saddr, tmaps, elem, x, y, bar)."""
+    s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+    p = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+    cx = context.cast(builder, args[4], sig.args[4], types.int32)
+    cy = context.cast(builder, args[5], sig.args[5], types.int32)
+    b = context.cast(builder, args[6], sig.args[6], types.uint32)
+    _asm(builder, ir.VoidType(), [s32, p, cx, cy, b],
+         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::"
+         "bytes [$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}", True)
+    return context.get_dummy_value()
 
 
 def _integers(*values):
@@ -914,81 +709,7 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
     counted in the bytes)."""
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(saddr, elem, x, y, bar)):
         return None
-    return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen(False)
-
-
-@intrinsic
-def tma_load_2d_multicast(typingctx, smem, saddr, tmaps, elem, x, y, bar, mask):
-    """``tma_load_2d`` whose box lands at ``saddr`` in every block of the cluster named in
-    ``mask`` (bit i = cluster rank i) and completes its bytes on the mbarrier at ``bar`` of each
-    of them: one read from L2 feeds several SMs. Each receiving block arms its own barrier with
-    the bytes it expects from all senders."""
-    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(saddr, elem, x, y, bar, mask)):
-        return None
-    return (types.void(smem, saddr, tmaps, elem, x, y, bar, mask),
-            _tma_load_2d_codegen(True))
-
-
-@intrinsic
-def tma_prefetch_2d(typingctx, tmaps, elem, x, y):
-    """Ask the TMA unit to bring one box of the 2-D tensor map at ``tmaps[elem:]`` (origin x =
-    column, y = row) into L2, nothing into shared memory and no completion to wait on: a
-    later ``tma_load_2d`` of the same box then finds it in L2 instead of HBM."""
-    if not (_is_1d(tmaps) and isinstance(elem, types.Integer) and isinstance(x, types.Integer)
-            and isinstance(y, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        cx = context.cast(builder, args[2], sig.args[2], types.int32)
-        cy = context.cast(builder, args[3], sig.args[3], types.int32)
-        _asm(builder, ir.VoidType(), [p, cx, cy],
-             "cp.async.bulk.prefetch.tensor.2d.L2.global.tile [$0, {$1, $2}];", "l,r,r,~{memory}",
-             True)
-        return context.get_dummy_value()
-    return types.void(tmaps, elem, x, y), codegen
-
-
-@intrinsic
-def mbarrier_arrive_cluster(typingctx, smem, addr, cta):
-    """One arrival (release, cluster scope) on the mbarrier at the same shared address ``addr``
-    in the block of cluster rank ``cta`` (``mapa``: this block's address -> that block's)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer) and isinstance(cta, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        c = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, ir.VoidType(), [a, c],
-             "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
-             "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}",
-             True)
-        return context.get_dummy_value()
-    return types.void(smem, addr, cta), codegen
-
-
-mbarrier_try_wait_cluster = _mbarrier_wait(
-    "mbarrier_try_wait_cluster", "mbarrier.try_wait.parity.acquire.cluster",
-    "``mbarrier_try_wait`` with acquire at cluster scope: what other blocks of the cluster did "
-    "before their (release, cluster) arrivals is seen after it returns 1.")
-mbarrier_test_wait_cluster = _mbarrier_wait(
-    "mbarrier_test_wait_cluster", "mbarrier.test_wait.parity.acquire.cluster",
-    "1 if the phase of parity ``parity`` has completed (acquire at cluster scope), else 0 at "
-    "once: a poll that never blocks.")
-
-
-@intrinsic
-def cluster_ctarank(typingctx):
-    """This block's rank in its thread-block cluster (0 in a launch without clusters)."""
-    def codegen(context, builder, sig, args):
-        return _asm(builder, _i32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
-    return types.int32(), codegen
-
-
-cluster_sync = _statement(
-    "cluster_sync", "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;",
-    "Barrier of every thread of every block in the cluster (release / acquire: shared-memory "
-    "writes before it -- e.g. mbarrier inits -- are seen by the cluster's other blocks after).")
+    return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen
 
 
 fence_mbarrier_init = _statement(

@@ -48,9 +48,6 @@ def ld_v4(arr, idx):
     return (w[0], w[1], w[2], w[3])
 
 
-ld_v4_nc = ld_v4                # the read-only cache path: same bytes
-
-
 def st_v4(arr, idx, v0, v1, v2, v3):
     raw, sl = _chunk(arr, idx)
     raw[sl] = np.array([v0, v1, v2, v3], dtype=np.uint32).view(raw.dtype)
@@ -62,9 +59,6 @@ def ld_acquire_sys(arr, idx):
     return _raw(arr)[idx]
 
 
-ld_acquire_gpu = ld_acquire_sys
-
-
 def st_release_sys(arr, idx, value):
     _raw(arr)[idx] = value
 
@@ -72,9 +66,6 @@ def st_release_sys(arr, idx, value):
 def red_add_release_gpu(arr, idx, value):
     with _lock:
         _raw(arr)[idx] += value
-
-
-red_add_release_sys = red_add_release_gpu
 
 
 def syncwarp():
@@ -110,20 +101,17 @@ def u32_as_f32(x):
     return np.array([x], dtype=np.uint32).view(np.float32)[0]
 
 
-def f32_as_u32(x):
-    return np.array([x], dtype=np.float32).view(np.uint32)[0]
-
-
-def f32_to_bf16(x):
-    u = int(f32_as_u32(np.float32(x)))
+def _bf16_bits(x):
+    """Round-to-nearest-even float32 -> bf16 bits, as ``cvt.rn.bf16x2.f32`` does per half."""
+    u = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
     if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):
-        return np.uint16(0x7FFF)                           # canonical NaN, as cvt.rn does
+        return 0x7FFF                                      # canonical NaN, as cvt.rn does
     u += 0x7FFF + ((u >> 16) & 1)                          # round to nearest, ties to even
-    return np.uint16((u >> 16) & 0xFFFF)
+    return (u >> 16) & 0xFFFF
 
 
 def pack_bf16x2(lo, hi):
-    return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+    return np.uint32((_bf16_bits(hi) << 16) | _bf16_bits(lo))
 
 
 def fmul_rn(a, b):
@@ -198,14 +186,6 @@ def _ldmatrix(smem, idx, nmat):
     return tuple(rows[8 * j + lane // 4][lane % 4] for j in range(nmat))
 
 
-def ldmatrix_x4(smem, idx):
-    return _ldmatrix(smem, idx, 4)
-
-
-def ldmatrix_x2(smem, idx):
-    return _ldmatrix(smem, idx, 2)
-
-
 def shared_addr(smem):
     return 0                              # byte offsets from the array start stand in
 
@@ -215,7 +195,7 @@ def ldmatrix_x4_at(smem, addr):
 
 
 def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
-    cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
+    _cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
 
 
 def _groups(kind):
@@ -238,7 +218,7 @@ def _land(groups, pending):
     groups[:-1] = closed
 
 
-def cp_async_16(smem, sidx, gmem, gidx, src_bytes):
+def _cp_async_16(smem, sidx, gmem, gidx, src_bytes):
     dst, dsl = _chunk(smem, sidx)
     data = np.zeros(16, np.uint8)
     if src_bytes:
@@ -324,10 +304,6 @@ def f32_zeros(n):
     return (np.float32(0.0),) * n
 
 
-def store_f32_tuple(arr, acc):
-    _raw(arr)[:len(acc)] = np.asarray(acc, np.float32)
-
-
 def tuple_groups(fn, layout):
     def apply(acc, extra):
         for j, idx in enumerate(layout(len(acc))):
@@ -366,13 +342,6 @@ def mbarrier_init(smem, addr, count):
                                              "phase": 0, "tx": 0}
 
 
-def mbarrier_arrive(smem, addr):
-    with _lock:
-        b = _mbar(smem, addr)
-        b["left"] -= 1
-        _settle(b)
-
-
 def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
     with _lock:
         b = _mbar(smem, addr)
@@ -394,12 +363,6 @@ def mbarrier_try_wait(smem, addr, parity):
     return np.uint32(done)
 
 
-def cp_async_mbarrier_arrive(smem, addr):
-    cp_async_commit()                     # all of this thread's copies land, then it arrives
-    cp_async_wait(0)
-    mbarrier_arrive(smem, addr)
-
-
 def _bulk_bytes(arr, idx, nbytes):
     raw = _raw(arr)
     start = int(idx) * raw.itemsize
@@ -410,16 +373,6 @@ def _bulk_bytes(arr, idx, nbytes):
     if start + nbytes > flat.size:
         raise IndexError(f"bulk copy of {nbytes} bytes at byte {start} outside {flat.size}")
     return flat, slice(start, start + nbytes)
-
-
-def bulk_load(smem, saddr, gmem, gidx, nbytes, bar):
-    src, ssl = _bulk_bytes(gmem, gidx, int(nbytes))
-    dst, dsl = _bulk_bytes(smem, int(saddr) // _raw(smem).itemsize, int(nbytes))
-    dst[dsl] = src[ssl]                   # lands at once; the barrier's byte count settles it
-    with _lock:
-        b = _mbar(smem, bar)
-        b["tx"] -= int(nbytes)
-        _settle(b)
 
 
 def bulk_store(gmem, gidx, smem, saddr, nbytes):
@@ -482,14 +435,6 @@ def tensormap_acquire(tmaps, elem):
     pass
 
 
-def cluster_ctarank():
-    return 0                # the simulator launches clusters of one block (launch_cluster)
-
-
-def cluster_sync():
-    threading.current_thread().syncthreads()     # a cluster of one block: the block barrier
-
-
 def fence_mbarrier_init():
     pass
 
@@ -523,48 +468,5 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
-def _cluster_of_one(name, mask):
-    if int(mask) != 1:
-        raise NotImplementedError(f"{name}: the simulator runs clusters of one block (mask 1), "
-                                  f"got mask {int(mask)}")
-
-
-def tma_load_2d_multicast(smem, saddr, tmaps, elem, x, y, bar, mask):
-    _cluster_of_one("tma_load_2d_multicast", mask)
-    tma_load_2d(smem, saddr, tmaps, elem, x, y, bar)
-
-
-def bulk_load_multicast(smem, saddr, gmem, gidx, nbytes, bar, mask):
-    _cluster_of_one("bulk_load_multicast", mask)
-    bulk_load(smem, saddr, gmem, gidx, nbytes, bar)
-
-
-def mbarrier_arrive_cluster(smem, addr, cta):
-    _cluster_of_one("mbarrier_arrive_cluster", 1 << int(cta))
-    mbarrier_arrive(smem, addr)
-
-
-mbarrier_try_wait_cluster = mbarrier_try_wait
-
-
-def mbarrier_test_wait_cluster(smem, addr, parity):
-    return np.uint32(_phase_done(smem, addr, parity))      # a poll: no yield
-
-
-def tma_prefetch_2d(tmaps, elem, x, y):
-    """L2 is not modelled: only the map is checked (as the hardware faults on a bad one)."""
-    elem = int(elem)
-    if elem % 16 or int(_raw(tmaps)[elem]) != TMAP_MAGIC:
-        raise ValueError(f"tma_prefetch_2d: no tensor map at element {elem}")
-
-
 def trap():
     raise RuntimeError("trap: a bounded wait inside a kernel timed out")
-
-
-def setmaxnreg_inc(count):
-    pass
-
-
-def setmaxnreg_dec(count):
-    pass

@@ -11,56 +11,27 @@ def f64(t):
 
 
 def _configs():
-    from mok_core.grouped_gemm import MMA_SYNC_GEMM, GemmConfig
-    return {"wgmma256": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma"),
+    from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM, GemmConfig
+    return {"wgmma": WGMMA_GEMM,
+            "wgmma192": WGMMA_192_GEMM,
             "wgmma128": GemmConfig(128, 128, 64, 2, 1, 5, mma="wgmma"),
-            "wgmma_ws": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws"),
-            "wgmma_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True),
-            "wgmma192": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True),
-            "wgmma192_async": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                         async_ring=True),
-            "wgmma_ws_tma": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma_ws", tma=True),
-            "wgmma192_packed": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                          packed_weights=True),
-            "wgmma_bm256": GemmConfig(256, 128, 64, 4, 1, 4, mma="wgmma", tma=True),
-            "wgmma_bm256_packed": GemmConfig(256, 128, 64, 4, 1, 4, mma="wgmma", tma=True,
-                                             packed_weights=True),
-            "wgmma_mc2": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
-                                    multicast=2),
-            "wgmma192_mc2_packed": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                              packed_weights=True, multicast=2),
-            "wgmma192_smem_epi": GemmConfig(192, 256, 64, 3, 1, 4, mma="wgmma", tma=True,
-                                            smem_epilogue=True),
-            "wgmma_smem_epi": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma", tma=True,
-                                         smem_epilogue=True),
-            "wgmma_smem_epi_cp": GemmConfig(128, 256, 64, 2, 1, 4, mma="wgmma",
-                                            smem_epilogue=True),
-            "wgmma_bm256_smem_epi": GemmConfig(256, 128, 64, 4, 1, 4, mma="wgmma", tma=True,
-                                               smem_epilogue=True),
-            "wgmma_2blk_smem_epi": GemmConfig(128, 128, 64, 2, 1, 3, 2, mma="wgmma", tma=True,
-                                              smem_epilogue=True),
-            # 3 stages: the first staging stage is reloaded at the next tile's first K step;
-            # B by cp.async: every thread writes into it
-            "wgmma_smem_epi_s3": GemmConfig(128, 128, 64, 2, 1, 3, mma="wgmma",
-                                            smem_epilogue=True),
+            "wgmma_bm256": GemmConfig(256, 128, 64, 4, 1, 4, mma="wgmma"),
+            "wgmma_2blk": GemmConfig(128, 128, 64, 2, 1, 3, 2, mma="wgmma"),
+            # 3 stages: the first staging stage is reloaded at the next tile's first K step
+            "wgmma_s3": GemmConfig(128, 128, 64, 2, 1, 3, mma="wgmma"),
             "mma_sync": MMA_SYNC_GEMM}
 
 
 @pytest.mark.parametrize("preset_name", ["kimi-k2.7", "qwen3.5-397b"])
 @pytest.mark.parametrize("limit", [None, 4.0])
-@pytest.mark.parametrize("cfg_name", ["wgmma256", "wgmma128", "wgmma_ws", "wgmma_tma",
-                                      "wgmma_ws_tma", "wgmma192", "wgmma192_async",
-                                      "wgmma192_packed", "wgmma_bm256", "wgmma_bm256_packed",
-                                      "wgmma_mc2", "wgmma192_mc2_packed", "wgmma192_smem_epi",
-                                      "wgmma_smem_epi", "wgmma_smem_epi_cp", "wgmma_bm256_smem_epi",
-                                      "wgmma_2blk_smem_epi",
-                                      "wgmma_smem_epi_s3", "mma_sync"])
+@pytest.mark.parametrize("cfg_name", ["wgmma", "wgmma192", "wgmma128", "wgmma_bm256",
+                                      "wgmma_2blk", "wgmma_s3", "mma_sync"])
 def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     import torch
 
     from benchmarks.common import numba_stream, padded_layout, routing_counts
     from mok_core.config import preset
-    from mok_core.grouped_gemm import down, gate_up_swiglu
+    from mok_core.gemm import down, gate_up_swiglu
     cfg = _configs()[cfg_name]
     shape = preset(preset_name, ep_size=2)
     H, I, E, k = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
@@ -85,14 +56,9 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     d_idx = torch.from_numpy(a_index).cuda()
     u16 = torch.uint16
     s = numba_stream()
-    if cfg.packed_weights:                   # what the kernels read; the reference keeps W
-        from mok_core.weight_pack import box_rows, pack_weights
-        kw = [pack_weights(w, box_rows(cfg, sw)) for w, sw in ((wg, True), (wu, True),
-                                                               (wd, False))]
-    else:
-        kw = [wg, wu, wd]
+    kw = [wg, wu, wd]
 
-    def run(cfg=cfg):
+    def run():
         hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
         y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
         gate_up_swiglu(x.view(u16), d_idx, kw[0].view(u16), kw[1].view(u16), d_off, d_nr,
@@ -126,8 +92,3 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
 
     h2, y2 = run()
     assert torch.equal(h2[:n], hidden[:n]) and torch.equal(y2[:n], y[:n]), "not deterministic"
-    if cfg.smem_epilogue:       # staged through shared memory: the same bits as stored directly
-        import dataclasses
-        h3, y3 = run(dataclasses.replace(cfg, smem_epilogue=False))
-        assert torch.equal(h3[:n], hidden[:n]) and torch.equal(y3[:n], y[:n]), \
-            "the staged epilogue differs from the direct one"

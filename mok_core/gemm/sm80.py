@@ -1,4 +1,5 @@
-"""Device bodies of the grouped expert GEMMs (host glue: ``mok_core.grouped_gemm``).
+"""Grouped expert GEMM on warp-level MMA (mma.sync m16n8k16, any sm_80+ GPU and the
+simulator's default), with its host launch.
 
 Contract of every kernel built here (ThunderKittens style: read this block, know the kernel):
 
@@ -15,7 +16,7 @@ Contract of every kernel built here (ThunderKittens style: read this block, know
 Two epilogues:
     SWIGLU   W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp column,
              16 gate rows then the 16 up rows of the same hidden columns, so one thread holds
-             gate and up of the same element: h = SiLU(min(g, L)) * clamp(u, -L, L) -> bf16.
+             gate and up of the same element: h = ``epilogue.swiglu``(g, u, L) -> bf16.
     plain    out = acc -> bf16.
 
 Tiles: BM x BN output per block (BN = 2 x hidden columns for SWIGLU), WM x WN warps, each warp
@@ -28,13 +29,15 @@ Persistent schedule: block b takes tiles b, b + grid, ... in the order
 expert's A rows and each weight tile is read by all of that expert's row tiles together, so
 both stay in L2. The expert of a tile is found by binary search over ``off`` on the device.
 """
-import math
+from functools import lru_cache
 
+import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from .cuda_compat import kjit
-from .intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ex2_approx,
-                         ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2, rcp_approx, shared_addr)
+from ..cuda_compat import flat_view, kjit, launch
+from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ldmatrix_x4_at,
+                          mma_bf16_16816, pack_bf16x2, shared_addr)
+from .epilogue import swiglu
 
 
 @kjit(device=True, inline="always")
@@ -53,33 +56,6 @@ def find_tile(offsets, num_experts, t, n_tiles, bm):
     m_tiles = offsets[e + 1] // bm - first
     local = t - first * n_tiles
     return e, (first + local % m_tiles) * bm, local // m_tiles
-
-
-_NEG_LOG2E = float32(-1.4426950408889634)
-
-
-@kjit(device=True, inline="always")
-def swiglu(g, u, limit):
-    """SiLU(min(g, L)) * clamp(u, -L, L) in float32 (L = +inf: plain SwiGLU), the sigmoid as
-    1 / (1 + 2^(-g log2 e)) by one SFU exp2 and one SFU reciprocal: a few float32 ulp for
-    moderate g, up to ~40 near g = -80 (the rounding of g log2 e), and flushed to 0 below
-    g ~ -87.3 (the SFU flushes denormals) -- all far below the bf16 rounding that follows.
-    ``math.exp`` and ``/`` made each element a ~20-instruction dependent chain with a
-    slow-path branch: unrolled over a 128 x 256 tile that epilogue is ~2000 instructions, and a
-    gate/up GEMM spent up to a quarter of its time there (NOTES, session 10). Deterministic
-    like the rest: same inputs, same bits."""
-    g = min(g, limit)
-    u = max(min(u, limit), -limit)
-    return g * rcp_approx(float32(1.0) + ex2_approx(g * _NEG_LOG2E)) * u
-
-
-@kjit(device=True, inline="always")
-def swiglu_exact(g, u, limit):
-    """``swiglu`` through ``math.exp`` and an IEEE division (the epilogue up to session 9;
-    probe "exact_act")."""
-    g = min(g, limit)
-    u = max(min(u, limit), -limit)
-    return g / (float32(1.0) + math.exp(-g)) * u
 
 
 def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0):
@@ -278,3 +254,19 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     kernel.smem_bytes = stage * stages * 2
     kernel.threads = threads
     return kernel
+
+
+@lru_cache(maxsize=None)
+def _kernel(cfg, swiglu_epilogue, gather):
+    return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu_epilogue,
+                             gather, max_registers=cfg.max_registers)
+
+
+def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
+                swiglu, gather):
+    """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``."""
+    C = a_index.shape[0] if gather else a.shape[0]
+    n_tile = cfg.bn // 2 if swiglu else cfg.bn
+    launch(_kernel(cfg, swiglu, gather), cfg.grid(C, n_out, n_tile), cfg.threads, stream,
+           cfg.smem_bytes, flat_view(a), a_index, flat_view(w0), flat_view(w1), off, nr, out,
+           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit))

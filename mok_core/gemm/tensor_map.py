@@ -23,7 +23,7 @@ import ctypes
 
 import numpy as np
 
-from .cuda_compat import SIM, device_address, upload
+from ..cuda_compat import SIM, device_address, upload
 
 BOX_COLS = 64                      # 64 bf16 = 128 bytes: the swizzle atom's row
 MAP_ELEMS = 16                     # uint64 elements per map
@@ -61,7 +61,7 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
     if cols % BOX_COLS:
         raise ValueError(f"cols={cols}: must be a multiple of {BOX_COLS}")
     if SIM:
-        from .intrinsics import twins
+        from ..intrinsics import twins
         m = np.zeros(MAP_ELEMS, np.uint64)
         m[0] = twins.TMAP_MAGIC
         m[1] = twins.register_tensor_map(arr2d, box_rows, BOX_COLS)

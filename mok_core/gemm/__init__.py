@@ -1,0 +1,186 @@
+"""Grouped expert GEMMs over the expert-sorted, row-padded layout of the schedule.
+
+    gate_up_swiglu: hidden[r] = SwiGLU(A[r] W_gate[e]^T, A[r] W_up[e]^T)   (bf16 out)
+    down:           y[r]      = hidden[r] W_down[e]^T                       (bf16 out)
+
+for every row r of expert e's segment [off[e], off[e+1]). Counts and offsets are read on the
+device; A rows can be gathered through an index table (a token pulled once per rank feeds all
+its local experts without a fan-out copy; -1 = padding row, read as zeros). The shared expert
+is the same kernels with one expert. All bf16 tensors are uint16 bit arrays here (the adapters
+view framework bf16 as uint16).
+
+``gate_up_swiglu`` / ``down`` validate their inputs (errors name the tensor, the expected and
+the actual) and call ``launch_gate_up_swiglu`` / ``launch_down``, the trusted entries the layer
+uses with views it checked once: numba device arrays of the right dtypes and shapes (outputs
+16-byte aligned for wgmma), a required ``config``. Kernels: ``sm90`` (wgmma, Hopper) and
+``sm80`` (mma.sync, elsewhere and on the simulator), epilogues in ``epilogue``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..cuda_compat import as_device_array, device_address, flat_view
+from . import sm80, sm90
+from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
+                     GemmConfig, default_gemm)
+
+__all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
+           "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "launch_gate_up_swiglu",
+           "launch_down"]
+
+
+def launch_gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
+                          swiglu_limit=None, config: GemmConfig, stream=0):
+    """``gate_up_swiglu`` without the checks (arguments as there, ``config`` required)."""
+    E, I, H = w_gate.shape
+    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+    args = (config, stream, x, a_index, w_gate, w_up, expert_offsets, num_rows,
+            flat_view(hidden, np.uint32), H, I, I, limit)
+    if config.mma == "wgmma":
+        sm90.launch_gemm(*args, swiglu=True, gather=True, padding_index=True)
+    else:
+        sm80.launch_gemm(*args, swiglu=True, gather=True)
+
+
+def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
+                config: GemmConfig, stream=0):
+    """``down`` without the checks (arguments as there, ``config`` required; ``push`` only
+    with a wgmma config, its peer buffers as flat uint32 views)."""
+    E, H, I = w_down.shape
+    if config.mma != "wgmma":
+        sm80.launch_gemm(config, stream, hidden, num_rows, w_down, w_down, expert_offsets,
+                         num_rows, flat_view(y, np.uint32), I, H, H, math.inf, swiglu=False,
+                         gather=False)
+        return
+    route = None
+    if push is not None:
+        rank, token, slot, peers, k = push
+        route = (rank, token, slot, peers, np.int64(k))
+        y = num_rows                                   # unused placeholder
+    else:
+        y = flat_view(y, np.uint32)
+    index = num_rows if row_index is None else row_index   # unused without an index
+    sm90.launch_gemm(config, stream, hidden, index, w_down, w_down, expert_offsets, num_rows,
+                     y, I, H, H, math.inf, swiglu=False, gather=False,
+                     padding_index=row_index is not None, route=route)
+
+
+def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
+                   swiglu_limit=None, config: GemmConfig | None = None, stream=0):
+    """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16.
+
+    Arguments:
+        x: uint16 (bf16 bits) [A_rows, H] -- source rows (token staging buffer or local x).
+        a_index: int32 [C]: row of x for each expert-sorted row; -1 = padding (zeros).
+        w_gate, w_up: uint16 [E, I, H].
+        expert_offsets: int32 [E + 1] padded offsets (multiples of config.row_unit);
+        num_rows: int32 [1] rows in use (device; never read by the host).
+        hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
+        swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
+    """
+    config = config or default_gemm()
+    x, w_gate, off, nr, E, I, H = _operands(x, "x", w_gate, "w_gate", "IH", expert_offsets,
+                                            num_rows)
+    w_up = as_device_array(w_up, "w_up", dtype=np.uint16, shape=(E, I, H))
+    a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
+    C = a_index.shape[0]
+    hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
+    _check_staged_out(config, hidden, "hidden")
+    if swiglu_limit is not None and not float(swiglu_limit) > 0:
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
+    _check_dims(config, E=E, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
+                name_n="intermediate I")
+    launch_gate_up_swiglu(x, a_index, w_gate, w_up, off, nr, hidden, swiglu_limit=swiglu_limit,
+                          config=config, stream=stream)
+
+
+def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
+         config: GemmConfig | None = None, stream=0):
+    """y[r] = hidden[r] W_down[e]^T, bf16.
+
+    Arguments:
+        hidden: uint16 [C, I] (expert-sorted rows, padding rows zero).
+        w_down: uint16 [E, H, I].
+        expert_offsets, num_rows: as in ``gate_up_swiglu``.
+        y: uint16 [C, H] output (unused, may be None, with ``push``).
+        row_index: optional int32 [C], < 0 on padding rows (the gate/up ``a_index``): lets the
+            wgmma kernel skip all-padding warpgroups (their y rows are written as zeros).
+        push: optional ``(src_rank, src_token, src_slot, peer_combine, k)`` -- the combine
+            fused into the epilogue (wgmma only): row r goes straight to
+            ``peer_combine[src_rank[r]]`` (tuple over ranks of uint16 [T*k*H]) at row
+            ``src_token[r] * k + src_slot[r]``; rows with src_rank < 0 are dropped. The bits
+            equal ``down`` into y followed by the combine.
+    """
+    config = config or default_gemm()
+    hidden, w_down, off, nr, E, H, I = _operands(hidden, "hidden", w_down, "w_down", "HI",
+                                                 expert_offsets, num_rows)
+    C = hidden.shape[0]
+    _check_dims(config, E=E, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
+                name_n="hidden size H")
+    if push is not None:
+        if config.mma != "wgmma":
+            raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
+                             "writes y; combine it afterwards)")
+        rank, token, slot, peers, k = push
+        rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
+                             ((rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
+        peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
+                                np.uint32) for p in peers)
+        if any(p.shape[0] % (H // 2) for p in peers):
+            raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
+        for p in peers:
+            _check_staged_out(config, p, "peer_combine")
+        push = (rank, token, slot, peers, k)
+    else:
+        y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
+        _check_staged_out(config, y, "y")
+    if row_index is not None:
+        row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
+        if config.mma != "wgmma":        # (the mma.sync kernel computes every row)
+            row_index = None
+    launch_down(hidden, w_down, off, nr, y, row_index=row_index, push=push, config=config,
+                stream=stream)
+
+
+def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
+    """A [rows, K] and W [E, N, K] (uint16, K must agree; ``dims`` = the letters of N and K in
+    messages), offsets [E + 1] and num_rows [1] (int32): checked device views + E, N, K."""
+    a = as_device_array(a, a_name, dtype=np.uint16, ndim=2)
+    K = a.shape[1]
+    w = as_device_array(w, w_name, dtype=np.uint16, ndim=3)
+    E, N, K2 = w.shape
+    if K2 != K:
+        raise ValueError(f"{w_name}: expected [E, {dims[0]}, {K}] ({dims[1]} of {a_name}), "
+                         f"got {tuple(w.shape)}")
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    return a, w, off, nr, E, N, K
+
+
+def _check_staged_out(cfg, out, name):
+    """The wgmma epilogue sends output rows by bulk stores: 16-byte aligned addresses only (the
+    row pitch always is; the array's start is the caller's)."""
+    if cfg.mma != "wgmma":                   # (no address lookup on the mma.sync path)
+        return
+    off = device_address(out) % 16
+    if off:
+        raise ValueError(f"{name}: the wgmma GEMM writes it by bulk stores, which need a "
+                         f"16-byte aligned start (this one is {off} bytes past)")
+
+
+def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
+    if C % cfg.row_unit:
+        raise ValueError(f"rows {C}: must be a multiple of {cfg.row_unit} for {cfg} "
+                         "(MoKConfig.row_align must be a multiple of GemmConfig.row_unit)")
+    if K % cfg.bk:
+        raise ValueError(f"{name_k}={K}: must be a multiple of {cfg.bk}")
+    if N % n_tile:
+        raise ValueError(f"{name_n}={N}: must be a multiple of {n_tile}")
+    if cfg.mma == "wgmma" and E > sm90.MAX_EXPERTS:
+        raise ValueError(f"{E} experts in one launch: the wgmma kernel's tile table holds "
+                         f"{sm90.MAX_EXPERTS}")
+    if cfg.mma == "wgmma" and C // 64 >= 1 << 16:
+        raise ValueError(f"rows {C}: the wgmma kernel's tile table counts row tiles in 16 bits "
+                         f"(at most {(1 << 16) * 64 - 1} rows per launch)")

@@ -1,0 +1,394 @@
+"""Grouped expert GEMM on Hopper warpgroup MMA (wgmma), with its host launch.
+
+Same contract as ``sm80`` (read its header: A / a_index / W / off / num_rows / out, the SWIGLU
+and plain outputs, deterministic FP32 accumulation); what differs is how a tile is computed:
+
+    block    = BM / 64 warpgroups (BM = 128: 256 threads; 192: 384; 256: 512 with BN <= 128);
+               warpgroup g owns rows [64g, 64g + 64) of the tile and all BN columns
+               (BN = 64, 128 or 256)
+    tiles    = up to BM rows of one expert: experts' rows are padded to multiples of 64 and cut
+               into ceil(rows / BM) tiles; a per-expert table in shared memory (``tile_table``)
+               maps tile ids to experts in the order (expert, column tile, row tile), block b
+               taking tiles b, b + grid, ...; a warpgroup whose rows lie past the expert idles
+    K slice  = 64 bf16 = one 128-byte row per tile row: the unit of wgmma's 128-byte swizzle
+    ring     = STAGES slices of [A BM x 64 | B BN x 64] in shared memory, 1024-byte aligned,
+               16-byte chunk c of row r stored at chunk c ^ (r % 8) (what the descriptors say)
+    loads    = A: every thread, cp.async 16 B (rows gathered through a_index, padding rows and
+               rows past the expert zero-filled without a load); B (weights): thread 0, one TMA
+               box per slice (SWIGLU: a gate box and an up box) from the tensor maps
+               (``tensor_map``), landing swizzled and completing on the stage's mbarrier
+               full[s] (phase bit per stage, flipped at each wait). PREFETCH = STAGES - 2
+               slices ahead.
+    MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 from two descriptors
+               (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
+    epilogue = staged in the ring stages the next tile's prologue leaves free, rows sent by
+               bulk stores (``epilogue`` module header; ``push``: to the source ranks' combine
+               rows), so the next tile's MMAs need not wait for the global stores
+
+Shared memory: uint16 tile table [E + 1] (``MAX_EXPERTS`` + 1), STAGES mbarriers full[s], the
+ring. Order of one tile, every thread:
+
+    prologue (issued before the K loop, right after the previous tile's staging):
+               loads of slices 0 .. PREFETCH - 1 into stages 0 .. PREFETCH - 1
+    K loop, step kt (compute stage kt % STAGES, load stage (kt + PREFETCH) % STAGES):
+    0. (kt = 0, sending lanes) bulk_wait_read: the previous staging was read out
+    1. cp.async.wait -> my A chunks of slice kt landed; wait full[kt's stage] -> B landed;
+       fence.proxy.async (wgmma reads through the async proxy); __syncthreads -> everyone's
+       chunks landed, every warpgroup retired slice kt - 2's wgmmas, and step 0 is done
+    2. issue loads of slice kt + PREFETCH into the stage of slice kt - 2 (free, by 1.)
+    3. wgmma.fence; 4 wgmmas on slice kt; commit      (tensor cores busy on kt ...)
+    4. wgmma.wait(1) -> slice kt - 1's group retired  (... while kt - 1 drains)
+    after: wgmma.wait(0); cp.async.wait(0); __syncthreads (the ring is free)
+    epilogue: stage and send this tile; then the next tile's prologue
+    exit: the sending lanes wait for their last bulk stores
+
+A warpgroup whose 64 rows are all padding (a_index[first row] < 0: padding sits at the end of
+each expert's segment) skips its MMAs and stages zeros. Branches around wgmmas and warp
+barriers test a warp vote (``warp_all``): under a plain per-thread ``if`` ptxas serialises
+every wgmma of the kernel (C7518).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from numba import cuda, int32, int64, uint16
+
+from ..cuda_compat import SIM, flat_view, kjit, launch
+from ..intrinsics import (bulk_wait, bulk_wait_read, cp_async_16_at, cp_async_commit,
+                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
+                          mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait,
+                          shared_addr, tensormap_acquire, tma_load_2d, trap, warp_all,
+                          wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16,
+                          wgmma_m64n128k16_bf16, wgmma_m64n256k16_bf16, wgmma_wait)
+from .epilogue import make_staged_epilogue
+from .tensor_map import tensor_maps
+
+BK = 64                       # K slice: 64 bf16 = 128 bytes = the swizzle atom's row
+ROW_BYTES = BK * 2
+ROW_UNIT = 64                 # experts' rows are padded to this (one warpgroup's rows)
+MAX_EXPERTS = 512             # per launch: the tile table in shared memory is sized for it
+_TABLE_BYTES = -(-2 * (MAX_EXPERTS + 1) // 8) * 8     # uint16 [E + 1], mbarriers 8-aligned after
+_WGMMA = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16, 256: wgmma_m64n256k16_bf16}
+
+# Matrix descriptor bits (PTX ISA, "matrix descriptor"): start address >> 4 in [13:0],
+# leading byte offset >> 4 in [29:16] (unused for swizzled K-major; 1 by convention),
+# stride byte offset >> 4 in [45:32] (1024 B: next group of 8 rows), swizzle mode in [63:62]
+# (1 = 128-byte). Base offset [51:49] stays 0: every tile starts 1024-byte aligned.
+_DESC_HIGH = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
+_SPIN_LIMIT = 1 << 22         # try_wait rounds before a wait is declared hung (~seconds)
+
+
+def smem_bytes(bn, stages, bm):
+    """Dynamic shared memory of one block: the tile table, STAGES mbarriers, slack to align
+    the ring to 1024 bytes, the ring."""
+    return _TABLE_BYTES + 8 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
+
+
+@kjit(device=True, inline="always")
+def wait_phase(smem, bar, parity):
+    """Until the mbarrier at ``bar`` completed the phase of ``parity``. Bounded: only a bug in
+    the kernel itself can make it time out, and then it traps (a launch failure, not a hang)."""
+    n = 0
+    while mbarrier_try_wait(smem, bar, parity) == 0:
+        n += 1
+        if n == _SPIN_LIMIT:
+            trap()
+
+
+@kjit(device=True, inline="always")
+def tile_table(smem, offsets, num_experts, bm, rows_cap):
+    """Thread 0 writes first[e] = row tiles of experts < e (uint16 smem[0 .. E]): an expert's
+    rows (padded to a multiple of 64) are cut into ceil(rows / bm) tiles that never cross into
+    the next expert, so bm need not divide the padding. Offsets are clamped to ``rows_cap``
+    (the rows the buffers hold): after a capacity overflow -- flagged by the schedule -- the
+    GEMM stays inside its arrays (and its pushes inside real rows). The caller syncs."""
+    if cuda.threadIdx.x == 0:
+        acc = 0
+        for e in range(num_experts):
+            smem[e] = acc
+            lo = min(offsets[e], rows_cap)
+            acc += (min(offsets[e + 1], rows_cap) - lo + bm - 1) // bm
+        smem[num_experts] = acc
+
+
+@kjit(device=True, inline="always")
+def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
+    """Tile id -> (expert, first row, column tile, end of the expert's rows, clamped to
+    ``rows_cap``); the expert's first tile id = first[e] * n_tiles."""
+    lo = 0
+    hi = num_experts - 1
+    while lo < hi:                         # last expert whose first tile id <= t
+        mid = (lo + hi + 1) // 2
+        if int64(smem[mid]) * n_tiles <= t:
+            lo = mid
+        else:
+            hi = mid - 1
+    first = int64(smem[lo])
+    m_tiles = int64(smem[lo + 1]) - first
+    local = t - first * n_tiles
+    return (lo, min(offsets[lo], rows_cap) + (local % m_tiles) * bm, local // m_tiles,
+            min(offsets[lo + 1], rows_cap))
+
+
+class _Layout:
+    """Compile-time sizes of one specialisation (read into locals before the device functions
+    close over them: numba specialises on closure constants)."""
+
+    def __init__(self, bn, stages, bm):
+        self.bn, self.stages, self.bm = bn, stages, bm
+        self.threads = 2 * bm                   # bm / 64 warpgroups of 128 threads
+        self.pass_rows = self.threads // 8      # rows covered when every thread copies a chunk
+        self.pass_bytes = self.pass_rows * ROW_BYTES
+        self.a_passes = bm // self.pass_rows    # A rows per loading thread
+        self.a_stage = bm * ROW_BYTES           # bytes of A in a stage; B follows
+        self.stage_bytes = (bm + bn) * ROW_BYTES
+        self.prefetch = stages - 2              # slices in flight ahead of the MMAs
+        self.in_flight = self.prefetch - 1      # cp.async groups allowed pending at step 1
+
+
+def _make_loader(lay, swiglu_epilogue, gather, padding_index):
+    """``tile_start(...)``: where a tile's A chunks come from, whether this warpgroup's rows are
+    the expert's (``owned``) and real (``active``), and its prologue loads issued.
+    ``load_stage(...)``: one slice into a ring stage -- this thread's A chunks by cp.async,
+    then (thread 0) B's TMA box(es) armed on the stage's full barrier."""
+    bn, bm, stages = lay.bn, lay.bm, lay.stages
+    a_rows, pass_rows, pass_bytes = lay.a_passes, lay.pass_rows, lay.pass_bytes
+    a_stage, stage_bytes, prefetch = lay.a_stage, lay.stage_bytes, lay.prefetch
+    half_bytes = (bn // 2) * ROW_BYTES
+    uses_index = gather or padding_index
+
+    @kjit(device=True, inline="always")
+    def a_sources(a_index, first_row, row_end, K, chunk, a_src, a_nb):
+        """Per tile: the element offset of each of this thread's A chunks (rows a pass apart:
+        one swizzle) and the bytes to read -- 16, or 0 for a padding row or a row of the next
+        expert, which cp.async zero-fills; kept apart from the offset so the K loop does no
+        per-chunk selects."""
+        for j in range(a_rows):
+            r = first_row + pass_rows * j
+            src = -1
+            if r < row_end:
+                src = a_index[r] if gather else r
+            a_nb[j] = 16 if src >= 0 else 0
+            a_src[j] = max(src, 0) * K + chunk * 8
+
+    @kjit(device=True, inline="always")
+    def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, a_src, a_nb, b_row, tid):
+        dst = dst0 + st * stage_bytes
+        for j in range(a_rows):
+            cp_async_16_at(smem, dst + j * pass_bytes, a, a_src[j] + k0, a_nb[j])
+        if tid == 0:
+            b_dst = ring + st * stage_bytes + a_stage
+            bar = full0 + 8 * st
+            mbarrier_arrive_expect_tx(smem, bar, bn * ROW_BYTES)
+            tma_load_2d(smem, b_dst, tmaps, 0, k0, b_row, bar)
+            if swiglu_epilogue:            # gate rows from map 0, up rows from map 1
+                tma_load_2d(smem, b_dst + half_bytes, tmaps, 16, k0, b_row, bar)
+
+    @kjit(device=True, inline="always")
+    def tile_start(smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
+                   dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap):
+        """Returns (first row, first output column, B's first weight row, active, owned)."""
+        e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
+                                                  n_tiles, bm, rows_cap)
+        col0 = nt * (bn // 2 if swiglu_epilogue else bn)
+        a_sources(a_index, row0 + ld_row, row_end, K, ld_chunk, a_src, a_nb)
+        b_row = e * n_w + col0
+        first = row0 + wg * 64
+        owned = first < row_end
+        active = owned
+        if uses_index and owned:
+            active = a_index[first] >= 0
+        for s in range(prefetch):
+            if s < ktiles:
+                load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, a_src, a_nb, b_row,
+                           tid)
+            cp_async_commit()
+        return row0, col0, b_row, active, owned
+
+    return tile_start, load_stage
+
+
+def _make_mma_slice(bn):
+    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-wide K slice = wgmma.fence, 4 x
+    wgmma m64nBNk16 (the k16 steps are 32 bytes apart: +2 in the descriptor's address field),
+    commit; the caller decides how long to let it run (``wgmma_wait``)."""
+    mma = _WGMMA[bn]
+
+    @kjit(device=True, inline="always")
+    def mma_slice(acc, smem, da, db):
+        acc = wgmma_fence(acc)
+        acc = mma(acc, smem, da, db)
+        acc = mma(acc, smem, da + 2, db + 2)
+        acc = mma(acc, smem, da + 4, db + 4)
+        acc = mma(acc, smem, da + 6, db + 6)
+        wgmma_commit()
+        return acc
+    return mma_slice
+
+
+def _make_kernel(lay, swiglu_epilogue, push, tile_start, load_stage, mma_slice, stage_and_send,
+                 opts):
+    """The kernel body: set-up, then per tile the K loop and the staged epilogue (module
+    header)."""
+    bn, bm, stages = lay.bn, lay.bm, lay.stages
+    stage_bytes, a_stage, prefetch, in_flight = (lay.stage_bytes, lay.a_stage, lay.prefetch,
+                                                 lay.in_flight)
+    a_passes = lay.a_passes
+    nacc = bn // 2                          # fp32 accumulators per thread
+
+    @kjit(**opts)
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
+               route_rank, route_token, route_slot, peers, k):
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        wg = tid // 128
+        lane = tid % 32
+        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
+        frag_col = 2 * (lane % 4)
+        num_experts = offsets.shape[0] - 1
+        n_tiles = n_out // (bn // 2 if swiglu_epilogue else bn)
+        ktiles = K // BK
+
+        # Shared memory: the tile table, the full barriers, then the ring aligned to the
+        # swizzle atom; where this thread's 16-byte chunks land in pass 0 (pass i adds
+        # i * pass_bytes: pass_rows rows on, same row % 8, same swizzle).
+        sbase = shared_addr(smem)
+        full0 = sbase + _TABLE_BYTES            # full[s] at full0 + 8 s
+        ring0 = full0 + 8 * stages
+        ring = ring0 + (1024 - ring0 % 1024) % 1024
+        ld_row = tid // 8
+        ld_chunk = tid % 8
+        dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
+        desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
+        desc_b0 = int64(_DESC_HIGH) + int64((ring + a_stage) >> 4)
+        # Rows the buffers hold: the output's (gate/up: hidden [C, n_out] as bf16 pairs) or
+        # A's (down: hidden [C, K]; its output may be a placeholder when pushing).
+        rows_cap = out.shape[0] * 2 // n_out if swiglu_epilogue else a.shape[0] // K
+        tile_table(smem, offsets, num_experts, bm, rows_cap)
+        if tid == 0:
+            for s in range(stages):
+                mbarrier_init(smem, full0 + 8 * s, 1)
+            tensormap_acquire(tmaps, 0)
+            if swiglu_epilogue:
+                tensormap_acquire(tmaps, 16)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+        total = int64(smem[num_experts]) * n_tiles
+        phases = 0                              # bit s = parity of full[s]'s next phase
+
+        a_src = cuda.local.array(a_passes, int64)
+        a_nb = cuda.local.array(a_passes, int32)
+
+        t = cuda.blockIdx.x
+        row0 = 0
+        col0 = 0
+        b_row = 0
+        active = True
+        owned = True
+        if t < total:
+            row0, col0, b_row, active, owned = tile_start(
+                smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
+                dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap)
+        while t < total:
+            acc = f32_zeros(nacc)
+            cst = 0                            # ring stages of the slice computed / loaded
+            lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
+            if lane < 16:                      # the last epilogue's staging (stages
+                bulk_wait_read(0)              # PREFETCH..) is read out before kt = 0
+            for kt in range(ktiles):
+                cp_async_wait(in_flight)
+                wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
+                phases ^= 1 << cst
+                fence_proxy_async()
+                cuda.syncthreads()
+                soff = (cst * stage_bytes) >> 4
+                run_mma = warp_all(active) != 0     # vote: see the header (C7518)
+                nxt = kt + prefetch
+                if nxt < ktiles:
+                    load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, a_src, a_nb,
+                               b_row, tid)
+                cp_async_commit()
+                if run_mma:
+                    acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+                    acc = wgmma_wait(acc, 1)
+                cst = 0 if cst == stages - 1 else cst + 1
+                lst = 0 if lst == stages - 1 else lst + 1
+            acc = wgmma_wait(acc, 0)
+            cp_async_wait(0)
+            cuda.syncthreads()                 # every warpgroup done with the ring
+
+            # All-padding warpgroups stage zeros; one past the expert's rows sends nothing
+            # (they are the next expert's).
+            stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k,
+                           n_out, limit, ring, lane, frag_row, frag_col, row0, col0, owned)
+            t += cuda.gridDim.x
+            if t < total:                      # next tile's first slices: in flight now
+                row0, col0, b_row, active, owned = tile_start(
+                    smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
+                    dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap)
+        if lane < 16:               # the last bulk stores, written before the block ends
+            bulk_wait(0)
+
+    return kernel
+
+
+def make_wgmma_gemm(bn, stages, swiglu_epilogue, gather, padding_index, push=False, bm=128,
+                    max_registers=0, blocks_per_sm=1):
+    """Build one wgmma grouped-GEMM specialisation (all arguments compile-time).
+
+    ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
+    rows (< 0) even when A is not gathered, so all-padding warpgroups skip their MMAs.
+    ``push``: the epilogue sends rows home (``epilogue.make_row_sender``); else the route
+    arguments are unused placeholders. ``blocks_per_sm`` > 1 or 3+ warpgroups: launch bounds,
+    so that ptxas caps the registers to fit (384 threads: <= 168; 512: <= 128)."""
+    assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256)
+    assert bm < 256 or bn <= 128, "4 warpgroups hold at most 64 accumulators per thread"
+    lay = _Layout(bn, stages, bm)
+    stage_and_send, stride = make_staged_epilogue(bn, swiglu_epilogue, push,
+                                                  lay.prefetch * lay.stage_bytes)
+    assert bm * stride <= 2 * lay.stage_bytes, "the staging must fit in 2 ring stages"
+    tile_start, load_stage = _make_loader(lay, swiglu_epilogue, gather, padding_index)
+    opts = {"max_registers": max_registers} if max_registers else {}
+    if bm >= 192 or blocks_per_sm > 1:
+        opts["launch_bounds"] = (lay.threads, blocks_per_sm)
+    kernel = _make_kernel(lay, swiglu_epilogue, push, tile_start, load_stage,
+                          _make_mma_slice(bn), stage_and_send, opts)
+    kernel.smem_bytes = smem_bytes(bn, stages, bm)
+    kernel.threads = lay.threads
+    return kernel
+
+
+def _require_arch(cfg):
+    if SIM:
+        return
+    cc = cuda.get_current_device().compute_capability
+    if cc != (9, 0):
+        raise ValueError(f"GemmConfig(mma={cfg.mma!r}) needs a Hopper GPU (sm_90); this device "
+                         f"is sm_{cc[0]}{cc[1]}: use mma='mma_sync' (e.g. MMA_SYNC_GEMM)")
+
+
+@lru_cache(maxsize=None)
+def _kernel(cfg, swiglu, gather, padding_index, push):
+    _require_arch(cfg)
+    return make_wgmma_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index, push=push,
+                           bm=cfg.bm, max_registers=cfg.max_registers,
+                           blocks_per_sm=cfg.blocks_per_sm)
+
+
+def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
+                swiglu, gather, padding_index, route=None):
+    """Persistent launch (``cfg.grid``): the weights' tensor maps (``w0``, ``w1`` [E, N_w, K]
+    as 2-D [E N_w, K], boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down)
+    and the push route (rank, token, slot, peers, k; placeholders when None) go with it."""
+    C = a_index.shape[0] if gather else a.shape[0]
+    n_tile = cfg.bn // 2 if swiglu else cfg.bn     # output columns per tile = B rows per box
+    kern = _kernel(cfg, swiglu, gather, padding_index, route is not None)
+    maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
+                        for w in ((w0, w1) if swiglu else (w0,))], n_tile, stream)
+    if route is None:
+        route = (nr, nr, nr, (out,), np.int64(0))
+    launch(kern, cfg.grid(C, n_out, n_tile), cfg.threads, stream, cfg.smem_bytes,
+           flat_view(a), a_index, flat_view(w0), flat_view(w1), maps, off, nr, out,
+           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), *route)
