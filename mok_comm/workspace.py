@@ -62,10 +62,6 @@ class Workspace:
     def experts_per_rank(self) -> int:
         return self.num_experts // self.ep_size
 
-    @property
-    def num_minibatches(self) -> int:
-        return -(-self.capacity // self.config.minibatch_size)
-
     def check(self, stream=0) -> None:
         """Raise ``MoKError`` if a kernel recorded a failure (synchronises)."""
         err.raise_if_set(to_host(self.errors, stream), context=f"mok_comm (rank {self.rank})",

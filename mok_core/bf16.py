@@ -6,12 +6,6 @@ from .intrinsics import u32_as_f32
 
 
 @kjit(device=True, inline="always")
-def bf16_to_f32(bits):
-    """uint16 bf16 bits -> float32 (exact)."""
-    return u32_as_f32(uint32(uint32(bits) << uint32(16)))
-
-
-@kjit(device=True, inline="always")
 def lo_bf16(word):
     """Low bf16 of a packed uint32 pair -> float32."""
     return u32_as_f32(uint32(uint32(word) << uint32(16)))

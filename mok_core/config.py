@@ -71,10 +71,6 @@ class LayerShape:
     def with_ep(self, ep_size: int) -> "LayerShape":
         return replace(self, ep_size=ep_size)
 
-    def routed_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the routed experts for ``tokens`` tokens (3 GEMMs, 2 flops/MAC)."""
-        return 6.0 * tokens * self.topk * self.hidden * self.intermediate
-
     def shared_flops(self, tokens: int) -> float:
         return 6.0 * tokens * self.hidden * self.shared_intermediate
 

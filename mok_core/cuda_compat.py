@@ -119,7 +119,7 @@ def _gpu_view(obj, name):
         raise TypeError(f"{name}: a host NumPy array was passed; MoK-Py needs device memory "
                         "(pass a torch/cupy/jax CUDA array or a numba device array)")
     if hasattr(obj, "__dlpack__"):
-        dev_type, dev_id = obj.__dlpack_device__()
+        dev_type = obj.__dlpack_device__()[0]
         if dev_type != _DLPACK_CUDA:
             raise TypeError(f"{name}: array lives on DLPack device type {dev_type}, not CUDA")
         from cuda.core.utils import StridedMemoryView

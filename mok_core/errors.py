@@ -49,16 +49,9 @@ ERROR_WORDS = 16
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
 
-# Names of the counters a kernel may spin on, indexed by the id stored in TIMEOUT_COUNTER.
-COUNTER_NAMES = {
-    0: "barrier",
-    1: "x_routed_ready",
-    2: "y_routed_ready",
-    3: "combine_done",
-    4: "dispatch_bulk_copy",
-    5: "combine_bulk_copy",
-    6: "dispatch_push_arrivals",
-}
+# Names of the counters a kernel may spin on, indexed by the id stored in TIMEOUT_COUNTER
+# (the grid barrier's flags are the only one now: mok_comm.barrier.COUNTER_BARRIER).
+COUNTER_NAMES = {0: "barrier"}
 
 
 class MoKError(RuntimeError):

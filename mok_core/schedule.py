@@ -57,8 +57,6 @@ class Schedule:
                                              clamped to the capacity after an overflow)
         src_rank, src_token, src_slot  [capacity]  source of each row; -1 on padding rows
         recv_row            [R, T, k]        row here of route (r, t, s); -1 if not ours
-        dest_rank, dest_row [T, k]           for this rank's routes: expert rank and row there;
-                                             -1 for masked routes (dest_row -1 on overflow)
         minibatch_rows      [ceil(capacity / minibatch_size)]  real (non-padding) rows per
                                              minibatch: the count dispatch readiness reaches
         ready               [ceil(capacity / minibatch_size)]  zeroed here; the dispatch
@@ -85,8 +83,6 @@ class Schedule:
     src_token: object
     src_slot: object
     recv_row: object
-    dest_rank: object
-    dest_row: object
     minibatch_rows: object
     ready: object
     errors: object
@@ -137,8 +133,6 @@ class Schedule:
             src_token=device_empty((capacity,), i32, stream),
             src_slot=device_empty((capacity,), i32, stream),
             recv_row=device_empty((R, T, k), i32, stream),
-            dest_rank=device_empty((T, k), i32, stream),
-            dest_row=device_empty((T, k), i32, stream),
             minibatch_rows=device_empty((minibatches,), i32, stream),
             ready=device_empty((minibatches,), i32, stream),
             errors=device_empty((err.ERROR_WORDS,), i32, stream),
@@ -155,7 +149,7 @@ class Schedule:
     def to_host(self, stream=0) -> dict:
         """Host copies of the public arrays (synchronises; for tests and debugging)."""
         names = ("expert_counts", "expert_rank_counts", "expert_offsets", "num_rows", "src_rank",
-                 "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "minibatch_rows",
+                 "src_token", "src_slot", "recv_row", "minibatch_rows",
                  "errors")
         return {n: to_host(getattr(self, n), stream) for n in names}
 
@@ -215,8 +209,8 @@ def schedule_launches(schedule: Schedule, topk_ids_all, *, rank_tokens=None, str
     def place():
         launch(place_routes_kernel, grid, B, stream, 4 * (B // 32 * E),
                ids, live, s.rank, s.experts_per_rank, s.chunk_base, s.rank_counts,
-               s.all_offsets, s.src_rank, s.src_token, s.src_slot, s.recv_row, s.dest_rank,
-               s.dest_row, s.minibatch_size, s.minibatch_rows)
+               s.all_offsets, s.src_rank, s.src_token, s.src_slot, s.recv_row,
+               s.minibatch_size, s.minibatch_rows)
 
     return [("reset", reset), ("count_routes", count), ("scan_chunks", scan),
             ("expert_offsets", offsets), ("place_routes", place)]

@@ -172,12 +172,12 @@ def expert_offsets_kernel(rank_counts, experts_per_rank, row_align, capacity, me
 
 @kjit(device=True)
 def _route_key(ids, r, t, s, n_live, me, experts_per_rank, E):
-    """The route's global expert if it is *relevant* here (pulled by this rank, or ours), else
-    -1 (masked, bad id, past the rank's live tokens, or none of our business)."""
+    """The route's global expert if it is *relevant* here (pulled by this rank), else -1
+    (masked, bad id, past the rank's live tokens, or none of our business)."""
     if t >= n_live:
         return -1
     e = ids[r, t, s]
-    if e >= 0 and e < E and (e // experts_per_rank == me or r == me):
+    if e >= 0 and e < E and e // experts_per_rank == me:
         return e
     return -1
 
@@ -194,16 +194,15 @@ def _rank_in_group(lane, key):
 
 @kjit
 def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank_counts,
-                        all_offsets, src_rank, src_token, src_slot, recv_row, dest_rank,
-                        dest_row, minibatch_size, minibatch_rows):
+                        all_offsets, src_rank, src_token, src_slot, recv_row,
+                        minibatch_size, minibatch_rows):
     """Launch: grid (num_chunks, R), block B (multiple of 32), dynamic smem int32[(B/32)*E].
 
     A route (r, t, s) -> expert e on rank d = e // E_local is *relevant* here if d == me (it
-    is pulled by this rank: pull table + recv_row) or r == me (it is ours: dest_rank/dest_row).
+    is pulled by this rank: pull table + recv_row).
 
     src_rank/src_token/src_slot  int32 [capacity]  row -> source route (padding stays -1)
     recv_row                      int32 [R, T, k]  route -> row here, -1 if not ours to pull
-    dest_rank / dest_row          int32 [T, k]     our route -> (expert rank, row there)
     minibatch_rows                int32 [minibatches]  real rows per minibatch of rows here
                                   (integer atomics: only the totals matter)
     """
@@ -286,6 +285,3 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
                 src_slot[row] = s
                 cuda.atomic.add(minibatch_rows, row // minibatch_size, 1)
             recv_row[r, t, s] = row if d == me else -1
-            if r == me:
-                dest_rank[t, s] = d
-                dest_row[t, s] = row

@@ -28,7 +28,7 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
         dict of NumPy int32 arrays, see ``mok_core.schedule.Schedule`` for each field:
         expert_counts [E_local], expert_rank_counts [E_local, R], expert_offsets [E_local+1],
         num_rows [1], src_rank / src_token / src_slot [capacity], recv_row [R, T, k],
-        dest_rank / dest_row [T, k], minibatch_rows [ceil(capacity / minibatch_size)],
+        minibatch_rows [ceil(capacity / minibatch_size)],
         errors [ERROR_WORDS].
     """
     ids = np.asarray(topk_ids_all)
@@ -86,17 +86,12 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
     src_token = np.full(capacity, -1, np.int32)
     src_slot = np.full(capacity, -1, np.int32)
     recv_row = np.full((R, T, k), -1, np.int32)
-    dest_rank = np.full((T, k), -1, np.int32)
-    dest_row = np.full((T, k), -1, np.int32)
     fits = pos < capacity                    # rows past capacity are never written
     here = fits & (d_of == rank)
     src_rank[pos[here]] = r_of[here]
     src_token[pos[here]] = t_of[here]
     src_slot[pos[here]] = s_of[here]
     recv_row[r_of[here], t_of[here], s_of[here]] = pos[here]
-    ours = r_of == rank
-    dest_rank[t_of[ours], s_of[ours]] = d_of[ours]
-    dest_row[t_of[ours & fits], s_of[ours & fits]] = pos[ours & fits]
 
     me = slice(rank * E_local, (rank + 1) * E_local)
     return {
@@ -106,7 +101,7 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
         "expert_offsets": np.minimum(offsets[rank], capacity).astype(np.int32),
         "num_rows": np.array([min(offsets[rank, -1], capacity)], np.int32),
         "src_rank": src_rank, "src_token": src_token, "src_slot": src_slot,
-        "recv_row": recv_row, "dest_rank": dest_rank, "dest_row": dest_row,
+        "recv_row": recv_row,
         "minibatch_rows": np.bincount(pos[here] // minibatch_size,
                                       minlength=-(-capacity // minibatch_size)).astype(np.int32),
         "errors": word,

@@ -16,7 +16,7 @@ from mok_core.errors import MoKError
 from mok_core.schedule import Schedule, build_schedule, build_schedule_numpy
 
 FIELDS = ("expert_counts", "expert_rank_counts", "expert_offsets", "num_rows", "src_rank",
-          "src_token", "src_slot", "recv_row", "dest_rank", "dest_row", "minibatch_rows",
+          "src_token", "src_slot", "recv_row", "minibatch_rows",
           "errors")
 
 

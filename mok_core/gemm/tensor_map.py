@@ -100,7 +100,3 @@ def tensor_maps(arrays2d, box_rows: int, stream=0):
                 "before capturing it (mok_torch.Layer.compile does)") from exc
         _cache[key] = maps
     return maps
-
-
-def clear_cache() -> None:
-    _cache.clear()

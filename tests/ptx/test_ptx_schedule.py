@@ -14,7 +14,7 @@ CASES = {
     "scan_chunks": (sk.scan_chunks_kernel, (a3, a3, a2)),
     "expert_offsets": (sk.expert_offsets_kernel, (a2, i64, i64, i64, i64, a1, a2, a1, a1)),
     "place_routes": (sk.place_routes_kernel,
-                     (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, a2, a2, i64, a1)),
+                     (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, i64, a1)),
     "reset_error_word": (ek._reset_kernel, (a1,)),
 }
 
