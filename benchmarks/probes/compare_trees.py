@@ -119,7 +119,7 @@ def run_emulated(api, name, T, R, reps):
             comms = [lw.comm for lw in lws]
             run_phases(comms, [schedule_phases(lw, ids) for lw, (x, ids, w) in zip(lws, ins)])
             run_phases(comms, [forward_phases(cfg, lw, lw.schedule, x, w, *W, out=o)[0]
-                               for lw, (x, ids, w), W, o in zip(lws, ins, Ws)])
+                               for lw, (x, ids, w), W, o in zip(lws, ins, Ws, outs)])
     step()
     torch.cuda.synchronize()
     first = [o.clone() for o in outs]
