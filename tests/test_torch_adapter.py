@@ -86,7 +86,7 @@ def test_torch_inputs_checked():
     with pytest.raises(ValueError, match="w_up: expected shape"):
         layer(x, ids, w, W._replace(w_up=W.w_up[:1]))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got ndarray"):
-        layer(x.float().numpy(), ids, w, W)
+        layer(x.float().cpu().numpy(), ids, w, W)
     # until the backward exists, a tensor that wants a gradient is refused, not detached
     with pytest.raises(ValueError, match="x: requires_grad=True, but the layer has no backward"):
         layer(x.clone().requires_grad_(), ids, w, W)
