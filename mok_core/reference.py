@@ -51,15 +51,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = [
-    "swiglu",
-    "swiglu_backward",
-    "moe_forward",
-    "moe_forward_detailed",
-    "moe_backward",
-    "ForwardIntermediates",
-    "MoEGrads",
-]
+__all__ = ["swiglu", "swiglu_backward", "moe_forward", "moe_forward_detailed", "moe_backward",
+           "ForwardIntermediates", "MoEGrads"]
 
 
 class ForwardIntermediates(NamedTuple):
@@ -445,24 +438,7 @@ def moe_forward(
     """
     MoE forward pass: `out = shared(x) + sum_j router_weights[:, j] * expert_{topk_ids[:, j]}(x)`.
 
-    Arguments:
-        x: `[N, H]`, any float dtype, the tokens of all ranks concatenated.
-        router_weights: `[N, k]`, any float dtype, the weight of each routed slot.
-        topk_ids: `[N, k]`, integer dtype, global expert ids in `[0, E)`, or `-1` for a masked route.
-        w_shared_gate: `[I_s, H]`, any float dtype.
-        w_shared_up: `[I_s, H]`, any float dtype.
-        w_shared_down: `[H, I_s]`, any float dtype.
-        w_gate: `[E, I, H]`, any float dtype.
-        w_up: `[E, I, H]`, any float dtype.
-        w_down: `[E, H, I]`, any float dtype.
-        swiglu_limit: `None` or a float `L > 0` (see `swiglu`).
-
-    Returns:
-        out: `[N, H]`, `np.float64`.
-
-    Raises:
-        ValueError: on shape mismatches, non-integer or out-of-range `topk_ids`,
-            non-finite inputs, or `swiglu_limit <= 0`.
+    Arguments and errors as `moe_forward_detailed`; returns its `out` (`[N, H]`, `np.float64`).
     """
     return moe_forward_detailed(
         x, router_weights, topk_ids, w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down, swiglu_limit
@@ -493,17 +469,8 @@ def moe_backward(
     Intermediates are recomputed from the inputs, so no forward state is needed.
 
     Arguments:
-        d_out: `[N, H]`, any float dtype, the gradient w.r.t. `moe_forward`'s output.
-        x: `[N, H]`, any float dtype.
-        router_weights: `[N, k]`, any float dtype.
-        topk_ids: `[N, k]`, integer dtype, global expert ids in `[0, E)`, or `-1` for a masked route.
-        w_shared_gate: `[I_s, H]`, any float dtype.
-        w_shared_up: `[I_s, H]`, any float dtype.
-        w_shared_down: `[H, I_s]`, any float dtype.
-        w_gate: `[E, I, H]`, any float dtype.
-        w_up: `[E, I, H]`, any float dtype.
-        w_down: `[E, H, I]`, any float dtype.
-        swiglu_limit: `None` or a float `L > 0` (see `swiglu`).
+        d_out: `[N, H]`, any float dtype, the gradient w.r.t. `moe_forward`'s output; the rest
+            as `moe_forward_detailed`.
 
     Returns:
         grads: a `MoEGrads` of `np.float64` arrays, each shaped like its input. Masked routes get

@@ -48,20 +48,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = [
-    "CommInfo",
-    "init",
-    "finalize",
-    "is_initialized",
-    "info",
-    "exchange_uid_via_file",
-    "exchange_uid_via_broadcast",
-    "exchange_uid_via_mpi",
-    "clean_stale_sockets",
-    "apply_env_defaults",
-    "INSTALL_HINT",
-    "SOCKET_DIR",
-]
+__all__ = ["CommInfo", "init", "finalize", "is_initialized", "info", "exchange_uid_via_file",
+           "exchange_uid_via_broadcast", "exchange_uid_via_mpi", "clean_stale_sockets",
+           "apply_env_defaults", "INSTALL_HINT", "SOCKET_DIR"]
 
 INSTALL_HINT = ("nvshmem4py is not installed: pip install 'mok-py[gpu]' "
                 "(nvshmem4py-cu13==0.4.1)")
