@@ -149,7 +149,7 @@ def _check_props(arr, name, *, dtype, ndim, shape):
 def flat_view(arr, dtype=None):
     """``arr`` as a 1-D array (its bits as ``dtype`` when given: a ``.view``), zero-copy. On the
     GPU memoised on ``arr``: every step's launches flatten the workspace's persistent arrays
-    again, and making and typing a numba view costs ~15 us of host time."""
+    again, and making and typing a numba view costs host time on every call."""
     if arr.ndim == 1 and dtype is None:
         return arr
     views = getattr(arr, "__dict__", None) if not SIM else None

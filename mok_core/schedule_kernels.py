@@ -18,8 +18,8 @@ order-dependent atomics -- so the schedule is bitwise deterministic:
 A chunk is ``blockDim.x`` consecutive tokens of one source rank; warp w of the block owns tokens
 [32w, 32w+32) of the chunk and walks their routes in groups of 32 (k groups). Inside a group a
 route's rank among equal experts comes from ``match_any`` (the lanes holding the same expert,
-one instruction; it was a 32-step compare loop over shared memory that took most of the
-schedule's time: place_routes 82 of 99 us, run 73); per-warp running counts in shared memory
+one instruction; a compare loop over shared memory took most of the schedule's time -- see
+docs/perf.md, "Schedule"); per-warp running counts in shared memory
 carry the ordinal across groups and warps. Route order is therefore (token, slot) order --
 independent of the block size, which the tests check.
 """
