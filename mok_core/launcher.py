@@ -1,8 +1,8 @@
 """A lean kernel launch for the GPU: numba's compiled kernel, our own argument packing.
 
-Why: a layer step issues ~20 launches, and numba's dispatcher spends most of the host time of
-the eager step on each of them (most of the eager step's host time went to the dispatcher and
-argument preparation -- docs/perf.md, "Host launch time"): it types every argument (``typeof``), re-wraps every array
+Why: a layer step issues ~20 launches, and most of the eager step's host time goes to numba's
+dispatcher and argument preparation (docs/perf.md, "Host launch time"): per launch it types
+every argument (``typeof``), re-wraps every array
 (``wrap_arg`` / ``to_device``), makes a fresh ``LaunchConfig`` and a fresh cuda.core stream per
 launch. Here, per launch:
 
