@@ -165,11 +165,21 @@ def epilogue(layer: Layer, router_weights, out, stream):
 
 # --- phases -------------------------------------------------------------------------------------
 
+def _trap_checks(layer: Layer, stream):
+    """``MoKConfig(errors="trap")``: a launch that aborts the context on any flag, per phase."""
+    return [partial(layer.errors.trap_check, stream)] if layer.config.errors == "trap" else []
+
+
 def io_phases(layer: Layer, inputs: StepInputs, stream=0):
-    """(phase 0, phase 3): the launches that read the caller's tensors."""
-    p0 = [partial(publish_ids, layer, inputs.topk_ids, stream),
-          partial(publish_x, layer, inputs.x, inputs.router_weights, stream)]
-    p3 = [partial(epilogue, layer, inputs.router_weights, inputs.out, stream)]
+    """(phase 0, phase 3): the launches that read the caller's tensors, and the step's error
+    report (cleared first, copied to the host last). A problem an earlier step recorded is
+    raised here, before anything launches."""
+    layer.errors.poll()
+    p0 = [partial(layer.errors.begin, stream), partial(publish_ids, layer, inputs.topk_ids, stream),
+          partial(publish_x, layer, inputs.x, inputs.router_weights, stream),
+          *_trap_checks(layer, stream)]
+    p3 = [partial(epilogue, layer, inputs.router_weights, inputs.out, stream),
+          *_trap_checks(layer, stream), partial(layer.errors.end, stream)]
     return p0, p3
 
 
@@ -186,7 +196,7 @@ def core_phases(layer: Layer, W: Weights, stream=0):
         p2.append(partial(routed_down_push, layer, W, stream))
     else:
         p2 += [partial(routed_down, layer, W, stream), partial(combine_rows, layer, stream)]
-    return [p1, p2]
+    return [p1 + _trap_checks(layer, stream), p2 + _trap_checks(layer, stream)]
 
 
 def step_phases(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, stream=0):

@@ -26,7 +26,8 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     out             uint16 [T, H]     the default output (overwritten by the next step)
 
 ``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
-step: ``ForwardContext`` hands them to the backward.
+step: ``ForwardContext`` hands them to the backward. ``nbytes`` sums them by buffer. ``errors``
+(``mok_core.step_errors``) reports each step's device-side problems at the next call.
 
 bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors as uint16.
 """
@@ -40,10 +41,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import device_empty, device_full, flat_view, upload
 from mok_core.gemm import GemmConfig, default_gemm
 from mok_core.schedule import Schedule
+from mok_core.step_errors import StepErrors
 
 from .heap import Heap
 from .barrier import barrier
@@ -178,6 +181,9 @@ class Layer:
         self.fingerprint = upload(fp, stream)
         self.fingerprint_table, peers = heap.alloc((shape.ep_size, fp.size), i32, -1)
         self.peer_fingerprints = tuple(p.reshape(p.size) for p in peers)
+        self.errors = StepErrors((self.comm.errors, self.schedule.errors), rank=heap.rank,
+                                 mode=config.errors,
+                                 describe=partial(err.describe, num_experts=shape.num_experts))
         heap.fence()                      # the fingerprint table's fill precedes peers' pushes
         if verify:
             push, compare = agreement_phases(self, stream)
@@ -207,9 +213,24 @@ class Layer:
                               self.hidden_shared)
 
     def check(self, stream=0) -> None:
-        """Raise ``MoKError`` for anything the last steps recorded on the device (syncs)."""
-        self.schedule.check(stream)
-        self.comm.check(stream)
+        """Wait for every step in flight and raise ``MoKError`` for the first one that recorded
+        a problem (``mok_core.step_errors``; without ``check`` the next step raises it)."""
+        self.errors.poll(block=True)
+
+    @property
+    def nbytes(self) -> dict:
+        """Device bytes this layer holds, by buffer (symmetric ones are per rank)."""
+        arrays = {"x_recv (symmetric)": self.comm.x_recv,
+                  "ids_table (symmetric)": self.comm.ids_table,
+                  "combine_buf (symmetric)": self.comm.combine_buf, "hidden": self.hidden,
+                  "y": self.y, "hidden_shared": self.hidden_shared, "y_shared": self.y_shared,
+                  "out": self.out, "gather_index": self.gather_index, "ids32": self.ids32}
+        sizes = {name: int(a.size) * a.dtype.itemsize for name, a in arrays.items()
+                 if a is not None}
+        s = self.schedule
+        sizes["schedule row tables"] = sum(int(a.size) * 4 for a in (s.src_rank, s.src_token,
+                                                                      s.src_slot, s.recv_row))
+        return sizes
 
 
 def agreement_phases(layer: Layer, stream=0):

@@ -100,6 +100,7 @@ def preset(name: str, ep_size: int = 1) -> LayerShape:
 
 
 DISPATCH_MODES = ("pull", "split")
+ERROR_MODES = ("deferred", "sync", "trap")
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,11 @@ class MoKConfig:
         minibatch_size: rows per readiness unit: the dispatch counts the rows it has staged per
             minibatch of expert-sorted rows (the ``ready`` counters). Multiple of ``row_align``.
         capacity_factor: worst-case fraction of *all* routes (all ranks) that may land on one
-            rank; 1.0 can never overflow. Capacity = ceil(min(R, max(2, R*cf)) * T*k) rows plus
-            alignment padding (at least twice the average load, as MoK does). Overflow is an
-            error, never a silent drop.
+            rank. Capacity = ceil(min(R, max(2, R*cf)) * T*k) rows plus alignment padding (at
+            least twice the average load, as MoK does). The default 1.0 holds every route of
+            every rank on one rank: it can never overflow (``Layer.nbytes`` says what that
+            costs; at EP 2 any factor <= 1 gives the same capacity). Lower it to save memory
+            at large EP: an overflow is then reported (``errors``), never a silent drop.
         row_align: rows of each expert are padded to a multiple of this (= GEMM M tile), so no
             M tile spans two experts. Power of two.
         spin_timeout_cycles: bound on any spin-wait in a kernel (SM clock cycles); when it
@@ -129,14 +132,20 @@ class MoKConfig:
         dispatch_ce_share: with ``dispatch="split"``, the share in [0, 1] of each peer's
             tokens the copy engine moves. It copies every token in that range, so at larger EP
             (fewer of a peer's tokens needed here) a lower share wastes less NVLink traffic.
+        errors: how a problem the kernels record (bad expert id, capacity overflow, NaN/Inf,
+            a peer that never arrives) reaches the caller (``mok_core.step_errors``):
+            "deferred" -- the next call on the layer raises ``MoKError`` naming the step, no
+            host sync; "sync" -- every step waits for its report and raises at once
+            (debugging); "trap" -- the step's kernels abort the CUDA context at once.
     """
     minibatch_size: int = 4096
-    capacity_factor: float = 0.5
+    capacity_factor: float = 1.0
     row_align: int = 64
     spin_timeout_cycles: int = 1 << 34      # ~9 s at 1.98 GHz: far above any legitimate wait
     fuse_combine: bool = True
     dispatch: str = "split"
     dispatch_ce_share: float = 1.0
+    errors: str = "deferred"
 
     def __post_init__(self):
         _require(_is_int(self.row_align) and _is_pow2(self.row_align)
@@ -157,6 +166,8 @@ class MoKConfig:
                  self.fuse_combine)
         _require(self.dispatch in DISPATCH_MODES, "dispatch",
                  f"must be one of {DISPATCH_MODES}", self.dispatch)
+        _require(self.errors in ERROR_MODES, "errors", f"must be one of {ERROR_MODES}",
+                 self.errors)
         share = self.dispatch_ce_share
         _require(isinstance(share, (int, float)) and not isinstance(share, bool)
                  and 0.0 <= share <= 1.0, "dispatch_ce_share", "must be a number in [0, 1]",
