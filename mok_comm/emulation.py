@@ -13,7 +13,6 @@ from mok_core.config import LayerShape, MoKConfig
 
 from . import barrier
 from .heap import EmulatedHeap
-from .workspace import create_workspace
 
 
 def barrier_all(comm_workspaces, stream=0) -> None:
@@ -36,34 +35,6 @@ def run_phases(comm_workspaces, phase_lists, stream=0) -> None:
         for phases in phase_lists:
             for call in (phases[i] if isinstance(phases[i], list) else [phases[i]]):
                 call()
-
-
-class EmulatedGroup:
-    """Comm workspaces of R emulated ranks sharing one heap."""
-
-    def __init__(self, ep_size: int, *, tokens_per_rank: int, hidden: int, topk: int,
-                 num_experts: int, config: MoKConfig, stream=0):
-        self.heap = EmulatedHeap(ep_size, stream)
-        self.stream = stream
-        self.workspaces = [
-            create_workspace(self.heap.for_rank(r), tokens_per_rank=tokens_per_rank,
-                             hidden=hidden, topk=topk, num_experts=num_experts, config=config,
-                             stream=stream)
-            for r in range(ep_size)]
-
-    @property
-    def ep_size(self) -> int:
-        return len(self.workspaces)
-
-    def each(self, fn) -> list:
-        """Run ``fn(rank, workspace)`` for every rank in order (one phase)."""
-        return [fn(r, ws) for r, ws in enumerate(self.workspaces)]
-
-    def barrier(self) -> None:
-        barrier_all(self.workspaces, self.stream)
-
-    def check(self) -> None:
-        self.each(lambda r, ws: ws.check(self.stream))
 
 
 def emulated_layers(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,

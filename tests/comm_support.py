@@ -4,6 +4,10 @@ import numpy as np
 
 from numba import cuda
 
+from mok_comm.emulation import barrier_all
+from mok_comm.heap import EmulatedHeap
+from mok_comm.workspace import create_workspace
+from mok_core.config import MoKConfig
 from mok_core.cuda_compat import kjit
 
 
@@ -54,3 +58,31 @@ def identity_expert_kernel(x_recv, index, num_rows, y, H):
         src = index[row]
         y[i] = x_recv[src * H + i % H] if src >= 0 else 0
         i += cuda.gridsize(1)
+
+
+class EmulatedGroup:
+    """Comm workspaces of R emulated ranks sharing one heap (the comm protocol without a layer)."""
+
+    def __init__(self, ep_size: int, *, tokens_per_rank: int, hidden: int, topk: int,
+                 num_experts: int, config: MoKConfig, stream=0):
+        self.heap = EmulatedHeap(ep_size, stream)
+        self.stream = stream
+        self.workspaces = [
+            create_workspace(self.heap.for_rank(r), tokens_per_rank=tokens_per_rank,
+                             hidden=hidden, topk=topk, num_experts=num_experts, config=config,
+                             stream=stream)
+            for r in range(ep_size)]
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.workspaces)
+
+    def each(self, fn) -> list:
+        """Run ``fn(rank, workspace)`` for every rank in order (one phase)."""
+        return [fn(r, ws) for r, ws in enumerate(self.workspaces)]
+
+    def barrier(self) -> None:
+        barrier_all(self.workspaces, self.stream)
+
+    def check(self) -> None:
+        self.each(lambda r, ws: ws.check(self.stream))

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from comm_support import (bf16_bits, identity_expert_kernel, make_routing,
+from comm_support import (EmulatedGroup, bf16_bits, identity_expert_kernel, make_routing,
                           reference_round_trip)
 from helpers import to_dev
 from mok_comm import barrier, combine, dispatch, routing
-from mok_comm.emulation import EmulatedGroup
 from mok_core.config import MoKConfig
 from mok_core.cuda_compat import SIM, kjit, to_host
 from mok_core.errors_kernels import record_timeout

@@ -13,7 +13,7 @@ def test_split_dispatch_captured_equals_eager(dist):
 
     from benchmarks.common import numba_stream
     from mok_comm import dispatch, routing
-    from mok_comm.emulation import EmulatedGroup
+    from comm_support import EmulatedGroup
     from mok_core.config import MoKConfig
     from mok_core.cuda_compat import to_host
     from mok_core.schedule import Schedule, build_schedule
