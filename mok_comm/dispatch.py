@@ -56,8 +56,10 @@ and join are events made with the workspace, so the pair is capturable in a CUDA
 Either way every needed row is staged and ``ready`` reaches the same totals (the split also
 stages unneeded tokens of the copied ranges).
 
-Errors: ``publish_x`` adds the count of non-finite values to the error word's NaN count and
-sets ERR_NON_FINITE (``Workspace.check`` raises); the data is still copied. Nothing here waits
+Errors: ``publish_x`` records, per tensor (x, router weights), the count of non-finite values
+and the smallest token holding one in the error word and sets ERR_NON_FINITE
+(``Workspace.check`` raises, naming the rank, the tensor and the token); the data is still
+copied. Nothing here waits
 on a peer (the barrier before does), so nothing here can time out.
 
 Entries: ``publish_x``, ``pull``, ``split_start``, ``split_finish``, ``split`` and
@@ -73,6 +75,7 @@ from mok_core import errors as err
 from mok_core.bf16 import nonfinite_bf16x2
 from mok_core.cuda_compat import (SIM, as_device_array, device_copy, kjit, launch,
                                   multiprocessor_count)
+from mok_core.errors_record import record_non_finite
 from mok_core.intrinsics import ld_v4, red_add_release_gpu, st_v4, syncwarp
 
 from .device import COMM_WARPS, COPY_THREADS, comm_grid, copy_row, flat
@@ -85,26 +88,38 @@ _COUNT_BLOCKS = 2 if SIM else 64
 # ---- device ------------------------------------------------------------------------------
 
 @kjit
-def publish_x_kernel(x, x_buf, weights, errors):
+def publish_x_kernel(me, x, x_buf, weights, H, k, errors):
     """Launch: any grid. x, x_buf uint16 [T*H] (H % 8 == 0); weights float32 [T*k]. The
-    NaN/Inf check rides on the copy: it costs no extra pass over x."""
-    bad = 0
+    NaN/Inf check rides on the copy: it costs no extra pass over x. Per tensor, the count and
+    the smallest token holding one go to the error word (``record_non_finite``): a thread walks
+    its elements in increasing order, so its first bad one is its smallest."""
+    bad_x = 0
+    first_x = 0
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < x.shape[0] // 8:
         a, b, c, d = ld_v4(x, i * 8)
         st_v4(x_buf, i * 8, a, b, c, d)
-        bad += nonfinite_bf16x2(a) + nonfinite_bf16x2(b) + nonfinite_bf16x2(c) \
+        n = nonfinite_bf16x2(a) + nonfinite_bf16x2(b) + nonfinite_bf16x2(c) \
             + nonfinite_bf16x2(d)
+        if n:
+            if bad_x == 0:
+                first_x = i * 8 // H
+            bad_x += n
         i += stride
+    bad_w = 0
+    first_w = 0
     i = cuda.grid(1)
     while i < weights.shape[0]:
         if not math.isfinite(weights[i]):
-            bad += 1
+            if bad_w == 0:
+                first_w = i // k
+            bad_w += 1
         i += stride
-    if bad:
-        cuda.atomic.add(errors, err.NAN_COUNT, bad)
-        cuda.atomic.or_(errors, err.FLAGS, err.ERR_NON_FINITE)
+    if bad_x:
+        record_non_finite(errors, err.NF_X, me, bad_x, first_x)
+    if bad_w:
+        record_non_finite(errors, err.NF_ROUTER_WEIGHTS, me, bad_w, first_w)
 
 
 @kjit(device=True, inline="always")
@@ -216,15 +231,15 @@ def check_x(ws, x, router_weights=None):
 
 def publish_x(ws, x, router_weights=None, stream=0) -> None:
     """Copy this rank's tokens (uint16 [T, H]) into its slice of the symmetric staging buffer
-    and count NaN/Inf in x and the router weights (float32 [T, k], or None) into the error
-    word. A barrier must follow before any peer's dispatch."""
+    and record NaN/Inf in x and the router weights (float32 [T, k], or None) in the error
+    word (count and first token per tensor). A barrier must follow before any peer's dispatch."""
     T, H = ws.tokens_per_rank, ws.hidden
     w = router_weights if router_weights is not None else ws.errors[:0].view(np.float32)
     if T == 0:
         return
     blocks = 2 if SIM else min(4 * multiprocessor_count(), -(-T * H // 8 // COPY_THREADS))
-    launch(publish_x_kernel, blocks, COPY_THREADS, stream, 0, flat(x), flat(ws.x_buf),
-           flat(w), ws.errors)
+    launch(publish_x_kernel, blocks, COPY_THREADS, stream, 0, ws.rank, flat(x), flat(ws.x_buf),
+           flat(w), np.int64(H), np.int64(ws.topk), ws.errors)
 
 
 def _pull(ws, schedule, stream, t_begin) -> None:

@@ -86,11 +86,9 @@ def check_weights(layer: Layer, weights) -> Weights:
 # --- the phases' launches (named, so that traces and per-launch timers read them) --------------
 
 def publish_ids(layer: Layer, ids, stream):
-    """This rank's ids (int64 narrowed to int32 first) into row ``rank`` of every ids table."""
-    if np.dtype(ids.dtype) == np.int64:
-        routing.ids_to_int32(ids, layer.ids32, stream)
-        ids = layer.ids32
-    routing.publish_ids(layer.comm, ids, stream)
+    """This rank's ids, checked and narrowed to int32 (``layer.ids32``; bad ones recorded and
+    replaced), into row ``rank`` of every ids table: one launch."""
+    routing.check_and_publish_ids(layer.comm, ids, layer.ids32, stream)
 
 
 def publish_x(layer: Layer, x, router_weights, stream):

@@ -21,11 +21,15 @@ from mok_core.cuda_compat import SIM, device_full
 
 
 class Heap:
-    """Interface: ``alloc(shape, dtype, fill) -> (local array, tuple of peer arrays)``."""
+    """Interface: ``alloc(shape, dtype, fill, name=, dims=) -> (local array, tuple of peer
+    arrays)``. ``name`` (the buffer) and ``dims`` (per dimension, the argument that sets it,
+    e.g. ``("tokens_per_rank", "hidden")``; the heap's EP size is common to all ranks) only
+    serve error messages: a heap that can see every rank's request (``EmulatedHeap``) says
+    which argument the ranks disagree on."""
     ep_size: int
     rank: int
 
-    def alloc(self, shape, dtype, fill=0):
+    def alloc(self, shape, dtype, fill=0, *, name=None, dims=None):
         raise NotImplementedError
 
     def fence(self):
@@ -42,7 +46,7 @@ class LocalHeap(Heap):
     def __init__(self, stream=0):
         self.ep_size, self.rank, self.stream = 1, 0, stream
 
-    def alloc(self, shape, dtype, fill=0):
+    def alloc(self, shape, dtype, fill=0, *, name=None, dims=None):
         arr = device_full(shape, fill, dtype, self.stream)
         return arr, (arr,)
 
@@ -57,30 +61,54 @@ class EmulatedHeap:
         self.ep_size = ep_size
         self.stream = stream
         self._buffers: list[list] = []        # allocation i -> R arrays
+        self._requests: list[tuple] = []      # allocation i -> (rank, shape, dtype, name, dims)
         self._cursor = [0] * ep_size          # next allocation index per rank
 
     def for_rank(self, rank: int) -> "Heap":
         return _EmulatedRankHeap(self, rank)
 
-    def _alloc(self, rank, shape, dtype, fill):
+    def _alloc(self, rank, shape, dtype, fill, name=None, dims=None):
         i = self._cursor[rank]
-        self._cursor[rank] += 1
+        shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         if i == len(self._buffers):
             self._buffers.append([device_full(shape, fill, dtype, self.stream)
                                   for _ in range(self.ep_size)])
-        bufs = self._buffers[i]
-        if tuple(bufs[0].shape) != tuple(shape) or np.dtype(bufs[0].dtype) != np.dtype(dtype):
-            raise ValueError("emulated ranks allocated symmetric buffers in different orders "
-                             f"(allocation {i}: {tuple(bufs[0].shape)} vs {tuple(shape)})")
-        return bufs[rank], tuple(bufs)
+            self._requests.append((rank, shape, dtype, name, dims))
+        first, shape0, dtype0, name0, dims0 = self._requests[i]
+        if shape != shape0 or dtype != dtype0 or name != name0:
+            raise ValueError(_disagreement(i, (first, shape0, dtype0, name0, dims0),
+                                           (rank, shape, dtype, name, dims)))
+        self._cursor[rank] += 1
+        return self._buffers[i][rank], tuple(self._buffers[i])
+
+
+def _disagreement(i, a, b) -> str:
+    """Why emulated ranks' requests for allocation ``i`` differ, in words."""
+    (ra, sa, da, na, dims), (rb, sb, db, nb, _) = a, b
+
+    def show(shape, dtype):
+        return f"[{', '.join(map(str, shape))}]" + ("" if da == db else f" {dtype}")
+
+    if na != nb:
+        return (f"emulated ranks allocated symmetric buffers in different orders: allocation "
+                f"{i} is {na or 'unnamed'} {show(sa, da)} on rank {ra} but {nb or 'unnamed'} "
+                f"{show(sb, db)} on rank {rb}")
+    what = na or f"symmetric allocation {i}"
+    if da != db or len(sa) != len(sb):
+        field = f"the dtype or number of dimensions of {what}"
+    else:
+        j = next(j for j in range(len(sa)) if sa[j] != sb[j])
+        field = dims[j] if dims else f"dimension {j} of {what}"
+    return (f"emulated ranks disagree on {field}: rank {ra} allocated {what} {show(sa, da)}, "
+            f"rank {rb} {show(sb, db)} (every rank must build its layer alike)")
 
 
 class _EmulatedRankHeap(Heap):
     def __init__(self, parent: EmulatedHeap, rank: int):
         self.parent, self.rank, self.ep_size = parent, rank, parent.ep_size
 
-    def alloc(self, shape, dtype, fill=0):
-        return self.parent._alloc(self.rank, shape, dtype, fill)
+    def alloc(self, shape, dtype, fill=0, *, name=None, dims=None):
+        return self.parent._alloc(self.rank, shape, dtype, fill, name, dims)
 
 
 class NvshmemHeap(Heap):
@@ -104,7 +132,7 @@ class NvshmemHeap(Heap):
         self.rank = self.pes.index(world_rank)
         self._buffers = []
 
-    def alloc(self, shape, dtype, fill=0):
+    def alloc(self, shape, dtype, fill=0, *, name=None, dims=None):
         from numba import cuda
 
         from mok_core.cuda_compat import fill as fill_array

@@ -16,7 +16,8 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     comm            the symmetric ``Workspace`` (token staging, ids table, combine rows, barrier
                     flags, error word)
     schedule        this rank's ``Schedule`` (rebuilt on the device every step)
-    ids32           int32 [T, k]      int64 ids narrowed on the device before the all-gather
+    ids32           int32 [T, k]      ids checked (int64 narrowed) on the device before the
+                                      all-gather
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
@@ -174,10 +175,15 @@ class Layer:
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
-        fp = np.array([H, I, I_s, shape.num_experts, k, shape.ep_size, T, config.row_align,
-                       config.minibatch_size, int(config.capacity_factor * 1e6),
-                       _digest(config), _digest(gemm), _digest(gemm_down),
-                       _digest(self.swiglu_limit)], i32)
+        fields = dict(hidden=H, intermediate=I, shared_intermediate=I_s,
+                      num_experts=shape.num_experts, topk=k, ep_size=shape.ep_size,
+                      tokens_per_rank=T, row_align=config.row_align,
+                      minibatch_size=config.minibatch_size,
+                      capacity_factor=round(config.capacity_factor * 1e6), config=_digest(config),
+                      gemm=_digest(gemm), gemm_down=_digest(gemm_down),
+                      swiglu_limit=_digest(self.swiglu_limit))
+        # in the order errors.describe names them when ranks disagree
+        fp = np.array([fields[n] for n in err.FINGERPRINT_FIELDS], i32)
         self.fingerprint = upload(fp, stream)
         self.fingerprint_table, peers = heap.alloc((shape.ep_size, fp.size), i32, -1)
         self.peer_fingerprints = tuple(p.reshape(p.size) for p in peers)

@@ -93,10 +93,13 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
         raise ValueError(f"num_experts={E}: must be divisible by the EP size {R}")
     capacity = config.schedule_capacity(T, k, R, E // R)
     u16, i32 = np.uint16, np.int32
-    x_recv, peer_recv = heap.alloc((R * T, H), u16)
-    ids_table, peer_ids = heap.alloc((R, T, k), i32, -1)
-    combine_buf, peer_combine = heap.alloc((T * k, H), u16)
-    flags, peer_flags = heap.alloc((R,), i32)
+    x_recv, peer_recv = heap.alloc((R * T, H), u16, name="x_recv",
+                                   dims=("tokens_per_rank", "hidden"))
+    ids_table, peer_ids = heap.alloc((R, T, k), i32, -1, name="ids_table",
+                                     dims=("ep_size", "tokens_per_rank", "topk"))
+    combine_buf, peer_combine = heap.alloc((T * k, H), u16, name="combine_buf",
+                                           dims=("tokens_per_rank * topk", "hidden"))
+    flags, peer_flags = heap.alloc((R,), i32, name="barrier_flags", dims=("ep_size",))
     ws = Workspace(
         rank=heap.rank, ep_size=R, tokens_per_rank=T, hidden=H, topk=k, num_experts=E,
         config=config, capacity=capacity, heap=heap,

@@ -14,7 +14,10 @@ the all-gathered routing table of every rank (``[R, T, k]`` int32, -1 = masked r
 
 Sizes are functions of shapes only (``MoKConfig.schedule_capacity``); counts stay on the
 device. Bad expert ids and capacity overflow set the device error word (``mok_core.errors``)
-and are never written out of bounds; ``Schedule.check()`` reads the word when asked.
+and are never written out of bounds; ``Schedule.check()`` reads the word when asked. (In a
+layer step the source rank has checked its ids already and replaced a bad one with
+``errors.ID_REPORTED``, which is skipped here without a second report; this check is the
+backstop for tables built without it.)
 
 Host launch glue only; the device bodies are in ``mok_core.schedule_kernels``.
 """

@@ -4,7 +4,9 @@ Four launches, each a pure function of the gathered routing table, no float math
 order-dependent atomics -- so the schedule is bitwise deterministic:
 
     1. count_routes     grid (chunks, R): per-chunk histogram of routes over *global* experts
-                        (shared-memory integer atomics: only the totals matter); validates ids;
+                        (shared-memory integer atomics: only the totals matter); validates ids
+                        (the backstop: ``errors.ID_REPORTED`` is skipped silently, its source
+                        rank has reported it);
                         marks every row of the pull table as padding (-1).
     2. scan_chunks      grid (E*R/B,): per (expert, source rank) exclusive prefix over chunks ->
                         where each chunk's routes start in that (expert, rank) list.
@@ -76,7 +78,7 @@ def count_routes_kernel(ids, rank_tokens, chunk_counts, src_rank, src_token, src
             e = ids[r, t, i % k]
             if e >= 0 and e < E:
                 cuda.atomic.add(hist, e, 1)
-            elif e != -1:
+            elif e != -1 and e != err.ID_REPORTED:     # ID_REPORTED: its source reported it
                 _record_bad_id(errors, e)
     cuda.syncthreads()
     for e in range(tid, E, nthreads):

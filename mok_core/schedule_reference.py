@@ -38,15 +38,16 @@ def build_schedule_numpy(topk_ids_all, rank: int, experts_per_rank: int, capacit
     n_tok = np.full(R, T) if rank_tokens is None else np.minimum(np.asarray(rank_tokens), T)
     word = err.initial_error_word()
 
-    # 1. Which routes count: real tokens, ids in range. Bad ids are reported and skipped.
+    # 1. Which routes count: real tokens, ids in range. Bad ids are reported and skipped
+    #    (ID_REPORTED, already reported by its source rank, only skipped).
     live = np.arange(T)[None, :, None] < n_tok[:, None, None]
-    bad = live & ((ids >= E) | (ids < -1))
+    bad = live & ((ids >= E) | ((ids < -1) & (ids != err.ID_REPORTED)))
     if bad.any():
         word[err.FLAGS] |= err.ERR_BAD_EXPERT_ID
-        if (live & (ids >= E)).any():
-            word[err.BAD_ID_MAX] = ids[live & (ids >= E)].max()
-        if (live & (ids < -1)).any():
-            word[err.BAD_ID_MIN] = ids[live & (ids < -1)].min()
+        if (bad & (ids >= E)).any():
+            word[err.BAD_ID_MAX] = ids[bad & (ids >= E)].max()
+        if (bad & (ids < -1)).any():
+            word[err.BAD_ID_MIN] = ids[bad & (ids < -1)].min()
     valid = live & (ids >= 0) & (ids < E)
 
     # 2. Routes per (expert, source rank), then per-rank padded, expert-sorted segments.

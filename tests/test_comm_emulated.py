@@ -226,7 +226,9 @@ def test_non_finite_inputs_are_reported():
     w = np.ones((4, 2), np.float32)
     w[1, 1] = np.nan
     dispatch.publish_x(ws, *dispatch.check_x(ws, to_dev(x), to_dev(w)))
-    with pytest.raises(MoKError, match="non-finite input: 3 NaN/Inf values seen"):
+    with pytest.raises(MoKError, match="non-finite input on rank 0: x has 2 NaN/Inf values, "
+                                       "first at token 2; router_weights has 1 NaN/Inf value, "
+                                       "first at token 1$"):
         ws.check()
     np.testing.assert_array_equal(to_host(ws.x_buf), x)       # still copied, just flagged
 

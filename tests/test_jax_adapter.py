@@ -112,5 +112,7 @@ def test_out_of_range_expert_id_is_reported():
     layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
     bad = ids.at[5, 1].set(SHAPE.num_experts)             # one id past the last expert
     out = layer(x, bad, w, W)
-    with pytest.raises(MoKError, match=r"expert id out of range.*largest bad id 4"):
+    with pytest.raises(MoKError, match=r"expert id out of range on rank 0: topk_ids\[5, 1\] = 4 "
+                                       r"\(valid: 0\.\.3 or -1 for a masked route\); 1 bad id "
+                                       r"in all, that route was skipped$"):
         layer.check(out)

@@ -181,7 +181,8 @@ def test_ranks_that_disagree_are_detected():
     lws = [Layer(shape, 8, cfg, heap=heap.for_rank(r), gemm=GEMM, verify=False)
            for r, cfg in enumerate([CFG, other])]
     run_phases([lw.comm for lw in lws], [agreement_phases(lw) for lw in lws])
-    with pytest.raises(MoKError, match="ranks disagree"):
+    with pytest.raises(MoKError, match="ranks disagree on the layer's setup: rank 1 has "
+                                       "minibatch_size=32, rank 0 has 64$"):
         lws[0].comm.check()
 
 
@@ -193,5 +194,7 @@ def test_out_of_range_expert_id_is_reported():
     inp = layer_inputs(rng, shape, T)
     inp["ids"][0, 3, 1] = 4                             # E = 4: out of range
     lws = emulated_layers(shape, T, CFG, GEMM)
-    with pytest.raises(MoKError, match="expert id out of range.*largest bad id 4"):
+    with pytest.raises(MoKError, match=r"expert id out of range on rank 0: topk_ids\[3, 1\] = 4 "
+                                       r"\(valid: 0\.\.3 or -1 for a masked route\); 1 bad id "
+                                       r"in all, that route was skipped$"):
         run_layer(lws, inp)

@@ -27,12 +27,17 @@ def cases(R):
                      (u16, boolean, u16, i32, f32, u16, int64, int64, int64),
                      [r"mul\.rn\.f32", r"add\.rn\.f32"]),
         "gather_index": (dispatch.gather_index_kernel, (i32, i32, int64, i32), []),
-        "publish_x": (dispatch.publish_x_kernel, (u16, u16, f32, i32),
+        "publish_x": (dispatch.publish_x_kernel, (int64, u16, u16, f32, int64, int64, i32),
                       [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
         "push_fingerprint": (routing.push_fingerprint_kernel, (int64, i32, peers32), []),
         "compare_fingerprints": (routing.compare_fingerprints_kernel,
                                  (int64, int32[:, ::1], i32), []),
-        "ids_to_int32": (routing.ids_to_int32_kernel, (types.int64[::1], i32), []),
+        "check_push_ids_int64": (routing.check_push_ids_kernel,
+                                 (int64, types.int64[::1], i32, int64, int64, peers32, i32),
+                                 [r"atom\.global\.add", r"bar\.sync|barrier\.sync"]),
+        "check_push_ids_int32": (routing.check_push_ids_kernel,
+                                 (int64, i32, i32, int64, int64, peers32, i32),
+                                 [r"atom\.global\.add"]),
     }
 
 
