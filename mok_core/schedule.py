@@ -168,7 +168,9 @@ def build_schedule(schedule: Schedule, topk_ids_all, *, rank_tokens=None, stream
     Arguments:
         schedule: buffers from ``Schedule.allocate`` (their geometry fixes R, T, k, E).
         topk_ids_all: int32 [R, T, k] device array (any CAI/DLPack producer): global expert id of
-            slot s of token t on rank r; -1 = masked route (contributes nothing).
+            slot s of token t on rank r; -1 = masked route (contributes nothing);
+            ``errors.ID_REPORTED`` = a bad id its source rank already reported (skipped, not
+            reported again).
         rank_tokens: optional int32 [R] device array: rank r has only its first rank_tokens[r]
             tokens (later routes ignored). Default: all T.
         stream: numba stream (or 0).
