@@ -59,8 +59,7 @@ stages unneeded tokens of the copied ranges).
 Errors: ``publish_x`` records, per tensor (x, router weights), the count of non-finite values
 and the smallest token holding one in the error word and sets ERR_NON_FINITE
 (``Workspace.check`` raises, naming the rank, the tensor and the token); the data is still
-copied. Nothing here waits
-on a peer (the barrier before does), so nothing here can time out.
+copied. Nothing here waits on a peer (the barrier before does), so nothing here can time out.
 
 Entries: ``publish_x``, ``pull``, ``split_start``, ``split_finish``, ``split`` and
 ``gather_index`` are trusted -- they take device views already checked (``check_x`` checks a
