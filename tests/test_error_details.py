@@ -5,10 +5,11 @@ ranks (1, 2, 4) on the simulator; unchanged on one GPU."""
 import numpy as np
 import pytest
 
+from comm_support import EmulatedGroup
 from helpers import to_dev
 from layer_support import bf16_round, layer_inputs, reference_out, rel_l1
 from mok_comm import dispatch, routing
-from mok_comm.emulation import EmulatedGroup, emulated_layers, run_phases, run_steps
+from mok_comm.emulation import emulated_layers, run_phases, run_steps
 from mok_comm.functional import step_phases
 from mok_comm.heap import EmulatedHeap
 from mok_comm.layer import Layer, Weights, agreement_phases
@@ -276,18 +277,24 @@ def _weights(inp, r, E_l):
                    to_dev(u16(inp["w_d"][sl])))
 
 
+def _report(lw):
+    """What ``Layer.check`` raises for the steps run (None: nothing)."""
+    try:
+        lw.check()
+    except MoKError as e:
+        return str(e)
+    return None
+
+
 def _step(lws, inp, ids):
-    """One step on every emulated rank; the per-step reset of the error words first (what
-    ``StepErrors.begin`` does in a layer step); returns the outputs and every rank's messages."""
+    """One step on every emulated rank (it clears its error words first); returns the outputs
+    and every rank's report."""
     E_l = lws[0].shape.experts_per_rank
-    for lw in lws:
-        reset_error_word(lw.comm.errors)
     outs = [to_dev(np.full(inp["x"].shape[1:], 0xFFFF, np.uint16)) for _ in lws]
     phases = [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]), to_dev(inp["w"][r]),
                           _weights(inp, r, E_l), out=outs[r])[0] for r, lw in enumerate(lws)]
     run_steps(lws, phases)
-    msgs = [err.describe(to_host(lw.comm.errors)) + err.describe(to_host(lw.schedule.errors))
-            for lw in lws]
+    msgs = [_report(lw) for lw in lws]
     got = np.stack([to_host(o).view(np.uint16) for o in outs])
     import ml_dtypes
     return got.view(ml_dtypes.bfloat16).astype(np.float64), msgs
@@ -305,10 +312,11 @@ def test_layer_step_with_bad_ids_then_a_clean_step(R):
     ids[src, 3, 1] = 2**32 + 1                          # would wrap to expert 1 in int32
     ids[src, 5, 0] = 1000
     got, msgs = _step(lws, inp, ids)
-    assert msgs[src] == [
-        f"expert id out of range on rank {src}: topk_ids[3, 1] = 4294967297 (valid: "
-        f"0..{2 * R - 1} or -1 for a masked route); 2 bad ids in all, those routes were skipped"]
-    assert all(m == [] for r, m in enumerate(msgs) if r != src)
+    assert msgs[src] == (
+        f"step 1 of this layer (rank {src}): expert id out of range on rank {src}: "
+        f"topk_ids[3, 1] = 4294967297 (valid: 0..{2 * R - 1} or -1 for a masked route); 2 bad "
+        "ids in all, those routes were skipped")
+    assert all(m is None for r, m in enumerate(msgs) if r != src)
     for lw in lws:                                       # what every rank gathered
         assert list(to_host(lw.comm.ids_table)[src, [3, 5], [1, 0]]) == [err.ID_REPORTED] * 2
     masked = dict(inp, ids=np.where((ids < -1) | (ids >= 2 * R), -1, ids).astype(np.int32))
@@ -316,7 +324,7 @@ def test_layer_step_with_bad_ids_then_a_clean_step(R):
     assert rel_l1(got, want) < 5e-3                      # skipped, never expert 1
     assert rel_l1(got[src, 3], want[src, 3]) < 5e-3
     got, msgs = _step(lws, inp, inp["ids"])               # the next clean step passes
-    assert msgs == [[]] * R
+    assert msgs == [None] * R
     assert rel_l1(got, reference_out(inp)) < 5e-3
 
 
@@ -331,10 +339,10 @@ def test_layer_step_with_nan_inputs_then_a_clean_step():
     bad["w"][0, 2, 1] = np.nan
     _, msgs = _step(lws, bad, bad["ids"])
     assert msgs == [
-        ["non-finite input on rank 0: x has 0; router_weights has 1 NaN/Inf value, first at "
-         "token 2"],
-        ["non-finite input on rank 1: x has 1 NaN/Inf value, first at token 5; "
-         "router_weights has 0"]]
+        "step 1 of this layer (rank 0): non-finite input on rank 0: x has 0; router_weights "
+        "has 1 NaN/Inf value, first at token 2",
+        "step 1 of this layer (rank 1): non-finite input on rank 1: x has 1 NaN/Inf value, "
+        "first at token 5; router_weights has 0"]
     got, msgs = _step(lws, inp, inp["ids"])
-    assert msgs == [[]] * R
+    assert msgs == [None] * R
     assert rel_l1(got, reference_out(inp)) < 5e-3
