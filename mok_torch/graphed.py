@@ -9,7 +9,7 @@ sizes; here most of them are one graph replay.
 
 What runs how (all on torch's current stream, nothing waits for the host):
 
-    eager phase 0    routing all-gather (int64 ids -> int32 first) + publish_x: x -> this
+    eager phase 0    ids checked, narrowed and all-gathered + publish_x: x -> this
                      rank's slice of the symmetric staging buffer (``x_buf``) and the NaN/Inf
                      check of x and router_weights. Reads the caller's x / ids / weights.
     graph (captured  barrier | phase 1 | barrier | phase 2 | barrier (``functional.run_core``):
