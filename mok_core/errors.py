@@ -51,6 +51,8 @@ yet; ``from_key`` reads one back):
     [NONFINITE + 2*tensor + 1]  key of the smallest token (row) holding one (GEMM outputs: the
                                 smallest expert-sorted row)
     [NONFINITE_EXPERT + tensor] GEMM outputs: key of the smallest local expert holding one
+  (GEMM counts are over the rows the GEMM writes, an expert's padding rows included: a NaN
+  weight reaches those too.)
 """
 from __future__ import annotations
 
@@ -212,7 +214,7 @@ def _gemm_non_finite_message(w, counts) -> str | None:
         name = TENSOR_NAMES.get(t, f"tensor#{t}")
         row = from_key(w[NONFINITE + 2 * t + 1])
         expert = from_key(w[NONFINITE_EXPERT + t])
-        where = f"expert-sorted row {row}"
+        where = f"token {row}"                      # the shared expert's rows are tokens
         if t in (NF_HIDDEN, NF_Y):
             where = f"local expert {expert} (expert-sorted row {row})"
         part = f"{name} has {_values(counts[t])}, first at {where}"

@@ -152,16 +152,17 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         if config.mma != "wgmma":
             raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
                              "writes y; combine it afterwards)")
-        rank, token, slot, peers, k = push
-        rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
-                             ((rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
+        src_rank, token, slot, peers, k = push
+        src_rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
+                                 ((src_rank, "src_rank"), (token, "src_token"),
+                                  (slot, "src_slot")))
         peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
                                 np.uint32) for p in peers)
         if any(p.shape[0] % (H // 2) for p in peers):
             raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
         for p in peers:
             _check_staged_out(config, p, "peer_combine")
-        push = (rank, token, slot, peers, k)
+        push = (src_rank, token, slot, peers, k)
     else:
         y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
         _check_staged_out(config, y, "y")
