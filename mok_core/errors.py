@@ -221,8 +221,10 @@ def _gemm_non_finite_message(w, counts) -> str | None:
         upstream = [u for u in GEMM_UPSTREAM.get(t, ()) if counts[u]]
         if upstream:
             part += " -- downstream of the NaN/Inf in " + TENSOR_NAMES[upstream[-1]]
+        elif t == NF_HIDDEN:            # its tokens come from every rank: x may be a peer's
+            part += f" -- check {GEMM_WEIGHTS[t]} of that expert (or a token routed to it)"
         elif t in GEMM_WEIGHTS:
-            of = " of that expert" if t in (NF_HIDDEN, NF_Y) else ""
+            of = " of that expert" if t == NF_Y else ""
             part += f" -- check {GEMM_WEIGHTS[t]}{of}"
         parts.append(part)
     if not parts:

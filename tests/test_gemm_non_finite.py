@@ -20,7 +20,7 @@ R, T = 2, 8
 
 
 def _shape(H=64, I=32):
-    return LayerShape(hidden=H, intermediate=I, shared_intermediate=32, num_experts=2 * R,
+    return LayerShape(hidden=H, intermediate=I, shared_intermediate=I, num_experts=2 * R,
                       topk=2, ep_size=R)
 
 
@@ -63,7 +63,7 @@ def test_nan_gate_then_inf_down_then_clean(gemm, cfg, H):
     assert msgs[r] == (
         f"step 2 of this layer (rank {r}): non-finite values on rank {r}: routed gate/up "
         f"output (hidden) has {rows} NaN/Inf values, first at {where} -- check w_gate/w_up "
-        f"of that expert; routed down output (y) has {rows * H} NaN/Inf values, first at "
+        f"of that expert (or a token routed to it); routed down output (y) has {rows * H} NaN/Inf values, first at "
         f"{where} -- downstream of the NaN/Inf in routed gate/up output (hidden)")
     assert all(m is None for q, m in enumerate(msgs) if q != r)
 
