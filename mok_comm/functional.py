@@ -18,7 +18,8 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
     2 experts     dispatch (``"split"``: the copy engine starts, the shared expert FFN runs on
                   the SMs meanwhile, then the SM pull of the rest), gather index, routed
                   gate/up + SwiGLU, down with the combine pushed home from its epilogue
-                  (or down into ``y`` + the combine kernel)                            | barrier |
+                  (or down into ``y`` + the combine kernel); every GEMM counts NaN/Inf in
+                  its output tiles into the step's error word                          | barrier |
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
 Phases 1 and 2 read only the layer's buffers and the weights -- never the caller's x, ids or
@@ -42,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array
 from mok_core.gemm import launch_down, launch_gate_up_swiglu
 from mok_core.schedule import build_schedule
@@ -99,20 +101,26 @@ def schedule(layer: Layer, stream):
     build_schedule(layer.schedule, layer.comm.ids_table, stream=stream)
 
 
+def _nan_check(layer: Layer, tensor: int) -> dict:
+    """Where a GEMM reports NaN/Inf in its output tile: the step's word, as ``tensor``."""
+    return {"errors": layer.comm.errors, "tensor": tensor, "rank": layer.rank}
+
+
 def shared_gate_up(layer: Layer, W: Weights, stream):
     """The shared expert's gate/up + SwiGLU on this rank's tokens, read from ``x_buf``."""
     H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
     launch_gate_up_swiglu(layer.comm.x_buf, layer.shared_index, W.w_shared_gate.reshape((1, I_s, H)),
                           W.w_shared_up.reshape((1, I_s, H)), layer.shared_offsets,
                           layer.shared_rows, layer.hidden_shared,
-                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream)
+                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream,
+                          **_nan_check(layer, err.NF_SHARED_HIDDEN))
 
 
 def shared_down(layer: Layer, W: Weights, stream):
     H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
     launch_down(layer.hidden_shared, W.w_shared_down.reshape((1, H, I_s)), layer.shared_offsets,
                 layer.shared_rows, layer.y_shared, row_index=layer.shared_index,
-                config=layer.gemm_down, stream=stream)
+                config=layer.gemm_down, stream=stream, **_nan_check(layer, err.NF_SHARED_Y))
 
 
 def split_start(layer: Layer, stream):
@@ -133,7 +141,8 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,
-                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream)
+                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream,
+                          **_nan_check(layer, err.NF_HIDDEN))
 
 
 def routed_down_push(layer: Layer, W: Weights, stream):
@@ -142,13 +151,15 @@ def routed_down_push(layer: Layer, W: Weights, stream):
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, None,
                 row_index=layer.gather_index,
                 push=(s.src_rank, s.src_token, s.src_slot, layer.peer_combine32,
-                      layer.shape.topk), config=layer.gemm_down, stream=stream)
+                      layer.shape.topk), config=layer.gemm_down, stream=stream,
+                **_nan_check(layer, err.NF_Y))
 
 
 def routed_down(layer: Layer, W: Weights, stream):
     s = layer.schedule
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, layer.y,
-                row_index=layer.gather_index, config=layer.gemm_down, stream=stream)
+                row_index=layer.gather_index, config=layer.gemm_down, stream=stream,
+                **_nan_check(layer, err.NF_Y))
 
 
 def combine_rows(layer: Layer, stream):

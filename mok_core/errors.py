@@ -44,10 +44,15 @@ yet; ``from_key`` reads one back):
     [MISMATCH_THEIRS] ... its value, and
     [MISMATCH_MINE]  this rank's value
     [MISMATCH_ME]    this rank
-  Non-finite values (``mok_comm.dispatch.publish_x``; later d_out, GEMM outputs):
+  Non-finite values (``mok_comm.dispatch.publish_x``: x, router weights; the grouped GEMMs'
+  epilogues: their output tiles, ``mok_core.gemm``; later d_out):
     [NONFINITE_RANK] the rank that saw them
     [NONFINITE + 2*tensor]      count of NaN/Inf in tensor ``tensor`` (``TENSOR_NAMES``)
-    [NONFINITE + 2*tensor + 1]  key of the smallest token (row) holding one
+    [NONFINITE + 2*tensor + 1]  key of the smallest token (row) holding one (GEMM outputs: the
+                                smallest expert-sorted row)
+    [NONFINITE_EXPERT + tensor] GEMM outputs: key of the smallest local expert holding one
+  (GEMM counts are over the rows the GEMM writes, an expert's padding rows included: a NaN
+  weight reaches those too.)
 """
 from __future__ import annotations
 
@@ -89,7 +94,8 @@ MISMATCH_ME = 26
 NONFINITE_RANK = 27
 NONFINITE = 28                  # 2 slots per tensor id, NONFINITE_TENSORS of them
 NONFINITE_TENSORS = 8
-ERROR_WORDS = NONFINITE + 2 * NONFINITE_TENSORS          # 44
+NONFINITE_EXPERT = NONFINITE + 2 * NONFINITE_TENSORS     # 1 slot per tensor id
+ERROR_WORDS = NONFINITE_EXPERT + NONFINITE_TENSORS       # 52
 
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
@@ -103,12 +109,25 @@ ID_REPORTED = INT32_MIN
 # (the grid barrier's flags are the only one now: mok_comm.barrier.COUNTER_BARRIER).
 COUNTER_NAMES = {0: "barrier"}
 
-# Tensor ids of the non-finite slots. 0 and 1 are checked by ``publish_x``; the others are
-# reserved for the backward's d_out and the GEMMs' output tiles.
+# Tensor ids of the non-finite slots. 0 and 1 are checked by ``publish_x``, 2 is reserved for
+# the backward's d_out; 3-6 are the output tiles of the layer's four GEMMs (7 is free).
 NF_X = 0
 NF_ROUTER_WEIGHTS = 1
 NF_D_OUT = 2
-TENSOR_NAMES = {NF_X: "x", NF_ROUTER_WEIGHTS: "router_weights", NF_D_OUT: "d_out"}
+NF_HIDDEN = 3                   # routed gate/up + SwiGLU output
+NF_Y = 4                        # routed down output (written, or pushed to the combine)
+NF_SHARED_HIDDEN = 5
+NF_SHARED_Y = 6
+TENSOR_NAMES = {NF_X: "x", NF_ROUTER_WEIGHTS: "router_weights", NF_D_OUT: "d_out",
+                NF_HIDDEN: "routed gate/up output (hidden)", NF_Y: "routed down output (y)",
+                NF_SHARED_HIDDEN: "shared gate/up output", NF_SHARED_Y: "shared down output"}
+INPUT_TENSORS = (NF_X, NF_ROUTER_WEIGHTS, NF_D_OUT)
+# GEMM outputs: the weights that made them, and the tensors upstream of them in the step (a
+# NaN/Inf there explains this one).
+GEMM_WEIGHTS = {NF_HIDDEN: "w_gate/w_up", NF_Y: "w_down",
+                NF_SHARED_HIDDEN: "w_shared_gate/w_shared_up", NF_SHARED_Y: "w_shared_down"}
+GEMM_UPSTREAM = {NF_HIDDEN: (NF_X,), NF_Y: (NF_X, NF_HIDDEN), NF_SHARED_HIDDEN: (NF_X,),
+                 NF_SHARED_Y: (NF_X, NF_SHARED_HIDDEN)}
 
 # The layer's fingerprint (``mok_comm.layer.Layer``), entry by entry: every rank pushes these
 # values and compares them with every other rank's. Entries in ``FINGERPRINT_DIGESTS`` are
@@ -181,11 +200,50 @@ def _mismatch_message(w) -> str:
             f"{_fingerprint_value(name, mine)}")
 
 
-def _non_finite_message(w) -> str:
+def _values(n: int) -> str:
+    return f"{n} NaN/Inf value{'s' if n != 1 else ''}"
+
+
+def _gemm_non_finite_message(w, counts) -> str | None:
+    """The GEMM output tensors that held NaN/Inf: count, first local expert and row, and what
+    to check (the tensor's weights, unless a tensor upstream of it in this word explains it)."""
+    parts = []
+    for t in range(NONFINITE_TENSORS):
+        if t in INPUT_TENSORS or not counts[t]:
+            continue
+        name = TENSOR_NAMES.get(t, f"tensor#{t}")
+        row = from_key(w[NONFINITE + 2 * t + 1])
+        expert = from_key(w[NONFINITE_EXPERT + t])
+        where = f"token {row}"                      # the shared expert's rows are tokens
+        if t in (NF_HIDDEN, NF_Y):
+            where = f"local expert {expert} (expert-sorted row {row})"
+        part = f"{name} has {_values(counts[t])}, first at {where}"
+        upstream = [u for u in GEMM_UPSTREAM.get(t, ()) if counts[u]]
+        if upstream:
+            part += " -- downstream of the NaN/Inf in " + TENSOR_NAMES[upstream[-1]]
+        elif t == NF_HIDDEN:            # its tokens come from every rank: x may be a peer's
+            part += f" -- check {GEMM_WEIGHTS[t]} of that expert (or a token routed to it)"
+        elif t in GEMM_WEIGHTS:
+            of = " of that expert" if t == NF_Y else ""
+            part += f" -- check {GEMM_WEIGHTS[t]}{of}"
+        parts.append(part)
+    if not parts:
+        return None
+    return f"non-finite values on rank {int(w[NONFINITE_RANK])}: " + "; ".join(parts)
+
+
+def _non_finite_messages(w) -> list[str]:
     counts = {t: int(w[NONFINITE + 2 * t]) for t in range(NONFINITE_TENSORS)}
     if not any(counts.values()):            # recorded by a kernel that names no tensor
-        return f"non-finite input: {int(w[NAN_COUNT])} NaN/Inf values seen"
-    shown = [t for t in range(NONFINITE_TENSORS) if counts[t]]
+        return [f"non-finite input: {int(w[NAN_COUNT])} NaN/Inf values seen"]
+    gemm = _gemm_non_finite_message(w, counts)
+    if not any(counts[t] for t in INPUT_TENSORS):
+        return [gemm]
+    return [_non_finite_input_message(w, counts)] + ([gemm] if gemm else [])
+
+
+def _non_finite_input_message(w, counts) -> str:
+    shown = [t for t in INPUT_TENSORS if counts[t]]
     if counts[NF_X] or counts[NF_ROUTER_WEIGHTS]:           # publish_x checks both: say so
         shown = sorted(set(shown) | {NF_X, NF_ROUTER_WEIGHTS})
     parts = []
@@ -220,7 +278,7 @@ def describe(word: np.ndarray, *, num_experts: int | None = None) -> list[str]:
                     f"expected >= {int(w[TIMEOUT_EXPECTED])}, saw {int(w[TIMEOUT_SEEN])} "
                     "(a peer never arrived, or it failed earlier)")
     if flags & ERR_NON_FINITE:
-        msgs.append(_non_finite_message(w))
+        msgs += _non_finite_messages(w)
     if flags & ERR_RANK_MISMATCH:
         msgs.append(_mismatch_message(w))
     return msgs

@@ -55,3 +55,12 @@ def record_non_finite(errors, tensor, rank, count, first_row):
     cuda.atomic.max(errors, err.NONFINITE + 2 * tensor + 1, err.INT32_MAX - first_row)
     errors[err.NONFINITE_RANK] = rank
     cuda.atomic.or_(errors, err.FLAGS, err.ERR_NON_FINITE)
+
+
+@kjit(device=True)
+def record_gemm_non_finite(errors, tensor, rank, count, first_row, expert):
+    """``count`` NaN/Inf values in a GEMM's output tile (tensor id ``tensor``), the smallest
+    expert-sorted row among them ``first_row``, of local expert ``expert``: one warp's report
+    (the epilogue reduces over its lanes first)."""
+    record_non_finite(errors, tensor, rank, count, first_row)
+    cuda.atomic.max(errors, err.NONFINITE_EXPERT + tensor, err.INT32_MAX - expert)

@@ -338,11 +338,24 @@ def test_layer_step_with_nan_inputs_then_a_clean_step():
     bad["x"][1, 5, 3] = np.nan
     bad["w"][0, 2, 1] = np.nan
     _, msgs = _step(lws, bad, bad["ids"])
+    # token 5 of rank 1 goes to experts 3 and 1 (local expert 1 of both ranks): the GEMMs'
+    # output checks see its row there too (one row: I = 32 hidden, H = 64 y values)
+    assert bad["ids"][1, 5].tolist() == [3, 1]
+    routed = ("routed gate/up output (hidden) has 32 NaN/Inf values, first at local expert 1 "
+              "(expert-sorted row {row}) -- {why}; routed down output (y) has 64 NaN/Inf values, "
+              "first at local expert 1 (expert-sorted row {row}) -- downstream of the NaN/Inf "
+              "in routed gate/up output (hidden)")
     assert msgs == [
         "step 1 of this layer (rank 0): non-finite input on rank 0: x has 0; router_weights "
-        "has 1 NaN/Inf value, first at token 2",
+        "has 1 NaN/Inf value, first at token 2; non-finite values on rank 0: "
+        + routed.format(row=39, why="check w_gate/w_up of that expert (or a token routed to "
+                                    "it)"),
         "step 1 of this layer (rank 1): non-finite input on rank 1: x has 1 NaN/Inf value, "
-        "first at token 5; router_weights has 0"]
+        "first at token 5; router_weights has 0; non-finite values on rank 1: "
+        + routed.format(row=35, why="downstream of the NaN/Inf in x")
+        + "; shared gate/up output has 32 NaN/Inf values, first at token 5 -- downstream of "
+        "the NaN/Inf in x; shared down output has 64 NaN/Inf values, first at token 5 -- "
+        "downstream of the NaN/Inf in shared gate/up output"]
     got, msgs = _step(lws, inp, inp["ids"])
     assert msgs == [None] * R
     assert rel_l1(got, reference_out(inp)) < 5e-3

@@ -21,7 +21,10 @@ import math
 
 import numpy as np
 
-from ..cuda_compat import as_device_array, device_address, flat_view
+from numba import cuda
+
+from .. import errors as err
+from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
 from . import sm80, sm90
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
@@ -31,28 +34,45 @@ __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SY
            "launch_down"]
 
 
+_SCRATCH = {}
+
+
+def _error_word(errors):
+    """``errors``, or (None) this device's scratch word that nobody reads: the kernels always
+    check, so there is one production path."""
+    if errors is not None:
+        return errors
+    key = 0 if SIM else cuda.get_current_device().id
+    if key not in _SCRATCH:
+        _SCRATCH[key] = device_full((err.ERROR_WORDS,), 0, np.int32)
+    return _SCRATCH[key]
+
+
 def launch_gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
-                          swiglu_limit=None, config: GemmConfig, stream=0):
+                          swiglu_limit=None, config: GemmConfig, stream=0, errors=None,
+                          tensor=err.NF_HIDDEN, rank=0):
     """``gate_up_swiglu`` without the checks (arguments as there, ``config`` required)."""
     E, I, H = w_gate.shape
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     args = (config, stream, x, a_index, w_gate, w_up, expert_offsets, num_rows,
             flat_view(hidden, np.uint32), H, I, I, limit)
+    nf = {"errors": _error_word(errors), "tensor": tensor, "rank": rank}
     if config.mma == "wgmma":
-        sm90.launch_gemm(*args, swiglu=True, gather=True, padding_index=True)
+        sm90.launch_gemm(*args, swiglu=True, gather=True, padding_index=True, **nf)
     else:
-        sm80.launch_gemm(*args, swiglu=True, gather=True)
+        sm80.launch_gemm(*args, swiglu=True, gather=True, **nf)
 
 
 def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
-                config: GemmConfig, stream=0):
+                config: GemmConfig, stream=0, errors=None, tensor=err.NF_Y, rank=0):
     """``down`` without the checks (arguments as there, ``config`` required; ``push`` only
     with a wgmma config, its peer buffers as flat uint32 views)."""
     E, H, I = w_down.shape
+    nf = {"errors": _error_word(errors), "tensor": tensor, "rank": rank}
     if config.mma != "wgmma":
         sm80.launch_gemm(config, stream, hidden, num_rows, w_down, w_down, expert_offsets,
                          num_rows, flat_view(y, np.uint32), I, H, H, math.inf, swiglu=False,
-                         gather=False)
+                         gather=False, **nf)
         return
     route = None
     if push is not None:
@@ -64,11 +84,12 @@ def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, 
     index = num_rows if row_index is None else row_index   # unused without an index
     sm90.launch_gemm(config, stream, hidden, index, w_down, w_down, expert_offsets, num_rows,
                      y, I, H, H, math.inf, swiglu=False, gather=False,
-                     padding_index=row_index is not None, route=route)
+                     padding_index=row_index is not None, route=route, **nf)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
-                   swiglu_limit=None, config: GemmConfig | None = None, stream=0):
+                   swiglu_limit=None, config: GemmConfig | None = None, stream=0, errors=None,
+                   tensor=err.NF_HIDDEN, rank=0):
     """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16.
 
     Arguments:
@@ -79,6 +100,10 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         num_rows: int32 [1] rows in use (device; never read by the host).
         hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
         swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
+        errors, tensor, rank: NaN/Inf in the output (checked in the epilogue, always) are
+            recorded in the error word ``errors`` (int32 [ERROR_WORDS]; None: a scratch word
+            nobody reads) as tensor id ``tensor`` (``mok_core.errors.TENSOR_NAMES``) seen on
+            ``rank``, with the smallest expert-sorted row and local expert holding one.
     """
     config = config or default_gemm()
     x, w_gate, off, nr, E, I, H = _operands(x, "x", w_gate, "w_gate", "IH", expert_offsets,
@@ -92,12 +117,14 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
     _check_dims(config, E=E, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
+    errors, tensor = _check_errors(errors, tensor)
     launch_gate_up_swiglu(x, a_index, w_gate, w_up, off, nr, hidden, swiglu_limit=swiglu_limit,
-                          config=config, stream=stream)
+                          config=config, stream=stream, errors=errors, tensor=tensor,
+                          rank=int(rank))
 
 
 def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
-         config: GemmConfig | None = None, stream=0):
+         config: GemmConfig | None = None, stream=0, errors=None, tensor=err.NF_Y, rank=0):
     """y[r] = hidden[r] W_down[e]^T, bf16.
 
     Arguments:
@@ -112,6 +139,8 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
             ``peer_combine[src_rank[r]]`` (tuple over ranks of uint16 [T*k*H]) at row
             ``src_token[r] * k + src_slot[r]``; rows with src_rank < 0 are dropped. The bits
             equal ``down`` into y followed by the combine.
+        errors, tensor, rank: as in ``gate_up_swiglu`` (the values checked are those written
+            to y, or pushed).
     """
     config = config or default_gemm()
     hidden, w_down, off, nr, E, H, I = _operands(hidden, "hidden", w_down, "w_down", "HI",
@@ -123,16 +152,17 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         if config.mma != "wgmma":
             raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
                              "writes y; combine it afterwards)")
-        rank, token, slot, peers, k = push
-        rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
-                             ((rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
+        src_rank, token, slot, peers, k = push
+        src_rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
+                                 ((src_rank, "src_rank"), (token, "src_token"),
+                                  (slot, "src_slot")))
         peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
                                 np.uint32) for p in peers)
         if any(p.shape[0] % (H // 2) for p in peers):
             raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
         for p in peers:
             _check_staged_out(config, p, "peer_combine")
-        push = (rank, token, slot, peers, k)
+        push = (src_rank, token, slot, peers, k)
     else:
         y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
         _check_staged_out(config, y, "y")
@@ -140,8 +170,18 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
         if config.mma != "wgmma":        # (the mma.sync kernel computes every row)
             row_index = None
+    errors, tensor = _check_errors(errors, tensor)
     launch_down(hidden, w_down, off, nr, y, row_index=row_index, push=push, config=config,
-                stream=stream)
+                stream=stream, errors=errors, tensor=tensor, rank=int(rank))
+
+
+def _check_errors(errors, tensor):
+    if errors is not None:
+        errors = as_device_array(errors, "errors", dtype=np.int32, shape=(err.ERROR_WORDS,))
+    if not (isinstance(tensor, (int, np.integer)) and 0 <= tensor < err.NONFINITE_TENSORS):
+        raise ValueError(f"tensor={tensor!r}: must be a tensor id in "
+                         f"[0, {err.NONFINITE_TENSORS}) (mok_core.errors.TENSOR_NAMES)")
+    return errors, int(tensor)
 
 
 def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):

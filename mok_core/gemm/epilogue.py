@@ -8,8 +8,9 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
     1. the thread's fragment (rows r and r + 8, columns col + 8j (+1)) -> bf16 pairs in shared
        memory, row r at ``stage + r * stride``, column c at byte 2c (SWIGLU: gate columns
        [0, BN/2) and up columns [BN/2, BN) of the tile pair up into BN/2 hidden columns). The
-       accumulator tuple is read at constant indices group by group (``tuple_groups``), never
-       copied to local memory. ``stride`` = row bytes + 16, so the 8 rows of a store land in 8
+       accumulator tuple is read at constant indices group by group (``tuple_fold``), never
+       copied to local memory; each bf16 pair written is also folded into a running NaN/Inf
+       check (``fold_nonfinite_bf16x2``: one fma.rn.bf16x2, two chains: rows r and r + 8). ``stride`` = row bytes + 16, so the 8 rows of a store land in 8
        different bank groups.
     2. fence.proxy.async (generic-proxy st.shared -> bulk-copy reads), __syncwarp: a warp
        stages exactly the 16 rows it sends, so a warp barrier suffices.
@@ -18,18 +19,29 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
        0..15 one row each to its source rank's combine row
        ``peers[rank[r]][token[r] * k + slot[r]]`` (over NVLink for a peer; padding rows,
        rank < 0, are not sent), so the route lookups run in parallel.
+    4. NaN/Inf check of what was staged (the values written or pushed): one warp vote on the
+       folded flags -- all a clean tile costs besides the folds. Only when a lane saw one,
+       lanes 0..15 recount one staged row each, and the warp's count (redux.sync), smallest
+       row and the tile's expert go to the error word (``errors_record.record_gemm_non_finite``,
+       one atomic each: order-independent, so the word is deterministic).
 
 The caller owns the ordering around it: the staging area (ring stages the next tile's prologue
 leaves free) may be rewritten only after the sending lanes' ``bulk_wait_read`` and a block
 barrier, and the block's last stores must be waited (``bulk_wait``) before it exits.
 """
-from numba import float32
+from numba import cuda, float32, uint32
 
+from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
-from ..intrinsics import (bulk_commit, bulk_store, ex2_approx, fence_proxy_async, pack_bf16x2,
-                          rcp_approx, st_shared_u32, syncwarp, tuple_groups, tuple_pick, warp_all)
+from ..errors import INT32_MAX
+from ..errors_record import record_gemm_non_finite
+from ..intrinsics import (bulk_commit, bulk_store, ex2_approx, fence_proxy_async,
+                          fold_nonfinite_bf16x2, pack_bf16x2, rcp_approx, shared_addr,
+                          st_shared_u32, syncwarp, tuple_fold, tuple_pick, warp_all, warp_min,
+                          warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
+_INT32_MAX = INT32_MAX
 
 
 @kjit(device=True, inline="always")
@@ -45,22 +57,29 @@ def swiglu(g, u, limit):
     return g * rcp_approx(float32(1.0) + ex2_approx(g * _NEG_LOG2E)) * u
 
 
-def _stage_swiglu_group(j, smem, r, col, limit, base, stride, g0, g1, g2, g3, u0, u1, u2, u3):
+def _stage_swiglu_group(j, bad, smem, r, col, limit, base, stride, g0, g1, g2, g3, u0, u1, u2,
+                        u3):
     """8-column group j of a SwiGLU fragment: gate and up values of rows r (g0, g1 / u0, u1)
-    and r + 8 (g2, g3 / u2, u3) -> bf16 pairs at hidden column col + 8j of the staging."""
+    and r + 8 (g2, g3 / u2, u3) -> bf16 pairs at hidden column col + 8j of the staging; the
+    pairs folded into ``bad`` (rows r, r + 8: two chains, ``fold_nonfinite_bf16x2``)."""
     at = base + 2 * (col + 8 * j)
-    st_shared_u32(smem, at + r * stride, pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit)))
-    st_shared_u32(smem, at + (r + 8) * stride,
-                  pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit)))
+    lo = pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit))
+    hi = pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit))
+    st_shared_u32(smem, at + r * stride, lo)
+    st_shared_u32(smem, at + (r + 8) * stride, hi)
+    return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
 
 
-def _stage_plain_group(j, smem, r, col, limit, base, stride, a0, a1, a2, a3):
-    """8-column group j of a plain fragment -> bf16 pairs of rows r and r + 8. (Both rows share
-    the column offset: computed per row instead, ptxas keeps more registers and the 192-row
-    kernels spill more.)"""
+def _stage_plain_group(j, bad, smem, r, col, limit, base, stride, a0, a1, a2, a3):
+    """8-column group j of a plain fragment -> bf16 pairs of rows r and r + 8, folded into
+    ``bad``. (Both rows share the column offset: computed per row instead, ptxas keeps more
+    registers and the 192-row kernels spill more.)"""
     at = base + 2 * (col + 8 * j)
-    st_shared_u32(smem, at + r * stride, pack_bf16x2(a0, a1))
-    st_shared_u32(smem, at + (r + 8) * stride, pack_bf16x2(a2, a3))
+    lo = pack_bf16x2(a0, a1)
+    hi = pack_bf16x2(a2, a3)
+    st_shared_u32(smem, at + r * stride, lo)
+    st_shared_u32(smem, at + (r + 8) * stride, hi)
+    return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
 
 
 def _swiglu_layout(count):      # group j: gate elements 4j.., up elements 4(j + half)..
@@ -74,10 +93,33 @@ def _plain_layout(count):
 
 
 def make_stage_tile(swiglu_epilogue):
-    """``stage_tile(acc, (smem, r, col, limit, base, stride))``: step 1 of the header."""
-    if swiglu_epilogue:      # (plain functions: tuple_groups compiles them inline per group)
-        return tuple_groups(_stage_swiglu_group, _swiglu_layout)
-    return tuple_groups(_stage_plain_group, _plain_layout)
+    """``stage_tile(acc, (0, 0), (smem, r, col, limit, base, stride)) -> bad``: step 1 of the
+    header; ``bad`` (two uint32) has a bit set outside 0x80008000 iff a staged value is NaN or
+    Inf (``fold_nonfinite_bf16x2``)."""
+    if swiglu_epilogue:      # (plain functions: tuple_fold compiles them inline per group)
+        return tuple_fold(_stage_swiglu_group, _swiglu_layout)
+    return tuple_fold(_stage_plain_group, _plain_layout)
+
+
+@kjit(device=True, inline="always")
+def bf16_nonfinite_count(smem, at, n):
+    """NaN/Inf among the ``n`` bf16 at shared byte address ``at`` (relative to the array's
+    ``shared_addr``; 4-byte aligned, n even): the bad path's recount of one staged row."""
+    bad = 0
+    for i in range(n // 2):
+        w = uint32(smem[(at >> 1) + 2 * i]) | (uint32(smem[(at >> 1) + 2 * i + 1]) << 16)
+        bad += nonfinite_bf16x2(w)
+    return bad
+
+
+@kjit(device=True, inline="always")
+def report_warp(errors, tensor, rank, bad, row, expert):
+    """Every lane: ``bad`` NaN/Inf values, the first in row ``row`` (any row when bad = 0);
+    lane 0 records the warp's total, smallest row and ``expert`` (one atomic each)."""
+    total = warp_sum(bad)
+    first = warp_min(row if bad > 0 else _INT32_MAX)
+    if cuda.threadIdx.x % 32 == 0:
+        record_gemm_non_finite(errors, tensor, rank, total, first, expert)
 
 
 def make_row_sender(push):
@@ -103,10 +145,12 @@ def make_row_sender(push):
 
 def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset):
     """``stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k, n_out,
-    limit, ring, lane, frag_row, frag_col, row0, col0, stores)``: steps 1-3 of the header for
-    the tile at (row0, col0), staged at ``ring + stage_offset``; ``stores``: this warp's rows
-    are the expert's (else it does nothing). Returns it and the staging's bytes per tile row
-    (the caller checks they fit)."""
+    limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors, nf)``: steps 1-3 of the
+    header for the tile at (row0, col0), staged at ``ring + stage_offset``; ``stores``: this
+    warp's rows are the expert's (else it does nothing); then step 4 with ``nf`` = (tensor id,
+    rank, B's first weight row, weight rows per expert): the expert is their quotient,
+    computed on the bad path only. Returns it and the staging's bytes per tile row (the caller checks they
+    fit)."""
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     stride = out_row_bytes + 16             # +16: a warp's 8 rows land in 8 bank groups
     stage_tile = make_stage_tile(swiglu_epilogue)
@@ -114,12 +158,13 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset):
 
     @kjit(device=True, inline="always")
     def stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k, n_out,
-                       limit, ring, lane, frag_row, frag_col, row0, col0, stores):
+                       limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors, nf):
         # The vote makes the branch warp-uniform to ptxas: a warp barrier on a path it thinks
         # divergent serialises every wgmma of the kernel (C7518).
         if warp_all(stores) != 0:
             epi0 = ring + stage_offset
-            stage_tile(acc, (smem, frag_row, frag_col, limit, epi0, stride))
+            bad = stage_tile(acc, (uint32(0), uint32(0)),
+                             (smem, frag_row, frag_col, limit, epi0, stride))
             fence_proxy_async()            # generic-proxy writes -> bulk reads
             syncwarp()
             if push:
@@ -134,5 +179,14 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset):
                              row0 + frag_row + i, col0, smem, epi0 + (frag_row + i) * stride,
                              out_row_bytes)
                 bulk_commit()
+            # 4. a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged
+            # rows (synced above) and the warp reports (``report_warp``).
+            if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+                srow = frag_row - lane // 4 + lane % 16      # the warp's first row + i
+                n = 0
+                if lane < 16:
+                    n = bf16_nonfinite_count(smem, epi0 + srow * stride - shared_addr(smem),
+                                             out_row_bytes // 2)
+                report_warp(errors, nf[0], nf[1], n, row0 + srow, nf[2] // nf[3])
 
     return stage_and_send, stride

@@ -12,6 +12,9 @@ Contract of every kernel built here (ThunderKittens style: read this block, know
     off      int32 [E + 1] padded row offsets (multiples of BM: no tile spans two experts)
     num_rows int32 [1]   rows in use; tiles past it are never visited (count stays on device)
     out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once)
+    errors   int32 [ERROR_WORDS]  NaN/Inf written to ``out`` are counted there under tensor
+             id ``nf_tensor`` with the smallest row and the tile's expert (``mok_core.errors``;
+             a clean tile pays one fma.rn.bf16x2 per written pair and one warp vote)
 
 Two epilogues:
     SWIGLU   W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp column,
@@ -34,10 +37,12 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
+from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import flat_view, kjit, launch
-from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, ldmatrix_x4_at,
-                          mma_bf16_16816, pack_bf16x2, shared_addr)
-from .epilogue import swiglu
+from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
+                          fold_nonfinite_bf16x2, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
+                          shared_addr, warp_all)
+from .epilogue import report_warp, swiglu
 
 
 @kjit(device=True, inline="always")
@@ -99,7 +104,8 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     opts = {"max_registers": max_registers} if max_registers else {}
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit):
+    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit, errors,
+               nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -217,9 +223,12 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
             cp_async_wait(0)
             cuda.syncthreads()                # every warp is done with the ring before reuse
 
-            # Epilogue: registers -> bf16 pairs -> out (rows of padding hold zeros).
+            # Epilogue: registers -> bf16 pairs -> out (rows of padding hold zeros), each pair
+            # folded into a NaN/Inf check (rows r, r + 8: two chains).
             g = lane // 4
             q = lane % 4
+            z0 = uint32(0)
+            z1 = uint32(0)
             for mi in range(mi_n):
                 r = row0 + warp_m * (bm // wm) + mi * 16 + g
                 if swiglu_epilogue:
@@ -227,17 +236,40 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         x = (mi * ni_n + ni) * 4
                         y = (mi * ni_n + ni + ni_n // 2) * 4
                         col = col0 + warp_n * half + ni * 8 + 2 * q
-                        out[(r * n_out + col) // 2] = pack_bf16x2(
-                            swiglu(acc[x], acc[y], limit), swiglu(acc[x + 1], acc[y + 1], limit))
-                        out[((r + 8) * n_out + col) // 2] = pack_bf16x2(
-                            swiglu(acc[x + 2], acc[y + 2], limit),
-                            swiglu(acc[x + 3], acc[y + 3], limit))
+                        lo = pack_bf16x2(swiglu(acc[x], acc[y], limit),
+                                         swiglu(acc[x + 1], acc[y + 1], limit))
+                        hi = pack_bf16x2(swiglu(acc[x + 2], acc[y + 2], limit),
+                                         swiglu(acc[x + 3], acc[y + 3], limit))
+                        out[(r * n_out + col) // 2] = lo
+                        out[((r + 8) * n_out + col) // 2] = hi
+                        z0 = fold_nonfinite_bf16x2(z0, lo)
+                        z1 = fold_nonfinite_bf16x2(z1, hi)
                 else:
                     for ni in range(ni_n):
                         x = (mi * ni_n + ni) * 4
                         col = col0 + warp_n * wn_cols + ni * 8 + 2 * q
-                        out[(r * n_out + col) // 2] = pack_bf16x2(acc[x], acc[x + 1])
-                        out[((r + 8) * n_out + col) // 2] = pack_bf16x2(acc[x + 2], acc[x + 3])
+                        lo = pack_bf16x2(acc[x], acc[x + 1])
+                        hi = pack_bf16x2(acc[x + 2], acc[x + 3])
+                        out[(r * n_out + col) // 2] = lo
+                        out[((r + 8) * n_out + col) // 2] = hi
+                        z0 = fold_nonfinite_bf16x2(z0, lo)
+                        z1 = fold_nonfinite_bf16x2(z1, hi)
+            # A clean tile costs one vote; else each lane recounts what it wrote, by row.
+            if warp_all(((z0 | z1) & uint32(0x7FFF7FFF)) == 0) == 0:
+                bad = 0
+                first = 0
+                for mi in range(mi_n):
+                    for h in range(2):                 # rows ascending: the first is smallest
+                        r = row0 + warp_m * (bm // wm) + mi * 16 + g + 8 * h
+                        n = 0
+                        for ni in range(ni_n // 2 if swiglu_epilogue else ni_n):
+                            col = col0 + warp_n * (half if swiglu_epilogue else wn_cols) \
+                                + ni * 8 + 2 * q
+                            n += nonfinite_bf16x2(out[(r * n_out + col) // 2])
+                        if n > 0 and bad == 0:
+                            first = r
+                        bad += n
+                report_warp(errors, nf_tensor, nf_rank, bad, first, e)
             t += cuda.gridDim.x
 
     @kjit(device=True, inline="always")
@@ -263,10 +295,12 @@ def _kernel(cfg, swiglu_epilogue, gather):
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
-                swiglu, gather):
-    """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``."""
+                swiglu, gather, errors, tensor, rank):
+    """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``; NaN/Inf in the
+    output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn
     launch(_kernel(cfg, swiglu, gather), cfg.grid(C, n_out, n_tile), cfg.threads, stream,
            cfg.smem_bytes, flat_view(a), a_index, flat_view(w0), flat_view(w1), off, nr, out,
-           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit))
+           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), errors,
+           np.int32(tensor), np.int32(rank))

@@ -23,7 +23,8 @@ and plain outputs, deterministic FP32 accumulation); what differs is how a tile 
                (start address + 32 bytes per k16 step; stride 1024 B between 8-row groups)
     epilogue = staged in the ring stages the next tile's prologue leaves free, rows sent by
                bulk stores (``epilogue`` module header; ``push``: to the source ranks' combine
-               rows), so the next tile's MMAs need not wait for the global stores
+               rows), so the next tile's MMAs need not wait for the global stores; what it
+               stages is checked for NaN/Inf on the way (reported to the error word)
 
 Shared memory: uint16 tile table [E + 1] (``MAX_EXPERTS`` + 1), STAGES mbarriers full[s], the
 ring. Order of one tile, every thread:
@@ -240,7 +241,7 @@ def _make_kernel(lay, swiglu_epilogue, push, tile_start, load_stage, mma_slice, 
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
-               route_rank, route_token, route_slot, peers, k):
+               route_rank, route_token, route_slot, peers, k, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         wg = tid // 128
@@ -322,7 +323,8 @@ def _make_kernel(lay, swiglu_epilogue, push, tile_start, load_stage, mma_slice, 
             # All-padding warpgroups stage zeros; one past the expert's rows sends nothing
             # (they are the next expert's).
             stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k,
-                           n_out, limit, ring, lane, frag_row, frag_col, row0, col0, owned)
+                           n_out, limit, ring, lane, frag_row, frag_col, row0, col0, owned,
+                           errors, (nf_tensor, nf_rank, b_row, n_w))
             t += cuda.gridDim.x
             if t < total:                      # next tile's first slices: in flight now
                 row0, col0, b_row, active, owned = tile_start(
@@ -378,10 +380,11 @@ def _kernel(cfg, swiglu, gather, padding_index, push):
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
-                swiglu, gather, padding_index, route=None):
+                swiglu, gather, padding_index, errors, tensor, rank, route=None):
     """Persistent launch (``cfg.grid``): the weights' tensor maps (``w0``, ``w1`` [E, N_w, K]
     as 2-D [E N_w, K], boxes of the B rows a slice needs: BN/2 per gate/up half, BN for down)
-    and the push route (rank, token, slot, peers, k; placeholders when None) go with it."""
+    and the push route (rank, token, slot, peers, k; placeholders when None) go with it.
+    NaN/Inf in the output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn     # output columns per tile = B rows per box
     kern = _kernel(cfg, swiglu, gather, padding_index, route is not None)
@@ -391,4 +394,5 @@ def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, li
         route = (nr, nr, nr, (out,), np.int64(0))
     launch(kern, cfg.grid(C, n_out, n_tile), cfg.threads, stream, cfg.smem_bytes,
            flat_view(a), a_index, flat_view(w0), flat_view(w1), maps, off, nr, out,
-           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), *route)
+           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), *route, errors,
+           np.int32(tensor), np.int32(rank))

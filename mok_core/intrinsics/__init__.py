@@ -2,10 +2,12 @@
 
     memory:       ld_v4, st_v4                      16-byte vector load/store
     ordering:     ld_acquire_sys, st_release_sys, red_add_release_gpu, clock64, nanosleep,
-                  syncwarp, warp_all (a vote ptxas knows is warp-uniform),
+                  syncwarp, warp_all (a vote ptxas knows is warp-uniform), warp_sum /
+                  warp_min (int32 over the warp, redux.sync),
                   match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
-    bf16 / fp32:  u32_as_f32, pack_bf16x2, fmul_rn, fadd_rn,
+    bf16 / fp32:  u32_as_f32, pack_bf16x2, fmul_rn, fadd_rn, fold_nonfinite_bf16x2 (a
+                  running NaN/Inf check of packed output words: one fma.rn.bf16x2 per word),
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
                   ldmatrix_x4_at / cp_async_16_at (32-bit shared byte addresses for hot
@@ -13,7 +15,7 @@
     wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
                   tuple_groups (a per-group function over the accumulator, unrolled: constant
-                  indices, no local-memory copy)
+                  indices, no local-memory copy), tuple_fold (the same with a carried value)
     mbarriers:    mbarrier_init, mbarrier_try_wait, trap
     bulk copies:  mbarrier_arrive_expect_tx, bulk_store, bulk_commit, bulk_wait (shared ->
                   global), bulk_wait_read (the shared source may be reused)
@@ -29,13 +31,14 @@ from ..cuda_compat import SIM
 __all__ = [
     "ld_v4", "st_v4",
     "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
-    "syncwarp", "warp_all", "match_any", "tuple_pick",
-    "u32_as_f32", "pack_bf16x2", "fmul_rn", "fadd_rn",
+    "syncwarp", "warp_all", "warp_sum", "warp_min", "match_any", "tuple_pick",
+    "u32_as_f32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",
     "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
+    "tuple_fold",
     "mbarrier_init", "mbarrier_try_wait", "trap",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32",

@@ -162,6 +162,28 @@ def warp_all(typingctx, pred):
     return types.int32(pred), codegen
 
 
+def _warp_reduce(name, op, doc):
+    def impl(typingctx, value):
+        if not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.int32)
+            return _asm(builder, _i32, [v], f"redux.sync.{op}.s32 $0, $1, -1;", "=r,r", True)
+        return types.int32(value), codegen
+    return _named(impl, name, doc)
+
+
+warp_sum = _warp_reduce(
+    "warp_sum", "add",
+    "The sum (int32) of ``value`` over the warp's 32 lanes (``redux.sync.add``; every lane "
+    "must call it): the GEMM epilogue's non-finite count, one atomic per warp.")
+warp_min = _warp_reduce(
+    "warp_min", "min",
+    "The minimum (int32) of ``value`` over the warp's 32 lanes (``redux.sync.min``; every "
+    "lane must call it).")
+
+
 @intrinsic
 def match_any(typingctx, value):
     """The mask (uint32) of the warp's lanes whose ``value`` (an integer, as int32) equals this
@@ -242,6 +264,22 @@ def pack_bf16x2(typingctx, lo, hi):
     def codegen(context, builder, sig, args):
         return _asm(builder, _i32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
     return types.uint32(lo, hi), codegen
+
+
+@intrinsic
+def fold_nonfinite_bf16x2(typingctx, z, w):
+    """``w * 0 + z`` on two packed bf16 (``fma.rn.bf16x2``, one instruction): a half of the
+    result is NaN once a NaN/Inf went through it, else stays +0. Folded over a tile's output
+    words from z = 0, ``z & 0x7FFF7FFF != 0`` says whether any was non-finite."""
+    if not (isinstance(z, types.Integer) and isinstance(w, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        zz = context.cast(builder, args[0], sig.args[0], types.uint32)
+        ww = context.cast(builder, args[1], sig.args[1], types.uint32)
+        return _asm(builder, _i32, [ww, ir.Constant(_i32, 0), zz],
+                    "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+    return types.uint32(z, w), codegen
 
 
 @intrinsic
@@ -547,6 +585,32 @@ def tuple_groups(fn, layout):
                                          [ir.Constant(_i64, j), *ex_vals, *vals])
             return context.get_dummy_value()
         return types.void(acc, extra), codegen
+    return apply
+
+
+def tuple_fold(fn, layout):
+    """``tuple_groups`` with a carried value: ``apply(acc, carry, extra)`` calls
+    ``carry = fn(j, carry, *extra, acc[i0], acc[i1], ...)`` group by group (unrolled, constant
+    indices) and returns the last carry (``fn`` must return the carry's type)."""
+    @intrinsic
+    def apply(typingctx, acc, carry, extra):
+        if not (isinstance(acc, types.UniTuple) and acc.dtype == types.float32
+                and isinstance(extra, types.BaseTuple)):
+            return None
+        groups = layout(acc.count)
+
+        def codegen(context, builder, sig, args):
+            ex_types = list(sig.args[2].types)
+            ex_vals = [builder.extract_value(args[2], i) for i in range(len(ex_types))]
+            c = args[1]
+            for j, idx in enumerate(groups):
+                vals = [builder.extract_value(args[0], i) for i in idx]
+                fsig = sig.args[1](types.int64, sig.args[1], *ex_types,
+                                   *([types.float32] * len(idx)))
+                c = context.compile_internal(builder, fn, fsig,
+                                             [ir.Constant(_i64, j), c, *ex_vals, *vals])
+            return c
+        return carry(acc, carry, extra), codegen
     return apply
 
 

@@ -82,6 +82,14 @@ def warp_all(pred):
     return np.int32(all(bool(v) for v in warp_exchange(bool(pred))))
 
 
+def warp_sum(value):
+    return np.int32(sum(int(np.int32(v)) for v in warp_exchange(int(value))))
+
+
+def warp_min(value):
+    return np.int32(min(int(np.int32(v)) for v in warp_exchange(int(value))))
+
+
 def match_any(value):
     v = int(np.int32(value))
     return np.uint32(sum(1 << j for j, w in enumerate(warp_exchange(v)) if w == v))
@@ -112,6 +120,19 @@ def _bf16_bits(x):
 
 def pack_bf16x2(lo, hi):
     return np.uint32((_bf16_bits(hi) << 16) | _bf16_bits(lo))
+
+
+def fold_nonfinite_bf16x2(z, w):
+    z, w = int(z), int(w)
+    out = 0
+    for sh in (0, 16):
+        zh, wh = (z >> sh) & 0xFFFF, (w >> sh) & 0xFFFF
+        nan = (zh & 0x7F80) == 0x7F80 and (zh & 0x7F) != 0
+        if nan or (wh & 0x7F80) == 0x7F80:
+            out |= 0x7FFF << sh                  # w * 0 + z is NaN
+        else:
+            out |= zh << sh                      # + (+-0): z unchanged (it is +0 here)
+    return np.uint32(out)
 
 
 def fmul_rn(a, b):
@@ -308,6 +329,14 @@ def tuple_groups(fn, layout):
     def apply(acc, extra):
         for j, idx in enumerate(layout(len(acc))):
             fn(j, *extra, *[acc[i] for i in idx])
+    return apply
+
+
+def tuple_fold(fn, layout):
+    def apply(acc, carry, extra):
+        for j, idx in enumerate(layout(len(acc))):
+            carry = fn(j, carry, *extra, *[acc[i] for i in idx])
+        return carry
     return apply
 
 

@@ -9,15 +9,22 @@ from numba import float32, int32, int64, types, uint16, uint32, uint64
 from mok_core.gemm.sm80 import make_grouped_gemm
 from ptx_util import assemble_sm90a, compile_sm90, count, require_ptxas
 
-SIG = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
-       int64, int64, int64, float32)
+_BASE = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
+         int64, int64, int64, float32)
+# every kernel ends with the error word, the tensor id and the rank of its NaN/Inf check
+_NF = (int32[::1], int32, int32)
+SIG = _BASE + _NF
 # wgmma kernels also take the weights' tensor maps (uint64 [16 per map]) after w1, and the
-# push route last (placeholders here: int32 arrays, a 1-tuple of the output).
+# push route (placeholders here: int32 arrays, a 1-tuple of the output).
 _ROUTE = (int32[::1], int32[::1], int32[::1])
-WG_SIG = SIG[:4] + (uint64[::1],) + SIG[4:] + _ROUTE + (types.UniTuple(uint32[::1], 1), int64)
+WG_SIG = (_BASE[:4] + (uint64[::1],) + _BASE[4:] + _ROUTE + (types.UniTuple(uint32[::1], 1),
+                                                              int64) + _NF)
 # down fused with the combine: out is a placeholder, the route is real (2 ranks).
-PUSH_SIG = WG_SIG[:7] + (int32[::1],) + WG_SIG[8:12] + _ROUTE + (types.UniTuple(uint32[::1], 2),
-                                                                   int64)
+PUSH_SIG = (WG_SIG[:7] + (int32[::1],) + WG_SIG[8:12] + _ROUTE
+            + (types.UniTuple(uint32[::1], 2), int64) + _NF)
+# the epilogue's NaN/Inf check: a fold per output pair, the vote, the bad path's reductions
+NF_CHECK = (r"fma\.rn\.bf16x2", r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
+            r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 TMA = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier"
 
 
@@ -46,6 +53,10 @@ def test_gemm_lowers_without_local_memory(tile, swiglu):
     assert n_mma >= mma_per_kslice and n_mma % mma_per_kslice == 0   # (NVVM may unroll K)
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
     assert count(ptx, r"ld\.local|st\.local") == 0, "accumulators spilled to local memory"
+    for p in NF_CHECK:
+        assert count(ptx, p) >= 1, p
+    pairs = (bm // wm // 16) * (bn // wn // 8) * (2 if not swiglu else 1)
+    assert count(ptx, r"fma\.rn\.bf16x2") == pairs        # one fold per written pair
 
 
 @pytest.mark.parametrize("bm", [128, 192])
@@ -72,8 +83,11 @@ def test_production_wgmma_kernels_lower_unserialised(bm, kind):
     assert count(ptx, TMA) >= boxes and count(ptx, TMA) % boxes == 0
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 1          # A rows (gathered)
     for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
-              r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"):
+              r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0",
+              *NF_CHECK):
         assert count(ptx, p) >= 1, p
+    # one fold per staged pair: 256 columns (gate/up: 128 hidden) x 64 rows / 128 threads / 2
+    assert count(ptx, r"fma\.rn\.bf16x2") == (32 if swiglu else 64)
     loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
     assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
     report = assemble_sm90a(ptx)
