@@ -41,6 +41,21 @@ def _trap_if_flagged(a, b):
         trap()
 
 
+def _completed(event) -> bool:
+    """``event`` has completed (cuEventQuery straight from cuda.bindings: numba's
+    ``Event.query`` logs every NOT_READY answer at error level)."""
+    from cuda.bindings import driver as cu
+    h = event.handle
+    if not isinstance(h, cu.CUevent):
+        h = int(getattr(h, "value", h))
+    res, = cu.cuEventQuery(h)
+    if res == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    if res != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuEventQuery failed: {res}")
+    return True
+
+
 class StepErrors:
     """The error words of one layer on one rank and their per-step host copies.
 
@@ -97,7 +112,7 @@ class StepErrors:
         for _ in range(limit):
             step, slot = self.pending[0]
             event = self.events[slot]
-            if event is not None and not block and not event.query():
+            if event is not None and not block and not _completed(event):
                 return                    # later steps are not done either (one stream)
             if event is not None and block:
                 event.synchronize()

@@ -38,14 +38,17 @@ def test_thousand_steps_bitwise_repeatable(dist):
         p = perms[i % 16]
         return x, ids[p].contiguous(), w[p].contiguous()
 
-    first, out1 = _run(layer, step, inputs, torch)
-    torch.cuda.synchronize()
-    layer.check()
-    mem = torch.cuda.memory_allocated()
-    pending = len(layer.errors.pending)
-    second, out2 = _run(layer, step, inputs, torch)
-    torch.cuda.synchronize()
-    layer.check()
-    assert torch.equal(first, second) and torch.equal(out1, out2)
+    runs = []
+    for _ in range(2):
+        sums, out = _run(layer, step, inputs, torch)
+        pending = len(layer.errors.pending)       # bounded by the ring, whatever the host did
+        layer.check()
+        runs.append((sums.cpu(), out.cpu()))
+        del sums, out
+        torch.cuda.synchronize()
+        if len(runs) == 1:
+            mem = torch.cuda.memory_allocated()
+        assert pending <= layer.errors.slots
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert torch.cuda.memory_allocated() <= mem
-    assert pending <= layer.errors.slots and step.captures == 1
+    assert step.captures == 1
