@@ -22,7 +22,7 @@ demo: $(STAMP)
 # Seconds, no GPU: every config field is read somewhere in the library, no dead code
 # (vulture; false positives listed in tools/vulture_allow.py), README's table matches
 # benchmarks/results/*.json.
-LIBRARY := mok_core mok_comm mok_torch mok_jax_adapter
+LIBRARY := mok_core mok_comm mok_torch mok_jax_adapter mok_testing
 lint: $(STAMP)
 	$(PY) tools/check_config_fields.py
 	$(PY) -m vulture $(LIBRARY) tools/vulture_allow.py --min-confidence 80
