@@ -14,7 +14,7 @@ from mok_core.gemm import SIM_GEMM, GemmConfig
 from test_error_details import _report, _step
 
 CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
-WG_GEMM = GemmConfig(bm=192, bn=64, bk=64, wm=3, wn=1, stages=3, mma="wgmma")
+WG_GEMM = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WG_CFG = MoKConfig(row_align=64, minibatch_size=128, capacity_factor=1.0)
 R, T = 2, 8
 
@@ -44,7 +44,7 @@ def _run(lws, inp):
     return got, msgs
 
 
-@pytest.mark.parametrize("gemm,cfg,H", [(SIM_GEMM, CFG, 64), (WG_GEMM, WG_CFG, 128)],
+@pytest.mark.parametrize("gemm,cfg,H", [(SIM_GEMM, CFG, 64), (WG_GEMM, WG_CFG, 64)],
                          ids=["mma_sync", "wgmma_push"])
 def test_nan_gate_then_inf_down_then_clean(gemm, cfg, H):
     shape = _shape(H, 64 if gemm is WG_GEMM else 32)
