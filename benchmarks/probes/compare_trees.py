@@ -16,8 +16,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common import time_iters  # noqa: E402
 
 
 def _digest(t) -> str:
@@ -25,16 +29,7 @@ def _digest(t) -> str:
 
 
 def _time(fn, iters):
-    import torch
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(time_iters(fn, iters, warmup=0))
 
 
 def _api(name):
