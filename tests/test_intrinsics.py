@@ -14,7 +14,8 @@ from mok_core.gemm.epilogue import swiglu
 from mok_core.intrinsics import ex2_approx, rcp_approx
 from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                                  ld_acquire_sys, ld_v4,
-                                 ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
+                                 ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
+                                 pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
                                  match_any, st_release_sys, st_v4, tuple_pick)
 from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
@@ -225,6 +226,34 @@ def _mma_tile_at(a, b, c, d):
 
 def test_shared_address_variants():
     _check_mma_tile(_mma_tile_at, 8)
+
+
+@kjit
+def _mma_tile_trans(a, b, c, d):
+    """As ``_mma_tile_at`` with both operands stored the other way round in shared memory --
+    A^T [k, m] and B^T [k, n] (as the backward's GEMMs hold them) -- and read by
+    ldmatrix_x4_trans_at."""
+    sa = cuda.shared.array(256, uint16)
+    sb = cuda.shared.array(128, uint16)
+    lane = cuda.threadIdx.x
+    # transpose while staging: sa[k * 16 + m] = A[m, k], sb[k * 8 + n] = B[n, k]
+    for i in range(lane, 256, 32):
+        sa[(i % 16) * 16 + i // 16] = a[i]
+    for i in range(lane, 128, 32):
+        sb[(i % 16) * 8 + i // 16] = b[i]
+    cuda.syncthreads()
+    base_a = shared_addr(sa)
+    base_b = shared_addr(sb)
+    j = lane // 8                    # matrix j: m half j % 2, k half j // 2
+    a0, a1, a2, a3 = ldmatrix_x4_trans_at(sa, base_a + (((j // 2) * 8 + lane % 8) * 16
+                                                        + (j % 2) * 8) * 2)
+    b0, b1, b2, b3 = ldmatrix_x4_trans_at(sb, base_b + ((((lane // 8) % 2) * 8 + lane % 8)
+                                                        * 8) * 2)
+    _mma_into(a0, a1, a2, a3, b0, b1, c, d, lane)
+
+
+def test_ldmatrix_trans():
+    _check_mma_tile(_mma_tile_trans, 9)
 
 
 # ---- cp.async with zero fill -------------------------------------------------------------------

@@ -10,7 +10,8 @@
                   running NaN/Inf check of packed output words: one fma.rn.bf16x2 per word),
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
-                  ldmatrix_x4_at / cp_async_16_at (32-bit shared byte addresses for hot
+                  ldmatrix_x4_at (and ``_trans_at``: the
+                  operand stored transposed) / cp_async_16_at (32-bit shared byte addresses for hot
                   loops), st_shared_u32
     wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
@@ -35,7 +36,7 @@ __all__ = [
     "u32_as_f32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",
-    "cp_async_16_at",
+    "ldmatrix_x4_trans_at", "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",

@@ -207,12 +207,26 @@ def _ldmatrix(smem, idx, nmat):
     return tuple(rows[8 * j + lane // 4][lane % 4] for j in range(nmat))
 
 
+def _ldmatrix_trans(smem, idx, nmat):
+    raw, sl = _chunk(smem, idx)
+    rows = warp_exchange(np.ascontiguousarray(raw[sl]).view(np.uint16).copy())
+    lane = threading.current_thread().thread_id % 32
+    # Transposed: this lane holds column lane/4 of rows 2*(lane%4) and 2*(lane%4)+1.
+    r, c = 2 * (lane % 4), lane // 4
+    return tuple(np.uint32(int(rows[8 * j + r][c]) | (int(rows[8 * j + r + 1][c]) << 16))
+                 for j in range(nmat))
+
+
 def shared_addr(smem):
     return 0                              # byte offsets from the array start stand in
 
 
 def ldmatrix_x4_at(smem, addr):
     return _ldmatrix(smem, int(addr) // _raw(smem).itemsize, 4)
+
+
+def ldmatrix_x4_trans_at(smem, addr):
+    return _ldmatrix_trans(smem, int(addr) // _raw(smem).itemsize, 4)
 
 
 def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):

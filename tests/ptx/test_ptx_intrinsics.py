@@ -18,6 +18,8 @@ CASES = {
             [r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32",
              r"cvta\.to\.shared\.u64", r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
              r"cp\.async\.cg\.shared\.global"]),
+    "mma_trans": (ti._mma_tile_trans, (u16, u16, f32, f32),
+                  [r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16"]),
     "tma": (ti._tma_box, (uint64[::1], u16, int32, int32, int32),
             [r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::"
              r"complete_tx::bytes", r"fence\.proxy\.tensormap::generic\.acquire\.sys",
