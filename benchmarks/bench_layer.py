@@ -1,4 +1,5 @@
-"""Whole-layer forward: MoK-Py vs torch-native EP (torchtitan style), same run, plus the floor.
+"""Whole layer, forward and backward: MoK-Py vs torch-native EP (torchtitan style), same run,
+plus the floors.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_layer.py [--presets ...]
              [--tokens 2048,4096,8192] [--iters 30] [--out benchmarks/results/bench_layer.json]
@@ -140,6 +141,78 @@ def step_breakdown(layer, ids, x, w, weights, iters):
     return out
 
 
+def backward_case(layer, base, shape, T, x, ids, w, weights, iters, warmup, rates, nvl_bytes,
+                  weight_bytes, flops):
+    """Backward columns of one case: ours (``layer.backward`` after ``layer.forward``) and the
+    baseline's torch autograd (``TorchNativeEP.trainable``), each implementation's 8 gradients
+    checked against float64 first (``mok_testing.sampled.grad_errors``: rel-L1 <= 0.005 ours,
+    0.01 the baseline), then forward and forward+backward of both timed in turns
+    (``time_interleaved``); backward = forward+backward - forward (medians, max over ranks;
+    the baseline's forward records its autograd graph, as in training). Floor = max(dgrad +
+    wgrad FLOPs (twice the forward's) at the dense rate, the reverse NVLink bytes (the
+    forward's) at the peer rate, every weight read and its gradient written once at the HBM
+    rate)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common import time_interleaved
+    from mok_testing import synthetic
+    from mok_testing.sampled import grad_errors
+    R, me = dist.get_world_size(), dist.get_rank()
+    dev = x.device
+    d_outs = [torch.randn(T, shape.hidden, device=dev,
+                          generator=torch.Generator(dev).manual_seed(100 + r)).bfloat16()
+              for r in range(R)]
+    d_out = d_outs[me]
+    inputs = [synthetic.rank_inputs(shape, T, r, dev, skew=0.0) for r in range(R)]
+    fn = (lambda e: synthetic.expert_weights(shape, e, dev))
+    shared = weights[:3] if shape.shared_intermediate else None
+    grads = layer.backward(layer.forward(x, ids, w, weights)[1], d_out, w, weights)
+    err_ours = max(grad_errors(inputs, d_outs, me, grads, shared, fn,
+                               shape.experts_per_rank).values())
+    base.trainable()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def base_fwd():
+        base.zero_grad()
+        xl.grad = wl.grad = None
+        return base.forward(xl, ids, wl)
+
+    base_fwd().backward(d_out)
+    err_base = max(grad_errors(inputs, d_outs, me, base.grads(xl, wl), shared, fn,
+                               shape.experts_per_rank).values())
+    for label, err, tol in (("ours", err_ours, 5e-3), ("torch_native", err_base, 1e-2)):
+        if not err < tol:
+            raise RuntimeError(f"{shape} T={T}: {label} gradients fail the correctness gate "
+                               f"(max rel-L1 {err:.2e})")
+
+    def ours_fwd():
+        return layer.forward(x, ids, w, weights)
+
+    def ours_fwd_bwd():
+        layer.backward(ours_fwd()[1], d_out, w, weights, grads=grads)
+
+    dist.barrier()
+    t = time_interleaved({"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd,
+                          "base_fwd": base_fwd, "base_fwd_bwd": lambda: base_fwd().backward(d_out)},
+                         iters, warmup, pre=dist.barrier)
+    med = torch.tensor([statistics.median(t[n]) for n in
+                        ("ours_fwd", "ours_fwd_bwd", "base_fwd", "base_fwd_bwd")], device=dev)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    o_f, o_fb, b_f, b_fb = med.tolist()
+    layer.check()
+    tflops, gbps, hbm_gbps = rates
+    floor = max(2 * flops / tflops / 1e9, nvl_bytes / gbps / 1e6,
+                2 * weight_bytes / hbm_gbps / 1e6)
+    return {"fwd_bwd_ms": o_fb, "fwd_bwd_baseline_ms": b_fb, "fwd_bwd_speedup": b_fb / o_fb,
+            "bwd_ms": o_fb - o_f, "bwd_baseline_ms": b_fb - b_f,
+            "bwd_speedup": (b_fb - b_f) / (o_fb - o_f), "bwd_floor_ms": floor,
+            "bwd_over_floor": (o_fb - o_f) / floor, "grads_rel_l1_max": err_ours,
+            "baseline_grads_rel_l1_max": err_base}
+
+
 def graph_time(step, iters, warmup):
     """Median (max over ranks) ms of replaying a CUDA graph of ``step`` (schedule + forward):
     the layer without Python launch overhead, as a captured training step runs it."""
@@ -152,7 +225,7 @@ def graph_time(step, iters, warmup):
 
 
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
-             graph=False, gemm_down=None, dispatch="pull"):
+             graph=False, gemm_down=None, dispatch="pull", backward=True):
     import torch
     import torch.distributed as dist
 
@@ -247,6 +320,15 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         floors = torch.tensor([floor, floor_hbm], dtype=torch.float64, device="cuda")
         dist.all_reduce(floors, op=dist.ReduceOp.MAX)
         floor, floor_hbm = float(floors[0]), float(floors[1])
+        bwd = {}
+        if backward:
+            try:
+                bwd = backward_case(layer, base, shape, T, x, ids, w, weights, iters, warmup,
+                                    rates, nvl_bytes, weight_bytes, flops)
+            except Exception as e:                  # noqa: BLE001 - recorded in the row
+                torch.cuda.synchronize()
+                bwd = {"bwd_note": f"{type(e).__name__}: {e}"[:300]}
+                progress(f"  backward failed: {bwd['bwd_note']}")
     finally:
         torch.cuda.synchronize()
         step = None                              # its graph references the layer's buffers
@@ -260,7 +342,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
             "ours_over_floor": t_ours / floor, "floor_hbm_ms": floor_hbm,
             "step_over_roofline": t_step / max(floor, floor_hbm), "ours_rel_l1": err_ours,
             "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
-            "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps}
+            "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps, **bwd}
 
 
 BASELINE_LABELS = {"torch_native": "torch native EP", "torch_symm_mem": "torch symm-mem EP"}
@@ -317,6 +399,8 @@ def main(argv=None):
     ap.add_argument("--dispatch", default="split:1.0",
                     help="MoKConfig.dispatch modes to run each case with (comma-separated: "
                          "pull,split; split:S sets dispatch_ce_share=S)")
+    ap.add_argument("--no-backward", action="store_true",
+                    help="forward only (skip the backward and forward+backward columns)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
@@ -353,7 +437,7 @@ def main(argv=None):
             for mode in args.dispatch.split(","):
                 rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
                                      args.symm_mem, args.breakdown, args.graph, tiles_down,
-                                     mode))
+                                     mode, not args.no_backward))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]
@@ -363,6 +447,12 @@ def main(argv=None):
                          f"speedup {r['speedup_vs_best_baseline']:.2f}x "
                          f"(step {r['speedup_step_vs_best_baseline']:.2f}x)  "
                          f"(symm-mem: {r['baseline_notes']['torch_symm_mem']})")
+                if "bwd_ms" in r:
+                    progress(f"  backward ours {r['bwd_ms']:.2f} ms  torch autograd "
+                             f"{r['bwd_baseline_ms']:.2f} ms ({r['bwd_speedup']:.2f}x)  "
+                             f"fwd+bwd {r['fwd_bwd_ms']:.2f} vs {r['fwd_bwd_baseline_ms']:.2f} ms "
+                             f"({r['fwd_bwd_speedup']:.2f}x)  floor {r['bwd_floor_ms']:.2f} ms  "
+                             f"grads rel-L1 {r['grads_rel_l1_max']:.1e}")
                 if r["ours_graph_ms"] == r["ours_graph_ms"]:      # not NaN
                     progress(f"  ours as a CUDA-graph replay {r['ours_graph_ms']:.2f} ms")
                 if r["breakdown_ms"]:
@@ -378,7 +468,9 @@ def main(argv=None):
                            "ours_graph_ms", *(f"{b}_ms" for b in names), "floor_ms",
                            "floor_hbm_ms", "speedup_vs_best_baseline",
                            "speedup_step_vs_best_baseline", "ours_over_floor",
-                           "step_over_roofline"]))
+                           "step_over_roofline", "bwd_ms", "bwd_baseline_ms", "bwd_speedup",
+                           "fwd_bwd_ms", "fwd_bwd_baseline_ms", "fwd_bwd_speedup",
+                           "bwd_over_floor", "grads_rel_l1_max"]))
     bootstrap.finalize()
     dist.destroy_process_group()
 

@@ -9,6 +9,9 @@
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
 #        pull and split dispatch) bench-layer-tiles (LAYER_TOKENS, GEMM_FROM: per-GEMM tiles of a bench_ffn sweep)
 #        gpu-single (the GPU tests one GPU runs, emulated ranks included)
+#        gpu-backward (tests/gpu/test_backward_gpu.py: EP 1 per process, EP = all GPUs; and the
+#        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
+#        and backward columns)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
 #        -- the probes live in benchmarks/probes/
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
@@ -110,6 +113,12 @@ for s in "$@"; do
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7}" \
          --tokens "${LAYER_TOKENS:-4096,8192}" --dispatch "${LAYER_DISPATCH:-pull,split,split:1.0}" --breakdown \
          --iters 20 --out "$OUT/bench_layer_dispatch.json" ;;   # MoKConfig.dispatch modes
+    gpu-backward) export SUITE=gpubwd; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-backward \
+         torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
+         tests/gpu/test_backward_gpu.py tests/test_backward_emulated.py; rank_logs gpubwd ;;
+    bench-layer-bwd) step bench-layer-bwd torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
+         --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --out "$OUT/bench_layer_bwd.json" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;

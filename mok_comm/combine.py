@@ -102,6 +102,16 @@ def combine_epilogue_kernel(y_shared, has_shared, combine, ids, weights, out, T,
         i += cuda.gridsize(1)
 
 
+@kjit
+def router_grads_kernel(ids, pushed, out):
+    """Launch: any grid. out[i] = pushed[i] where ids[i] >= 0 (a route an expert rank took:
+    it pushed its d_w there), else 0 (masked, or a bad id the forward reported)."""
+    i = cuda.grid(1)
+    while i < out.shape[0]:
+        out[i] = pushed[i] if ids[i] >= 0 else float32(0.0)
+        i += cuda.gridsize(1)
+
+
 # ---- host --------------------------------------------------------------------------------
 
 def check_y(ws, y):
@@ -140,3 +150,14 @@ def epilogue(ws, router_weights, out, y_shared=None, stream=0) -> None:
     launch(combine_epilogue_kernel, blocks, COPY_THREADS, stream, 0,
            flat(ys), has_shared, flat(ws.combine_buf), flat(ws.ids_table[ws.rank]),
            flat(router_weights), flat(out), np.int64(T), np.int64(H), np.int64(k))
+
+
+def router_grads(ids32, pushed, out, stream=0) -> None:
+    """The backward's d_router_weights (float32 [T, k] ``out``) from the values the expert
+    ranks pushed into ``pushed`` (float32 [T*k]), after the backward's barrier; ``ids32``
+    (int32 [T, k]) is the forward's checked ids."""
+    n = out.size
+    if n == 0:
+        return
+    blocks = min(2 if SIM else 4 * multiprocessor_count(), -(-n // COPY_THREADS))
+    launch(router_grads_kernel, blocks, COPY_THREADS, stream, 0, flat(ids32), pushed, flat(out))

@@ -87,7 +87,7 @@ _COUNT_BLOCKS = 2 if SIM else 64
 # ---- device ------------------------------------------------------------------------------
 
 @kjit
-def publish_x_kernel(me, x, x_buf, weights, H, k, errors):
+def publish_x_kernel(me, x, x_buf, weights, H, k, errors, x_tensor):
     """Launch: any grid. x, x_buf uint16 [T*H] (H % 8 == 0); weights float32 [T*k]. The
     NaN/Inf check rides on the copy: it costs no extra pass over x. Per tensor, the count and
     the smallest token holding one go to the error word (``record_non_finite``): a thread walks
@@ -116,7 +116,7 @@ def publish_x_kernel(me, x, x_buf, weights, H, k, errors):
             bad_w += 1
         i += stride
     if bad_x:
-        record_non_finite(errors, err.NF_X, me, bad_x, first_x)
+        record_non_finite(errors, x_tensor, me, bad_x, first_x)
     if bad_w:
         record_non_finite(errors, err.NF_ROUTER_WEIGHTS, me, bad_w, first_w)
 
@@ -228,17 +228,18 @@ def check_x(ws, x, router_weights=None):
     return x, router_weights
 
 
-def publish_x(ws, x, router_weights=None, stream=0) -> None:
+def publish_x(ws, x, router_weights=None, stream=0, tensor=err.NF_X) -> None:
     """Copy this rank's tokens (uint16 [T, H]) into its slice of the symmetric staging buffer
-    and record NaN/Inf in x and the router weights (float32 [T, k], or None) in the error
-    word (count and first token per tensor). A barrier must follow before any peer's dispatch."""
+    and record NaN/Inf in x (as tensor id ``tensor``: the backward publishes d_out) and the
+    router weights (float32 [T, k], or None) in the error word (count and first token per
+    tensor). A barrier must follow before any peer's dispatch."""
     T, H = ws.tokens_per_rank, ws.hidden
     w = router_weights if router_weights is not None else ws.errors[:0].view(np.float32)
     if T == 0:
         return
     blocks = 2 if SIM else min(4 * multiprocessor_count(), -(-T * H // 8 // COPY_THREADS))
     launch(publish_x_kernel, blocks, COPY_THREADS, stream, 0, ws.rank, flat(x), flat(ws.x_buf),
-           flat(w), np.int64(H), np.int64(ws.topk), ws.errors)
+           flat(w), np.int64(H), np.int64(ws.topk), ws.errors, np.int32(tensor))
 
 
 def _pull(ws, schedule, stream, t_begin) -> None:

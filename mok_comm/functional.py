@@ -192,18 +192,20 @@ def io_phases(layer: Layer, inputs: StepInputs, stream=0):
     return p0, p3
 
 
-def core_phases(layer: Layer, W: Weights, stream=0):
-    """[phase 1, phase 2]: the launches that read only the layer's buffers and ``W``."""
+def core_phases(layer: Layer, W: Weights, stream=0, *, down: bool = True):
+    """[phase 1, phase 2]: the launches that read only the layer's buffers and ``W``
+    (``down=False``: up to the SwiGLU outputs -- what the backward's context holds)."""
     shared = []
     if layer.shape.shared_intermediate:
-        shared = [partial(shared_gate_up, layer, W, stream), partial(shared_down, layer, W, stream)]
+        shared = [partial(shared_gate_up, layer, W, stream)]
+        shared += [partial(shared_down, layer, W, stream)] if down else []
     split = layer.config.dispatch == "split"
     p1 = [partial(schedule, layer, stream)] + ([] if split else shared)
     p2 = ([partial(split_start, layer, stream)] + shared if split else [])
     p2 += [partial(pull, layer, stream), partial(routed_gate_up, layer, W, stream)]
-    if layer.fused_combine:
+    if down and layer.fused_combine:
         p2.append(partial(routed_down_push, layer, W, stream))
-    else:
+    elif down:
         p2 += [partial(routed_down, layer, W, stream), partial(combine_rows, layer, stream)]
     return [p1 + _trap_checks(layer, stream), p2 + _trap_checks(layer, stream)]
 
@@ -214,6 +216,28 @@ def step_phases(layer: Layer, x, topk_ids, router_weights, weights, *, out=None,
     W = check_weights(layer, weights)
     p0, p3 = io_phases(layer, inputs, stream)
     return [p0, *core_phases(layer, W, stream), p3], inputs.out
+
+
+def recompute_phases(layer: Layer, x, topk_ids, router_weights, weights, *, stream=0):
+    """``recompute_forward_context``'s phases: the forward's without the down GEMMs, the
+    combine and the epilogue (the last phase only ends the step's error report; the barrier
+    before it keeps the forward's ordering duties)."""
+    inputs = check_inputs(layer, x, topk_ids, router_weights)
+    W = check_weights(layer, weights)
+    p0, _ = io_phases(layer, inputs, stream)
+    return [p0, *core_phases(layer, W, stream, down=False), [partial(layer.errors.end, stream)]]
+
+
+def recompute_forward_context(layer: Layer, x, topk_ids, router_weights, weights, *,
+                              stream=0) -> ForwardContext:
+    """Activation checkpointing: rebuild the ``ForwardContext`` of a step from its inputs
+    (routing, schedule, dispatch, shared and routed gate/up + SwiGLU), bit for bit what the
+    forward left, without the down GEMMs, the combine or the epilogue. A caller that drops the
+    context between forward and backward (another layer's step reused the buffers, or it runs
+    the layer again) calls this right before ``mok_comm.backward.backward``."""
+    run_phases(recompute_phases(layer, x, topk_ids, router_weights, weights, stream=stream),
+               layer, stream)
+    return layer.context()
 
 
 def run_phases(phases, layer: Layer, stream=0) -> None:
@@ -251,4 +275,5 @@ def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, str
 
 
 __all__ = ["StepInputs", "check_inputs", "check_weights", "core_phases", "forward", "io_phases",
-           "run_core", "run_phases", "step_phases"]
+           "recompute_forward_context", "recompute_phases", "run_core", "run_phases",
+           "step_phases"]

@@ -27,13 +27,16 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     out             uint16 [T, H]     the default output (overwritten by the next step)
 
 ``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
-step: ``ForwardContext`` hands them to the backward. ``nbytes`` sums them by buffer. ``errors``
-(``mok_core.step_errors``) reports each step's device-side problems at the next call.
+step: ``ForwardContext`` hands them to the backward. With ``backward=True`` the layer also
+holds the backward's buffers (``BackwardBuffers``, documented there and in
+``mok_comm.backward``). ``nbytes`` sums them by buffer. ``errors`` (``mok_core.step_errors``)
+reports each step's device-side problems at the next call (forward and backward calls alike).
 
 bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors as uint16.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import zlib
@@ -78,10 +81,92 @@ class ForwardContext(NamedTuple):
     hidden_shared: object     # uint16 [T_pad, I_s]
 
 
+class BackwardBuffers:
+    """What the backward (``mok_comm.backward``) writes, allocated once with the layer.
+
+    Symmetric (per rank, peer views as tuples over ranks):
+        d_out_recv  uint16 [R*T, H]   d_out staging, as ``x_recv`` for x: slice ``rank`` is
+                                      this rank's d_out, peers pull the rows they need
+        router      float32 [T*k]     this rank's router weights, read by the expert ranks
+        d_router    float32 [T*k]     router-weight gradients pushed home by the expert ranks
+    ``comm`` is the layer's ``Workspace`` with ``d_out_recv`` as its staging (the dispatch
+    ops pull d_out through it exactly as they pull x); its combine rows are the forward's,
+    reused for the routed d_x pushed home (the forward's epilogue has read them).
+    Local, expert-sorted rows [C, .] (routed) and [T_pad, .] (shared, suffix ``_s``):
+        gate, up    [., I]   the gate / up pre-activations, recomputed
+        p           [., I]   d_out W_down, then (routed) w * h
+        d_gu        [., 2I]  [d_gate | d_up]
+        d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
+        d_x_s       [T_pad, H] the shared expert's d_x
+    and ``ones`` float32 [T, k] (the d_x epilogue is the forward's with unit weights),
+    ``d_x`` uint16 [T, H] / ``d_router_out`` float32 [T, k] (the default outputs), ``grads``
+    (the default weight gradients, allocated at the first backward that needs them).
+    """
+
+    def __init__(self, layer: "Layer", heap: Heap, stream=0):
+        s, T, C = layer.shape, layer.tokens_per_rank, layer.comm.capacity
+        R, H, I, I_s, k = s.ep_size, s.hidden, s.intermediate, s.shared_intermediate, s.topk
+        u16, f32 = np.uint16, np.float32
+        recv, peer_recv = heap.alloc((R * T, H), u16, name="d_out_recv",
+                                     dims=("tokens_per_rank", "hidden"))
+        self.router, self.peer_router = heap.alloc((T * k,), f32, name="router",
+                                                   dims=("tokens_per_rank * topk",))
+        self.d_router, self.peer_d_router = heap.alloc((T * k,), f32, name="d_router",
+                                                       dims=("tokens_per_rank * topk",))
+        me = heap.rank
+        self.comm = dataclasses.replace(
+            layer.comm, x_recv=recv, x_buf=recv[me * T:(me + 1) * T],
+            peer_x=tuple(p.reshape(p.size)[q * T * H:(q + 1) * T * H]
+                         for q, p in enumerate(peer_recv)))
+        T_pad = layer.hidden_shared.shape[0]
+        self.gate, self.up, self.p = (device_empty((C, I), u16, stream) for _ in range(3))
+        self.d_gu = device_empty((C, 2 * I), u16, stream)
+        self.d_x_rows = device_empty((C, H), u16, stream)
+        self.gate_s = self.up_s = self.p_s = self.d_gu_s = self.d_x_s = None
+        if I_s:
+            self.gate_s, self.up_s, self.p_s = (device_empty((T_pad, I_s), u16, stream)
+                                                for _ in range(3))
+            self.d_gu_s = device_empty((T_pad, 2 * I_s), u16, stream)
+            self.d_x_s = device_empty((T_pad, H), u16, stream)
+        self.ones = device_full((T, k), 1.0, f32, stream)
+        self.d_x = device_empty((T, H), u16, stream)
+        self.d_router_out = device_empty((T, k), f32, stream)
+        self.grads = None
+
+    def arrays(self) -> dict:
+        """name -> device array, for ``Layer.nbytes``."""
+        return {"d_out_recv (symmetric)": self.comm.x_recv, "router (symmetric)": self.router,
+                "d_router (symmetric)": self.d_router, "gate": self.gate, "up": self.up,
+                "p": self.p, "d_gu": self.d_gu, "d_x_rows": self.d_x_rows,
+                "gate_s": self.gate_s, "up_s": self.up_s, "p_s": self.p_s,
+                "d_gu_s": self.d_gu_s, "d_x_s": self.d_x_s, "ones": self.ones,
+                "d_x": self.d_x, "d_router_out": self.d_router_out}
+
+
 def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
     """The GEMM tiles a layer takes when given none: ``default_gemm`` for the mean rows per
     local expert under uniform routing, R*T*k/E."""
     return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
+
+
+def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
+    """The backward's GEMM tiles: mma.sync (``MMA_SYNC_GEMM``; ``SIM_GEMM`` on the simulator)
+    -- the backward's operand layouts (weights read as stored, K = an expert's rows) exist on
+    that path only so far. ValueError unless the shape splits into its tiles."""
+    from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM
+    from mok_core.cuda_compat import SIM
+    g = SIM_GEMM if SIM else MMA_SYNC_GEMM
+    if config.row_align % g.row_unit:
+        raise ValueError(f"MoKConfig.row_align={config.row_align}: the backward needs a multiple "
+                         f"of {g.row_unit} ({g})")
+    for field, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
+                     ("shared_intermediate", shape.shared_intermediate)):
+        for tile in (g.bm, g.bn, g.bk):
+            if n % tile:
+                raise ValueError(f"LayerShape.{field}={n}: the backward's GEMMs need a multiple "
+                                 f"of {tile} ({g}); pass backward=False for a forward-only "
+                                 "layer")
+    return g
 
 
 def check_swiglu_limit(swiglu_limit):
@@ -131,12 +216,14 @@ class Layer:
         verify: compare every rank's shapes and config on the device and raise ``MoKError`` on
             a mismatch -- the layer's one host sync, at construction. Emulated ranks pass False
             and run ``agreement_phases`` themselves.
+        backward: allocate the backward's buffers (``BackwardBuffers``); False for a
+            forward-only (inference) layer, which then refuses ``backward``.
     """
 
     def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
                  *, heap: Heap, gemm: GemmConfig | None = None,
                  gemm_down: GemmConfig | None = None, swiglu_limit=None, verify: bool = True,
-                 stream=0):
+                 backward: bool = True, stream=0):
         if not isinstance(config, MoKConfig):
             raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
         if heap.ep_size != shape.ep_size:
@@ -175,13 +262,15 @@ class Layer:
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
+        self.backward_gemm = backward_gemm(shape, config) if backward else None
+        self.grad = BackwardBuffers(self, heap, stream) if backward else None
         fields = dict(hidden=H, intermediate=I, shared_intermediate=I_s,
                       num_experts=shape.num_experts, topk=k, ep_size=shape.ep_size,
                       tokens_per_rank=T, row_align=config.row_align,
                       minibatch_size=config.minibatch_size,
                       capacity_factor=round(config.capacity_factor * 1e6), config=_digest(config),
                       gemm=_digest(gemm), gemm_down=_digest(gemm_down),
-                      swiglu_limit=_digest(self.swiglu_limit))
+                      swiglu_limit=_digest(self.swiglu_limit), backward=int(backward))
         # in the order errors.describe names them when ranks disagree
         fp = np.array([fields[n] for n in err.FINGERPRINT_FIELDS], i32)
         self.fingerprint = upload(fp, stream)
@@ -231,6 +320,8 @@ class Layer:
                   "combine_buf (symmetric)": self.comm.combine_buf, "hidden": self.hidden,
                   "y": self.y, "hidden_shared": self.hidden_shared, "y_shared": self.y_shared,
                   "out": self.out, "gather_index": self.gather_index, "ids32": self.ids32}
+        if self.grad is not None:
+            arrays.update(self.grad.arrays())
         sizes = {name: int(a.size) * a.dtype.itemsize for name, a in arrays.items()
                  if a is not None}
         s = self.schedule
@@ -246,5 +337,5 @@ def agreement_phases(layer: Layer, stream=0):
             partial(compare_fingerprints, layer.comm, layer.fingerprint_table, stream)]
 
 
-__all__ = ["ForwardContext", "Layer", "Weights", "agreement_phases", "check_swiglu_limit",
-           "layer_gemm"]
+__all__ = ["BackwardBuffers", "ForwardContext", "Layer", "Weights", "agreement_phases",
+           "backward_gemm", "check_swiglu_limit", "layer_gemm"]

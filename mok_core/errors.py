@@ -44,8 +44,8 @@ yet; ``from_key`` reads one back):
     [MISMATCH_THEIRS] ... its value, and
     [MISMATCH_MINE]  this rank's value
     [MISMATCH_ME]    this rank
-  Non-finite values (``mok_comm.dispatch.publish_x``: x, router weights; the grouped GEMMs'
-  epilogues: their output tiles, ``mok_core.gemm``; later d_out):
+  Non-finite values (``mok_comm.dispatch.publish_x``: x, router weights, the backward's d_out;
+  the grouped GEMMs' epilogues: their output tiles, ``mok_core.gemm``):
     [NONFINITE_RANK] the rank that saw them
     [NONFINITE + 2*tensor]      count of NaN/Inf in tensor ``tensor`` (``TENSOR_NAMES``)
     [NONFINITE + 2*tensor + 1]  key of the smallest token (row) holding one (GEMM outputs: the
@@ -93,9 +93,9 @@ MISMATCH_MINE = 25
 MISMATCH_ME = 26
 NONFINITE_RANK = 27
 NONFINITE = 28                  # 2 slots per tensor id, NONFINITE_TENSORS of them
-NONFINITE_TENSORS = 8
+NONFINITE_TENSORS = 12
 NONFINITE_EXPERT = NONFINITE + 2 * NONFINITE_TENSORS     # 1 slot per tensor id
-ERROR_WORDS = NONFINITE_EXPERT + NONFINITE_TENSORS       # 52
+ERROR_WORDS = NONFINITE_EXPERT + NONFINITE_TENSORS       # 64
 
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
@@ -109,8 +109,9 @@ ID_REPORTED = INT32_MIN
 # (the grid barrier's flags are the only one now: mok_comm.barrier.COUNTER_BARRIER).
 COUNTER_NAMES = {0: "barrier"}
 
-# Tensor ids of the non-finite slots. 0 and 1 are checked by ``publish_x``, 2 is reserved for
-# the backward's d_out; 3-6 are the output tiles of the layer's four GEMMs (7 is free).
+# Tensor ids of the non-finite slots. 0 and 1 are checked by the forward's ``publish_x``, 2 by
+# the backward's; 3-6 are the output tiles of the forward's four GEMMs (the backward's
+# recompute of the gate/up projections reports as 3 and 5), 7-11 the backward's.
 NF_X = 0
 NF_ROUTER_WEIGHTS = 1
 NF_D_OUT = 2
@@ -118,23 +119,41 @@ NF_HIDDEN = 3                   # routed gate/up + SwiGLU output
 NF_Y = 4                        # routed down output (written, or pushed to the combine)
 NF_SHARED_HIDDEN = 5
 NF_SHARED_Y = 6
+NF_D_HIDDEN = 7                 # routed d_out W_down (before the router weight)
+NF_D_X_ROUTED = 8               # routed d_gate W_gate + d_up W_up (pushed home)
+NF_SHARED_D_HIDDEN = 9
+NF_SHARED_D_X = 10
+NF_WEIGHT_GRADS = 11            # any weight gradient (row = output row, expert = local expert)
 TENSOR_NAMES = {NF_X: "x", NF_ROUTER_WEIGHTS: "router_weights", NF_D_OUT: "d_out",
                 NF_HIDDEN: "routed gate/up output (hidden)", NF_Y: "routed down output (y)",
-                NF_SHARED_HIDDEN: "shared gate/up output", NF_SHARED_Y: "shared down output"}
+                NF_SHARED_HIDDEN: "shared gate/up output", NF_SHARED_Y: "shared down output",
+                NF_D_HIDDEN: "routed d_out . w_down (backward)",
+                NF_D_X_ROUTED: "routed d_x (backward)",
+                NF_SHARED_D_HIDDEN: "shared d_out . w_shared_down (backward)",
+                NF_SHARED_D_X: "shared d_x (backward)", NF_WEIGHT_GRADS: "weight gradients"}
 INPUT_TENSORS = (NF_X, NF_ROUTER_WEIGHTS, NF_D_OUT)
+# GEMM outputs reported per local expert and expert-sorted row (the others by token).
+ROUTED_TENSORS = (NF_HIDDEN, NF_Y, NF_D_HIDDEN, NF_D_X_ROUTED, NF_WEIGHT_GRADS)
 # GEMM outputs: the weights that made them, and the tensors upstream of them in the step (a
 # NaN/Inf there explains this one).
 GEMM_WEIGHTS = {NF_HIDDEN: "w_gate/w_up", NF_Y: "w_down",
-                NF_SHARED_HIDDEN: "w_shared_gate/w_shared_up", NF_SHARED_Y: "w_shared_down"}
+                NF_SHARED_HIDDEN: "w_shared_gate/w_shared_up", NF_SHARED_Y: "w_shared_down",
+                NF_D_HIDDEN: "w_down", NF_D_X_ROUTED: "w_gate/w_up",
+                NF_SHARED_D_HIDDEN: "w_shared_down", NF_SHARED_D_X: "w_shared_gate/w_shared_up"}
 GEMM_UPSTREAM = {NF_HIDDEN: (NF_X,), NF_Y: (NF_X, NF_HIDDEN), NF_SHARED_HIDDEN: (NF_X,),
-                 NF_SHARED_Y: (NF_X, NF_SHARED_HIDDEN)}
+                 NF_SHARED_Y: (NF_X, NF_SHARED_HIDDEN), NF_D_HIDDEN: (NF_D_OUT,),
+                 NF_D_X_ROUTED: (NF_X, NF_D_OUT, NF_HIDDEN, NF_D_HIDDEN),
+                 NF_SHARED_D_HIDDEN: (NF_D_OUT,),
+                 NF_SHARED_D_X: (NF_X, NF_D_OUT, NF_SHARED_HIDDEN, NF_SHARED_D_HIDDEN),
+                 NF_WEIGHT_GRADS: (NF_X, NF_D_OUT, NF_HIDDEN, NF_D_HIDDEN, NF_SHARED_HIDDEN)}
 
 # The layer's fingerprint (``mok_comm.layer.Layer``), entry by entry: every rank pushes these
 # values and compares them with every other rank's. Entries in ``FINGERPRINT_DIGESTS`` are
 # CRC digests of an object (named there); ``FINGERPRINT_SCALE`` entries are value * scale.
 FINGERPRINT_FIELDS = ("hidden", "intermediate", "shared_intermediate", "num_experts", "topk",
                       "ep_size", "tokens_per_rank", "row_align", "minibatch_size",
-                      "capacity_factor", "config", "gemm", "gemm_down", "swiglu_limit")
+                      "capacity_factor", "config", "gemm", "gemm_down", "swiglu_limit",
+                      "backward")
 FINGERPRINT_DIGESTS = {"config": "MoKConfig", "gemm": "gate/up GemmConfig",
                        "gemm_down": "down GemmConfig", "swiglu_limit": "swiglu_limit"}
 FINGERPRINT_SCALE = {"capacity_factor": 1_000_000}
@@ -215,16 +234,18 @@ def _gemm_non_finite_message(w, counts) -> str | None:
         row = from_key(w[NONFINITE + 2 * t + 1])
         expert = from_key(w[NONFINITE_EXPERT + t])
         where = f"token {row}"                      # the shared expert's rows are tokens
-        if t in (NF_HIDDEN, NF_Y):
+        if t == NF_WEIGHT_GRADS:
+            where = f"local expert {expert} (row {row} of a gradient; the shared expert's: 0)"
+        elif t in ROUTED_TENSORS:
             where = f"local expert {expert} (expert-sorted row {row})"
         part = f"{name} has {_values(counts[t])}, first at {where}"
         upstream = [u for u in GEMM_UPSTREAM.get(t, ()) if counts[u]]
         if upstream:
             part += " -- downstream of the NaN/Inf in " + TENSOR_NAMES[upstream[-1]]
-        elif t == NF_HIDDEN:            # its tokens come from every rank: x may be a peer's
-            part += f" -- check {GEMM_WEIGHTS[t]} of that expert (or a token routed to it)"
+        elif t in (NF_HIDDEN, NF_D_HIDDEN):   # rows come from every rank: x / d_out may be a
+            part += (f" -- check {GEMM_WEIGHTS[t]} of that expert (or a token routed to it)")
         elif t in GEMM_WEIGHTS:
-            of = " of that expert" if t == NF_Y else ""
+            of = " of that expert" if t in ROUTED_TENSORS else ""
             part += f" -- check {GEMM_WEIGHTS[t]}{of}"
         parts.append(part)
     if not parts:

@@ -41,3 +41,109 @@ def reference_tokens(x, topk_ids, router_weights, shared, expert_weight_fn, swig
                     y = _act(xd[n] @ wg.T, xd[n] @ wu.T, swiglu_limit) @ wd.T
                     out[n] += float(router_weights[n, j]) * y
     return out
+
+
+def _act_grads(g, u, d_h, limit):
+    """(h, d_g, d_u) of the SwiGLU at pre-activations g, u given d_h (clamp as torch's)."""
+    gc, uc = g, u
+    if limit is not None:
+        gc, uc = torch.clamp(g, max=limit), torch.clamp(u, -limit, limit)
+    s = torch.sigmoid(gc)
+    d_g = d_h * uc * s * (1 + gc * (1 - s))
+    d_u = d_h * gc * s
+    if limit is not None:
+        d_g = torch.where(g <= limit, d_g, torch.zeros_like(d_g))
+        d_u = torch.where((u >= -limit) & (u <= limit), d_u, torch.zeros_like(d_u))
+    return gc * s * uc, d_g, d_u
+
+
+def reference_token_grads(x, topk_ids, router_weights, d_out, shared, expert_weight_fn,
+                          swiglu_limit=None):
+    """(d_x [n, H], d_router_weights [n, k]) of n sampled tokens, float64 (arguments as
+    ``reference_tokens``, d_out [n, H] their output gradients)."""
+    xd, dd = x.double(), d_out.double()
+    d_x = torch.zeros_like(xd)
+    d_w = torch.zeros(topk_ids.shape, dtype=torch.float64, device=x.device)
+    if shared is not None:
+        sg, su, sd = (w.double() for w in shared)
+        _, d_g, d_u = _act_grads(xd @ sg.T, xd @ su.T, dd @ sd, swiglu_limit)
+        d_x += d_g @ sg + d_u @ su
+    ids = topk_ids.tolist()
+    for e in sorted({e for row in ids for e in row if e >= 0}):
+        wg, wu, wd = (w.double() for w in expert_weight_fn(e))
+        for n, row in enumerate(ids):
+            for j, ej in enumerate(row):
+                if ej == e:
+                    p = dd[n] @ wd
+                    h, d_g, d_u = _act_grads(xd[n] @ wg.T, xd[n] @ wu.T,
+                                             float(router_weights[n, j]) * p, swiglu_limit)
+                    d_w[n, j] = p @ h
+                    d_x[n] += d_g @ wg + d_u @ wu
+    return d_x, d_w
+
+
+def reference_weight_grads(x, d_out, scale, weights, cols, swiglu_limit=None):
+    """Sampled entries of one expert's weight gradients, float64: the rows ``cols`` of
+    dW_gate / dW_up and the columns ``cols`` of dW_down (intermediate columns), summed over the
+    expert's n rows: x [n, H] its tokens, d_out [n, H] their output gradients, scale [n] the
+    routes' router weights (ones for the shared expert), weights (w_gate, w_up, w_down)."""
+    wg, wu, wd = (w.double() for w in weights)
+    xd, dd = x.double(), d_out.double()
+    g, u = xd @ wg[cols].T, xd @ wu[cols].T                  # [n, c]
+    w = scale.double()[:, None]
+    h, d_g, d_u = _act_grads(g, u, w * (dd @ wd[:, cols]), swiglu_limit)
+    return d_g.T @ xd, d_u.T @ xd, (w * dd).T @ h
+
+
+def _rel(got, want):
+    return float((got.double() - want).abs().sum() / want.abs().sum())
+
+
+def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_per_rank,
+                swiglu_limit=None, samples=16):
+    """rel-L1 of a rank's 8 gradients against float64, by name, on samples: d_x and the
+    router weights' gradient of ``samples`` tokens, the weight gradients of two of the rank's
+    experts (the busiest, an average one; every rank's tokens routed to them) and of the shared
+    expert on ``samples`` intermediate columns.
+
+    Arguments:
+        inputs: every rank's (x [T, H], topk_ids [T, k], router_weights [T, k]); d_outs: every
+            rank's d_out [T, H]; grads: the rank's gradients in ``Grads`` order (d_x,
+            d_router_weights, d_w_shared_gate, d_w_shared_up, d_w_shared_down, d_w_gate,
+            d_w_up, d_w_down; shared ones None without a shared expert); shared and
+            expert_weight_fn as in ``reference_tokens``.
+    """
+    d_x, d_rw, g_sg, g_su, g_sd, g_g, g_u, g_d = grads
+    x, ids, w = inputs[rank]
+    d_out = d_outs[rank]
+    T, dev = x.shape[0], x.device
+    pick = torch.linspace(0, T - 1, samples, device=dev).long()
+    ref_dx, ref_dw = reference_token_grads(x[pick], ids[pick], w[pick], d_out[pick], shared,
+                                           expert_weight_fn, swiglu_limit)
+    errs = {"d_x": _rel(d_x[pick], ref_dx), "d_router_weights": _rel(d_rw[pick], ref_dw)}
+    E_l, I = g_g.shape[0], g_g.shape[1]
+    cols = torch.linspace(0, I - 1, samples, device=dev).long()
+    all_ids = torch.stack([i for _, i, _ in inputs])                      # [R, T, k]
+    valid = all_ids[all_ids >= 0].flatten()
+    counts = torch.bincount(valid, minlength=len(inputs) * experts_per_rank)
+    mine = counts[rank * E_l:(rank + 1) * E_l].float()
+    for j in sorted({int(mine.argmax()), int((mine - mine.mean()).abs().argmin())}):
+        e = rank * E_l + j
+        r, t, s = (v.tolist() for v in torch.nonzero(all_ids == e, as_tuple=True))
+        if not r:
+            continue
+        xs = torch.stack([inputs[a][0][b] for a, b in zip(r, t)])
+        ds = torch.stack([d_outs[a][b] for a, b in zip(r, t)])
+        sc = torch.stack([inputs[a][2][b, c] for a, b, c in zip(r, t, s)])
+        rg, ru, rd = reference_weight_grads(xs, ds, sc, expert_weight_fn(e), cols, swiglu_limit)
+        errs[f"d_w_gate[{j}]"] = _rel(g_g[j][cols], rg)
+        errs[f"d_w_up[{j}]"] = _rel(g_u[j][cols], ru)
+        errs[f"d_w_down[{j}]"] = _rel(g_d[j][:, cols], rd)
+    if shared is not None and g_sg is not None:
+        cs = torch.linspace(0, shared[0].shape[0] - 1, samples, device=dev).long()
+        rg, ru, rd = reference_weight_grads(x, d_out, torch.ones(T, device=dev), shared, cs,
+                                            swiglu_limit)
+        errs["d_w_shared_gate"] = _rel(g_sg[cs], rg)
+        errs["d_w_shared_up"] = _rel(g_su[cs], ru)
+        errs["d_w_shared_down"] = _rel(g_sd[:, cs], rd)
+    return errs

@@ -5,6 +5,8 @@ interface), kernels launched on torch's current stream.
     layer = mok_torch.Layer(shape, tokens_per_rank, config)             # NVSHMEM if EP > 1
     weights = mok_torch.Weights(w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down)
     out = layer(x, topk_ids, router_weights, weights)                   # one step
+    out, ctx = layer.forward(x, topk_ids, router_weights, weights)      # ... and its context
+    grads = layer.backward(ctx, d_out, router_weights, weights)         # mok_torch.Grads
     step = layer.compile(weights)                                       # CUDA-graph fast path
     out = step(x, topk_ids, router_weights)                             # == the eager step
 
@@ -14,8 +16,8 @@ For ``torch.compile`` the step is one opaque custom op (``mok_torch.op``):
     out = torch.ops.mok.moe_forward(x, topk_ids, router_weights, *weights, handle)
 """
 from .graphed import CompiledStep
-from .layer import Layer, Weights
+from .layer import Grads, Layer, Weights
 from .op import moe_forward, register_layer, unregister_layer
 
-__all__ = ["CompiledStep", "Layer", "Weights", "moe_forward", "register_layer",
+__all__ = ["CompiledStep", "Grads", "Layer", "Weights", "moe_forward", "register_layer",
            "unregister_layer"]

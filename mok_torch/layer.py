@@ -1,7 +1,8 @@
 """The layer for torch tensors: ``mok_comm.layer.Layer`` with torch in and out, zero-copy.
 
     layer = mok_torch.Layer(shape, tokens_per_rank, config)          # NVSHMEM when EP > 1
-    out = layer(x, topk_ids, router_weights, weights)                # one step
+    out, ctx = layer.forward(x, topk_ids, router_weights, weights)   # one step
+    grads = layer.backward(ctx, d_out, router_weights, weights)      # its gradients
     step = layer.compile(weights)                                    # the CUDA-graph fast path
 
 Tensors are checked here for what only torch knows (type, device, contiguity) and handed to
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from mok_comm import backward as B
 from mok_comm import functional as F
 from mok_comm import layer as L
 from mok_comm.heap import LocalHeap, NvshmemHeap
@@ -21,6 +23,7 @@ from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
 
 Weights = L.Weights
+Grads = B.Grads
 
 
 def current_stream():
@@ -41,8 +44,9 @@ def tensor_view(t, name, dtypes=(torch.bfloat16,)):
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
     if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name}: requires_grad=True, but the layer has no backward yet: "
-                         "call it under torch.no_grad() or pass a detached tensor")
+        raise ValueError(f"{name}: requires_grad=True, but the layer does not record autograd "
+                         "graphs: call it under torch.no_grad() or pass a detached tensor, and "
+                         "get gradients from layer.backward(ctx, d_out, ...)")
     want = "cpu" if SIM else "cuda"
     if t.device.type != want:
         raise ValueError(f"{name}: expected a {want} tensor, got one on {t.device}")
@@ -84,9 +88,10 @@ class Layer(L.Layer):
     defaults as just said."""
 
     def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
-                 *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None):
+                 *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None,
+                 backward: bool = True):
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
-                         gemm_down=gemm_down, swiglu_limit=swiglu_limit,
+                         gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward,
                          stream=current_stream())
 
     def forward(self, x, topk_ids, router_weights, weights):
@@ -102,6 +107,31 @@ class Layer(L.Layer):
                   out=out.view(torch.uint16), stream=current_stream())
         return out, self.context()
 
+    def backward(self, ctx, d_out, router_weights, weights, *, grads=None,
+                 accumulate: bool = False) -> Grads:
+        """The gradients of the step ``ctx`` came from (``mok_comm.backward.backward``): d_out
+        [T, H] bf16, the step's router weights and ``weights``. Returns ``Grads`` of fresh
+        tensors (bf16; d_router_weights float32), or fills ``grads`` (a ``Grads`` of the
+        caller's tensors: bf16, or float32 weight gradients, which ``accumulate`` adds into)."""
+        T, H, k = self.tokens_per_rank, self.shape.hidden, self.shape.topk
+        d_out = tensor_view(d_out, "d_out")
+        if grads is None:
+            dev, bf = d_out.device, torch.bfloat16
+            shapes = B._grad_shapes(self)
+            shared = bool(self.shape.shared_intermediate)
+            grads = Grads(torch.empty((T, H), dtype=bf, device=dev),
+                          torch.empty((T, k), dtype=torch.float32, device=dev),
+                          *(torch.empty(shp, dtype=bf, device=dev) if shared or i >= 3
+                            else None for i, shp in enumerate(shapes)))
+        views = Grads(*(None if g is None else
+                        tensor_view(g, f"grads.{n}", (torch.bfloat16, torch.float32))
+                        for g, n in zip(grads, Grads._fields)))
+        B.backward(self, ctx, d_out, tensor_view(router_weights, "router_weights",
+                                                 (torch.float32,)),
+                   weight_views(self, weights), grads=views, accumulate=accumulate,
+                   stream=current_stream())
+        return Grads(*grads)
+
     def __call__(self, x, topk_ids, router_weights, weights) -> torch.Tensor:
         return self.forward(x, topk_ids, router_weights, weights)[0]
 
@@ -112,4 +142,4 @@ class Layer(L.Layer):
         return CompiledStep(self, weights)
 
 
-__all__ = ["Layer", "Weights", "current_stream", "tensor_view", "weight_views"]
+__all__ = ["Grads", "Layer", "Weights", "current_stream", "tensor_view", "weight_views"]

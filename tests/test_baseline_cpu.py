@@ -38,6 +38,30 @@ def test_torch_native_baseline_matches_reference(gloo_world_of_one, limit):
     assert float((out.double() - ref).abs().sum() / ref.abs().sum()) < 1e-2
 
 
+@pytest.mark.parametrize("limit", [None, 2.0])
+def test_torch_native_baseline_gradients(gloo_world_of_one, limit):
+    """Autograd through the baseline gives all 8 gradients (the backward benchmark's
+    baseline), each checked against float64. With the clamp the bar is 2e-2: the baseline
+    rounds every intermediate to bf16, and a pre-activation within a bf16 rounding of the
+    limit flips its mask against float64 (at 0.7, where the bulk of them lies here, a small
+    expert's sampled columns differ by 15 %)."""
+    from benchmarks.baselines.torch_native import TorchNativeEP
+    from mok_testing.sampled import grad_errors
+    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+                       topk=2, ep_size=1)
+    x, ids, w = synthetic.rank_inputs(shape, 40, 0, "cpu", masked=0.1, skew=0.5)
+    d_out = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    wg, wu, wd = synthetic.local_expert_weights(shape, 0, "cpu")
+    shared = synthetic.shared_weights(shape, "cpu")
+    base = TorchNativeEP(*shared, wg, wu, wd)
+    base.trainable()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    base.forward(xl, ids, wl, swiglu_limit=limit).backward(d_out)
+    errs = grad_errors([(x, ids, w)], [d_out], 0, base.grads(xl, wl), shared,
+                       lambda e: synthetic.expert_weights(shape, e, "cpu"), 4, limit)
+    assert len(errs) == 11 and max(errs.values()) < (2e-2 if limit else 1e-2), errs
+
+
 def test_symm_mem_bookkeeping_real_numbers():
     """Send plan and expert layout of the symmetric-memory baseline, on device-style tensors."""
     from benchmarks.baselines.torch_symm_mem import expert_layout, row_width, send_plan

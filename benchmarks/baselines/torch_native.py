@@ -9,6 +9,11 @@
 Same inputs and outputs as a ``mok_torch.Layer`` step (x [T, H] bf16, topk_ids [T, k] int64
 with -1 masked, router_weights [T, k] f32, weights bf16 of this rank's experts). Deterministic:
 the weighted sum is a fixed-order reduction, no index_add_ / atomics.
+
+Training: ``trainable()`` makes the weights autograd leaves as a framework holds them (the
+routed gate|up concatenated, [E, 2I, H]); with grad enabled the exchanges are
+``all_to_all_single_autograd`` (torch's differentiable functional collective), so ``out.backward``
+gives every gradient by torch autograd (``grads`` reads them in ``mok_torch.Grads`` order).
 """
 from __future__ import annotations
 
@@ -26,6 +31,16 @@ def _swiglu(g, u, limit):
     return F.silu(g) * u
 
 
+def _exchange(out, inp, out_split, in_split, group):
+    """all_to_all_single, differentiable when autograd records ``inp``."""
+    if torch.is_grad_enabled() and inp.requires_grad:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(inp, out_split, in_split,
+                                          group if group is not None else dist.group.WORLD)
+    dist.all_to_all_single(out, inp, out_split, in_split, group=group)
+    return out
+
+
 class TorchNativeEP:
     """Holds the concatenated gate|up weights once (as a training framework would)."""
 
@@ -33,10 +48,35 @@ class TorchNativeEP:
                  group=None):
         self.group = group
         self.shared = (w_shared_gate, w_shared_up, w_shared_down)
-        self.w_gu_t = torch.cat([w_gate, w_up], dim=1).transpose(1, 2)    # [E, H, 2I] view
-        self.w_d_t = w_down.transpose(1, 2)                                 # [E, I, H] view
+        self.w_gu = torch.cat([w_gate, w_up], dim=1)                       # [E, 2I, H]
+        self.w_d = w_down
         self.E_local = w_gate.shape[0]
         self.I = w_gate.shape[1]
+
+    @property
+    def w_gu_t(self):
+        return self.w_gu.transpose(1, 2)                                    # [E, H, 2I] view
+
+    @property
+    def w_d_t(self):
+        return self.w_d.transpose(1, 2)                                     # [E, I, H] view
+
+    def trainable(self):
+        """Make the weights autograd leaves (requires_grad)."""
+        self.shared = tuple(w.detach().requires_grad_() for w in self.shared)
+        self.w_gu = self.w_gu.detach().requires_grad_()
+        self.w_d = self.w_d.detach().requires_grad_()
+
+    def zero_grad(self):
+        for w in (*self.shared, self.w_gu, self.w_d):
+            w.grad = None
+
+    def grads(self, x, router_weights):
+        """(d_x, d_router_weights, d_w_shared_gate, d_w_shared_up, d_w_shared_down, d_w_gate,
+        d_w_up, d_w_down) after ``out.backward`` (x and router_weights: the leaves passed)."""
+        I = self.I
+        return (x.grad, router_weights.grad, *(w.grad for w in self.shared),
+                self.w_gu.grad[:, :I], self.w_gu.grad[:, I:], self.w_d.grad)
 
     def forward(self, x, topk_ids, router_weights, swiglu_limit=None):
         T, H = x.shape
@@ -61,7 +101,7 @@ class TorchNativeEP:
         send_e = (flat[routed] % E_l).to(torch.int32)
         recv_x = x.new_empty(n_recv, H)
         recv_e = send_e.new_empty(n_recv)
-        dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=self.group)
+        recv_x = _exchange(recv_x, send_x, recv_split, send_split, self.group)
         dist.all_to_all_single(recv_e, send_e, recv_split, send_split, group=self.group)
 
         # Sort received rows by local expert; pad each group to ALIGN rows for grouped_mm.
@@ -82,8 +122,7 @@ class TorchNativeEP:
         y_recv = torch.empty_like(recv_x)
         y_recv[perm] = ys[dst]
 
-        back = x.new_empty(n_send, H)
-        dist.all_to_all_single(back, y_recv, send_split, recv_split, group=self.group)
+        back = _exchange(x.new_empty(n_send, H), y_recv, send_split, recv_split, self.group)
         per_slot = x.new_zeros(T * k, H)
         per_slot[routed] = back
         w = torch.where(topk_ids >= 0, router_weights, torch.zeros_like(router_weights))

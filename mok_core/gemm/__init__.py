@@ -31,7 +31,7 @@ from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMM
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "launch_gate_up_swiglu",
-           "launch_down"]
+           "launch_down", "launch_project"]
 
 
 _SCRATCH = {}
@@ -85,6 +85,18 @@ def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, 
     sm90.launch_gemm(config, stream, hidden, index, w_down, w_down, expert_offsets, num_rows,
                      y, I, H, H, math.inf, swiglu=False, gather=False,
                      padding_index=row_index is not None, route=route, **nf)
+
+
+def launch_project(x, a_index, w, expert_offsets, num_rows, out, *, config: GemmConfig,
+                   stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """out[r] = x[a_index[r]] W[e]^T (bf16, no activation): the backward's recompute of the
+    gate or up pre-activation (w = w_gate or w_up [E, I, H], out [C, I]; a_index and the
+    other arguments as in ``gate_up_swiglu``). mma.sync configs only (trusted: the backward
+    picks one)."""
+    E, I, H = w.shape
+    sm80.launch_gemm(config, stream, x, a_index, w, w, expert_offsets, num_rows,
+                     flat_view(out, np.uint32), H, I, I, math.inf, swiglu=False, gather=True,
+                     errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,

@@ -1,0 +1,264 @@
+"""The layer's backward as functions: validate once, then three phases with a barrier between.
+
+    grads = backward(layer, ctx, d_out, router_weights, weights, *, grads=None,
+                     accumulate=False, stream=s)
+
+``ctx`` is the ``ForwardContext`` of the step being differentiated (the layer's last forward:
+its schedule, gather index, token staging and SwiGLU output), ``d_out`` [T, H] uint16 (bf16
+bits) the gradient of the step's output, ``router_weights`` [T, k] float32 and ``weights`` the
+step's (``Weights``). Returns ``Grads`` (shapes there). Every launch is on ``stream``; nothing
+waits for the host and no count leaves the GPU, so forward and backward can be captured in one
+CUDA graph.
+
+The math (per route r = (token t, slot j) of expert e, w its router weight, h its bf16 SwiGLU
+output; ``mok_core.reference.moe_backward`` is the float64 statement):
+
+    p_r       = d_out[t] W_down[e]                    (the down GEMM's data gradient)
+    d_w[t, j] = <p_r, h_r>  (= <d_out[t], y_r>)      (0 for masked routes)
+    d_g, d_u  = SwiGLU'(g_r, u_r) applied to w p_r    (g, u recomputed: below)
+    d_x[t]    = d_x_shared[t] + sum_j (d_g W_gate[e] + d_u W_up[e]),  slots ascending
+    dW_down[e] = sum_r d_out[t_r]^T (w_r h_r),  dW_gate[e] = sum_r d_g^T x[t_r],  dW_up likewise
+
+and the shared expert the same with w = 1 and no routing.
+
+The phases (``backward_phases``), the only cross-rank synchronisation being the barriers:
+
+    0 publish   d_out -> this rank's slice of the d_out staging (NaN/Inf counted as "d_out"),
+                router weights -> this rank's symmetric copy                 | barrier |
+    1 experts   shared expert: gate / up recomputed, p = d_out W_sd, SwiGLU backward,
+                d_x_s = [d_g | d_u] [W_sg; W_su], its three weight gradients;
+                routed: pull of the d_out rows this rank's experts need (the forward's
+                dispatch and schedule: a token crosses NVLink once per rank however many of
+                its routes land there), gate / up recomputed from the staged x, p = d_out
+                W_down, SwiGLU backward with d_w pushed home (``mok_core.swiglu_backward``),
+                d_x rows = [d_g | d_u] [W_gate; W_up] pushed home into the combine rows
+                (``combine.combine``), the three weight gradients            | barrier |
+    2 epilogue  d_x = d_x_s + sum_j d_x_rows[t, j] in FP32, slots ascending (the forward's
+                epilogue with unit weights); d_router_weights from the pushed values, 0 on
+                masked routes
+
+Ordering duties the barriers carry: barrier 0->1 makes every rank's d_out and router weights
+visible before anyone pulls them; 1->2 makes every pushed d_x row and d_w visible before the
+epilogue reads them. Across calls: a peer pulls our d_out in its phase 1, we overwrite it in
+the next backward's phase 0, after this backward's 1->2 barrier; the forward's next pushes into
+the combine rows come after its own barriers, so after our epilogue read them.
+
+Why recompute g and u: the forward keeps only h; recomputing g, u costs a third of the
+forward's FLOPs again, saving them costs a write of 2 C I bf16 in the forward -- the next
+step of this module (docs/perf.md records the choice once both are measured).
+
+Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
+sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
+the epilogue a fixed slot order: bitwise-identical gradients for identical inputs. Padding rows
+are zeros (they contribute nothing); an expert with no rows gets zero weight gradients
+(written, or with ``accumulate`` left as they were).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+
+from mok_core import errors as err
+from mok_core.cuda_compat import as_device_array, device_copy, device_empty, flat_view
+from mok_core.gemm import launch_dgrad, launch_project, launch_wgrad
+from mok_core.swiglu_backward import launch_swiglu_backward
+
+from . import combine, dispatch
+from .functional import check_weights, run_phases
+from .layer import ForwardContext, Layer, Weights
+
+
+class Grads(NamedTuple):
+    """The backward's results on one rank.
+
+    d_x uint16 (bf16) [T, H]; d_router_weights float32 [T, k] (0 on masked routes); the weight
+    gradients shaped like ``Weights``' (None for the shared ones when I_s = 0): bf16 (uint16),
+    or float32 when accumulated.
+    """
+    d_x: object
+    d_router_weights: object
+    d_w_shared_gate: object
+    d_w_shared_up: object
+    d_w_shared_down: object
+    d_w_gate: object
+    d_w_up: object
+    d_w_down: object
+
+
+def _grad_shapes(layer: Layer):
+    s = layer.shape
+    H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
+    return ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
+
+
+def check_grads(layer: Layer, grads, accumulate: bool) -> Grads:
+    """Checked views of caller-owned gradient buffers (the layer's own when ``grads`` is None;
+    ``accumulate`` needs the caller's float32 buffers)."""
+    T, H, k = layer.tokens_per_rank, layer.shape.hidden, layer.shape.topk
+    I_s = layer.shape.shared_intermediate
+    shapes = _grad_shapes(layer)
+    if grads is None:
+        if accumulate:
+            raise ValueError("accumulate=True adds into caller-owned float32 gradients: pass "
+                             "grads=Grads(...)")
+        g = layer.grad
+        if g.grads is None:                 # once, outside any capture the caller may do
+            g.grads = tuple(None if i < 3 and not I_s else device_empty(shp, np.uint16)
+                            for i, shp in enumerate(shapes))
+        return Grads(g.d_x, g.d_router_out, *g.grads)
+    if len(grads) != 8:
+        raise TypeError(f"grads: expected 8 tensors ({', '.join(Grads._fields)}), got "
+                        f"{len(grads)}")
+    dtype = np.float32 if accumulate else None
+    weights = []
+    for i, (a, name, shp) in enumerate(zip(grads[2:], Grads._fields[2:], shapes)):
+        if i < 3 and not I_s:
+            weights.append(None)
+            continue
+        a = as_device_array(a, f"grads.{name}", dtype=dtype, shape=shp)
+        if a.dtype not in (np.uint16, np.float32):
+            raise TypeError(f"grads.{name}: expected uint16 (bf16 bits) or float32, got "
+                            f"{a.dtype}")
+        weights.append(a)
+    if len({a.dtype for a in weights if a is not None}) > 1:
+        raise TypeError("grads: the weight gradients must share one dtype (bf16 or float32)")
+    return Grads(as_device_array(grads[0], "grads.d_x", dtype=np.uint16, shape=(T, H)),
+                 as_device_array(grads[1], "grads.d_router_weights", dtype=np.float32,
+                                 shape=(T, k)), *weights)
+
+
+# --- the phases' launches ------------------------------------------------------------------
+
+def publish_d_out(layer: Layer, d_out, router_weights, stream):
+    g = layer.grad
+    dispatch.publish_x(g.comm, d_out, None, stream, tensor=err.NF_D_OUT)
+    device_copy(g.router, flat_view(router_weights), stream)
+
+
+def _nan_check(layer: Layer, tensor: int) -> dict:
+    return {"errors": layer.comm.errors, "tensor": tensor, "rank": layer.rank}
+
+
+def shared_backward(layer: Layer, W: Weights, G: Grads, accumulate, stream):
+    """The shared expert's backward on this rank's tokens (local: x and d_out staging slices)."""
+    H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
+    g, cfg = layer.grad, layer.backward_gemm
+    idx, off, rows = layer.shared_index, layer.shared_offsets, layer.shared_rows
+    x, d_out = layer.comm.x_buf, g.comm.x_buf
+    gate, up, p, d_gu, hidden = g.gate_s, g.up_s, g.p_s, g.d_gu_s, layer.hidden_shared
+    w_sg, w_su = W.w_shared_gate.reshape((1, I_s, H)), W.w_shared_up.reshape((1, I_s, H))
+    w_sd = W.w_shared_down.reshape((1, H, I_s))
+    for w, out in ((w_sg, gate), (w_su, up)):
+        launch_project(x, idx, w, off, rows, out, config=cfg, stream=stream,
+                       **_nan_check(layer, err.NF_SHARED_HIDDEN))
+    launch_dgrad(d_out, idx, w_sd, None, off, rows, p, config=cfg, stream=stream,
+                 **_nan_check(layer, err.NF_SHARED_D_HIDDEN))
+    launch_swiglu_backward(p, gate, up, hidden, d_gu, idx, rows, limit=layer.swiglu_limit,
+                           stream=stream)
+    launch_dgrad(d_gu, None, w_sg, w_su, off, rows, g.d_x_s, config=cfg, stream=stream,
+                 **_nan_check(layer, err.NF_SHARED_D_X))
+    one = lambda a: a.reshape((1,) + a.shape)              # noqa: E731  [I_s, H] -> [1, I_s, H]
+    wg = _nan_check(layer, err.NF_WEIGHT_GRADS)
+    launch_wgrad(d_out, idx, hidden, None, off, rows, one(G.d_w_shared_down),
+                 one(G.d_w_shared_down), H, accumulate=accumulate, config=cfg, stream=stream,
+                 **wg)
+    launch_wgrad(d_gu, None, x, idx, off, rows, one(G.d_w_shared_gate), one(G.d_w_shared_up),
+                 I_s, accumulate=accumulate, config=cfg, stream=stream, **wg)
+
+
+def pull_d_out(layer: Layer, stream):
+    """The d_out rows this rank's experts need, staged like the forward's x (SM pull)."""
+    dispatch.pull(layer.grad.comm, layer.schedule, stream)
+
+
+def routed_backward(layer: Layer, W: Weights, G: Grads, accumulate, stream):
+    """This rank's experts: recompute, data gradients (d_w and d_x rows pushed home), weight
+    gradients."""
+    s, g, cfg = layer.schedule, layer.grad, layer.backward_gemm
+    idx, off, rows = layer.gather_index, s.expert_offsets, s.num_rows
+    H, I, k = layer.shape.hidden, layer.shape.intermediate, layer.shape.topk
+    x, d_out = layer.comm.x_recv, g.comm.x_recv
+    for w, out in ((W.w_gate, g.gate), (W.w_up, g.up)):
+        launch_project(x, idx, w, off, rows, out, config=cfg, stream=stream,
+                       **_nan_check(layer, err.NF_HIDDEN))
+    launch_dgrad(d_out, idx, W.w_down, None, off, rows, g.p, config=cfg, stream=stream,
+                 **_nan_check(layer, err.NF_D_HIDDEN))
+    launch_swiglu_backward(g.p, g.gate, g.up, layer.hidden, g.d_gu, idx, rows,
+                           limit=layer.swiglu_limit,
+                           route=(s.src_rank, s.src_token, s.src_slot, g.peer_router,
+                                  g.peer_d_router, k), stream=stream)
+    launch_dgrad(g.d_gu, None, W.w_gate, W.w_up, off, rows, g.d_x_rows, config=cfg,
+                 stream=stream, **_nan_check(layer, err.NF_D_X_ROUTED))
+    combine.combine(g.comm, s, g.d_x_rows, stream)
+    wg = _nan_check(layer, err.NF_WEIGHT_GRADS)
+    launch_wgrad(d_out, idx, g.p, None, off, rows, G.d_w_down, G.d_w_down, H,
+                 accumulate=accumulate, config=cfg, stream=stream, **wg)
+    launch_wgrad(g.d_gu, None, x, idx, off, rows, G.d_w_gate, G.d_w_up, I,
+                 accumulate=accumulate, config=cfg, stream=stream, **wg)
+
+
+def backward_epilogue(layer: Layer, G: Grads, stream):
+    g, T = layer.grad, layer.tokens_per_rank
+    d_x_s = g.d_x_s[:T] if layer.shape.shared_intermediate else None
+    combine.epilogue(g.comm, g.ones, G.d_x, d_x_s, stream)
+    combine.router_grads(layer.ids32, g.d_router, G.d_router_weights, stream)
+
+
+# --- phases ---------------------------------------------------------------------------------
+
+def backward_phases(layer: Layer, ctx: ForwardContext, d_out, router_weights, weights, *,
+                    grads=None, accumulate: bool = False, stream=0):
+    """Every input checked, then ``([phase 0, 1, 2], Grads)``: each phase a list of calls."""
+    if layer.grad is None:
+        raise ValueError("this layer was built with backward=False (forward only)")
+    if not isinstance(ctx, ForwardContext) or ctx.schedule is not layer.schedule:
+        raise ValueError("ctx: expected the ForwardContext of this layer's last forward "
+                         "(layer.context())")
+    T, H, k = layer.tokens_per_rank, layer.shape.hidden, layer.shape.topk
+    d_out = as_device_array(d_out, "d_out", dtype=np.uint16, shape=(T, H))
+    router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
+                                     shape=(T, k))
+    W = check_weights(layer, weights)
+    G = check_grads(layer, grads, accumulate)
+    layer.errors.poll()
+    shared = []
+    if layer.shape.shared_intermediate:
+        shared = [partial(shared_backward, layer, W, G, accumulate, stream)]
+    p0 = [partial(layer.errors.begin, stream),
+          partial(publish_d_out, layer, d_out, router_weights, stream)]
+    p1 = shared + [partial(pull_d_out, layer, stream),
+                   partial(routed_backward, layer, W, G, accumulate, stream)]
+    p2 = [partial(backward_epilogue, layer, G, stream), partial(layer.errors.end, stream)]
+    if layer.config.errors == "trap":
+        trap = partial(layer.errors.trap_check, stream)
+        p0, p1, p2 = p0 + [trap], p1 + [trap], p2[:1] + [trap] + p2[1:]
+    return [p0, p1, p2], G
+
+
+def backward(layer: Layer, ctx: ForwardContext, d_out, router_weights, weights, *, grads=None,
+             accumulate: bool = False, stream=0) -> Grads:
+    """The gradients of one forward step on this rank (module docstring).
+
+    Arguments:
+        layer, ctx: the layer and the ``ForwardContext`` its last forward returned (the
+            backward reads the layer's buffers: run it before the layer's next forward).
+        d_out: uint16 (bf16 bits) [T, H]; router_weights: float32 [T, k], the forward's;
+        weights: the forward's ``Weights``.
+        grads: ``Grads`` of caller-owned buffers (bf16 = uint16, or float32 weight gradients),
+            or None: the layer's own (overwritten by the next backward).
+        accumulate: add the weight gradients into ``grads``' float32 buffers (gradient
+            accumulation over micro-batches, Megatron's ``main_grad``); d_x and the router
+            weights' gradient are always written.
+    Raises:
+        TypeError / ValueError before any launch; device-side problems (NaN/Inf in d_out or a
+        GEMM's output, a peer that never arrives) at the next call or ``layer.check()``.
+    """
+    phases, G = backward_phases(layer, ctx, d_out, router_weights, weights, grads=grads,
+                                accumulate=accumulate, stream=stream)
+    run_phases(phases, layer, stream)
+    return G
+
+
+__all__ = ["Grads", "backward", "backward_phases", "check_grads"]

@@ -1,0 +1,251 @@
+"""The layer's backward with R ranks emulated in one process (d_out pulled like x, d_x rows and
+router-weight gradients pushed home, the shared expert local), all 8 gradients against the
+float64 reference (``moe_backward``). CUDA simulator in CI; unchanged on one GPU."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import to_dev
+from layer_support import bf16_round, layer_inputs, rel_l1
+from mok_comm.backward import Grads, backward_phases
+from mok_comm.emulation import emulated_layers, run_steps
+from mok_comm.functional import step_phases
+from mok_core.config import LayerShape, MoKConfig
+from mok_core.cuda_compat import to_host
+from mok_core.gemm import SIM_GEMM
+from mok_core.reference import moe_backward
+
+from test_layer_emulated import rank_weights, u16
+
+CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
+
+
+def f64(bits):
+    a = np.asarray(bits)
+    if a.dtype == np.uint16:
+        return a.view(ml_dtypes.bfloat16).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def shape_for(R, shared=32):
+    return LayerShape(hidden=64, intermediate=32, shared_intermediate=shared,
+                      num_experts=max(4, 2 * R), topk=3, ep_size=R)
+
+
+def run_fwd_bwd(lws, inp, d_out, ids=None, grads=None, accumulate=False):
+    """Forward then backward on every emulated rank; per rank ``Grads`` as host arrays."""
+    ids = inp["ids"] if ids is None else ids
+    R, E_l = len(lws), lws[0].shape.experts_per_rank
+    W = [rank_weights(inp, r, E_l) for r in range(R)]
+    run_steps(lws, [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]),
+                                to_dev(inp["w"][r]), W[r])[0] for r, lw in enumerate(lws)])
+    phases, outs = [], []
+    for r, lw in enumerate(lws):
+        p, G = backward_phases(lw, lw.context(), to_dev(u16(d_out[r])), to_dev(inp["w"][r]),
+                               W[r], grads=None if grads is None else grads[r],
+                               accumulate=accumulate)
+        phases.append(p)
+        outs.append(G)
+    run_steps(lws, phases)
+    for lw in lws:
+        lw.check()
+    return [Grads(*(None if a is None else to_host(a).copy() for a in G)) for G in outs]
+
+
+def reference(inp, d_out, ids, limit):
+    """float64 gradients: routed ones over every rank's tokens, shared weights' per rank."""
+    R, T, H = inp["x"].shape
+    k = ids.shape[2]
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    W = [f(inp[n]) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d")]
+    full = moe_backward(f(d_out).reshape(R * T, H), f(inp["x"]).reshape(R * T, H),
+                        inp["w"].reshape(R * T, k).astype(np.float64), ids.reshape(R * T, k),
+                        *W, swiglu_limit=limit)
+    per_rank = [moe_backward(f(d_out[r]), f(inp["x"][r]), inp["w"][r].astype(np.float64),
+                             ids[r], *W, swiglu_limit=limit) for r in range(R)]
+    return full, per_rank
+
+
+def check_grads(got, inp, d_out, ids, limit, tol=5e-3):
+    R, T, H = inp["x"].shape
+    full, per_rank = reference(inp, d_out, ids, limit)
+    E_l = full.d_w_gate.shape[0] // R
+    for r, G in enumerate(got):
+        sl = slice(r * E_l, (r + 1) * E_l)
+        want = {"d_x": full.d_x.reshape(R, T, H)[r],
+                "d_router_weights": full.d_router_weights.reshape(R, T, -1)[r],
+                "d_w_gate": full.d_w_gate[sl], "d_w_up": full.d_w_up[sl],
+                "d_w_down": full.d_w_down[sl],
+                "d_w_shared_gate": per_rank[r].d_w_shared_gate,
+                "d_w_shared_up": per_rank[r].d_w_shared_up,
+                "d_w_shared_down": per_rank[r].d_w_shared_down}
+        for name, w in want.items():
+            g = getattr(G, name)
+            if g is None:
+                assert not inp["w_sg"].size, name
+                continue
+            g = f64(g)
+            assert np.isfinite(g).all(), (r, name)
+            if not np.abs(w).sum():
+                assert not np.abs(g).sum(), (r, name)
+                continue
+            assert rel_l1(g, w) < tol, (r, name, rel_l1(g, w))
+        # masked routes get exactly zero
+        np.testing.assert_array_equal(G.d_router_weights[ids[r] < 0], 0)
+
+
+def inputs(R, T, seed, shared=32, masked=0.2, skew=0.3, limit=None):
+    rng = np.random.default_rng(seed)
+    shape = shape_for(R, shared)
+    inp = layer_inputs(rng, shape, T, masked=masked, skew=skew,
+                       weight_scale=3.0 if limit else 1.0)
+    d_out = bf16_round(rng.standard_normal((R, T, shape.hidden)))
+    return shape, inp, d_out
+
+
+@pytest.mark.parametrize("R,limit", [(1, None), (2, 1.0), (4, None)])
+def test_backward_matches_float64(R, limit):
+    T = 16
+    shape, inp, d_out = inputs(R, T, seed=10 + R, limit=limit)
+    lws = emulated_layers(shape, T, CFG, SIM_GEMM, swiglu_limit=limit)
+    got = run_fwd_bwd(lws, inp, d_out)
+    check_grads(got, inp, d_out, inp["ids"], limit)
+    again = run_fwd_bwd(lws, inp, d_out)          # bitwise repeatable
+    for a, b in zip(got, again):
+        for x, y in zip(a, b):
+            if x is not None:
+                np.testing.assert_array_equal(x, y)
+
+
+def test_skew_masked_rank_and_empty_expert():
+    """Rank 1's tokens all masked, every other route on expert 0 (the others get no rows:
+    zero gradients, written over NaN-filled caller buffers), no shared expert."""
+    R, T = 2, 16
+    shape, inp, d_out = inputs(R, T, seed=3, shared=0)
+    ids = inp["ids"].copy()
+    ids[1] = -1
+    ids[0] = np.where(ids[0] >= 0, 0, -1)
+    ids[0, :, 1:] = -1                           # one route per token: expert 0 once
+    lws = emulated_layers(shape, T, CFG, SIM_GEMM)
+    E_l, H, I, k = shape.experts_per_rank, 64, 32, shape.topk
+    nan = 0x7FC0                                 # bf16 NaN: a gradient left unwritten shows
+    poisoned = [Grads(to_dev(np.full((T, H), nan, np.uint16)),
+                      to_dev(np.full((T, k), np.nan, np.float32)), None, None, None,
+                      *(to_dev(np.full(s, nan, np.uint16))
+                        for s in ((E_l, I, H), (E_l, I, H), (E_l, H, I)))) for _ in range(R)]
+    got = run_fwd_bwd(lws, inp, d_out, ids=ids, grads=poisoned)
+    check_grads(got, inp, d_out, ids, None)
+    assert not got[1].d_router_weights.any()
+    np.testing.assert_array_equal(got[0].d_w_gate[1], 0)       # expert 1 took no rows
+    assert not f64(got[1].d_w_down).any()                     # rank 1's experts took none
+
+
+def test_accumulate_twice_is_twice_once():
+    """float32 caller-owned gradients: accumulate over two identical micro-batches equals two
+    times one, bit for bit (each step adds the same FP32 values in the same order)."""
+    R, T = 2, 16
+    shape, inp, d_out = inputs(R, T, seed=5)
+    lws = emulated_layers(shape, T, CFG, SIM_GEMM)
+    H, I, I_s, E_l, k = 64, 32, 32, shape.experts_per_rank, shape.topk
+    shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
+
+    def buffers():
+        return [Grads(to_dev(np.zeros((T, H), np.uint16)), to_dev(np.zeros((T, k), np.float32)),
+                      *(to_dev(np.zeros(s, np.float32)) for s in shapes)) for _ in range(R)]
+    once = run_fwd_bwd(lws, inp, d_out, grads=buffers(), accumulate=True)
+    acc = buffers()
+    run_fwd_bwd(lws, inp, d_out, grads=acc, accumulate=True)
+    twice = run_fwd_bwd(lws, inp, d_out, grads=acc, accumulate=True)
+    for a, b in zip(once, twice):
+        for x, y in zip(a[2:], b[2:]):
+            np.testing.assert_array_equal(np.float32(2) * x, y)
+    check_grads(once, inp, d_out, inp["ids"], None)
+
+
+def test_bad_inputs_raise_before_launch():
+    R, T = 1, 16
+    shape, inp, d_out = inputs(R, T, seed=1)
+    lw = emulated_layers(shape, T, CFG, SIM_GEMM)[0]
+    W = rank_weights(inp, 0, shape.experts_per_rank)
+    x, ids, w = to_dev(u16(inp["x"][0])), to_dev(inp["ids"][0]), to_dev(inp["w"][0])
+    run_steps([lw], [step_phases(lw, x, ids, w, W)[0]])
+    ctx = lw.context()
+    with pytest.raises(ValueError, match=r"d_out.*\(16, 64\)"):
+        backward_phases(lw, ctx, to_dev(np.zeros((8, 64), np.uint16)), w, W)
+    with pytest.raises(ValueError, match="router_weights"):
+        backward_phases(lw, ctx, to_dev(u16(d_out[0])), to_dev(np.zeros((16, 2), np.float32)),
+                        W)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        backward_phases(lw, ctx, to_dev(u16(d_out[0])), w, W, accumulate=True)
+    with pytest.raises(ValueError, match="ForwardContext"):
+        backward_phases(lw, None, to_dev(u16(d_out[0])), w, W)
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+def test_sampled_grad_reference_equals_numpy(limit):
+    """``mok_testing.sampled``'s float64 gradients (what the GPU suite checks real shapes
+    with) equal ``mok_core.reference.moe_backward``."""
+    torch = pytest.importorskip("torch")
+    from mok_testing.sampled import reference_token_grads, reference_weight_grads
+    R, T = 1, 20
+    shape, inp, d_out = inputs(R, T, seed=7, limit=limit)
+    ids = inp["ids"][0]
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    W = [t(np.asarray(inp[n], np.float64)) for n in ("w_g", "w_u", "w_d")]
+    shared = tuple(t(np.asarray(inp[n], np.float64)) for n in ("w_sg", "w_su", "w_sd"))
+    x, w, d = t(np.asarray(inp["x"][0], np.float64)), t(inp["w"][0]), t(np.asarray(d_out[0],
+                                                                                  np.float64))
+    full = reference(inp, d_out, inp["ids"], limit)[0]
+    dx, dw = reference_token_grads(x, torch.from_numpy(ids), w, d, shared,
+                                   lambda e: (W[0][e], W[1][e], W[2][e]), limit)
+    np.testing.assert_allclose(dx.numpy(), full.d_x, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dw.numpy(), full.d_router_weights, rtol=1e-9, atol=1e-9)
+    cols = torch.tensor([0, 5, 31])
+    e = int(ids[ids >= 0][0])
+    tok, slot = np.nonzero(ids == e)
+    rg, ru, rd = reference_weight_grads(x[tok], d[tok], w[tok, slot], (W[0][e], W[1][e], W[2][e]),
+                                        cols, limit)
+    np.testing.assert_allclose(rg.numpy(), full.d_w_gate[e][cols.numpy()], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(ru.numpy(), full.d_w_up[e][cols.numpy()], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(rd.numpy(), full.d_w_down[e][:, cols.numpy()], rtol=1e-9,
+                               atol=1e-9)
+    rg, _, rd = reference_weight_grads(x, d, torch.ones(T, dtype=torch.float64), shared, cols,
+                                       limit)
+    np.testing.assert_allclose(rg.numpy(), full.d_w_shared_gate[cols.numpy()], rtol=1e-9,
+                               atol=1e-9)
+    np.testing.assert_allclose(rd.numpy(), full.d_w_shared_down[:, cols.numpy()], rtol=1e-9,
+                               atol=1e-9)
+
+
+def test_recompute_forward_context_bit_equal():
+    """Forward, then another step with other tokens clobbers the context; the recomputed one
+    is bit for bit the saved one, and so is the backward taken from it."""
+    from mok_comm.functional import recompute_phases
+    R, T = 2, 16
+    shape, inp, d_out = inputs(R, T, seed=8)
+    lws = emulated_layers(shape, T, CFG, SIM_GEMM)
+    want = run_fwd_bwd(lws, inp, d_out)
+
+    def ctx_bits():
+        return [[to_host(a).copy() for a in (lw.gather_index, lw.comm.x_recv, lw.hidden,
+                                             lw.hidden_shared)] for lw in lws]
+    run_fwd_bwd(lws, inp, d_out)
+    saved = ctx_bits()
+    other = dict(inp, x=bf16_round(np.random.default_rng(9).standard_normal(inp["x"].shape)))
+    run_fwd_bwd(lws, other, d_out)                   # the buffers now hold another step
+    W = [rank_weights(inp, r, shape.experts_per_rank) for r in range(R)]
+    run_steps(lws, [recompute_phases(lw, to_dev(u16(inp["x"][r])), to_dev(inp["ids"][r]),
+                                     to_dev(inp["w"][r]), W[r]) for r, lw in enumerate(lws)])
+    for a, b in zip(saved, ctx_bits()):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    phases = [backward_phases(lw, lw.context(), to_dev(u16(d_out[r])), to_dev(inp["w"][r]),
+                              W[r])[0] for r, lw in enumerate(lws)]
+    run_steps(lws, phases)
+    for lw, G in zip(lws, want):
+        lw.check()
+        g = lw.grad
+        np.testing.assert_array_equal(to_host(g.d_x), G.d_x)
+        np.testing.assert_array_equal(to_host(g.d_router_out), G.d_router_weights)
+        for a, b in zip(g.grads, G[2:]):
+            np.testing.assert_array_equal(to_host(a), b)
