@@ -2,17 +2,22 @@
 
     gate_up_swiglu: hidden[r] = SwiGLU(A[r] W_gate[e]^T, A[r] W_up[e]^T)   (bf16 out)
     down:           y[r]      = hidden[r] W_down[e]^T                       (bf16 out)
+    dgrad:          out[r]    = A[r] B[e], B[e] = [w0[e]; w1[e]] as stored  (bf16 out)
 
-for every row r of expert e's segment [off[e], off[e+1]). Counts and offsets are read on the
+for every row r of expert e's segment [off[e], off[e+1]). ``dgrad`` is the backward's data
+gradient (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e]
+(A gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over
+two weight arrays); mma.sync kernels only, so far. Counts and offsets are read on the
 device; A rows can be gathered through an index table (a token pulled once per rank feeds all
 its local experts without a fan-out copy; -1 = padding row, read as zeros). The shared expert
 is the same kernels with one expert. All bf16 tensors are uint16 bit arrays here (the adapters
 view framework bf16 as uint16).
 
-``gate_up_swiglu`` / ``down`` validate their inputs (errors name the tensor, the expected and
-the actual) and call ``launch_gate_up_swiglu`` / ``launch_down``, the trusted entries the layer
-uses with views it checked once: numba device arrays of the right dtypes and shapes (outputs
-16-byte aligned for wgmma), a required ``config``. Kernels: ``sm90`` (wgmma, Hopper) and
+``gate_up_swiglu`` / ``down`` / ``dgrad`` validate their inputs (errors name the tensor, the
+expected and the actual) and call ``launch_gate_up_swiglu`` / ``launch_down`` /
+``launch_dgrad``, the trusted entries the layer uses with views it checked once: numba
+device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma), a required
+``config``. Kernels: ``sm90`` (wgmma, Hopper) and
 ``sm80`` (mma.sync, elsewhere and on the simulator), epilogues in ``epilogue``.
 """
 from __future__ import annotations
@@ -30,8 +35,8 @@ from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMM
                      GemmConfig, default_gemm)
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
-           "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "launch_gate_up_swiglu",
-           "launch_down", "launch_project"]
+           "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad",
+           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_project"]
 
 
 _SCRATCH = {}
@@ -97,6 +102,18 @@ def launch_project(x, a_index, w, expert_offsets, num_rows, out, *, config: Gemm
     sm80.launch_gemm(config, stream, x, a_index, w, w, expert_offsets, num_rows,
                      flat_view(out, np.uint32), H, I, I, math.inf, swiglu=False, gather=True,
                      errors=_error_word(errors), tensor=tensor, rank=rank)
+
+
+def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, config: GemmConfig,
+                 stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``dgrad`` without the checks (arguments as there, ``config`` required: mma.sync)."""
+    E, K0, N = w0.shape
+    gather = a_index is not None
+    sm80.launch_gemm(config, stream, a, a_index if gather else num_rows, w0,
+                     w0 if w1 is None else w1, expert_offsets, num_rows,
+                     flat_view(out, np.uint32), a.shape[1], K0, N, math.inf, swiglu=False,
+                     gather=gather, b_kn=True, errors=_error_word(errors), tensor=tensor,
+                     rank=rank)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
@@ -185,6 +202,69 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
     errors, tensor = _check_errors(errors, tensor)
     launch_down(hidden, w_down, off, nr, y, row_index=row_index, push=push, config=config,
                 stream=stream, errors=errors, tensor=tensor, rank=int(rank))
+
+
+def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *,
+          config: GemmConfig | None = None, stream=0, errors=None, tensor=err.NF_HIDDEN,
+          rank=0):
+    """out[r] = a[row(r)] B[e], bf16, with B[e] = w0[e] (rows k < K0) over w1[e] (rows
+    k >= K0) read as stored, [K, N] row-major: the backward's data gradients
+    (d_hidden = d_out W_down[e]: w0 = W_down, w1 = None, a_index the rows of d_out;
+    d_x = [d_gate | d_up] [W_gate[e]; W_up[e]]: w0 = W_gate, w1 = W_up, rows direct).
+
+    Arguments:
+        a: uint16 (bf16 bits) [A_rows, K].
+        a_index: int32 [C]: row of ``a`` for each expert-sorted row, -1 = padding (zeros);
+            None: rows direct (row(r) = r, C = A_rows; padding rows of ``a`` must be zeros).
+        w0: uint16 [E, K0, N]; K0 a multiple of ``config.bk`` (each K slice reads one matrix).
+        w1: uint16 [E, K - K0, N], or None (then K0 = K).
+        expert_offsets, num_rows: as in ``gate_up_swiglu`` (offsets multiples of
+            config.row_unit; num_rows on the device, never read by the host).
+        out: uint16 [C, N]; rows past num_rows untouched, padding rows get what A's zero rows
+            give (zeros).
+        config: a mma.sync ``GemmConfig`` (default: the device's mma.sync tiles); bn = 16, 32
+            or a multiple of 64; N a multiple of bn, K of bk, C of row_unit.
+        errors, tensor, rank: NaN/Inf written to ``out`` (checked, always) as in
+            ``gate_up_swiglu``.
+    """
+    if config is None:
+        config = default_gemm()
+        if config.mma != "mma_sync":          # (Hopper's default is wgmma: no dgrad there yet)
+            config = MMA_SYNC_GEMM
+    if config.mma != "mma_sync":
+        raise ValueError(f"dgrad: config {config} is a {config.mma} GemmConfig; the wgmma dgrad "
+                         "does not exist yet (pass a mma_sync config, e.g. MMA_SYNC_GEMM)")
+    if not sm80.b_kn_width_ok(config.bn):
+        raise ValueError(f"dgrad: config.bn={config.bn}: the weight tile's rows are bn wide, "
+                         "which must be 16, 32 or a multiple of 64 (the shared-memory swizzle)")
+    a = as_device_array(a, "a", dtype=np.uint16, ndim=2)
+    K = a.shape[1]
+    w0 = as_device_array(w0, "w0", dtype=np.uint16, ndim=3)
+    E, K0, N = w0.shape
+    if w1 is None:
+        if K0 != K:
+            raise ValueError(f"w0: expected [E, {K}, N] (K of a; no w1), got {tuple(w0.shape)}")
+    else:
+        if K0 > K:
+            raise ValueError(f"w0: expected [E, K0 <= {K}, N] (K of a, split with w1), got "
+                             f"{tuple(w0.shape)}")
+        w1 = as_device_array(w1, "w1", dtype=np.uint16, shape=(E, K - K0, N))
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    if a_index is not None:
+        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
+        C = a_index.shape[0]
+    else:
+        C = a.shape[0]
+    out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
+    _check_dims(config, E=E, C=C, K=K, N=N, n_tile=config.bn, name_k="K (columns of a)",
+                name_n="N (columns of w0)")
+    if K0 % config.bk:
+        raise ValueError(f"w0: K0={K0} rows per expert must be a multiple of bk={config.bk} "
+                         "(each K slice reads one of w0, w1)")
+    errors, tensor = _check_errors(errors, tensor)
+    launch_dgrad(a, a_index, w0, w1, off, nr, out, config=config, stream=stream, errors=errors,
+                 tensor=tensor, rank=int(rank))
 
 
 def _check_errors(errors, tensor):

@@ -3,12 +3,19 @@ simulator's default), with its host launch.
 
 Contract of every kernel built here (ThunderKittens style: read this block, know the kernel):
 
-    C[rows, N] = A[rows, K] . W[e]^T     for each expert e over its rows [off[e], off[e+1])
+    ABt  (forward):   C[rows, N] = A[rows, K] . W[e]^T   for each expert e over its rows
+    B_KN (dgrad):     C[rows, N] = A[rows, K] . B[e]     [off[e], off[e+1])
 
     A        uint16 (bf16 bits) [A_rows * K], row r of the expert-sorted space is
              A[a_index[r]] when GATHER (a_index[r] = -1: padding row, read as zeros -- the
              cp.async zero-fill, no load) else A[r]
-    W        uint16 [E * N_w * K]  nn.Linear layout (out_features, in_features): ABt GEMM
+    W (ABt)  uint16 [E * N_w * K]  nn.Linear layout (out_features, in_features)
+    B (B_KN) weights read as stored, row-major [K, N] per expert (N contiguous), from two
+             arrays split at K0 = ``n_w``: rows k < K0 are w0 [E, K0, N], rows k >= K0 are
+             w1 [E, K - K0, N] (one matrix: w1 = w0, K0 = K). BK divides K0 (the host
+             checks): each K slice reads one matrix, picked per slice. (d_hidden =
+             d_out . W_down[e] gathers A through a_index; d_x = [d_gate | d_up] .
+             [W_gate[e]; W_up[e]] splits K = 2I at K0 = I.)
     off      int32 [E + 1] padded row offsets (multiples of BM: no tile spans two experts)
     num_rows int32 [1]   rows in use; tiles past it are never visited (count stays on device)
     out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once)
@@ -17,15 +24,19 @@ Contract of every kernel built here (ThunderKittens style: read this block, know
              a clean tile pays one fma.rn.bf16x2 per written pair and one warp vote)
 
 Two epilogues:
-    SWIGLU   W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp column,
-             16 gate rows then the 16 up rows of the same hidden columns, so one thread holds
-             gate and up of the same element: h = ``epilogue.swiglu``(g, u, L) -> bf16.
+    SWIGLU   (ABt only) W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp
+             column, 16 gate rows then the 16 up rows of the same hidden columns, so one
+             thread holds gate and up of the same element: h = ``epilogue.swiglu``(g, u, L)
+             -> bf16.
     plain    out = acc -> bf16.
 
 Tiles: BM x BN output per block (BN = 2 x hidden columns for SWIGLU), WM x WN warps, each warp
 MI x NI m16n8k16 tiles, K walked in BK slices through a STAGES-deep cp.async ring in shared
-memory (16-byte chunks, XOR-swizzled so ldmatrix rows hit distinct banks). FP32 accumulation,
-one block owns each output tile, K in fixed order: no split-K, no atomics -> deterministic.
+memory (16-byte chunks, XOR-swizzled so ldmatrix rows hit distinct banks). A slice stages A as
+[BM rows][BK] and B as [BN rows of n][BK] (ABt, fragments by ldmatrix) or [BK rows of k][BN]
+(B_KN: chunks along n, fragments by ldmatrix .trans; BN = 16, 32 or a multiple of 64, so the
+swizzle stays within a row). FP32 accumulation, one block owns each output tile, K in fixed
+order: no split-K, no atomics -> deterministic (same inputs, same bits).
 
 Persistent schedule: block b takes tiles b, b + grid, ... in the order
 (expert, column tile, row tile within expert) -- the blocks running at once share one
@@ -40,8 +51,8 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import flat_view, kjit, launch
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
-                          fold_nonfinite_bf16x2, ldmatrix_x4_at, mma_bf16_16816, pack_bf16x2,
-                          shared_addr, warp_all)
+                          fold_nonfinite_bf16x2, ldmatrix_x4_at, ldmatrix_x4_trans_at,
+                          mma_bf16_16816, pack_bf16x2, shared_addr, warp_all)
 from .epilogue import report_warp, swiglu
 
 
@@ -63,16 +74,41 @@ def find_tile(offsets, num_experts, t, n_tiles, bm):
     return e, (first + local % m_tiles) * bm, local // m_tiles
 
 
-def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0):
-    """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time)."""
+def b_kn_width_ok(bn):
+    """B_KN stages B rows of bn columns: bn / 8 chunks per row must be 2, 4 or a multiple of 8
+    for the XOR swizzle to stay within the row."""
+    cpr = bn // 8
+    return bn % 8 == 0 and (cpr in (2, 4) or cpr % 8 == 0)
+
+
+def _swizzle(cpr):
+    """``swz(row, chunk)``: physical 16-byte chunk of (row, chunk) in shared rows of ``cpr``
+    chunks, so the 8 rows one ldmatrix phase reads land in distinct banks (rows of 32 or 64
+    bytes share a 128-byte bank line with their neighbours: the XOR key skips those)."""
+    width = 8 if cpr % 8 == 0 else cpr      # chunks of a row within one bank line
+    shift = (8 // width).bit_length() - 1   # log2(rows per bank line)
+    assert width in (2, 4, 8)
+
+    @kjit(device=True, inline="always")
+    def swz(row, chunk):
+        return chunk ^ ((row >> shift) & (width - 1))
+    return swz
+
+
+def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0,
+                      b_kn=False):
+    """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time);
+    ``b_kn``: B read as stored, [K, N] per expert (the contract's B_KN), else ABt."""
     threads = wm * wn * 32
     mi_n = bm // wm // 16                  # m16 tiles per warp
     ni_n = bn // wn // 8                   # n8 tiles per warp
     wn_cols = bn // wn                     # B rows (output columns) per warp column
     half = wn_cols // 2                    # SWIGLU: gate (then up) rows per warp column
-    cpr = bk // 8                          # 16-byte chunks per smem row
+    cpr = bk // 8                          # 16-byte chunks per A smem row
+    b_cpr = bn // 8 if b_kn else cpr       # ... per B smem row (B_KN: rows of k, BN wide)
+    b_row = b_cpr * 8                      # uint16 elements per B smem row
     a_chunks = bm * cpr // threads         # A chunks each thread copies per stage
-    b_chunks = bn * cpr // threads
+    b_chunks = bn * cpr // threads         # (B_KN: the same bk x bn elements)
     stage = (bm + bn) * bk                 # uint16 elements per stage
     stage_bytes = stage * 2
     acc_n = mi_n * ni_n * 4                # local-array sizes must be compile-time constants
@@ -85,12 +121,10 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     assert bm % (wm * 16) == 0 and bn % (wn * 16) == 0 and bk in (32, 64)
     assert (bm * cpr) % threads == 0 and (bn * cpr) % threads == 0
     assert not swiglu_epilogue or ni_n % 2 == 0
-    swz_shift = 1 if cpr == 4 else 0       # 64-byte rows pair up in banks; 128-byte rows don't
-
-    @kjit(device=True, inline="always")
-    def swz(row, chunk):
-        """Physical 16-byte chunk of (row, chunk): ldmatrix's 8 rows land in distinct banks."""
-        return chunk ^ ((row >> swz_shift) & (cpr - 1))
+    assert not (b_kn and swiglu_epilogue) and (not b_kn or b_kn_width_ok(bn))
+    swz = _swizzle(cpr)
+    swz_b = _swizzle(b_cpr)
+    ldmatrix_b = ldmatrix_x4_trans_at if b_kn else ldmatrix_x4_at
 
     @kjit(device=True, inline="always")
     def b_row_source(b, col0, n_w):
@@ -100,6 +134,24 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
             j = b % wn_cols
             return j // half, col0 + wc * half + j % half     # 0 = gate, 1 = up
         return 0, col0 + b
+
+    @kjit(device=True, inline="always")
+    def b_chunk_source(chunk, e, col0, n_w, K, n_out):
+        """(matrix, element offset before the K slice's) of B chunk ``chunk`` of a tile."""
+        if b_kn:                            # row k = chunk // b_cpr of the slice, along n
+            return 0, (chunk // b_cpr) * n_out + col0 + (chunk % b_cpr) * 8
+        which, col = b_row_source(chunk // cpr, col0, n_w)
+        return which, (e * n_w + col) * K + (chunk % cpr) * 8
+
+    @kjit(device=True, inline="always")
+    def b_slice(e, k0, K, n_w, n_out):
+        """(matrix, element offset) that K slice ``k0`` adds to the B chunks: ABt (0, k0);
+        B_KN w0 (k0 < n_w = K0) or w1 (1) and the slice's first row of expert e there."""
+        if not b_kn:
+            return 0, k0
+        if k0 < n_w:
+            return 0, (e * n_w + k0) * n_out
+        return 1, (e * (K - n_w) + k0 - n_w) * n_out
 
     opts = {"max_registers": max_registers} if max_registers else {}
 
@@ -135,16 +187,22 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
             r = (tid + i * threads) // cpr
             a_dst[i] = sbase + (r * bk + swz(r, (tid + i * threads) % cpr) * 8) * 2
         for i in range(b_chunks):
-            r = (tid + i * threads) // cpr
-            b_dst[i] = sbase + (bm * bk + r * bk + swz(r, (tid + i * threads) % cpr) * 8) * 2
+            r = (tid + i * threads) // b_cpr
+            b_dst[i] = sbase + (bm * bk + r * b_row
+                                + swz_b(r, (tid + i * threads) % b_cpr) * 8) * 2
         for kk in range(kk_n):
             for mi in range(mi_n):
                 r = warp_m * (bm // wm) + mi * 16 + lane % 16
                 a_ldm[kk * mi_n + mi] = sbase + (r * bk + swz(r, kk * 2 + lane // 16) * 8) * 2
             for nj in range(ni_n // 2):
-                r = warp_n * wn_cols + (nj * 2 + lane // 16) * 8 + lane % 8
-                b_ldm[kk * (ni_n // 2) + nj] = sbase + (bm * bk + r * bk
-                                                        + swz(r, kk * 2 + (lane // 8) % 2) * 8) * 2
+                # matrix lane // 8: n8 block nj * 2 + lane // 16, k half (lane // 8) % 2
+                if b_kn:                      # rows of k; the n8 block is a chunk
+                    r = kk * 16 + ((lane // 8) % 2) * 8 + lane % 8
+                    c = warp_n * (wn_cols // 8) + nj * 2 + lane // 16
+                else:                         # rows of n; the k half is a chunk
+                    r = warp_n * wn_cols + (nj * 2 + lane // 16) * 8 + lane % 8
+                    c = kk * 2 + (lane // 8) % 2
+                b_ldm[kk * (ni_n // 2) + nj] = sbase + (bm * bk + r * b_row + swz_b(r, c) * 8) * 2
 
         # Per tile: global element offsets of this thread's chunks (K slice start added later).
         a_src = cuda.local.array(a_chunks, int64)
@@ -166,18 +224,18 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                     src = 0
                 a_src[i] = src * K + (chunk % cpr) * 8
             for i in range(b_chunks):
-                chunk = tid + i * threads
-                which, col = b_row_source(chunk // cpr, col0, n_w)
+                which, src = b_chunk_source(tid + i * threads, e, col0, n_w, K, n_out)
                 b_sel[i] = which
-                b_src[i] = (e * n_w + col) * K + (chunk % cpr) * 8
+                b_src[i] = src
             for i in range(acc_n):
                 acc[i] = float32(0.0)
 
             # Prologue: fill STAGES-1 slices.
             for s in range(stages - 1):
                 if s < ktiles:
-                    _load_stage(smem, s * stage_bytes, a, w0, w1, a_dst, a_src, a_bytes, b_dst,
-                                b_src, b_sel, s * bk)
+                    pick, b_k0 = b_slice(e, s * bk, K, n_w, n_out)
+                    _load_stage(smem, s * stage_bytes, a, w1 if pick else w0, w1, a_dst, a_src,
+                                a_bytes, b_dst, b_src, b_sel, s * bk, b_k0)
                 cp_async_commit()
 
             load_base = (stages - 1) * stage_bytes  # slice kt+stages-1 goes where kt-1 was
@@ -186,8 +244,9 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                 cp_async_wait(in_flight)
                 cuda.syncthreads()            # slice kt landed; slice kt-1 is free to refill
                 if kt + stages - 1 < ktiles:
-                    _load_stage(smem, load_base, a, w0, w1, a_dst, a_src, a_bytes, b_dst,
-                                b_src, b_sel, (kt + stages - 1) * bk)
+                    pick, b_k0 = b_slice(e, (kt + stages - 1) * bk, K, n_w, n_out)
+                    _load_stage(smem, load_base, a, w1 if pick else w0, w1, a_dst, a_src,
+                                a_bytes, b_dst, b_src, b_sel, (kt + stages - 1) * bk, b_k0)
                 cp_async_commit()
                 for kk in range(kk_n):
                     for mi in range(mi_n):
@@ -197,8 +256,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         afrag[mi * 4 + 2] = f2
                         afrag[mi * 4 + 3] = f3
                     for nj in range(ni_n // 2):
-                        f0, f1, f2, f3 = ldmatrix_x4_at(smem,
-                                                        base + b_ldm[kk * (ni_n // 2) + nj])
+                        f0, f1, f2, f3 = ldmatrix_b(smem, base + b_ldm[kk * (ni_n // 2) + nj])
                         bfrag[nj * 4 + 0] = f0
                         bfrag[nj * 4 + 1] = f1
                         bfrag[nj * 4 + 2] = f2
@@ -273,15 +331,17 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
             t += cuda.gridDim.x
 
     @kjit(device=True, inline="always")
-    def _load_stage(smem, base, a, w0, w1, a_dst, a_src, a_bytes, b_dst, b_src, b_sel, k0):
-        """Issue this thread's cp.async chunks of one K slice (A rows, then B rows)."""
+    def _load_stage(smem, base, a, w0, w1, a_dst, a_src, a_bytes, b_dst, b_src, b_sel, k0,
+                    b_k0):
+        """Issue this thread's cp.async chunks of one K slice (A rows, then B rows: chunk i
+        from w1 where ``b_sel`` says so, else w0 -- B_KN: the slice's matrix, ``b_slice``)."""
         for i in range(a_chunks):
             cp_async_16_at(smem, base + a_dst[i], a, a_src[i] + k0, a_bytes[i])
         for i in range(b_chunks):
             if b_sel[i] == 0:
-                cp_async_16_at(smem, base + b_dst[i], w0, b_src[i] + k0, 16)
+                cp_async_16_at(smem, base + b_dst[i], w0, b_src[i] + b_k0, 16)
             else:
-                cp_async_16_at(smem, base + b_dst[i], w1, b_src[i] + k0, 16)
+                cp_async_16_at(smem, base + b_dst[i], w1, b_src[i] + b_k0, 16)
 
     kernel.smem_bytes = stage * stages * 2
     kernel.threads = threads
@@ -289,18 +349,19 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg, swiglu_epilogue, gather):
+def _kernel(cfg, swiglu_epilogue, gather, b_kn):
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu_epilogue,
-                             gather, max_registers=cfg.max_registers)
+                             gather, max_registers=cfg.max_registers, b_kn=b_kn)
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
-                swiglu, gather, errors, tensor, rank):
+                swiglu, gather, errors, tensor, rank, b_kn=False):
     """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``; NaN/Inf in the
-    output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``."""
+    output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``. ``b_kn``: B
+    as stored (``n_w`` = K0, the rows per expert of w0)."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn
-    launch(_kernel(cfg, swiglu, gather), cfg.grid(C, n_out, n_tile), cfg.threads, stream,
+    launch(_kernel(cfg, swiglu, gather, b_kn), cfg.grid(C, n_out, n_tile), cfg.threads, stream,
            cfg.smem_bytes, flat_view(a), a_index, flat_view(w0), flat_view(w1), off, nr, out,
            np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), errors,
            np.int32(tensor), np.int32(rank))

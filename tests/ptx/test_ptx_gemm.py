@@ -59,6 +59,28 @@ def test_gemm_lowers_without_local_memory(tile, swiglu):
     assert count(ptx, r"fma\.rn\.bf16x2") == pairs        # one fold per written pair
 
 
+@pytest.mark.parametrize("tile,gather", [((64, 128, 32, 2, 2, 4), True),
+                                         ((128, 128, 64, 2, 4, 3), False)])
+def test_dgrad_lowers_without_local_memory(tile, gather):
+    """The B_KN specialisation (dgrad: weights read as stored, [K, N]; d_hidden gathers A,
+    d_x reads it direct) at MMA_SYNC_GEMM's tile and a 128 x 128 one: B fragments by
+    ldmatrix .trans, everything in registers, the plain epilogue's NaN/Inf check."""
+    kern = make_grouped_gemm(*tile, False, gather, b_kn=True)
+    ptx = compile_sm90(kern, SIG)
+    bm, bn, bk, wm, wn, _ = tile
+    mma_per_kslice = (bm // wm // 16) * (bn // wn // 8) * (bk // 16)
+    n_mma = count(ptx, r"mma\.sync\.aligned\.m16n8k16")
+    assert n_mma >= mma_per_kslice and n_mma % mma_per_kslice == 0
+    n_trans = count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16")
+    assert n_trans >= (bn // wn // 16) * (bk // 16)          # the B fragments of a slice
+    assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") >= 1   # A
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
+    assert count(ptx, r"ld\.local|st\.local") == 0, "accumulators spilled to local memory"
+    for p in NF_CHECK:
+        assert count(ptx, p) >= 1, p
+    assert count(ptx, r"fma\.rn\.bf16x2") == (bm // wm // 16) * (bn // wn // 8) * 2
+
+
 @pytest.mark.parametrize("bm", [128, 192])
 @pytest.mark.parametrize("kind", ["gate_up", "down", "down_push"])
 def test_production_wgmma_kernels_lower_unserialised(bm, kind):
