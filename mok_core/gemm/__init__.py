@@ -4,21 +4,30 @@
     down:           y[r]      = hidden[r] W_down[e]^T                       (bf16 out)
     dgrad:          out[r]    = A[r] B[e], B[e] = [w0[e]; w1[e]] as stored  (bf16 out)
 
-for every row r of expert e's segment [off[e], off[e+1]). ``dgrad`` is the backward's data
-gradient (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e]
-(A gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over
-two weight arrays); mma.sync kernels only, so far. Counts and offsets are read on the
-device; A rows can be gathered through an index table (a token pulled once per rank feeds all
-its local experts without a fan-out copy; -1 = padding row, read as zeros). The shared expert
-is the same kernels with one expert. All bf16 tensors are uint16 bit arrays here (the adapters
-view framework bf16 as uint16).
+for every row r of expert e's segment [off[e], off[e+1]), and the backward's weight gradients
 
-``gate_up_swiglu`` / ``down`` / ``dgrad`` validate their inputs (errors name the tensor, the
-expected and the actual) and call ``launch_gate_up_swiglu`` / ``launch_down`` /
-``launch_dgrad``, the trusted entries the layer uses with views it checked once: numba
-device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma), a required
-``config``. Kernels: ``sm90`` (wgmma, Hopper) and
-``sm80`` (mma.sync, elsewhere and on the simulator), epilogues in ``epilogue``.
+    wgrad:          D_e[m, n] = sum over the segment's rows r of A[ra(r), m] B[rb(r), n]
+                    (bf16 or FP32 out, FP32 optionally accumulated into the output; rows
+                    m < m_split to one output, the rest to another: dW_gate and dW_up from
+                    one launch)
+
+whose reduction runs over each expert's rows. ``dgrad`` is the backward's data gradient
+(weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
+gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over two
+weight arrays). ``dgrad`` and ``wgrad`` are mma.sync kernels only, so far. Counts and offsets
+are read on the device; A rows can be gathered through an index table (a token pulled once per
+rank feeds all its local experts without a fan-out copy; -1 = padding row, read as zeros) --
+wgrad gathers either operand's rows. The shared expert is the same kernels with one expert.
+All bf16 tensors are uint16 bit arrays here (the adapters view framework bf16 as uint16).
+
+``gate_up_swiglu`` / ``down`` / ``dgrad`` / ``wgrad`` validate their inputs (errors name the
+tensor, the expected and the actual) and call ``launch_gate_up_swiglu`` / ``launch_down`` /
+``launch_dgrad`` / ``launch_wgrad``, the trusted entries the layer uses with views it checked
+once: numba device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma),
+a required ``config``; ``launch_project`` (no checks) is the backward's recompute of a gate or
+up pre-activation. Kernels: ``sm90`` (wgmma, Hopper), ``sm80`` (mma.sync, elsewhere and on the
+simulator; also ``dgrad``), ``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows
+are the reduction), epilogues in ``epilogue``.
 """
 from __future__ import annotations
 
@@ -31,12 +40,14 @@ from numba import cuda
 from .. import errors as err
 from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
 from . import sm80, sm90
+from . import sm80_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
-           "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad",
-           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_project"]
+           "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
+           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_project",
+           "launch_wgrad"]
 
 
 _SCRATCH = {}
@@ -114,6 +125,18 @@ def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, config: G
                      flat_view(out, np.uint32), a.shape[1], K0, N, math.inf, swiglu=False,
                      gather=gather, b_kn=True, errors=_error_word(errors), tensor=tensor,
                      rank=rank)
+
+
+def launch_wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split, *,
+                 accumulate=False, config: GemmConfig, stream=0, errors=None, tensor=err.NF_Y,
+                 rank=0):
+    """``wgrad`` without the checks (arguments as there, ``config`` required and mma.sync;
+    ``out0`` / ``out1`` may be None where they would hold no rows)."""
+    M = a.shape[1]
+    N = b.shape[1]
+    sm80_wgrad.launch_wgrad(config, stream, a, a_index, b, b_index, expert_offsets, num_rows, out0,
+                        out1, M, N, m_split, accumulate=accumulate,
+                        errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
@@ -264,6 +287,118 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *,
                          "(each K slice reads one of w0, w1)")
     errors, tensor = _check_errors(errors, tensor)
     launch_dgrad(a, a_index, w0, w1, off, nr, out, config=config, stream=stream, errors=errors,
+                 tensor=tensor, rank=int(rank))
+
+
+def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split, *,
+          accumulate=False, config: GemmConfig | None = None, stream=0, errors=None,
+          tensor=err.NF_Y, rank=0):
+    """Weight gradients of every local expert e, over its rows r of [off[e], off[e+1]):
+
+        D_e[m, n] = sum_r A[ra(r), m] * B[rb(r), n]      (FP32, rows in ascending order)
+
+    rows m < m_split of D_e -> out0[e, m], the others -> out1[e, m - m_split]. Uses:
+    dW_down[e] (A = d_out staging gathered by the forward's index, B = the hidden rows;
+    out0 = out1, m_split = M), dW_gate / dW_up (A = d(gate|up) rows [C, 2I], B = x staging
+    gathered; m_split = I: two [E, I, H] outputs from one launch); the shared expert with E = 1.
+
+    Arguments:
+        a: uint16 (bf16 bits) [A_rows, M].
+        a_index: int32 [C] row of ``a`` per expert-sorted row (-1: padding, read as zeros), or
+            None: row r of ``a`` itself (C = A_rows).
+        b, b_index: likewise, uint16 [B_rows, N] (both sides must give the same C).
+        expert_offsets: int32 [E + 1] row offsets (device). Precondition: each segment a
+            multiple of config.bk rows (MoKConfig.row_align is a multiple of 64); any other
+            boundary still gives the right sums (the tail slice is zero-filled).
+        num_rows: int32 [1] rows in use (device; never read by the host): segments are clamped
+            to it, rows past it ignored.
+        out0: [E, m_split, N], out1: [E, M - m_split, N], both uint16 (bf16, rounded once
+            from FP32) or both float32. The one holding no rows may be None (or, with
+            m_split = M, out1 may be out0 itself: never touched). Every tile is written: an
+            expert with no rows gets zeros.
+        m_split: a multiple of config.bm in [0, M].
+        accumulate: float32 outputs only: out += D (one FP32 add; an empty expert leaves the
+            values as they are) -- main-grad accumulation.
+        config: an mma.sync GemmConfig (M a multiple of bm, N of bn; bm and bn 16, 32 or a
+            multiple of 64). None: ``default_gemm()`` where that is mma.sync, else
+            ``MMA_SYNC_GEMM``.
+        errors, tensor, rank: NaN/Inf written (checked always) are recorded in the error word
+            ``errors`` (None: a scratch word nobody reads) as tensor id ``tensor`` seen on
+            ``rank``, with the smallest output row m (of D_e) and the local expert.
+
+    Deterministic: one block owns each output tile, no split-K, no atomics on data.
+    """
+    if config is None:
+        config = default_gemm()
+        if config.mma != "mma_sync":
+            config = MMA_SYNC_GEMM
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    if config.mma != "mma_sync":
+        raise ValueError(f"config: the wgmma wgrad does not exist yet; pass an mma_sync "
+                         f"GemmConfig (got mma={config.mma!r})")
+    for name, size in (("bm", config.bm), ("bn", config.bn)):
+        if not sm80_wgrad.swizzle_ok(size):
+            raise ValueError(f"config: wgrad needs {name} = 16, 32 or a multiple of 64 (its "
+                             f"staged rows are swizzled per 128-byte line), got {name}={size}")
+    a = as_device_array(a, "a", dtype=np.uint16, ndim=2)
+    b = as_device_array(b, "b", dtype=np.uint16, ndim=2)
+    M, N = a.shape[1], b.shape[1]
+    C = []
+    for index, name, src, src_name in ((a_index, "a_index", a, "a"),
+                                       (b_index, "b_index", b, "b")):
+        if index is None:
+            C.append((src.shape[0], f"{src_name} rows (no {name})"))
+        else:
+            index = as_device_array(index, name, dtype=np.int32, ndim=1)
+            C.append((index.shape[0], f"{name} length"))
+        if name == "a_index":
+            a_index = index
+        else:
+            b_index = index
+    if C[0][0] != C[1][0]:
+        raise ValueError(f"rows: the two sides must agree: {C[0][1]} is {C[0][0]}, "
+                         f"{C[1][1]} is {C[1][0]}")
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, ndim=1)
+    E = off.shape[0] - 1
+    if E < 1:
+        raise ValueError(f"expert_offsets: expected [E + 1] with E >= 1, got {tuple(off.shape)}")
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    if M % config.bm:
+        raise ValueError(f"a: M={M} (its columns) must be a multiple of bm={config.bm}")
+    if N % config.bn:
+        raise ValueError(f"b: N={N} (its columns) must be a multiple of bn={config.bn}")
+    if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
+            and m_split % config.bm == 0):
+        raise ValueError(f"m_split={m_split!r}: must be a multiple of bm={config.bm} in "
+                         f"[0, M={M}]")
+    m_split = int(m_split)
+    outs = []
+    for out, name, rows in ((out0, "out0", m_split), (out1, "out1", M - m_split)):
+        if rows == 0 and (out is None or out is out0):
+            outs.append(None)                       # holds no rows: never touched
+            continue
+        out = as_device_array(out, name, ndim=3)
+        if np.dtype(out.dtype) not in (np.dtype(np.uint16), np.dtype(np.float32)):
+            raise TypeError(f"{name}: expected dtype uint16 (bf16) or float32, got "
+                            f"{np.dtype(out.dtype)}")
+        if tuple(out.shape) != (E, rows, N):
+            raise ValueError(f"{name}: expected shape {(E, rows, N)}, got {tuple(out.shape)}")
+        outs.append(out)
+    out0, out1 = outs
+    if out0 is not None and out1 is not None:
+        if out0.dtype != out1.dtype:
+            raise TypeError(f"out1: expected dtype {np.dtype(out0.dtype)} (that of out0), got "
+                            f"{np.dtype(out1.dtype)}")
+        if device_address(out0) == device_address(out1):
+            raise ValueError("out0, out1: both hold rows (0 < m_split < M) but are the same "
+                             "memory")
+    dtype = np.dtype((out0 if out0 is not None else out1).dtype)
+    if accumulate and dtype != np.float32:
+        raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
+    errors, tensor = _check_errors(errors, tensor)
+    launch_wgrad(a, a_index, b, b_index, off, nr, out0, out1, m_split,
+                 accumulate=bool(accumulate), config=config, stream=stream, errors=errors,
                  tensor=tensor, rank=int(rank))
 
 
