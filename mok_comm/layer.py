@@ -93,7 +93,7 @@ class BackwardBuffers:
     ops pull d_out through it exactly as they pull x); its combine rows are the forward's,
     reused for the routed d_x pushed home (the forward's epilogue has read them).
     Local, expert-sorted rows [C, .] (routed) and [T_pad, .] (shared, suffix ``_s``):
-        gate, up    [., I]   the gate / up pre-activations, recomputed
+        gate, up    [., I]   float32: the gate / up pre-activations, recomputed
         p           [., I]   d_out W_down, then (routed) w * h
         d_gu        [., 2I]  [d_gate | d_up]
         d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
@@ -119,13 +119,15 @@ class BackwardBuffers:
             peer_x=tuple(p.reshape(p.size)[q * T * H:(q + 1) * T * H]
                          for q, p in enumerate(peer_recv)))
         T_pad = layer.hidden_shared.shape[0]
-        self.gate, self.up, self.p = (device_empty((C, I), u16, stream) for _ in range(3))
+        self.gate, self.up = (device_empty((C, I), f32, stream) for _ in range(2))
+        self.p = device_empty((C, I), u16, stream)
         self.d_gu = device_empty((C, 2 * I), u16, stream)
         self.d_x_rows = device_empty((C, H), u16, stream)
         self.gate_s = self.up_s = self.p_s = self.d_gu_s = self.d_x_s = None
         if I_s:
-            self.gate_s, self.up_s, self.p_s = (device_empty((T_pad, I_s), u16, stream)
-                                                for _ in range(3))
+            self.gate_s, self.up_s = (device_empty((T_pad, I_s), f32, stream)
+                                      for _ in range(2))
+            self.p_s = device_empty((T_pad, I_s), u16, stream)
             self.d_gu_s = device_empty((T_pad, 2 * I_s), u16, stream)
             self.d_x_s = device_empty((T_pad, H), u16, stream)
         self.ones = device_full((T, k), 1.0, f32, stream)

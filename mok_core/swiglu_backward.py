@@ -4,8 +4,10 @@ Per row r < num_rows[0] of the expert-sorted layout (I intermediate columns; bf1
 uint32 pairs; FP32 math, each output rounded to bf16 once):
 
     in   p      [C, I]   d_out[token] W_down[e]: the down GEMM's data gradient, unweighted
-         gate   [C, I]   gate pre-activation g (recomputed: ``mok_core.gemm.launch_project``)
-         up     [C, I]   up pre-activation u
+         gate   [C, I]   float32 gate pre-activation g (recomputed in FP32:
+                         ``mok_core.gemm.launch_project``; FP32 so that the clamp masks agree
+                         with the forward's, which clamps the FP32 accumulators)
+         up     [C, I]   float32 up pre-activation u
          hidden [C, I]   the forward's h = SwiGLU(g, u) in bf16 (what the down GEMM consumed)
     out  d_gu   [C, 2I]  [d_g | d_u]: the A operand of the gate/up data gradient (K = 2I)
          p      [C, I]   (routed) overwritten by w * h: the B operand of W_down's gradient
@@ -81,16 +83,14 @@ def _make_kernel(routed):
                 if real:
                     pw = p[at]
                     hw = hidden[at]
-                    gw = gate[at]
-                    uw = up[at]
                     p0 = lo_bf16(pw)
                     p1 = hi_bf16(pw)
                     h0 = lo_bf16(hw)
                     h1 = hi_bf16(hw)
                     dot += p0 * h0
                     dot += p1 * h1
-                    dg0, du0 = swiglu_grads(lo_bf16(gw), lo_bf16(uw), w * p0, limit)
-                    dg1, du1 = swiglu_grads(hi_bf16(gw), hi_bf16(uw), w * p1, limit)
+                    dg0, du0 = swiglu_grads(gate[2 * at], up[2 * at], w * p0, limit)
+                    dg1, du1 = swiglu_grads(gate[2 * at + 1], up[2 * at + 1], w * p1, limit)
                     d_gu[2 * r * pairs + j] = pack_bf16x2(dg0, dg1)
                     d_gu[(2 * r + 1) * pairs + j] = pack_bf16x2(du0, du1)
                     if routed:
@@ -127,7 +127,8 @@ def _kernel(routed):
 
 def launch_swiglu_backward(p, gate, up, hidden, d_gu, row_index, num_rows, *, limit=None,
                            route=None, stream=0):
-    """Trusted launch (device views: uint16 [C, I] p / gate / up / hidden, uint16 [C, 2I] d_gu,
+    """Trusted launch (device views: uint16 [C, I] p / hidden, float32 [C, I] gate / up,
+    uint16 [C, 2I] d_gu,
     int32 [C] row_index, int32 [1] num_rows). ``route``: None (shared expert: w = 1, p kept)
     or ``(src_rank, src_token, src_slot, peer_router, peer_d_router, k)`` (routed: tuples over
     ranks of float32 [T * k])."""
@@ -146,7 +147,7 @@ def launch_swiglu_backward(p, gate, up, hidden, d_gu, row_index, num_rows, *, li
     blocks = min(C, 2 if SIM else 8 * multiprocessor_count())
     u32 = np.uint32
     launch(_kernel(route is not None), blocks, THREADS, stream, 0, flat_view(p, u32),
-           flat_view(gate, u32), flat_view(up, u32), flat_view(hidden, u32),
+           flat_view(gate), flat_view(up), flat_view(hidden, u32),
            flat_view(d_gu, u32), row_index, num_rows, *args[:5], np.int64(I), args[5], lim)
 
 

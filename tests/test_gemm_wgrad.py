@@ -1,5 +1,5 @@
-"""The weight-gradient grouped GEMM (``mok_core.gemm.wgrad``, kernel in ``sm80_wgrad``, mma.sync) vs float64, on the
-simulator at tiny shapes.
+"""The weight-gradient grouped GEMM (``mok_core.gemm.wgrad``, kernel in ``sm80_wgrad``,
+mma.sync) vs float64, on the simulator at tiny shapes.
 
 D_e[m, n] = sum over expert e's rows r (clamped to num_rows) of A[ra(r), m] B[rb(r), n]:
 gathered A and/or B with -1 padding rows, rows past num_rows ignored (NaN there, or indices of a

@@ -24,9 +24,9 @@ def test_routed_rows(limit):
     rng = np.random.default_rng(2)
     C, I, R, T, k = 12, 64, 2, 5, 3
     rows = 10                                    # rows 10, 11: past num_rows
-    g = bits(rng.standard_normal((C, I)) * 2)
-    u = bits(rng.standard_normal((C, I)) * 2)
-    h = bits(swiglu(f64(g), f64(u), limit))
+    g = (rng.standard_normal((C, I)) * 2).astype(np.float32)
+    u = (rng.standard_normal((C, I)) * 2).astype(np.float32)
+    h = bits(swiglu(g, u, limit))
     p = bits(rng.standard_normal((C, I)))
     row_index = np.arange(C, dtype=np.int32)
     row_index[[3, 7]] = -1                       # padding rows
@@ -54,7 +54,7 @@ def test_routed_rows(limit):
             assert not got_gu[r].any() and not got_p[r].any()
             continue
         w = float(router[0][src_token[r] * k + src_slot[r]])
-        dg, du = swiglu_backward(f64(g[r]), f64(u[r]), w * f64(p[r]), limit)
+        dg, du = swiglu_backward(g[r], u[r], w * f64(p[r]), limit)
         np.testing.assert_allclose(f64(got_gu[r, :I]), dg, rtol=2e-2, atol=1e-2 * np.abs(dg).max())
         np.testing.assert_allclose(f64(got_gu[r, I:]), du, rtol=2e-2, atol=1e-2 * np.abs(du).max())
         np.testing.assert_allclose(f64(got_p[r]), w * f64(h[r]), rtol=1e-2, atol=1e-6)
@@ -73,8 +73,9 @@ def test_shared_rows_keep_p():
     """The shared expert: w = 1, no push, p kept (its W_down gradient reads h itself)."""
     rng = np.random.default_rng(3)
     C, I = 4, 32
-    g, u, p = (bits(rng.standard_normal((C, I))) for _ in range(3))
-    h = bits(swiglu(f64(g), f64(u)))
+    g, u = (rng.standard_normal((C, I)).astype(np.float32) for _ in range(2))
+    p = bits(rng.standard_normal((C, I)))
+    h = bits(swiglu(g, u))
     d_gu = to_dev(np.zeros((C, 2 * I), np.uint16))
     p_dev = to_dev(p.copy())
     idx = np.array([0, 1, 2, -1], np.int32)
@@ -82,7 +83,7 @@ def test_shared_rows_keep_p():
                            to_dev(np.array([C], np.int32)))
     got = to_host(d_gu)
     np.testing.assert_array_equal(to_host(p_dev), p)
-    dg, du = swiglu_backward(f64(g[:3]), f64(u[:3]), f64(p[:3]))
+    dg, du = swiglu_backward(g[:3], u[:3], f64(p[:3]))
     np.testing.assert_allclose(f64(got[:3, :I]), dg, rtol=2e-2, atol=1e-2)
     np.testing.assert_allclose(f64(got[:3, I:]), du, rtol=2e-2, atol=1e-2)
     assert not got[3].any()

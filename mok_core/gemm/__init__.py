@@ -105,13 +105,13 @@ def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, 
 
 def launch_project(x, a_index, w, expert_offsets, num_rows, out, *, config: GemmConfig,
                    stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """out[r] = x[a_index[r]] W[e]^T (bf16, no activation): the backward's recompute of the
-    gate or up pre-activation (w = w_gate or w_up [E, I, H], out [C, I]; a_index and the
-    other arguments as in ``gate_up_swiglu``). mma.sync configs only (trusted: the backward
-    picks one)."""
+    """out[r] = x[a_index[r]] W[e]^T (no activation) in float32: the backward's recompute of
+    the gate or up pre-activation (w = w_gate or w_up [E, I, H], out float32 [C, I]; a_index
+    and the other arguments as in ``gate_up_swiglu``). mma.sync configs only (trusted: the
+    backward picks one)."""
     E, I, H = w.shape
     sm80.launch_gemm(config, stream, x, a_index, w, w, expert_offsets, num_rows,
-                     flat_view(out, np.uint32), H, I, I, math.inf, swiglu=False, gather=True,
+                     flat_view(out), H, I, I, math.inf, swiglu=False, gather=True,
                      errors=_error_word(errors), tensor=tensor, rank=rank)
 
 

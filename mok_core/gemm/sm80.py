@@ -18,7 +18,10 @@ Contract of every kernel built here (ThunderKittens style: read this block, know
              [W_gate[e]; W_up[e]] splits K = 2I at K0 = I.)
     off      int32 [E + 1] padded row offsets (multiples of BM: no tile spans two experts)
     num_rows int32 [1]   rows in use; tiles past it are never visited (count stays on device)
-    out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once)
+    out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once), or
+             (F32_OUT, plain only) float32 [rows * N_out]: the accumulators as they are (the
+             backward's recomputed gate / up pre-activations: its clamp masks then agree
+             with the forward's FP32 ones)
     errors   int32 [ERROR_WORDS]  NaN/Inf written to ``out`` are counted there under tensor
              id ``nf_tensor`` with the smallest row and the tile's expert (``mok_core.errors``;
              a clean tile pays one fma.rn.bf16x2 per written pair and one warp vote)
@@ -96,9 +99,10 @@ def _swizzle(cpr):
 
 
 def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0,
-                      b_kn=False):
+                      b_kn=False, f32_out=False):
     """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time);
-    ``b_kn``: B read as stored, [K, N] per expert (the contract's B_KN), else ABt."""
+    ``b_kn``: B read as stored, [K, N] per expert (the contract's B_KN), else ABt;
+    ``f32_out``: a float32 output (plain epilogue only)."""
     threads = wm * wn * 32
     mi_n = bm // wm // 16                  # m16 tiles per warp
     ni_n = bn // wn // 8                   # n8 tiles per warp
@@ -122,6 +126,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     assert (bm * cpr) % threads == 0 and (bn * cpr) % threads == 0
     assert not swiglu_epilogue or ni_n % 2 == 0
     assert not (b_kn and swiglu_epilogue) and (not b_kn or b_kn_width_ok(bn))
+    assert not (f32_out and swiglu_epilogue)
     swz = _swizzle(cpr)
     swz_b = _swizzle(b_cpr)
     ldmatrix_b = ldmatrix_x4_trans_at if b_kn else ldmatrix_x4_at
@@ -308,8 +313,15 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         col = col0 + warp_n * wn_cols + ni * 8 + 2 * q
                         lo = pack_bf16x2(acc[x], acc[x + 1])
                         hi = pack_bf16x2(acc[x + 2], acc[x + 3])
-                        out[(r * n_out + col) // 2] = lo
-                        out[((r + 8) * n_out + col) // 2] = hi
+                        if f32_out:
+                            # (the check folds the bf16 roundings: NaN/Inf stay NaN/Inf)
+                            out[r * n_out + col] = acc[x]
+                            out[r * n_out + col + 1] = acc[x + 1]
+                            out[(r + 8) * n_out + col] = acc[x + 2]
+                            out[(r + 8) * n_out + col + 1] = acc[x + 3]
+                        else:
+                            out[(r * n_out + col) // 2] = lo
+                            out[((r + 8) * n_out + col) // 2] = hi
                         z0 = fold_nonfinite_bf16x2(z0, lo)
                         z1 = fold_nonfinite_bf16x2(z1, hi)
             # A clean tile costs one vote; else each lane recounts what it wrote, by row.
@@ -323,7 +335,11 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         for ni in range(ni_n // 2 if swiglu_epilogue else ni_n):
                             col = col0 + warp_n * (half if swiglu_epilogue else wn_cols) \
                                 + ni * 8 + 2 * q
-                            n += nonfinite_bf16x2(out[(r * n_out + col) // 2])
+                            if f32_out:
+                                n += nonfinite_bf16x2(pack_bf16x2(out[r * n_out + col],
+                                                                  out[r * n_out + col + 1]))
+                            else:
+                                n += nonfinite_bf16x2(out[(r * n_out + col) // 2])
                         if n > 0 and bad == 0:
                             first = r
                         bad += n
@@ -349,19 +365,23 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg, swiglu_epilogue, gather, b_kn):
+def _kernel(cfg, swiglu_epilogue, gather, b_kn, f32_out):
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu_epilogue,
-                             gather, max_registers=cfg.max_registers, b_kn=b_kn)
+                             gather, max_registers=cfg.max_registers, b_kn=b_kn,
+                             f32_out=f32_out)
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
                 swiglu, gather, errors, tensor, rank, b_kn=False):
     """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``; NaN/Inf in the
     output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``. ``b_kn``: B
-    as stored (``n_w`` = K0, the rows per expert of w0)."""
+    as stored (``n_w`` = K0, the rows per expert of w0); a float32 ``out`` takes the plain
+    epilogue's FP32 values."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn
-    launch(_kernel(cfg, swiglu, gather, b_kn), cfg.grid(C, n_out, n_tile), cfg.threads, stream,
+    f32_out = out.dtype == np.float32
+    launch(_kernel(cfg, swiglu, gather, b_kn, f32_out), cfg.grid(C, n_out, n_tile), cfg.threads,
+           stream,
            cfg.smem_bytes, flat_view(a), a_index, flat_view(w0), flat_view(w1), off, nr, out,
            np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), errors,
            np.int32(tensor), np.int32(rank))

@@ -54,9 +54,6 @@ Persistent schedule: block b takes tiles b, b + grid, ... in the order (expert, 
 row tile): the tiles running at once share one expert's rows of A and B, which stay in L2.
 The tile count is E x (M / BM) x (N / BN) whatever the routing, so the grid and the tile ->
 (expert, m tile, n tile) map need no device-side search.
-
-(Name: the package's ``mok_core.gemm.wgrad`` attribute is the checked public function, which
-shadows this module there; reach this module with ``from mok_core.gemm.wgrad import ...``.)
 """
 import math
 from functools import lru_cache

@@ -14,7 +14,7 @@ u32, i32, f32 = uint32[::1], int32[::1], float32[::1]
 @pytest.mark.parametrize("routed,R", [(True, 2), (True, 8), (False, 1)])
 def test_swiglu_backward_lowers(routed, R):
     peers = types.UniTuple(f32, R)
-    sig = (u32, u32, u32, u32, u32, i32, i32, i32, i32, i32, peers, peers, int64, int64,
+    sig = (u32, f32, f32, u32, u32, i32, i32, i32, i32, i32, peers, peers, int64, int64,
            float32)
     ptx = compile_sm90(_make_kernel(routed), sig)
     assert count(ptx, r"ld\.local|st\.local") == 0
@@ -24,3 +24,18 @@ def test_swiglu_backward_lowers(routed, R):
 
 def test_router_grads_lowers():
     compile_sm90(router_grads_kernel, (i32, f32, f32))
+
+
+def test_project_f32_lowers():
+    """The backward's recompute of gate / up (``launch_project``: the plain gathered mma.sync
+    GEMM with a float32 output) at the GPU tile: no local memory, float32 stores."""
+    from numba import uint16
+
+    from mok_core.gemm import MMA_SYNC_GEMM as g
+    from mok_core.gemm.sm80 import make_grouped_gemm
+    kern = make_grouped_gemm(g.bm, g.bn, g.bk, g.wm, g.wn, g.stages, False, True, f32_out=True)
+    u16 = uint16[::1]
+    sig = (u16, i32, u16, u16, i32, i32, f32, int64, int64, int64, float32, i32, int32, int32)
+    ptx = compile_sm90(kern, sig)
+    assert count(ptx, r"ld\.local|st\.local") == 0
+    assert count(ptx, r"st\.global\.f32") >= 4
