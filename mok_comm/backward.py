@@ -141,31 +141,97 @@ def _nan_check(layer: Layer, tensor: int) -> dict:
     return {"errors": layer.comm.errors, "tensor": tensor, "rank": layer.rank}
 
 
-def shared_backward(layer: Layer, W: Weights, G: Grads, accumulate, stream):
-    """The shared expert's backward on this rank's tokens (local: x and d_out staging slices)."""
+def _operands(layer: Layer, shared: bool):
+    """(x rows, d_out rows, row index, expert offsets, rows in use, gate, up, p, d_gu, hidden)
+    of the shared expert (this rank's tokens: the staging slices) or of the routed experts
+    (the staged rows)."""
+    g = layer.grad
+    if shared:
+        return (layer.comm.x_buf, g.comm.x_buf, layer.shared_index, layer.shared_offsets,
+                layer.shared_rows, g.gate_s, g.up_s, g.p_s, g.d_gu_s, layer.hidden_shared)
+    s = layer.schedule
+    return (layer.comm.x_recv, g.comm.x_recv, layer.gather_index, s.expert_offsets, s.num_rows,
+            g.gate, g.up, g.p, g.d_gu, layer.hidden)
+
+
+def _expert_weights(layer: Layer, W: Weights, shared: bool):
+    """(w_gate, w_up [E, I, H], w_down [E, H, I]): the shared expert's as one expert."""
+    if not shared:
+        return W.w_gate, W.w_up, W.w_down
     H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
-    g, cfg = layer.grad, layer.backward_gemm
-    idx, off, rows = layer.shared_index, layer.shared_offsets, layer.shared_rows
-    x, d_out = layer.comm.x_buf, g.comm.x_buf
-    gate, up, p, d_gu, hidden = g.gate_s, g.up_s, g.p_s, g.d_gu_s, layer.hidden_shared
-    w_sg, w_su = W.w_shared_gate.reshape((1, I_s, H)), W.w_shared_up.reshape((1, I_s, H))
-    w_sd = W.w_shared_down.reshape((1, H, I_s))
-    for w, out in ((w_sg, gate), (w_su, up)):
-        launch_project(x, idx, w, off, rows, out, config=cfg, stream=stream,
-                       **_nan_check(layer, err.NF_SHARED_HIDDEN))
-    launch_dgrad(d_out, idx, w_sd, None, off, rows, p, config=cfg, stream=stream,
-                 **_nan_check(layer, err.NF_SHARED_D_HIDDEN))
+    return (W.w_shared_gate.reshape((1, I_s, H)), W.w_shared_up.reshape((1, I_s, H)),
+            W.w_shared_down.reshape((1, H, I_s)))
+
+
+def _weight_grads(layer: Layer, G: Grads, shared: bool):
+    """(d_w_gate, d_w_up, d_w_down) as [E, ., .] views (the shared ones as one expert)."""
+    if not shared:
+        return G.d_w_gate, G.d_w_up, G.d_w_down
+    one = lambda a: a.reshape((1,) + a.shape)              # noqa: E731
+    return one(G.d_w_shared_gate), one(G.d_w_shared_up), one(G.d_w_shared_down)
+
+
+def recompute_gate_up(layer: Layer, W: Weights, shared: bool, stream):
+    """g and u in FP32 from the staged x (the forward kept only h)."""
+    x, _, idx, off, rows, gate, up = _operands(layer, shared)[:7]
+    w_g, w_u, _ = _expert_weights(layer, W, shared)
+    tensor = err.NF_SHARED_HIDDEN if shared else err.NF_HIDDEN
+    for w, out in ((w_g, gate), (w_u, up)):
+        launch_project(x, idx, w, off, rows, out, config=layer.backward_gemm, stream=stream,
+                       **_nan_check(layer, tensor))
+
+
+def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
+    """p = d_out W_down[e] (unweighted)."""
+    _, d_out, idx, off, rows, _, _, p = _operands(layer, shared)[:8]
+    launch_dgrad(d_out, idx, _expert_weights(layer, W, shared)[2], None, off, rows, p,
+                 config=layer.backward_gemm, stream=stream,
+                 **_nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN))
+
+
+def swiglu_backward(layer: Layer, shared: bool, stream):
+    """d_gu = SwiGLU'(g, u) (w p); routed: d_w pushed home, p becomes w h."""
+    _, _, idx, _, rows, gate, up, p, d_gu, hidden = _operands(layer, shared)
+    route = None
+    if not shared:
+        s, g = layer.schedule, layer.grad
+        route = (s.src_rank, s.src_token, s.src_slot, g.peer_router, g.peer_d_router,
+                 layer.shape.topk)
     launch_swiglu_backward(p, gate, up, hidden, d_gu, idx, rows, limit=layer.swiglu_limit,
-                           stream=stream)
-    launch_dgrad(d_gu, None, w_sg, w_su, off, rows, g.d_x_s, config=cfg, stream=stream,
-                 **_nan_check(layer, err.NF_SHARED_D_X))
-    one = lambda a: a.reshape((1,) + a.shape)              # noqa: E731  [I_s, H] -> [1, I_s, H]
-    wg = _nan_check(layer, err.NF_WEIGHT_GRADS)
-    launch_wgrad(d_out, idx, hidden, None, off, rows, one(G.d_w_shared_down),
-                 one(G.d_w_shared_down), H, accumulate=accumulate, config=cfg, stream=stream,
-                 **wg)
-    launch_wgrad(d_gu, None, x, idx, off, rows, one(G.d_w_shared_gate), one(G.d_w_shared_up),
-                 I_s, accumulate=accumulate, config=cfg, stream=stream, **wg)
+                           route=route, stream=stream)
+
+
+def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
+    """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows."""
+    _, _, _, off, rows, _, _, _, d_gu = _operands(layer, shared)[:9]
+    w_g, w_u, _ = _expert_weights(layer, W, shared)
+    out = layer.grad.d_x_s if shared else layer.grad.d_x_rows
+    launch_dgrad(d_gu, None, w_g, w_u, off, rows, out, config=layer.backward_gemm,
+                 stream=stream,
+                 **_nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED))
+
+
+def push_d_x(layer: Layer, stream):
+    """The routed d_x rows home, into their source's combine rows (the forward's combine)."""
+    combine.combine(layer.grad.comm, layer.schedule, layer.grad.d_x_rows, stream)
+
+
+def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
+    """dW_down[e] = sum_r d_out[t_r]^T (w_r h_r) (the shared expert: w = 1, h itself)."""
+    _, d_out, idx, off, rows, _, _, p, _, hidden = _operands(layer, shared)
+    d_w_down = _weight_grads(layer, G, shared)[2]
+    launch_wgrad(d_out, idx, hidden if shared else p, None, off, rows, d_w_down, d_w_down,
+                 layer.shape.hidden, accumulate=accumulate, config=layer.backward_gemm,
+                 stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
+
+
+def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
+    """dW_gate[e] = d_g^T x, dW_up[e] = d_u^T x (one launch, split at I)."""
+    x, _, idx, off, rows, _, _, _, d_gu = _operands(layer, shared)[:9]
+    d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
+    launch_wgrad(d_gu, None, x, idx, off, rows, d_w_gate, d_w_up, d_gu.shape[1] // 2,
+                 accumulate=accumulate, config=layer.backward_gemm, stream=stream,
+                 **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
 def pull_d_out(layer: Layer, stream):
@@ -173,30 +239,17 @@ def pull_d_out(layer: Layer, stream):
     dispatch.pull(layer.grad.comm, layer.schedule, stream)
 
 
-def routed_backward(layer: Layer, W: Weights, G: Grads, accumulate, stream):
-    """This rank's experts: recompute, data gradients (d_w and d_x rows pushed home), weight
-    gradients."""
-    s, g, cfg = layer.schedule, layer.grad, layer.backward_gemm
-    idx, off, rows = layer.gather_index, s.expert_offsets, s.num_rows
-    H, I, k = layer.shape.hidden, layer.shape.intermediate, layer.shape.topk
-    x, d_out = layer.comm.x_recv, g.comm.x_recv
-    for w, out in ((W.w_gate, g.gate), (W.w_up, g.up)):
-        launch_project(x, idx, w, off, rows, out, config=cfg, stream=stream,
-                       **_nan_check(layer, err.NF_HIDDEN))
-    launch_dgrad(d_out, idx, W.w_down, None, off, rows, g.p, config=cfg, stream=stream,
-                 **_nan_check(layer, err.NF_D_HIDDEN))
-    launch_swiglu_backward(g.p, g.gate, g.up, layer.hidden, g.d_gu, idx, rows,
-                           limit=layer.swiglu_limit,
-                           route=(s.src_rank, s.src_token, s.src_slot, g.peer_router,
-                                  g.peer_d_router, k), stream=stream)
-    launch_dgrad(g.d_gu, None, W.w_gate, W.w_up, off, rows, g.d_x_rows, config=cfg,
-                 stream=stream, **_nan_check(layer, err.NF_D_X_ROUTED))
-    combine.combine(g.comm, s, g.d_x_rows, stream)
-    wg = _nan_check(layer, err.NF_WEIGHT_GRADS)
-    launch_wgrad(d_out, idx, g.p, None, off, rows, G.d_w_down, G.d_w_down, H,
-                 accumulate=accumulate, config=cfg, stream=stream, **wg)
-    launch_wgrad(g.d_gu, None, x, idx, off, rows, G.d_w_gate, G.d_w_up, I,
-                 accumulate=accumulate, config=cfg, stream=stream, **wg)
+def expert_backward(layer: Layer, W: Weights, G: Grads, accumulate, shared: bool, stream):
+    """The launches of one expert group's backward, in order (named: traces and timers read
+    them): routed ones push d_w and the d_x rows home."""
+    calls = [partial(recompute_gate_up, layer, W, shared, stream),
+             partial(dgrad_down, layer, W, shared, stream),
+             partial(swiglu_backward, layer, shared, stream),
+             partial(dgrad_gate_up, layer, W, shared, stream)]
+    if not shared:
+        calls.append(partial(push_d_x, layer, stream))
+    return calls + [partial(wgrad_down, layer, G, accumulate, shared, stream),
+                    partial(wgrad_gate_up, layer, G, accumulate, shared, stream)]
 
 
 def backward_epilogue(layer: Layer, G: Grads, stream):
@@ -222,14 +275,14 @@ def backward_phases(layer: Layer, ctx: ForwardContext, d_out, router_weights, we
                                      shape=(T, k))
     W = check_weights(layer, weights)
     G = check_grads(layer, grads, accumulate)
-    layer.errors.poll()
+    layer.errors.poll(stream=stream)
     shared = []
     if layer.shape.shared_intermediate:
-        shared = [partial(shared_backward, layer, W, G, accumulate, stream)]
+        shared = expert_backward(layer, W, G, accumulate, True, stream)
     p0 = [partial(layer.errors.begin, stream),
           partial(publish_d_out, layer, d_out, router_weights, stream)]
     p1 = shared + [partial(pull_d_out, layer, stream),
-                   partial(routed_backward, layer, W, G, accumulate, stream)]
+                   *expert_backward(layer, W, G, accumulate, False, stream)]
     p2 = [partial(backward_epilogue, layer, G, stream), partial(layer.errors.end, stream)]
     if layer.config.errors == "trap":
         trap = partial(layer.errors.trap_check, stream)

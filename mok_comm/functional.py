@@ -183,7 +183,7 @@ def io_phases(layer: Layer, inputs: StepInputs, stream=0):
     """(phase 0, phase 3): the launches that read the caller's tensors, and the step's error
     report (cleared first, copied to the host last). A problem an earlier step recorded is
     raised here, before anything launches."""
-    layer.errors.poll()
+    layer.errors.poll(stream=stream)
     p0 = [partial(layer.errors.begin, stream), partial(publish_ids, layer, inputs.topk_ids, stream),
           partial(publish_x, layer, inputs.x, inputs.router_weights, stream),
           *_trap_checks(layer, stream)]

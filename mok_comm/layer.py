@@ -48,7 +48,7 @@ import numpy as np
 from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import device_empty, device_full, flat_view, upload
-from mok_core.gemm import GemmConfig, default_gemm
+from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, GemmConfig, default_gemm
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 
@@ -151,24 +151,27 @@ def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
     return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
 
 
+# The backward's mma.sync tiles, largest first (the simulator takes the smallest only).
+_BACKWARD_TILES = (MMA_SYNC_GEMM,
+                   GemmConfig(bm=64, bn=64, bk=32, wm=2, wn=2, stages=4, blocks_per_sm=2),
+                   SIM_GEMM)
+
+
 def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
-    """The backward's GEMM tiles: mma.sync (``MMA_SYNC_GEMM``; ``SIM_GEMM`` on the simulator)
-    -- the backward's operand layouts (weights read as stored, K = an expert's rows) exist on
-    that path only so far. ValueError unless the shape splits into its tiles."""
-    from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM
+    """The backward's GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM`` first; the
+    simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide H, I and
+    I_s (every backward GEMM has them as M, N or K) -- the backward's operand layouts
+    (weights read as stored, K = an expert's rows) exist on that path only so far.
+    ValueError when none does."""
     from mok_core.cuda_compat import SIM
-    g = SIM_GEMM if SIM else MMA_SYNC_GEMM
-    if config.row_align % g.row_unit:
-        raise ValueError(f"MoKConfig.row_align={config.row_align}: the backward needs a multiple "
-                         f"of {g.row_unit} ({g})")
-    for field, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate),
-                     ("shared_intermediate", shape.shared_intermediate)):
-        for tile in (g.bm, g.bn, g.bk):
-            if n % tile:
-                raise ValueError(f"LayerShape.{field}={n}: the backward's GEMMs need a multiple "
-                                 f"of {tile} ({g}); pass backward=False for a forward-only "
-                                 "layer")
-    return g
+    for g in _BACKWARD_TILES[-1:] if SIM else _BACKWARD_TILES:
+        if not config.row_align % g.row_unit and all(
+                not n % t for n in (shape.hidden, shape.intermediate, shape.shared_intermediate)
+                for t in (g.bm, g.bn, g.bk)):
+            return g
+    raise ValueError(f"{shape} with MoKConfig.row_align={config.row_align}: the backward's "
+                     "GEMMs need H, I and I_s multiples of 32 and row_align a multiple of "
+                     "32; pass backward=False for a forward-only layer")
 
 
 def check_swiglu_limit(swiglu_limit):

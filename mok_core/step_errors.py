@@ -56,6 +56,20 @@ def _completed(event) -> bool:
     return True
 
 
+def capturing(stream) -> bool:
+    """``stream`` is being captured into a CUDA graph (then nothing may query events: under
+    torch's default capture mode the query would invalidate the capture)."""
+    if SIM or not stream:
+        return False                      # (the legacy default stream is never captured)
+    from cuda.bindings import driver as cu
+    h = stream.handle
+    h = cu.CUstream(int(getattr(h, "value", h) or 0))
+    res, status = cu.cuStreamIsCapturing(h)
+    if res != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamIsCapturing failed: {res}")
+    return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 class StepErrors:
     """The error words of one layer on one rank and their per-step host copies.
 
@@ -103,9 +117,13 @@ class StepErrors:
         if self.mode == "sync":
             self.poll(block=True)
 
-    def poll(self, block: bool = False) -> None:
+    def poll(self, block: bool = False, stream=None) -> None:
         """Raise ``MoKError`` for the first finished step that recorded a problem (its report is
-        consumed: the next call goes on). ``block``: wait for every step in flight first."""
+        consumed: the next call goes on). ``block``: wait for every step in flight first.
+        A call launching on ``stream`` while it is being captured reads nothing (the steps
+        in flight are read at the first call after the capture)."""
+        if stream is not None and not block and capturing(stream):
+            return
         self._read(block=block, limit=len(self.pending))
 
     def _read(self, *, block: bool, limit: int) -> None:

@@ -17,7 +17,8 @@ from mok_core.reference import moe_backward
 
 from test_layer_emulated import rank_weights, u16
 
-CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
+# row_align 64: the backward's GEMM tiles on a GPU (MMA_SYNC_GEMM) are 64 rows
+CFG = MoKConfig(row_align=64, minibatch_size=64, capacity_factor=1.0)
 
 
 def f64(bits):

@@ -5,6 +5,8 @@ backward captured in a CUDA graph equal to eager.
 
 EP 1: one process per GPU, each its own layer (``test_backward_ep1``); EP 2:
 ``torchrun --nproc-per-node=2`` or ``mok_comm.launch`` (``test_backward_ep``)."""
+import gc
+
 import pytest
 
 T = 4096
@@ -45,8 +47,8 @@ def _check_preset(preset_name, R, me, torch):
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     weights = mok_torch.Weights(*shared, wg, wu, wd)
     layer = mok_torch.Layer(shape, T, MoKConfig())
+    grads = graph = None
     try:
-        grads = None
 
         def step():
             nonlocal grads
@@ -86,6 +88,9 @@ def _check_preset(preset_name, R, me, torch):
     finally:
         torch.cuda.synchronize()
         layer.comm.free()
+        del layer, weights, inputs, d_outs, grads, graph
+        gc.collect()                     # the next preset needs the memory back
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("preset_name", PRESETS)

@@ -1,0 +1,77 @@
+"""Where the backward's time goes: every launch group of ``mok_comm.backward`` timed alone.
+
+    python benchmarks/probes/probe_backward.py --preset qwen3.5-397b --tokens 4096
+
+One GPU, EP 1 (``mok_torch.Layer`` on a local heap). Each call of the backward's phases (and
+the barriers between them) runs between CUDA events after one forward; median over --iters,
+then a table of ms per call, largest first. A probe: it prints, it does not write results.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3.5-397b")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args(argv)
+    import torch
+
+    import mok_torch
+    from benchmarks.common import numba_stream
+    from mok_comm import backward as B
+    from mok_comm.barrier import barrier
+    from mok_core.config import MoKConfig, preset
+    from mok_testing import synthetic
+    from mok_torch.layer import tensor_view, weight_views
+    shape, T, dev = preset(args.preset, 1), args.tokens, "cuda"
+    x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
+    W = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
+                          *synthetic.local_expert_weights(shape, 0, dev))
+    d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
+    layer = mok_torch.Layer(shape, T, MoKConfig())
+    ctx = layer.forward(x, ids, w, W)[1]
+    grads = layer.backward(ctx, d_out, w, W)
+    s = numba_stream()
+    views = B.Grads(*(None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
+                      for g, n in zip(grads, B.Grads._fields)))
+    phases, _ = B.backward_phases(layer, ctx, tensor_view(d_out, "d_out"),
+                                  tensor_view(w, "w", (torch.float32,)), weight_views(layer, W),
+                                  grads=views, stream=s)
+    calls = []
+    for i, phase in enumerate(phases):
+        if i:
+            calls.append(("barrier", lambda: barrier(layer.comm, s)))
+        for c in phase:                  # a name's first call is the shared expert's
+            name, n = c.func.__name__, 2
+            while name in dict(calls):
+                name, n = f"{c.func.__name__} {n}", n + 1
+            calls.append((name, c))
+    times = {n: [] for n, _ in calls}
+    for _ in range(args.iters + 1):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+        ev[0].record()
+        for j, (_, c) in enumerate(calls):
+            c()
+            ev[j + 1].record()
+        torch.cuda.synchronize()
+        for j, (n, _) in enumerate(calls):
+            times[n].append(ev[j].elapsed_time(ev[j + 1]))
+    layer.check()
+    med = {n: statistics.median(v[1:]) for n, v in times.items()}
+    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm} (a name's first "
+          "entry is the shared expert's, ' 2' the routed experts')")
+    for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:24s} {ms:8.3f} ms")
+    print(f"  {'sum':24s} {sum(med.values()):8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
