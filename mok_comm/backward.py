@@ -221,7 +221,7 @@ def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     _, d_out, idx, off, rows, _, _, p, _, hidden = _operands(layer, shared)
     d_w_down = _weight_grads(layer, G, shared)[2]
     launch_wgrad(d_out, idx, hidden if shared else p, None, off, rows, d_w_down, d_w_down,
-                 layer.shape.hidden, accumulate=accumulate, config=layer.backward_gemm,
+                 layer.shape.hidden, accumulate=accumulate, config=layer.wgrad_gemm,
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
@@ -230,7 +230,7 @@ def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     x, _, idx, off, rows, _, _, _, d_gu = _operands(layer, shared)[:9]
     d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
     launch_wgrad(d_gu, None, x, idx, off, rows, d_w_gate, d_w_up, d_gu.shape[1] // 2,
-                 accumulate=accumulate, config=layer.backward_gemm, stream=stream,
+                 accumulate=accumulate, config=layer.wgrad_gemm, stream=stream,
                  **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 

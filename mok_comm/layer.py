@@ -267,7 +267,8 @@ class Layer:
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
-        self.backward_gemm = backward_gemm(shape, config) if backward else None
+        # the weight gradients' tiles cut H and I only (their K is an expert's rows)
+        self.backward_gemm = self.wgrad_gemm = backward_gemm(shape, config) if backward else None
         self.grad = BackwardBuffers(self, heap, stream) if backward else None
         fields = dict(hidden=H, intermediate=I, shared_intermediate=I_s,
                       num_experts=shape.num_experts, topk=k, ep_size=shape.ep_size,

@@ -19,6 +19,12 @@ its eager phases).
 The ring holds ``SLOTS`` steps; a caller that runs that far ahead of the GPU waits for the
 oldest step's copy (the only wait ``end`` ever does), so memory stays bounded however many steps
 run.
+
+A step captured into a CUDA graph by the caller (``torch.cuda.graph`` around a forward and
+backward, say) copies its words into one of ``CAPTURE_SLOTS`` slots of its own at every
+replay, with an event recorded as an external graph node; ``poll`` and ``check`` read every
+captured slot whose event has completed -- the report of that graph's latest replay (a clean
+replay overwrites a bad one's report).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from .errors_kernels import reset_error_word
 from .intrinsics import trap
 
 SLOTS = 64
+CAPTURE_SLOTS = 8
 
 
 @kjit
@@ -85,6 +92,11 @@ class StepErrors:
         self.events = [None if SIM else cuda.event(timing=False) for _ in range(self.slots)]
         self.pending = deque()            # (step number, slot) copied but not yet read
         self.steps = 0                    # steps ended on this layer
+        cap = (CAPTURE_SLOTS, len(self.words), err.ERROR_WORDS)
+        self.captured_host = np.zeros(cap, np.int32) if SIM else cuda.pinned_array(cap, np.int32)
+        self.captured_events = [None if SIM else cuda.event(timing=False)
+                                for _ in range(CAPTURE_SLOTS)]
+        self.captured = []                # capture slots in use (graphs captured so far)
 
     def begin(self, stream=0) -> None:
         """Launch: clear the words (a step's report holds that step's problems only)."""
@@ -101,7 +113,11 @@ class StepErrors:
 
     def end(self, stream=0) -> None:
         """Launch: copy the words into the next ring slot and record its event; "sync" mode
-        then waits for it and raises at once."""
+        then waits for it and raises at once. Under a capture: into a capture slot (module
+        docstring)."""
+        if capturing(stream):
+            self._end_captured(stream)
+            return
         if len(self.pending) == self.slots:   # the host is that far ahead: wait for the oldest
             self._read(block=True, limit=1)
         self.steps += 1
@@ -117,6 +133,34 @@ class StepErrors:
         if self.mode == "sync":
             self.poll(block=True)
 
+    def _end_captured(self, stream) -> None:
+        from cuda.bindings import driver as cu
+        slot = len(self.captured) % CAPTURE_SLOTS
+        if slot not in self.captured:
+            self.captured.append(slot)
+        for i, w in enumerate(self.words):
+            w.copy_to_host(self.captured_host[slot, i], stream=stream)
+        # an external record node: the event is recorded at every replay (a plain record
+        # inside a capture is only a dependency edge, never recorded)
+        ev, st = self.captured_events[slot].handle, stream.handle
+        res, = cu.cuEventRecordWithFlags(cu.CUevent(int(getattr(ev, "value", ev))),
+                                         cu.CUstream(int(getattr(st, "value", st))),
+                                         cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+        if res != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuEventRecordWithFlags failed: {res}")
+
+    def _read_captured(self, block: bool) -> None:
+        for slot in self.captured:
+            event = self.captured_events[slot]
+            if block:
+                event.synchronize()
+            elif not _completed(event):
+                continue
+            msgs = [m for w in self.captured_host[slot] for m in self.describe(w)]
+            if msgs:
+                raise err.MoKError(f"a graph replay of a captured step of this layer (rank "
+                                   f"{self.rank}): " + "; ".join(msgs))
+
     def poll(self, block: bool = False, stream=None) -> None:
         """Raise ``MoKError`` for the first finished step that recorded a problem (its report is
         consumed: the next call goes on). ``block``: wait for every step in flight first.
@@ -125,6 +169,7 @@ class StepErrors:
         if stream is not None and not block and capturing(stream):
             return
         self._read(block=block, limit=len(self.pending))
+        self._read_captured(block)
 
     def _read(self, *, block: bool, limit: int) -> None:
         for _ in range(limit):

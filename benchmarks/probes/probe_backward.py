@@ -21,6 +21,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3.5-397b")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--wgrad-tiles", default="",
+                    help="bm,bn,bk,wm,wn,stages of the weight-gradient GEMMs (mma.sync)")
     args = ap.parse_args(argv)
     import torch
 
@@ -37,6 +39,9 @@ def main(argv=None):
                           *synthetic.local_expert_weights(shape, 0, dev))
     d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
     layer = mok_torch.Layer(shape, T, MoKConfig())
+    if args.wgrad_tiles:
+        from mok_core.gemm import GemmConfig
+        layer.wgrad_gemm = GemmConfig(*map(int, args.wgrad_tiles.split(",")))
     ctx = layer.forward(x, ids, w, W)[1]
     grads = layer.backward(ctx, d_out, w, W)
     s = numba_stream()
@@ -66,7 +71,8 @@ def main(argv=None):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm} (a name's first "
+    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm}, wgrad "
+          f"{layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")
     for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):
         print(f"  {n:24s} {ms:8.3f} ms")
