@@ -69,6 +69,31 @@ def test_forward_ep1(id_dtype):
     assert ctx.hidden is layer.hidden
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_backward_ep1(accumulate):
+    """``layer.backward``: fresh bf16 gradients (or the caller's float32 ones, accumulated),
+    each of the 8 within 0.005 of float64."""
+    from mok_testing.sampled import grad_errors
+    T = 40
+    x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV, masked=0.1, skew=0.5)
+    d_out = torch.randn(T, 64, generator=torch.Generator(DEV).manual_seed(5),
+                        device=DEV).bfloat16()
+    W = layer_weights()
+    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
+    out, ctx = layer.forward(x, ids, w, W)
+    grads = None
+    if accumulate:
+        grads = mok_torch.Grads(torch.empty_like(x), torch.empty_like(w),
+                                *(torch.zeros(a.shape, device=DEV) for a in W))
+    G = layer.backward(ctx, d_out, w, W, grads=grads, accumulate=accumulate)
+    layer.check()
+    assert G.d_x.dtype == torch.bfloat16 and G.d_router_weights.dtype == torch.float32
+    assert G.d_w_gate.dtype == (torch.float32 if accumulate else torch.bfloat16)
+    errs = grad_errors([(x, ids, w)], [d_out], 0, G, W[:3],
+                       lambda e: synthetic.expert_weights(SHAPE, e, DEV), SHAPE.experts_per_rank)
+    assert max(errs.values()) < 5e-3, errs
+
+
 def test_torch_inputs_checked():
     T = 8
     x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV)
@@ -87,8 +112,10 @@ def test_torch_inputs_checked():
         layer(x, ids, w, W._replace(w_up=W.w_up[:1]))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got ndarray"):
         layer(x.float().cpu().numpy(), ids, w, W)
-    # until the backward exists, a tensor that wants a gradient is refused, not detached
-    with pytest.raises(ValueError, match="x: requires_grad=True, but the layer has no backward"):
+    # the layer records no autograd graph: a tensor that wants a gradient is refused, not
+    # silently detached (gradients come from layer.backward)
+    with pytest.raises(ValueError, match="x: requires_grad=True, but the layer does not record "
+                                         "autograd graphs"):
         layer(x.clone().requires_grad_(), ids, w, W)
     if SIM:
         np.testing.assert_array_equal(layer.comm.x_buf, before)        # nothing ran
