@@ -32,15 +32,22 @@ def reference_tokens(x, topk_ids, router_weights, shared, expert_weight_fn, swig
     if shared is not None:
         sg, su, sd = (w.double() for w in shared)
         out += _act(xd @ sg.T, xd @ su.T, swiglu_limit) @ sd.T
+    for (wg, wu, wd), n, j in _routes(topk_ids, expert_weight_fn):
+        y = _act(xd[n] @ wg.T, xd[n] @ wu.T, swiglu_limit) @ wd.T
+        out[n] += float(router_weights[n, j]) * y
+    return out
+
+
+def _routes(topk_ids, expert_weight_fn):
+    """(float64 weights of the route's expert, token n, slot j) for every unmasked route,
+    expert by expert (each expert's weights converted once)."""
     ids = topk_ids.tolist()
     for e in sorted({e for row in ids for e in row if e >= 0}):
-        wg, wu, wd = (w.double() for w in expert_weight_fn(e))
+        weights = tuple(w.double() for w in expert_weight_fn(e))
         for n, row in enumerate(ids):
             for j, ej in enumerate(row):
                 if ej == e:
-                    y = _act(xd[n] @ wg.T, xd[n] @ wu.T, swiglu_limit) @ wd.T
-                    out[n] += float(router_weights[n, j]) * y
-    return out
+                    yield weights, n, j
 
 
 def _act_grads(g, u, d_h, limit):
@@ -68,17 +75,12 @@ def reference_token_grads(x, topk_ids, router_weights, d_out, shared, expert_wei
         sg, su, sd = (w.double() for w in shared)
         _, d_g, d_u = _act_grads(xd @ sg.T, xd @ su.T, dd @ sd, swiglu_limit)
         d_x += d_g @ sg + d_u @ su
-    ids = topk_ids.tolist()
-    for e in sorted({e for row in ids for e in row if e >= 0}):
-        wg, wu, wd = (w.double() for w in expert_weight_fn(e))
-        for n, row in enumerate(ids):
-            for j, ej in enumerate(row):
-                if ej == e:
-                    p = dd[n] @ wd
-                    h, d_g, d_u = _act_grads(xd[n] @ wg.T, xd[n] @ wu.T,
-                                             float(router_weights[n, j]) * p, swiglu_limit)
-                    d_w[n, j] = p @ h
-                    d_x[n] += d_g @ wg + d_u @ wu
+    for (wg, wu, wd), n, j in _routes(topk_ids, expert_weight_fn):
+        p = dd[n] @ wd
+        h, d_g, d_u = _act_grads(xd[n] @ wg.T, xd[n] @ wu.T, float(router_weights[n, j]) * p,
+                                 swiglu_limit)
+        d_w[n, j] = p @ h
+        d_x[n] += d_g @ wg + d_u @ wu
     return d_x, d_w
 
 

@@ -98,6 +98,42 @@ def _swizzle(cpr):
     return swz
 
 
+def make_mma_slice(mi_n, ni_n, kk_n, ldmatrix_a, ldmatrix_b):
+    """``mma_slice(smem, base, a_ldm, b_ldm, afrag, bfrag, acc)``: one warp's MMAs over the K
+    slice staged at ``base`` -- per k16 step, the A fragments of its mi_n m16 tiles and the B
+    fragments of its ni_n n8 tiles (``ldmatrix_a`` / ``ldmatrix_b`` at the thread's row
+    offsets ``a_ldm`` / ``b_ldm``: ``ldmatrix_x4_at``, or ``_trans_at`` for an operand stored
+    the other way round), then mi_n x ni_n m16n8k16 MMAs into ``acc``. Inlined: the fragment
+    and accumulator arrays stay in registers."""
+    @kjit(device=True, inline="always")
+    def mma_slice(smem, base, a_ldm, b_ldm, afrag, bfrag, acc):
+        for kk in range(kk_n):
+            for mi in range(mi_n):
+                f0, f1, f2, f3 = ldmatrix_a(smem, base + a_ldm[kk * mi_n + mi])
+                afrag[mi * 4 + 0] = f0
+                afrag[mi * 4 + 1] = f1
+                afrag[mi * 4 + 2] = f2
+                afrag[mi * 4 + 3] = f3
+            for nj in range(ni_n // 2):
+                f0, f1, f2, f3 = ldmatrix_b(smem, base + b_ldm[kk * (ni_n // 2) + nj])
+                bfrag[nj * 4 + 0] = f0
+                bfrag[nj * 4 + 1] = f1
+                bfrag[nj * 4 + 2] = f2
+                bfrag[nj * 4 + 3] = f3
+            for mi in range(mi_n):
+                for ni in range(ni_n):
+                    x = (mi * ni_n + ni) * 4
+                    d0, d1, d2, d3 = mma_bf16_16816(
+                        afrag[mi * 4], afrag[mi * 4 + 1], afrag[mi * 4 + 2], afrag[mi * 4 + 3],
+                        bfrag[ni * 2], bfrag[ni * 2 + 1], acc[x], acc[x + 1], acc[x + 2],
+                        acc[x + 3])
+                    acc[x] = d0
+                    acc[x + 1] = d1
+                    acc[x + 2] = d2
+                    acc[x + 3] = d3
+    return mma_slice
+
+
 def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0,
                       b_kn=False, f32_out=False):
     """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time);
@@ -129,7 +165,8 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     assert not (f32_out and swiglu_epilogue)
     swz = _swizzle(cpr)
     swz_b = _swizzle(b_cpr)
-    ldmatrix_b = ldmatrix_x4_trans_at if b_kn else ldmatrix_x4_at
+    mma_slice = make_mma_slice(mi_n, ni_n, kk_n, ldmatrix_x4_at,
+                               ldmatrix_x4_trans_at if b_kn else ldmatrix_x4_at)
 
     @kjit(device=True, inline="always")
     def b_row_source(b, col0, n_w):
@@ -253,30 +290,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                     _load_stage(smem, load_base, a, w1 if pick else w0, w1, a_dst, a_src,
                                 a_bytes, b_dst, b_src, b_sel, (kt + stages - 1) * bk, b_k0)
                 cp_async_commit()
-                for kk in range(kk_n):
-                    for mi in range(mi_n):
-                        f0, f1, f2, f3 = ldmatrix_x4_at(smem, base + a_ldm[kk * mi_n + mi])
-                        afrag[mi * 4 + 0] = f0
-                        afrag[mi * 4 + 1] = f1
-                        afrag[mi * 4 + 2] = f2
-                        afrag[mi * 4 + 3] = f3
-                    for nj in range(ni_n // 2):
-                        f0, f1, f2, f3 = ldmatrix_b(smem, base + b_ldm[kk * (ni_n // 2) + nj])
-                        bfrag[nj * 4 + 0] = f0
-                        bfrag[nj * 4 + 1] = f1
-                        bfrag[nj * 4 + 2] = f2
-                        bfrag[nj * 4 + 3] = f3
-                    for mi in range(mi_n):
-                        for ni in range(ni_n):
-                            x = (mi * ni_n + ni) * 4
-                            d0, d1, d2, d3 = mma_bf16_16816(
-                                afrag[mi * 4], afrag[mi * 4 + 1], afrag[mi * 4 + 2],
-                                afrag[mi * 4 + 3], bfrag[ni * 2], bfrag[ni * 2 + 1],
-                                acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
-                            acc[x] = d0
-                            acc[x + 1] = d1
-                            acc[x + 2] = d2
-                            acc[x + 3] = d3
+                mma_slice(smem, base, a_ldm, b_ldm, afrag, bfrag, acc)
                 base += stage_bytes           # ring of stages: advance, wrap
                 if base == stage_bytes * stages:
                     base = 0

@@ -64,9 +64,10 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import flat_view, kjit, launch, multiprocessor_count
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
-                          fold_nonfinite_bf16x2, ldmatrix_x4_trans_at, mma_bf16_16816,
+                          fold_nonfinite_bf16x2, ldmatrix_x4_trans_at,
                           pack_bf16x2, shared_addr, warp_all)
 from .epilogue import report_warp
+from .sm80 import make_mma_slice
 
 
 def swizzle_ok(cols):
@@ -93,6 +94,20 @@ def _swizzle_params(cols):
 def _nonfinite_f32(v):
     """1 if the float32 ``v`` is NaN or Inf, else 0 (the bad path's recount)."""
     return 1 if math.isnan(v) or math.isinf(v) else 0
+
+
+def _make_fetch(chunks, gather):
+    """``fetch(index, rows, r0, hi, kr)``: the source rows of a thread's ``chunks`` chunks of
+    one operand for the slice starting at row r0 (rows past ``hi``: -1, zeros)."""
+    @kjit(device=True, inline="always")
+    def fetch(index, rows, r0, hi, kr):
+        for i in range(chunks):
+            r = r0 + kr[i]
+            src = -1
+            if r < hi:
+                src = index[r] if gather else r
+            rows[i] = src
+    return fetch
 
 
 def make_wgrad_gemm(bm, bn, bk, wm, wn, stages, gather_a, gather_b, out_f32, accumulate,
@@ -131,24 +146,9 @@ def make_wgrad_gemm(bm, bn, bk, wm, wn, stages, gather_a, gather_b, out_f32, acc
     def swz_b(row, chunk):
         return chunk ^ ((row >> b_shift) & b_mask)
 
-    @kjit(device=True, inline="always")
-    def fetch_a(index, rows, r0, hi, kr):
-        """Source rows of this thread's A chunks for the slice starting at row r0 (-1: zeros)."""
-        for i in range(a_chunks):
-            r = r0 + kr[i]
-            src = -1
-            if r < hi:
-                src = index[r] if gather_a else r
-            rows[i] = src
-
-    @kjit(device=True, inline="always")
-    def fetch_b(index, rows, r0, hi, kr):
-        for i in range(b_chunks):
-            r = r0 + kr[i]
-            src = -1
-            if r < hi:
-                src = index[r] if gather_b else r
-            rows[i] = src
+    fetch_a = _make_fetch(a_chunks, gather_a)
+    fetch_b = _make_fetch(b_chunks, gather_b)
+    mma_slice = make_mma_slice(mi_n, ni_n, kk_n, ldmatrix_x4_trans_at, ldmatrix_x4_trans_at)
 
     @kjit(device=True, inline="always")
     def issue(smem, base, a, b, a_dst, a_rows, a_col, b_dst, b_rows, b_col, M, N):
@@ -265,32 +265,7 @@ def make_wgrad_gemm(bm, bn, bk, wm, wn, stages, gather_a, gather_b, out_f32, acc
                 # the rows of slice kt+stages: their loads complete under this step's MMAs
                 fetch_a(a_index, a_rows, lo + (kt + stages) * bk, hi, a_kr)
                 fetch_b(b_index, b_rows, lo + (kt + stages) * bk, hi, b_kr)
-                for kk in range(kk_n):
-                    for mi in range(mi_n):
-                        f0, f1, f2, f3 = ldmatrix_x4_trans_at(smem,
-                                                              base + a_ldm[kk * mi_n + mi])
-                        afrag[mi * 4 + 0] = f0
-                        afrag[mi * 4 + 1] = f1
-                        afrag[mi * 4 + 2] = f2
-                        afrag[mi * 4 + 3] = f3
-                    for nj in range(ni_n // 2):
-                        f0, f1, f2, f3 = ldmatrix_x4_trans_at(
-                            smem, base + b_ldm[kk * (ni_n // 2) + nj])
-                        bfrag[nj * 4 + 0] = f0
-                        bfrag[nj * 4 + 1] = f1
-                        bfrag[nj * 4 + 2] = f2
-                        bfrag[nj * 4 + 3] = f3
-                    for mi in range(mi_n):
-                        for ni in range(ni_n):
-                            x = (mi * ni_n + ni) * 4
-                            d0, d1, d2, d3 = mma_bf16_16816(
-                                afrag[mi * 4], afrag[mi * 4 + 1], afrag[mi * 4 + 2],
-                                afrag[mi * 4 + 3], bfrag[ni * 2], bfrag[ni * 2 + 1],
-                                acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
-                            acc[x] = d0
-                            acc[x + 1] = d1
-                            acc[x + 2] = d2
-                            acc[x + 3] = d3
+                mma_slice(smem, base, a_ldm, b_ldm, afrag, bfrag, acc)
                 base += stage_bytes           # ring of stages: advance, wrap
                 if base == stage_bytes * stages:
                     base = 0

@@ -366,37 +366,30 @@ def shared_addr(typingctx, smem):
     return types.uint32(smem), codegen
 
 
-@intrinsic
-def ldmatrix_x4_at(typingctx, smem, addr):
-    """``ldmatrix_x4`` at a shared byte address from ``shared_addr`` (+ offset); ``smem`` is
-    the array it points into (the simulator twin reads through it)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
+def _ldmatrix_x4(name, qualifier, doc):
+    def impl(typingctx, smem, addr):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [a],
-                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                   "=r,=r,=r,=r,r,~{memory}", True)
-        return _tuple(context, builder, sig, res, 4)
-    return _u32x4(smem, addr), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            res = _asm(builder, ir.LiteralStructType([_i32] * 4), [a],
+                       f"ldmatrix.sync.aligned.m8n8.x4{qualifier}.shared.b16 "
+                       "{$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", True)
+            return _tuple(context, builder, sig, res, 4)
+        return _u32x4(smem, addr), codegen
+    return _named(impl, name, doc)
 
 
-@intrinsic
-def ldmatrix_x4_trans_at(typingctx, smem, addr):
-    """``ldmatrix_x4_at`` with ``.trans``: each 8x8 matrix arrives transposed (lane L holds
-    elements (2 (L % 4), L / 4) and (2 (L % 4) + 1, L / 4) of matrix j, row = the lane that
-    addressed it): the fragment of an operand stored the other way round in shared memory."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        res = _asm(builder, ir.LiteralStructType([_i32] * 4), [a],
-                   "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0,$1,$2,$3}, [$4];",
-                   "=r,=r,=r,=r,r,~{memory}", True)
-        return _tuple(context, builder, sig, res, 4)
-    return _u32x4(smem, addr), codegen
+ldmatrix_x4_at = _ldmatrix_x4(
+    "ldmatrix_x4_at", "",
+    "``ldmatrix_x4`` at a shared byte address from ``shared_addr`` (+ offset); ``smem`` is "
+    "the array it points into (the simulator twin reads through it).")
+ldmatrix_x4_trans_at = _ldmatrix_x4(
+    "ldmatrix_x4_trans_at", ".trans",
+    "``ldmatrix_x4_at`` with ``.trans``: each 8x8 matrix arrives transposed (lane L holds "
+    "elements (2 (L % 4), L / 4) and (2 (L % 4) + 1, L / 4) of matrix j, row = the lane that "
+    "addressed it): the fragment of an operand stored the other way round in shared memory.")
 
 
 @intrinsic
