@@ -250,3 +250,18 @@ def test_recompute_forward_context_bit_equal():
         np.testing.assert_array_equal(to_host(g.d_router_out), G.d_router_weights)
         for a, b in zip(g.grads, G[2:]):
             np.testing.assert_array_equal(to_host(a), b)
+
+
+def test_non_finite_d_out_reported_then_clean():
+    """A NaN in d_out is reported by the next call (the tensor, the rank, the first token),
+    and the next clean backward passes (flags per step)."""
+    from mok_core.errors import MoKError
+    R, T = 1, 16
+    shape, inp, d_out = inputs(R, T, seed=4, shared=0)
+    lws = emulated_layers(shape, T, CFG, SIM_GEMM)
+    bad = d_out.copy()
+    bad[0, 5, 3] = np.nan
+    run_fwd_bwd(lws, inp, d_out)                            # clean
+    with pytest.raises(MoKError, match=r"d_out has 1 NaN/Inf value, first at token 5"):
+        run_fwd_bwd(lws, inp, bad)
+    run_fwd_bwd(lws, inp, d_out)                            # clean again: nothing raised
