@@ -265,3 +265,23 @@ def test_non_finite_d_out_reported_then_clean():
     with pytest.raises(MoKError, match=r"d_out has 1 NaN/Inf value, first at token 5"):
         run_fwd_bwd(lws, inp, bad)
     run_fwd_bwd(lws, inp, d_out)                            # clean again: nothing raised
+
+
+def test_peer_that_never_arrives_in_the_backward_times_out():
+    """Rank 1 runs its forward but never its backward: rank 0's backward barrier gives up after
+    the spin timeout and the next check names the peer (nothing hangs)."""
+    from mok_comm.functional import run_phases
+    from mok_core.errors import MoKError
+    R, T = 2, 16
+    shape, inp, d_out = inputs(R, T, seed=6, shared=0)
+    cfg = MoKConfig(row_align=32, minibatch_size=64, spin_timeout_cycles=2_000_000)
+    lws = emulated_layers(shape, T, cfg, SIM_GEMM)
+    W = [rank_weights(inp, r, shape.experts_per_rank) for r in range(R)]
+    run_steps(lws, [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(inp["ids"][r]),
+                                to_dev(inp["w"][r]), W[r])[0] for r, lw in enumerate(lws)])
+    phases, _ = backward_phases(lws[0], lws[0].context(), to_dev(u16(d_out[0])),
+                                to_dev(inp["w"][0]), W[0])
+    run_phases(phases, lws[0])                   # rank 1 never arrives
+    with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' of "
+                                       r"peer rank 1"):
+        lws[0].check()
