@@ -157,6 +157,24 @@ _BACKWARD_TILES = (MMA_SYNC_GEMM,
                    SIM_GEMM)
 
 
+# The weight gradients' tile on a GPU where the shape takes it: their K is an expert's rows
+# (~100), so a tile is mostly its loads' latency and its stores, and more warps in flight per
+# SM pay (docs/perf.md: qwen's wgrads 18.8 -> 14.8 ms against 64 x 128 tiles).
+WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_sm=2,
+                        max_registers=128)
+
+
+def wgrad_gemm(shape: LayerShape, backward: GemmConfig) -> GemmConfig:
+    """``WGRAD_GEMM`` when H, I and I_s split into its tiles (on a GPU), else ``backward``
+    (the rest of the backward's tiles; the simulator's)."""
+    from mok_core.cuda_compat import SIM
+    if not SIM and all(not n % t for n in (shape.hidden, shape.intermediate,
+                                            shape.shared_intermediate)
+                       for t in (WGRAD_GEMM.bm, WGRAD_GEMM.bn)):
+        return WGRAD_GEMM
+    return backward
+
+
 def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
     """The backward's GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM`` first; the
     simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide H, I and
@@ -267,8 +285,9 @@ class Layer:
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
+        self.backward_gemm = backward_gemm(shape, config) if backward else None
         # the weight gradients' tiles cut H and I only (their K is an expert's rows)
-        self.backward_gemm = self.wgrad_gemm = backward_gemm(shape, config) if backward else None
+        self.wgrad_gemm = wgrad_gemm(shape, self.backward_gemm) if backward else None
         self.grad = BackwardBuffers(self, heap, stream) if backward else None
         fields = dict(hidden=H, intermediate=I, shared_intermediate=I_s,
                       num_experts=shape.num_experts, topk=k, ep_size=shape.ep_size,
@@ -343,5 +362,6 @@ def agreement_phases(layer: Layer, stream=0):
             partial(compare_fingerprints, layer.comm, layer.fingerprint_table, stream)]
 
 
-__all__ = ["BackwardBuffers", "ForwardContext", "Layer", "Weights", "agreement_phases",
-           "backward_gemm", "check_swiglu_limit", "layer_gemm"]
+__all__ = ["BackwardBuffers", "ForwardContext", "Layer", "WGRAD_GEMM", "Weights",
+           "agreement_phases", "backward_gemm", "check_swiglu_limit", "layer_gemm",
+           "wgrad_gemm"]

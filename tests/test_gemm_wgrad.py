@@ -19,6 +19,7 @@ from mok_core.gemm import SIM_GEMM, WGMMA_GEMM, GemmConfig, wgrad
 # SIM_GEMM: 32 x 32 tiles, 2 x 1 warps, 2 stages; CFG64: 64 x 64 tiles, 2 x 2 warps, 3 stages
 # (each warp 2 m16 x 4 n8 tiles, the ring deeper than most experts' slices).
 CFG64 = GemmConfig(bm=64, bn=64, bk=32, wm=2, wn=2, stages=3)
+from mok_comm.layer import WGRAD_GEMM  # noqa: E402
 POISON16 = 0xFFFF                    # bf16 NaN bits: a tile the kernel forgets shows up
 GARBAGE = 32                         # rows past num_rows (NaN, or valid indices of a NaN row)
 
@@ -112,6 +113,9 @@ CASES = {
     # both gathered, 64 x 64 tiles, two outputs
     "both64": dict(cfg=CFG64, counts=[0, 64, 96, 32], cut=32, M=128, N=64, gather_a=True,
                    gather_b=True, m_split=64, dtype=np.uint16),
+    # the layer's GPU wgrad tile (``mok_comm.layer.WGRAD_GEMM``: 128 x 128, 2 x 4 warps)
+    "gate_up128": dict(cfg=WGRAD_GEMM, counts=[64, 0, 32, 32], cut=32, M=256, N=128,
+                       gather_a=False, gather_b=True, m_split=128, dtype=np.uint16),
 }
 
 

@@ -22,26 +22,35 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--wgrad-tiles", default="",
-                    help="bm,bn,bk,wm,wn,stages of the weight-gradient GEMMs (mma.sync)")
+                    help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers] "
+                         "of the weight-gradient GEMMs (mma.sync): one table each")
     args = ap.parse_args(argv)
     import torch
 
     import mok_torch
-    from benchmarks.common import numba_stream
-    from mok_comm import backward as B
-    from mok_comm.barrier import barrier
     from mok_core.config import MoKConfig, preset
     from mok_testing import synthetic
-    from mok_torch.layer import tensor_view, weight_views
     shape, T, dev = preset(args.preset, 1), args.tokens, "cuda"
     x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
     W = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
                           *synthetic.local_expert_weights(shape, 0, dev))
     d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
     layer = mok_torch.Layer(shape, T, MoKConfig())
-    if args.wgrad_tiles:
-        from mok_core.gemm import GemmConfig
-        layer.wgrad_gemm = GemmConfig(*map(int, args.wgrad_tiles.split(",")))
+    from mok_core.gemm import GemmConfig
+    for tiles in args.wgrad_tiles.split(";") if args.wgrad_tiles else [""]:
+        if tiles:
+            layer.wgrad_gemm = GemmConfig(*map(int, tiles.split(",")))
+        _time_backward(args, layer, x, ids, w, W, d_out)
+
+
+def _time_backward(args, layer, x, ids, w, W, d_out):
+    import torch
+
+    from benchmarks.common import numba_stream
+    from mok_comm import backward as B
+    from mok_comm.barrier import barrier
+    from mok_torch.layer import tensor_view, weight_views
+    T = layer.tokens_per_rank
     ctx = layer.forward(x, ids, w, W)[1]
     grads = layer.backward(ctx, d_out, w, W)
     s = numba_stream()
