@@ -68,8 +68,9 @@ class Layer(L.Layer):
 
     def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
                  *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None):
+        # forward only until the adapter has its custom_vjp: no backward buffers to hold
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
-                         gemm_down=gemm_down, swiglu_limit=swiglu_limit)
+                         gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=False)
         self._callback = None
 
     def __call__(self, x, topk_ids, router_weights, weights):
