@@ -43,9 +43,10 @@ epilogue reads them. Across calls: a peer pulls our d_out in its phase 1, we ove
 the next backward's phase 0, after this backward's 1->2 barrier; the forward's next pushes into
 the combine rows come after its own barriers, so after our epilogue read them.
 
-Why recompute g and u: the forward keeps only h; recomputing g, u costs a third of the
-forward's FLOPs again, saving them costs a write of 2 C I bf16 in the forward -- the next
-step of this module (docs/perf.md records the choice once both are measured).
+g and u are recomputed, in FP32: the forward keeps only h, and FP32 keeps the clamp masks
+the forward's (it clamps its FP32 accumulators; bf16 pre-activations flip masks within a
+rounding of the limit). The recompute costs a third of the forward's FLOPs again; saving them
+in the forward instead is the next step (docs/perf.md has the measured cost of each launch).
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
