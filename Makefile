@@ -30,10 +30,11 @@ lint: $(STAMP)
 
 # lint first (cheap), then the simulator suite in two halves (one Python process is one core:
 # the simulator's block threads share its GIL) beside the PTX compiles, niced; each one's
-# output is printed whole when it ends. SIM_A holds about half the simulator time (files
-# measured on one core: the other half is every file not listed, new ones included).
+# output is printed whole when it ends. SIM_A holds about half the simulator time (balanced
+# on a CI run's two halves: the other half is every file not listed, new ones included).
 SIM_A := tests/test_grouped_gemm.py tests/test_layer_emulated.py tests/test_gemm_non_finite.py \
-         tests/test_step_errors.py tests/test_gemm_wgrad.py
+         tests/test_step_errors.py tests/test_gemm_wgrad.py tests/test_layer_step.py \
+         tests/test_torch_op.py
 SIM_PYTEST := NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=5
 
 test: $(STAMP)
