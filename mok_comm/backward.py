@@ -142,17 +142,32 @@ def _nan_check(layer: Layer, tensor: int) -> dict:
     return {"errors": layer.comm.errors, "tensor": tensor, "rank": layer.rank}
 
 
-def _operands(layer: Layer, shared: bool):
-    """(x rows, d_out rows, row index, expert offsets, rows in use, gate, up, p, d_gu, hidden)
-    of the shared expert (this rank's tokens: the staging slices) or of the routed experts
-    (the staged rows)."""
+class _Rows(NamedTuple):
+    """The operands of one expert group's backward: the shared expert's (this rank's tokens:
+    the staging slices, one expert) or the routed experts' (the staged rows)."""
+    x: object            # token rows (gathered through ``index``)
+    d_out: object        # d_out rows (gathered through ``index``)
+    index: object        # expert-sorted row -> staging row (-1 padding)
+    offsets: object      # expert offsets
+    rows: object         # rows in use [1]
+    gate: object         # float32 [., I] recomputed pre-activations
+    up: object
+    p: object            # d_out W_down, then (routed) w h
+    d_gu: object         # [d_g | d_u]
+    hidden: object       # the forward's h
+    w_h: object          # W_down's gradient's B operand: w h (routed: p), h (shared: w = 1)
+    d_x: object          # the data gradient's output: d_x_s, or the routed d_x rows
+
+
+def _rows(layer: Layer, shared: bool) -> _Rows:
     g = layer.grad
     if shared:
-        return (layer.comm.x_buf, g.comm.x_buf, layer.shared_index, layer.shared_offsets,
-                layer.shared_rows, g.gate_s, g.up_s, g.p_s, g.d_gu_s, layer.hidden_shared)
+        return _Rows(layer.comm.x_buf, g.comm.x_buf, layer.shared_index, layer.shared_offsets,
+                     layer.shared_rows, g.gate_s, g.up_s, g.p_s, g.d_gu_s, layer.hidden_shared,
+                     layer.hidden_shared, g.d_x_s)
     s = layer.schedule
-    return (layer.comm.x_recv, g.comm.x_recv, layer.gather_index, s.expert_offsets, s.num_rows,
-            g.gate, g.up, g.p, g.d_gu, layer.hidden)
+    return _Rows(layer.comm.x_recv, g.comm.x_recv, layer.gather_index, s.expert_offsets,
+                 s.num_rows, g.gate, g.up, g.p, g.d_gu, layer.hidden, g.p, g.d_x_rows)
 
 
 def _expert_weights(layer: Layer, W: Weights, shared: bool):
@@ -174,40 +189,39 @@ def _weight_grads(layer: Layer, G: Grads, shared: bool):
 
 def recompute_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     """g and u in FP32 from the staged x (the forward kept only h)."""
-    x, _, idx, off, rows, gate, up = _operands(layer, shared)[:7]
+    o = _rows(layer, shared)
     w_g, w_u, _ = _expert_weights(layer, W, shared)
     tensor = err.NF_SHARED_HIDDEN if shared else err.NF_HIDDEN
-    for w, out in ((w_g, gate), (w_u, up)):
-        launch_project(x, idx, w, off, rows, out, config=layer.backward_gemm, stream=stream,
-                       **_nan_check(layer, tensor))
+    for w, out in ((w_g, o.gate), (w_u, o.up)):
+        launch_project(o.x, o.index, w, o.offsets, o.rows, out, config=layer.backward_gemm,
+                       stream=stream, **_nan_check(layer, tensor))
 
 
 def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     """p = d_out W_down[e] (unweighted)."""
-    _, d_out, idx, off, rows, _, _, p = _operands(layer, shared)[:8]
-    launch_dgrad(d_out, idx, _expert_weights(layer, W, shared)[2], None, off, rows, p,
-                 config=layer.backward_gemm, stream=stream,
+    o = _rows(layer, shared)
+    launch_dgrad(o.d_out, o.index, _expert_weights(layer, W, shared)[2], None, o.offsets,
+                 o.rows, o.p, config=layer.backward_gemm, stream=stream,
                  **_nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN))
 
 
 def swiglu_backward(layer: Layer, shared: bool, stream):
     """d_gu = SwiGLU'(g, u) (w p); routed: d_w pushed home, p becomes w h."""
-    _, _, idx, _, rows, gate, up, p, d_gu, hidden = _operands(layer, shared)
+    o = _rows(layer, shared)
     route = None
     if not shared:
         s, g = layer.schedule, layer.grad
         route = (s.src_rank, s.src_token, s.src_slot, g.peer_router, g.peer_d_router,
                  layer.shape.topk)
-    launch_swiglu_backward(p, gate, up, hidden, d_gu, idx, rows, limit=layer.swiglu_limit,
-                           route=route, stream=stream)
+    launch_swiglu_backward(o.p, o.gate, o.up, o.hidden, o.d_gu, o.index, o.rows,
+                           limit=layer.swiglu_limit, route=route, stream=stream)
 
 
 def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows."""
-    _, _, _, off, rows, _, _, _, d_gu = _operands(layer, shared)[:9]
+    o = _rows(layer, shared)
     w_g, w_u, _ = _expert_weights(layer, W, shared)
-    out = layer.grad.d_x_s if shared else layer.grad.d_x_rows
-    launch_dgrad(d_gu, None, w_g, w_u, off, rows, out, config=layer.backward_gemm,
+    launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.backward_gemm,
                  stream=stream,
                  **_nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED))
 
@@ -219,19 +233,20 @@ def push_d_x(layer: Layer, stream):
 
 def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     """dW_down[e] = sum_r d_out[t_r]^T (w_r h_r) (the shared expert: w = 1, h itself)."""
-    _, d_out, idx, off, rows, _, _, p, _, hidden = _operands(layer, shared)
+    o = _rows(layer, shared)
     d_w_down = _weight_grads(layer, G, shared)[2]
-    launch_wgrad(d_out, idx, hidden if shared else p, None, off, rows, d_w_down, d_w_down,
+    launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
                  layer.shape.hidden, accumulate=accumulate, config=layer.wgrad_gemm,
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
 def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     """dW_gate[e] = d_g^T x, dW_up[e] = d_u^T x (one launch, split at I)."""
-    x, _, idx, off, rows, _, _, _, d_gu = _operands(layer, shared)[:9]
+    o = _rows(layer, shared)
     d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
-    launch_wgrad(d_gu, None, x, idx, off, rows, d_w_gate, d_w_up, d_gu.shape[1] // 2,
-                 accumulate=accumulate, config=layer.wgrad_gemm, stream=stream,
+    launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,
+                 o.d_gu.shape[1] // 2, accumulate=accumulate, config=layer.wgrad_gemm,
+                 stream=stream,
                  **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import device_empty, device_full, flat_view, upload
+from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
 from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, GemmConfig, default_gemm
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
@@ -167,7 +167,6 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 def wgrad_gemm(shape: LayerShape, backward: GemmConfig) -> GemmConfig:
     """``WGRAD_GEMM`` when H, I and I_s split into its tiles (on a GPU), else ``backward``
     (the rest of the backward's tiles; the simulator's)."""
-    from mok_core.cuda_compat import SIM
     if not SIM and all(not n % t for n in (shape.hidden, shape.intermediate,
                                             shape.shared_intermediate)
                        for t in (WGRAD_GEMM.bm, WGRAD_GEMM.bn)):
@@ -181,7 +180,6 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
     I_s (every backward GEMM has them as M, N or K) -- the backward's operand layouts
     (weights read as stored, K = an expert's rows) exist on that path only so far.
     ValueError when none does."""
-    from mok_core.cuda_compat import SIM
     for g in _BACKWARD_TILES[-1:] if SIM else _BACKWARD_TILES:
         if not config.row_align % g.row_unit and all(
                 not n % t for n in (shape.hidden, shape.intermediate, shape.shared_intermediate)

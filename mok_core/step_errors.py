@@ -48,14 +48,17 @@ def _trap_if_flagged(a, b):
         trap()
 
 
+def _driver_handle(obj, cls):
+    """A numba event's or stream's handle as cuda.bindings' ``cls`` (CUevent, CUstream)."""
+    h = obj.handle
+    return h if isinstance(h, cls) else cls(int(getattr(h, "value", h) or 0))
+
+
 def _completed(event) -> bool:
     """``event`` has completed (cuEventQuery straight from cuda.bindings: numba's
     ``Event.query`` logs every NOT_READY answer at error level)."""
     from cuda.bindings import driver as cu
-    h = event.handle
-    if not isinstance(h, cu.CUevent):
-        h = int(getattr(h, "value", h))
-    res, = cu.cuEventQuery(h)
+    res, = cu.cuEventQuery(_driver_handle(event, cu.CUevent))
     if res == cu.CUresult.CUDA_ERROR_NOT_READY:
         return False
     if res != cu.CUresult.CUDA_SUCCESS:
@@ -69,9 +72,7 @@ def capturing(stream) -> bool:
     if SIM or not stream:
         return False                      # (the legacy default stream is never captured)
     from cuda.bindings import driver as cu
-    h = stream.handle
-    h = cu.CUstream(int(getattr(h, "value", h) or 0))
-    res, status = cu.cuStreamIsCapturing(h)
+    res, status = cu.cuStreamIsCapturing(_driver_handle(stream, cu.CUstream))
     if res != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuStreamIsCapturing failed: {res}")
     return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
@@ -106,7 +107,7 @@ class StepErrors:
     def trap_check(self, stream=0) -> None:
         """Launch (mode "trap"): abort the context if any word has a flag set."""
         if SIM:
-            self._raise_if_flagged(self.steps + 1, [np.asarray(w) for w in self.words])
+            self._raise_if_flagged(f"step {self.steps + 1}", [np.asarray(w) for w in self.words])
             return
         a, b = (self.words * 2)[:2]
         launch(_trap_if_flagged, 1, 1, stream, 0, a, b)
@@ -142,9 +143,8 @@ class StepErrors:
             w.copy_to_host(self.captured_host[slot, i], stream=stream)
         # an external record node: the event is recorded at every replay (a plain record
         # inside a capture is only a dependency edge, never recorded)
-        ev, st = self.captured_events[slot].handle, stream.handle
-        res, = cu.cuEventRecordWithFlags(cu.CUevent(int(getattr(ev, "value", ev))),
-                                         cu.CUstream(int(getattr(st, "value", st))),
+        res, = cu.cuEventRecordWithFlags(_driver_handle(self.captured_events[slot], cu.CUevent),
+                                         _driver_handle(stream, cu.CUstream),
                                          cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
         if res != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuEventRecordWithFlags failed: {res}")
@@ -156,10 +156,8 @@ class StepErrors:
                 event.synchronize()
             elif not _completed(event):
                 continue
-            msgs = [m for w in self.captured_host[slot] for m in self.describe(w)]
-            if msgs:
-                raise err.MoKError(f"a graph replay of a captured step of this layer (rank "
-                                   f"{self.rank}): " + "; ".join(msgs))
+            self._raise_if_flagged("a graph replay of a captured step",
+                                   self.captured_host[slot])
 
     def poll(self, block: bool = False, stream=None) -> None:
         """Raise ``MoKError`` for the first finished step that recorded a problem (its report is
@@ -180,10 +178,10 @@ class StepErrors:
             if event is not None and block:
                 event.synchronize()
             self.pending.popleft()
-            self._raise_if_flagged(step, self.host[slot])
+            self._raise_if_flagged(f"step {step}", self.host[slot])
 
-    def _raise_if_flagged(self, step: int, words) -> None:
+    def _raise_if_flagged(self, which: str, words) -> None:
+        """MoKError naming ``which`` step ("step 3") if ``words`` hold a problem."""
         msgs = [m for w in words for m in self.describe(w)]
         if msgs:
-            raise err.MoKError(f"step {step} of this layer (rank {self.rank}): "
-                               + "; ".join(msgs))
+            raise err.MoKError(f"{which} of this layer (rank {self.rank}): " + "; ".join(msgs))

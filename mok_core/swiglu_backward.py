@@ -128,27 +128,23 @@ def _kernel(routed):
 def launch_swiglu_backward(p, gate, up, hidden, d_gu, row_index, num_rows, *, limit=None,
                            route=None, stream=0):
     """Trusted launch (device views: uint16 [C, I] p / hidden, float32 [C, I] gate / up,
-    uint16 [C, 2I] d_gu,
-    int32 [C] row_index, int32 [1] num_rows). ``route``: None (shared expert: w = 1, p kept)
-    or ``(src_rank, src_token, src_slot, peer_router, peer_d_router, k)`` (routed: tuples over
-    ranks of float32 [T * k])."""
+    uint16 [C, 2I] d_gu, int32 [C] row_index, int32 [1] num_rows). ``route``: None (shared
+    expert: w = 1, p kept) or ``(src_rank, src_token, src_slot, peer_router, peer_d_router,
+    k)`` (routed: tuples over ranks of float32 [T * k])."""
     C, I = p.shape
     if C == 0:
         return
     lim = np.float32(np.inf if limit is None else limit)
-    if route is None:
-        dummy_i = row_index
-        dummy_f = (flat_view(num_rows, np.float32),)
-        args = (dummy_i, dummy_i, dummy_i, dummy_f, dummy_f, np.int64(1))
-    else:
-        src_rank, src_token, src_slot, peer_router, peer_d_router, k = route
-        args = (src_rank, src_token, src_slot, tuple(peer_router), tuple(peer_d_router),
-                np.int64(k))
+    routed = route is not None
+    if not routed:               # placeholders of the routed arguments (never read)
+        unread = (flat_view(num_rows, np.float32),)
+        route = (row_index, row_index, row_index, unread, unread, 1)
+    src_rank, src_token, src_slot, peer_router, peer_d_router, k = route
     blocks = min(C, 2 if SIM else 8 * multiprocessor_count())
     u32 = np.uint32
-    launch(_kernel(route is not None), blocks, THREADS, stream, 0, flat_view(p, u32),
-           flat_view(gate), flat_view(up), flat_view(hidden, u32),
-           flat_view(d_gu, u32), row_index, num_rows, *args[:5], np.int64(I), args[5], lim)
-
+    launch(_kernel(routed), blocks, THREADS, stream, 0,
+           flat_view(p, u32), flat_view(gate), flat_view(up), flat_view(hidden, u32),
+           flat_view(d_gu, u32), row_index, num_rows, src_rank, src_token, src_slot,
+           tuple(peer_router), tuple(peer_d_router), np.int64(I), np.int64(k), lim)
 
 __all__ = ["launch_swiglu_backward", "swiglu_grads"]
