@@ -230,7 +230,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
     import torch.distributed as dist
 
     import mok_torch
-    from benchmarks.baselines.torch_native import TorchNativeEP
+    from mok_testing.torch_native import TorchNativeEP
     from mok_core.config import MoKConfig, preset
     from mok_testing import synthetic
     R, me = dist.get_world_size(), dist.get_rank()

@@ -4,8 +4,8 @@
                      accumulate=False, stream=s)
 
 ``ctx`` is the ``ForwardContext`` of the step being differentiated (the layer's last forward:
-its schedule, gather index, token staging and SwiGLU output), ``d_out`` [T, H] uint16 (bf16
-bits) the gradient of the step's output, ``router_weights`` [T, k] float32 and ``weights`` the
+its T, schedule, gather index, token staging and SwiGLU output), ``d_out`` [T, H] uint16 (bf16
+bits) the gradient of the step's output (T the step's tokens, ``ctx.tokens``), ``router_weights`` [T, k] float32 and ``weights`` the
 step's (``Weights``). Returns ``Grads`` (shapes there). Every launch is on ``stream``; nothing
 waits for the host and no count leaves the GPU, so forward and backward can be captured in one
 CUDA graph.
@@ -94,10 +94,12 @@ def _grad_shapes(layer: Layer):
     return ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
 
 
-def check_grads(layer: Layer, grads, accumulate: bool) -> Grads:
+def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None) -> Grads:
     """Checked views of caller-owned gradient buffers (the layer's own when ``grads`` is None;
-    ``accumulate`` needs the caller's float32 buffers)."""
-    T, H, k = layer.tokens_per_rank, layer.shape.hidden, layer.shape.topk
+    ``accumulate`` needs the caller's float32 buffers); d_x and d_router_weights have
+    ``tokens`` rows (the step's T; default T_max)."""
+    T = layer.tokens_per_rank if tokens is None else tokens
+    H, k = layer.shape.hidden, layer.shape.topk
     I_s = layer.shape.shared_intermediate
     shapes = _grad_shapes(layer)
     if grads is None:
@@ -108,7 +110,7 @@ def check_grads(layer: Layer, grads, accumulate: bool) -> Grads:
         if g.grads is None:                 # once, outside any capture the caller may do
             g.grads = tuple(None if i < 3 and not I_s else device_empty(shp, np.uint16)
                             for i, shp in enumerate(shapes))
-        return Grads(g.d_x, g.d_router_out, *g.grads)
+        return Grads(g.d_x[:T], g.d_router_out[:T], *g.grads)
     if len(grads) != 8:
         raise TypeError(f"grads: expected 8 tensors ({', '.join(Grads._fields)}), got "
                         f"{len(grads)}")
@@ -135,7 +137,8 @@ def check_grads(layer: Layer, grads, accumulate: bool) -> Grads:
 def publish_d_out(layer: Layer, d_out, router_weights, stream):
     g = layer.grad
     dispatch.publish_x(g.comm, d_out, None, stream, tensor=err.NF_D_OUT)
-    device_copy(g.router, flat_view(router_weights), stream)
+    if router_weights.size:
+        device_copy(g.router[:router_weights.size], flat_view(router_weights), stream)
 
 
 def _nan_check(layer: Layer, tensor: int) -> dict:
@@ -269,10 +272,10 @@ def expert_backward(layer: Layer, W: Weights, G: Grads, accumulate, shared: bool
 
 
 def backward_epilogue(layer: Layer, G: Grads, stream):
-    g, T = layer.grad, layer.tokens_per_rank
+    g, T = layer.grad, G.d_x.shape[0]
     d_x_s = g.d_x_s[:T] if layer.shape.shared_intermediate else None
-    combine.epilogue(g.comm, g.ones, G.d_x, d_x_s, stream)
-    combine.router_grads(layer.ids32, g.d_router, G.d_router_weights, stream)
+    combine.epilogue(g.comm, g.ones[:T], G.d_x, d_x_s, stream)
+    combine.router_grads(layer.ids32[:T], g.d_router, G.d_router_weights, stream)
 
 
 # --- phases ---------------------------------------------------------------------------------
@@ -285,12 +288,12 @@ def backward_phases(layer: Layer, ctx: ForwardContext, d_out, router_weights, we
     if not isinstance(ctx, ForwardContext) or ctx.schedule is not layer.schedule:
         raise ValueError("ctx: expected the ForwardContext of this layer's last forward "
                          "(layer.context())")
-    T, H, k = layer.tokens_per_rank, layer.shape.hidden, layer.shape.topk
+    T, H, k = ctx.tokens, layer.shape.hidden, layer.shape.topk
     d_out = as_device_array(d_out, "d_out", dtype=np.uint16, shape=(T, H))
     router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
                                      shape=(T, k))
     W = check_weights(layer, weights)
-    G = check_grads(layer, grads, accumulate)
+    G = check_grads(layer, grads, accumulate, T)
     layer.errors.poll(stream=stream)
     shared = []
     if layer.shape.shared_intermediate:

@@ -119,10 +119,10 @@ def check_y(ws, y):
     return as_device_array(y, "y", dtype=np.uint16, shape=(ws.capacity, ws.hidden))
 
 
-def check_epilogue(ws, router_weights, out, y_shared=None):
+def check_epilogue(ws, router_weights, out, y_shared=None, tokens=None):
     """(router_weights, out, y_shared) as device views, checked: float32 [T, k], uint16 [T, H]
-    and uint16 [T, H] (or None)."""
-    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    and uint16 [T, H] (or None); T = ``tokens``, default T_max."""
+    T, H, k = ws.tokens_per_rank if tokens is None else tokens, ws.hidden, ws.topk
     w = as_device_array(router_weights, "router_weights", dtype=np.float32, shape=(T, k))
     out = as_device_array(out, "out", dtype=np.uint16, shape=(T, H))
     if y_shared is not None:
@@ -139,8 +139,9 @@ def combine(ws, schedule, y, stream=0) -> None:
 
 def epilogue(ws, router_weights, out, y_shared=None, stream=0) -> None:
     """out = y_shared + sum_j w_j * y_j (device views: router_weights float32 [T, k], out
-    uint16 [T, H], y_shared uint16 [T, H] or None), after the combine's barrier."""
-    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    uint16 [T, H], y_shared uint16 [T, H] or None; T <= T_max, the step's tokens), after the
+    combine's barrier."""
+    T, H, k = out.shape[0], ws.hidden, ws.topk
     has_shared = y_shared is not None
     ys = y_shared if has_shared else out
     if T == 0:

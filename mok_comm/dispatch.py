@@ -217,10 +217,10 @@ def gather_index_kernel(src_rank, src_token, T, out):
 
 # ---- host --------------------------------------------------------------------------------
 
-def check_x(ws, x, router_weights=None):
+def check_x(ws, x, router_weights=None, tokens=None):
     """(x, router_weights) as device views, checked: uint16 (bf16 bits) [T, H] and float32
-    [T, k] (or None)."""
-    T, H, k = ws.tokens_per_rank, ws.hidden, ws.topk
+    [T, k] (or None); T = ``tokens``, default T_max."""
+    T, H, k = ws.tokens_per_rank if tokens is None else tokens, ws.hidden, ws.topk
     x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H))
     if router_weights is not None:
         router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
@@ -229,11 +229,12 @@ def check_x(ws, x, router_weights=None):
 
 
 def publish_x(ws, x, router_weights=None, stream=0, tensor=err.NF_X) -> None:
-    """Copy this rank's tokens (uint16 [T, H]) into its slice of the symmetric staging buffer
-    and record NaN/Inf in x (as tensor id ``tensor``: the backward publishes d_out) and the
-    router weights (float32 [T, k], or None) in the error word (count and first token per
-    tensor). A barrier must follow before any peer's dispatch."""
-    T, H = ws.tokens_per_rank, ws.hidden
+    """Copy this rank's tokens (uint16 [T, H], T <= T_max) into the first rows of its slice of
+    the symmetric staging buffer and record NaN/Inf in x (as tensor id ``tensor``: the
+    backward publishes d_out) and the router weights (float32 [T, k], or None) in the error
+    word (count and first token per tensor). A barrier must follow before any peer's
+    dispatch."""
+    T, H = x.shape[0], ws.hidden
     w = router_weights if router_weights is not None else ws.errors[:0].view(np.float32)
     if T == 0:
         return

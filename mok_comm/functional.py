@@ -7,12 +7,16 @@ on ``stream``; nothing waits for the host and no count leaves the GPU, so a step
 in a CUDA graph. Inputs (per rank; bf16 as uint16 bits):
 
     x [T, H] uint16, topk_ids [T, k] int32 or int64 (-1 = masked route), router_weights [T, k]
-    float32, weights: ``Weights`` (shapes there), out [T, H] uint16 (default: ``layer.out``).
+    float32, weights: ``Weights`` (shapes there), out [T, H] uint16 (default: ``layer.out``'s
+    first T rows). T is x's rows, any 0 <= T <= T_max (``layer.tokens_per_rank``), different
+    per rank and per step; the count reaches the other ranks as masked rows of the routing
+    table (``mok_comm.routing``), so no count crosses and nothing waits for one.
 
 The phases (``step_phases``), the only cross-rank synchronisation being the barriers:
 
-    0 publish     ids -> row ``rank`` of every rank's ids table; x -> this rank's token
-                  staging slice ``x_buf`` (NaN/Inf in x and router_weights counted)  | barrier |
+    0 publish     ids -> row ``rank`` of every rank's ids table (-1 past T); x -> this rank's
+                  token staging slice ``x_buf`` (NaN/Inf in x and router_weights counted);
+                  the shared expert's rows for T (``token_rows``)                    | barrier |
     1 schedule    this rank's schedule from the complete ids table; with
                   ``dispatch="pull"`` also the shared expert FFN on ``x_buf``         | barrier |
     2 experts     dispatch (``"split"``: the copy engine starts, the shared expert FFN runs on
@@ -46,7 +50,7 @@ import numpy as np
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array
 from mok_core.gemm import launch_down, launch_gate_up_swiglu
-from mok_core.schedule import build_schedule
+from mok_core.schedule import build_schedule, token_rows
 
 from . import combine, dispatch, routing
 from .barrier import barrier
@@ -55,20 +59,33 @@ from .layer import ForwardContext, Layer, Weights
 
 class StepInputs(NamedTuple):
     """One step's checked device views of the caller's tensors."""
+    tokens: int               # T
     topk_ids: object          # int32 or int64 [T, k]
     x: object                 # uint16 [T, H]
     router_weights: object    # float32 [T, k]
     out: object               # uint16 [T, H]
 
 
+def step_tokens(layer: Layer, x, name: str = "x") -> int:
+    """T, the rows of ``x`` ([T, H]); ValueError past the layer's T_max."""
+    shape = getattr(x, "shape", None)
+    T = shape[0] if shape is not None and len(shape) == 2 else None
+    if T is not None and T > layer.tokens_per_rank:
+        raise ValueError(f"{name}: {T} tokens on rank {layer.rank}, but the layer holds at most "
+                         f"tokens_per_rank={layer.tokens_per_rank} (T_max: build it with the "
+                         "largest count a step brings)")
+    return layer.tokens_per_rank if T is None else int(T)   # (the shape check names it)
+
+
 def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInputs:
-    """Checked zero-copy views of a step's tensors (TypeError / ValueError naming the tensor)."""
-    ids = routing.check_ids(layer.comm, topk_ids)
-    x, router_weights = dispatch.check_x(layer.comm, x, router_weights)
-    T, H = layer.tokens_per_rank, layer.shape.hidden
-    return StepInputs(ids, x, router_weights,
-                      layer.out if out is None else as_device_array(out, "out", dtype=np.uint16,
-                                                                    shape=(T, H)))
+    """Checked zero-copy views of a step's tensors (TypeError / ValueError naming the tensor);
+    T is x's rows."""
+    T, H = step_tokens(layer, x), layer.shape.hidden
+    x, router_weights = dispatch.check_x(layer.comm, x, router_weights, T)
+    ids = routing.check_ids(layer.comm, topk_ids, T)
+    return StepInputs(T, ids, x, router_weights,
+                      layer.out[:T] if out is None else as_device_array(
+                          out, "out", dtype=np.uint16, shape=(T, H)))
 
 
 def check_weights(layer: Layer, weights) -> Weights:
@@ -95,6 +112,13 @@ def publish_ids(layer: Layer, ids, stream):
 
 def publish_x(layer: Layer, x, router_weights, stream):
     dispatch.publish_x(layer.comm, x, router_weights, stream)
+
+
+def shared_rows(layer: Layer, tokens: int, stream):
+    """The shared expert's rows: this rank's first ``tokens`` tokens, in order."""
+    if layer.shape.shared_intermediate:
+        token_rows(layer.shared_index, layer.shared_offsets, layer.shared_rows, tokens,
+                   layer.shared_unit, stream)
 
 
 def schedule(layer: Layer, stream):
@@ -167,7 +191,7 @@ def combine_rows(layer: Layer, stream):
 
 
 def epilogue(layer: Layer, router_weights, out, stream):
-    T = layer.tokens_per_rank
+    T = out.shape[0]
     y_shared = layer.y_shared[:T] if layer.shape.shared_intermediate else None
     combine.epilogue(layer.comm, router_weights, out, y_shared, stream)
 
@@ -182,11 +206,12 @@ def _trap_checks(layer: Layer, stream):
 def io_phases(layer: Layer, inputs: StepInputs, stream=0):
     """(phase 0, phase 3): the launches that read the caller's tensors, and the step's error
     report (cleared first, copied to the host last). A problem an earlier step recorded is
-    raised here, before anything launches."""
+    raised here, before anything launches. The layer's ``tokens`` becomes this step's T."""
     layer.errors.poll(stream=stream)
+    layer.tokens = inputs.tokens
     p0 = [partial(layer.errors.begin, stream), partial(publish_ids, layer, inputs.topk_ids, stream),
           partial(publish_x, layer, inputs.x, inputs.router_weights, stream),
-          *_trap_checks(layer, stream)]
+          partial(shared_rows, layer, inputs.tokens, stream), *_trap_checks(layer, stream)]
     p3 = [partial(epilogue, layer, inputs.router_weights, inputs.out, stream),
           *_trap_checks(layer, stream), partial(layer.errors.end, stream)]
     return p0, p3
@@ -260,8 +285,8 @@ def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, str
     """One step of the MoE layer on this rank (shapes: module docstring).
 
     Returns:
-        (out uint16 [T, H], ForwardContext). ``out`` defaults to ``layer.out`` (overwritten by
-        the next step); pass ``out=`` to keep results.
+        (out uint16 [T, H], ForwardContext). ``out`` defaults to ``layer.out``'s first T rows
+        (overwritten by the next step); pass ``out=`` to keep results.
     Raises:
         TypeError / ValueError for a wrong dtype, shape or device, before any launch (at EP > 1
         a rank that refuses its inputs launches nothing, so no peer waits at a barrier it
@@ -274,6 +299,6 @@ def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, str
     return out, layer.context()
 
 
-__all__ = ["StepInputs", "check_inputs", "check_weights", "core_phases", "forward", "io_phases",
+__all__ = ["StepInputs", "check_inputs", "step_tokens", "check_weights", "core_phases", "forward", "io_phases",
            "recompute_forward_context", "recompute_phases", "run_core", "run_phases",
            "step_phases"]

@@ -10,21 +10,29 @@ A step is ``mok_comm.functional.forward``: four phases separated by device-side 
 phases and their ordering duties are documented there). Everything the step needs lives here,
 allocated once from shapes alone, so a step launches kernels and nothing else.
 
-Buffers (per rank; T tokens, H hidden, I / I_s routed / shared intermediate, k top-k,
+Tokens: ``tokens_per_rank`` is T_max, what the buffers hold; each step may bring any
+0 <= T <= T_max tokens on each rank (different per rank and per step) with no reallocation
+and no recapture: the routing table masks the rows past T (``mok_comm.routing``) and phase 0
+writes the shared expert's rows for T on the device (``mok_core.schedule.token_rows``).
+
+Buffers (per rank; T = T_max below, H hidden, I / I_s routed / shared intermediate, k top-k,
 C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
 
     comm            the symmetric ``Workspace`` (token staging, ids table, combine rows, barrier
                     flags, error word)
     schedule        this rank's ``Schedule`` (rebuilt on the device every step)
     ids32           int32 [T, k]      ids checked (int64 narrowed) on the device before the
-                                      all-gather
+                                      all-gather (-1 past the step's tokens)
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
     peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
-    shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past T)
+    shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past the step's
+                                      tokens), with shared_offsets [2] and shared_rows [1]:
+                                      the shared expert's schedule, written every step
     hidden_shared   uint16 [T_pad, I_s], y_shared uint16 [T_pad, H]: the shared expert FFN
-    out             uint16 [T, H]     the default output (overwritten by the next step)
+    out             uint16 [T, H]     the default output (its first rows; overwritten by the
+                                      next step)
 
 ``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
 step: ``ForwardContext`` hands them to the backward. With ``backward=True`` the layer also
@@ -74,6 +82,7 @@ class Weights(NamedTuple):
 
 class ForwardContext(NamedTuple):
     """What the backward needs from a step; views into the layer, valid until its next step."""
+    tokens: int               # the step's T
     schedule: Schedule
     gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
     x_recv: object            # uint16 [R*T, H] token staging
@@ -227,7 +236,8 @@ class Layer:
     Arguments:
         shape: the model's ``LayerShape`` (``shape.ep_size`` ranks, one per process, or
             emulated ranks on one ``EmulatedHeap``).
-        tokens_per_rank: T, tokens every rank brings to each step.
+        tokens_per_rank: T_max, the most tokens a rank brings to a step (each step may bring
+            any 0 <= T <= T_max, different per rank).
         config: the ``MoKConfig``.
         heap: where the symmetric buffers live (``LocalHeap`` at EP 1, ``NvshmemHeap``, or an
             emulated rank's heap). Collective on NVSHMEM: every rank constructs alike.
@@ -270,16 +280,17 @@ class Layer:
         u16, i32 = np.uint16, np.int32
         unit = math.lcm(gemm.bm, gemm_down.bm)           # the shared expert's rows, both GEMMs
         T_pad = max(unit, -(-T // unit) * unit)
-        rows = np.arange(T_pad)
         self.ids32 = device_empty((T, k), i32, stream)
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
         # the fused combine's destinations: every rank's combine rows as packed bf16 pairs
         self.peer_combine32 = tuple(flat_view(p, np.uint32) for p in self.comm.peer_combine)
-        self.shared_index = upload(np.where(rows < T, rows, -1).astype(i32), stream)
-        self.shared_offsets = upload(np.array([0, T_pad], i32), stream)
-        self.shared_rows = upload(np.array([T_pad], i32), stream)
+        self.shared_unit = unit
+        self.shared_index = device_full((T_pad,), -1, i32, stream)   # (token_rows fills them)
+        self.shared_offsets = device_full((2,), 0, i32, stream)
+        self.shared_rows = device_full((1,), 0, i32, stream)
+        self.tokens = T                   # the last step's T (host-side, set as it launches)
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
@@ -327,8 +338,8 @@ class Layer:
 
     def context(self) -> ForwardContext:
         """The forward context of the last step run on this layer."""
-        return ForwardContext(self.schedule, self.gather_index, self.comm.x_recv, self.hidden,
-                              self.hidden_shared)
+        return ForwardContext(self.tokens, self.schedule, self.gather_index, self.comm.x_recv,
+                              self.hidden, self.hidden_shared)
 
     def check(self, stream=0) -> None:
         """Wait for every step in flight and raise ``MoKError`` for the first one that recorded

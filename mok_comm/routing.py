@@ -1,7 +1,7 @@
 """Routing all-gather: every rank learns every rank's top-k expert ids.
 
 Roles: each rank pushes its ids [T, k] (int32, -1 = masked route) into row ``rank`` of every
-rank's ``Workspace.ids_table`` (symmetric int32 [R, T, k]) with direct stores over NVLink
+rank's ``Workspace.ids_table`` (symmetric int32 [R, T_max, k]) with direct stores over NVLink
 (``check_and_publish_ids`` in a layer step, ``publish_ids`` for int32 ids checked elsewhere).
 Ordering duty (the caller's): a ``barrier`` after the push, before anything reads the table --
 the schedule reads all of it. No multicast (off on our hosts), no host round trip.
@@ -20,6 +20,11 @@ after a barrier each rank compares every row with its own (``compare_fingerprint
 difference sets ERR_RANK_MISMATCH, with the first differing field (smallest field, then
 smallest rank) and both values, in the error word, which the host checks once, at layer
 creation.
+
+Variable tokens: a rank may bring any T <= T_max (``tokens_per_rank``) tokens to a step;
+``check_and_publish_ids`` writes its T rows and -1 (masked) in the rows T..T_max-1, so the
+count reaches the other ranks as masked routes in the table -- no count crosses on its own and
+nothing downstream needs one.
 
 ``publish_ids`` and ``check_and_publish_ids`` are trusted: they take device views already
 checked (``check_ids`` checks a direct caller's ids once).
@@ -49,23 +54,25 @@ def push_ids_kernel(me, ids, peer_tables):
 
 
 @kjit
-def check_push_ids_kernel(me, ids, ids32, k, num_experts, peer_tables, errors):
+def check_push_ids_kernel(me, ids, n, ids32, k, num_experts, peer_tables, errors):
     """Launch: any 1-D grid; every thread of every block runs to the end (``finish_bad_ids``).
 
-    ids          int32 or int64 [n]   this rank's ids, n = T*k
-    ids32        int32 [n]            out: the checked ids, narrowed
-    peer_tables  tuple of int32 [R*n] out: row ``me`` of every rank's ids table, the same
+    ids          int32 or int64 [>= n] this rank's ids, n = T*k (the first n are read)
+    ids32        int32 [N]             out: the checked ids, narrowed; -1 past n (N = T_max*k)
+    peer_tables  tuple of int32 [R*N]  out: row ``me`` of every rank's ids table, the same
     A bad id is recorded (``record_bad_id``) and becomes ``ID_REPORTED`` in both outputs."""
-    n = ids.shape[0]
-    base = me * n
+    N = ids32.shape[0]
+    base = me * N
     i = cuda.grid(1)
-    while i < n:
-        v = ids[i]
-        v32 = int32(err.ID_REPORTED)
-        if v >= -1 and v < num_experts:
-            v32 = int32(v)
-        else:
-            record_bad_id(errors, me, num_experts, i)
+    while i < N:
+        v32 = int32(-1)
+        if i < n:
+            v = ids[i]
+            v32 = int32(err.ID_REPORTED)
+            if v >= -1 and v < num_experts:
+                v32 = int32(v)
+            else:
+                record_bad_id(errors, me, num_experts, i)
         ids32[i] = v32
         for p in range(len(peer_tables)):
             peer_tables[p][base + i] = v32
@@ -113,9 +120,11 @@ def compare_fingerprints_kernel(me, table, errors):
         cuda.atomic.or_(errors, err.FLAGS, err.ERR_RANK_MISMATCH)
 
 
-def check_ids(ws, topk_ids):
-    """``topk_ids`` as a device view, checked: [T, k], int32 or int64 (raises otherwise)."""
-    ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(ws.tokens_per_rank, ws.topk))
+def check_ids(ws, topk_ids, tokens=None):
+    """``topk_ids`` as a device view, checked: [tokens, k] (default T_max), int32 or int64
+    (raises otherwise)."""
+    T = ws.tokens_per_rank if tokens is None else tokens
+    ids = as_device_array(topk_ids, "topk_ids", ndim=2, shape=(T, ws.topk))
     if np.dtype(ids.dtype) not in (np.int32, np.int64):
         raise TypeError(f"topk_ids: expected dtype int32 or int64, got {np.dtype(ids.dtype)}")
     return ids
@@ -132,14 +141,15 @@ def publish_ids(ws, ids32, stream=0) -> None:
 
 
 def check_and_publish_ids(ws, ids, ids32, stream=0) -> None:
-    """Check this rank's ids (int32 or int64 [T, k] device view), write them as int32 into
-    ``ids32`` (int32 [T, k]) and push them into row ``rank`` of every rank's ids table, in one
-    launch: bad ids are recorded in ``ws.errors`` and become ``ID_REPORTED`` (module
-    docstring). A barrier must follow before the table is read."""
-    n = ids.size
-    if n:
-        launch(check_push_ids_kernel, min(256, -(-n // COPY_THREADS)), COPY_THREADS, stream, 0,
-               ws.rank, ids.reshape(n), ids32.reshape(n), ws.topk, ws.num_experts,
+    """Check this rank's ids (int32 or int64 [T, k] device view, T <= T_max), write them as
+    int32 into ``ids32`` (int32 [T_max, k]; -1 past T) and push them into row ``rank`` of every
+    rank's ids table, in one launch: bad ids are recorded in ``ws.errors`` and become
+    ``ID_REPORTED`` (module docstring). A barrier must follow before the table is read."""
+    n, N = ids.size, ids32.size
+    if N:
+        flat_ids = ids.reshape(n) if n else ids32.reshape(N)     # (nothing read when T = 0)
+        launch(check_push_ids_kernel, min(256, -(-N // COPY_THREADS)), COPY_THREADS, stream, 0,
+               ws.rank, flat_ids, np.int64(n), ids32.reshape(N), ws.topk, ws.num_experts,
                ws.peer_ids_table, ws.errors)
 
 

@@ -19,6 +19,10 @@ layer step the source rank has checked its ids already and replaced a bad one wi
 ``errors.ID_REPORTED``, which is skipped here without a second report; this check is the
 backstop for tables built without it.)
 
+``token_rows`` is the trivial schedule of a rank's own tokens for one expert (the shared
+expert's): rows in token order, padded to the GEMMs' row unit, written on the device from this
+step's token count so a captured step serves any count.
+
 Host launch glue only; the device bodies are in ``mok_core.schedule_kernels``.
 """
 from __future__ import annotations
@@ -32,10 +36,10 @@ from .config import MoKConfig
 from .cuda_compat import SIM, as_device_array, device_empty, launch, to_host, upload
 from .errors_kernels import reset_error_word
 from .schedule_kernels import (count_routes_kernel, expert_offsets_kernel, place_routes_kernel,
-                               scan_chunks_kernel)
+                               scan_chunks_kernel, token_rows_kernel)
 from .schedule_reference import build_schedule_numpy
 
-__all__ = ["Schedule", "build_schedule", "build_schedule_numpy"]
+__all__ = ["Schedule", "build_schedule", "build_schedule_numpy", "token_rows"]
 
 # Threads per schedule block = tokens per chunk. The simulator runs each thread as a Python
 # thread, so it gets small blocks; the result does not depend on this (tests check).
@@ -219,3 +223,15 @@ def schedule_launches(schedule: Schedule, topk_ids_all, *, rank_tokens=None, str
 
     return [("reset", reset), ("count_routes", count), ("scan_chunks", scan),
             ("expert_offsets", offsets), ("place_routes", place)]
+
+
+def token_rows(index, offsets, num_rows, tokens: int, unit: int, stream=0) -> None:
+    """The one-expert schedule of this rank's first ``tokens`` tokens, in order: ``index``
+    (int32 [T_pad]) row -> token, -1 from ``tokens`` on; ``offsets`` (int32 [2]) = [0, rows]
+    and ``num_rows`` (int32 [1]) = rows, ``tokens`` rounded up to ``unit`` (<= T_pad)."""
+    if not 0 <= tokens <= index.shape[0] or -(-tokens // unit) * unit > index.shape[0]:
+        raise ValueError(f"tokens={tokens}: must be in [0, {index.shape[0]}] (rounded up to "
+                         f"{unit}, within the index)")
+    blocks = 1 if SIM else max(1, min(64, -(-index.shape[0] // 256)))
+    launch(token_rows_kernel, blocks, 32 if SIM else 256, stream, 0, np.int64(tokens),
+           np.int64(unit), index, offsets, num_rows)

@@ -287,3 +287,19 @@ def place_routes_kernel(ids, rank_tokens, me, experts_per_rank, chunk_base, rank
                 src_slot[row] = s
                 cuda.atomic.add(minibatch_rows, row // minibatch_size, 1)
             recv_row[r, t, s] = row if d == me else -1
+
+
+@kjit
+def token_rows_kernel(tokens, unit, index, offsets, num_rows):
+    """Launch: any 1-D grid. The one-expert schedule of a rank's own tokens (the shared
+    expert's): index int32 [T_pad] row -> token (r < tokens, else -1); offsets int32 [2] =
+    [0, rows], num_rows int32 [1] = rows, rows = tokens rounded up to ``unit``."""
+    i = cuda.grid(1)
+    while i < index.shape[0]:
+        index[i] = i if i < tokens else -1
+        i += cuda.gridsize(1)
+    if cuda.grid(1) == 0:
+        rows = (tokens + unit - 1) // unit * unit
+        offsets[0] = 0
+        offsets[1] = rows
+        num_rows[0] = rows

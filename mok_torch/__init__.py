@@ -10,14 +10,16 @@ interface), kernels launched on torch's current stream.
     step = layer.compile(weights)                                       # CUDA-graph fast path
     out = step(x, topk_ids, router_weights)                             # == the eager step
 
-For ``torch.compile`` the step is one opaque custom op (``mok_torch.op``):
+Autograd and ``torch.compile``: the step and its backward are custom ops (``mok_torch.op``):
 
-    handle = mok_torch.register_layer(layer)
-    out = torch.ops.mok.moe_forward(x, topk_ids, router_weights, *weights, handle)
+    out = mok_torch.moe(layer, x, topk_ids, router_weights, weights)   # differentiable
+    block = mok_torch.MoEBlock(hidden, intermediate, shared_intermediate, num_experts, topk,
+                               max_tokens=4096)                         # router + experts
 """
 from .graphed import CompiledStep
 from .layer import Grads, Layer, Weights
-from .op import moe_forward, register_layer, unregister_layer
+from .module import MoEBlock, Router
+from .op import moe, moe_backward, moe_forward, register_layer, unregister_layer
 
-__all__ = ["CompiledStep", "Grads", "Layer", "Weights", "moe_forward", "register_layer",
-           "unregister_layer"]
+__all__ = ["CompiledStep", "Grads", "Layer", "MoEBlock", "Router", "Weights", "moe", "moe_backward", "moe_forward",
+           "register_layer", "unregister_layer"]

@@ -45,7 +45,7 @@ import torch
 from mok_comm import functional as F
 from mok_core.cuda_compat import SIM
 
-from .layer import Layer, Weights, current_stream, tensor_view, weight_views
+from .layer import Layer, Weights, current_stream, inputs_key, tensor_view, weight_views
 
 
 class CompiledStep:
@@ -99,11 +99,12 @@ class CompiledStep:
     def step(self, x: torch.Tensor, topk_ids: torch.Tensor,
              router_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int64/int32 (-1 = masked), router_weights [T, k] f32
-        -> out [T, H] bf16, a fresh tensor. Everything is checked before anything launches."""
+        -> out [T, H] bf16, a fresh tensor; any 0 <= T <= T_max, the same graph (phase 0
+        writes T's rows on the device). Everything is checked before anything launches."""
         layer = self.layer
         s = current_stream()
         xb = tensor_view(x, "x")
-        out = torch.empty((layer.tokens_per_rank, layer.shape.hidden), dtype=torch.bfloat16,
+        out = torch.empty((F.step_tokens(layer, xb), layer.shape.hidden), dtype=torch.bfloat16,
                           device=xb.device)
         inputs = F.check_inputs(layer, xb, tensor_view(topk_ids, "topk_ids",
                                                        (torch.int64, torch.int32)),
@@ -111,6 +112,7 @@ class CompiledStep:
                                 out.view(torch.uint16))
         if self._signature() != self._sig:                 # a weight tensor was replaced
             self._prepare()
+        layer.step_key = inputs_key(x, topk_ids, router_weights, self._weights)
         publish, epilogue = F.io_phases(layer, inputs, s)
         F.run_phases([publish], layer, s)
         if SIM:

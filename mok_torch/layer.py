@@ -34,19 +34,20 @@ def current_stream():
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
-def tensor_view(t, name, dtypes=(torch.bfloat16,)):
+def tensor_view(t, name, dtypes=(torch.bfloat16,), *, manual=True):
     """``t`` after torch-side checks (a tensor of one of ``dtypes``, on this process's device,
-    contiguous, not requiring grad); bf16 as its uint16 bits. Shapes are checked by
-    ``mok_comm.functional``."""
+    contiguous; for the manual API (``manual``) not requiring grad); bf16 as its uint16 bits.
+    Shapes are checked by ``mok_comm.functional``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name}: requires_grad=True, but the layer does not record autograd "
-                         "graphs: call it under torch.no_grad() or pass a detached tensor, and "
-                         "get gradients from layer.backward(ctx, d_out, ...)")
+    if manual and t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: requires_grad=True, but layer.forward / layer.backward are "
+                         "the manual API and record no autograd graph: call layer(...), "
+                         "mok_torch.moe(...) or use mok_torch.MoEBlock for autograd, or pass "
+                         "detached tensors")
     want = "cpu" if SIM else "cuda"
     if t.device.type != want:
         raise ValueError(f"{name}: expected a {want} tensor, got one on {t.device}")
@@ -55,17 +56,26 @@ def tensor_view(t, name, dtypes=(torch.bfloat16,)):
                          f"cuda:{torch.cuda.current_device()}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
+    t = t.detach()                      # (the same storage; DLPack exports no autograd tensor)
     return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
 
 
-def weight_views(layer: L.Layer, weights):
+def weight_views(layer: L.Layer, weights, *, manual=True):
     """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none)."""
     if len(weights) != 6:
         raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), got "
                         f"{len(weights)}")
     shared = bool(layer.shape.shared_intermediate)
-    return Weights(*(tensor_view(w, n) if shared or i >= 3 else None
+    return Weights(*(tensor_view(w, n, manual=manual) if shared or i >= 3 else None
                      for i, (w, n) in enumerate(zip(weights, Weights._fields))))
+
+
+def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
+    """What identifies a step's inputs among live tensors: storage, geometry and version of
+    each (two live tensors never share storage, so equal keys mean the same step)."""
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
+                                         t._version)
+                 for t in (x, topk_ids, router_weights, *weights))
 
 
 def _heap(shape: LayerShape):
@@ -94,27 +104,53 @@ class Layer(L.Layer):
                          gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward,
                          stream=current_stream())
 
-    def forward(self, x, topk_ids, router_weights, weights):
+    def forward(self, x, topk_ids, router_weights, weights, *, manual: bool = True):
         """One step: x [T, H] bf16, topk_ids [T, k] int64 or int32 (-1 = masked route),
         router_weights [T, k] float32, ``weights`` (``Weights``: bf16, this rank's experts).
-        Returns (out [T, H] bf16 -- a fresh tensor, ForwardContext)."""
-        xb = tensor_view(x, "x")
-        out = torch.empty((self.tokens_per_rank, self.shape.hidden), dtype=torch.bfloat16,
+        T may differ per call and per rank, 0 <= T <= tokens_per_rank (T_max).
+        Returns (out [T, H] bf16 -- a fresh tensor, ForwardContext). The manual API: tensors
+        requiring grad are refused (``manual=False``: the autograd op's own call)."""
+        xb = tensor_view(x, "x", manual=manual)
+        out = torch.empty((F.step_tokens(self, xb), self.shape.hidden), dtype=torch.bfloat16,
                           device=xb.device)
+        self.step_key = None                    # the buffers change: no step's context now
         F.forward(self, xb, tensor_view(topk_ids, "topk_ids", (torch.int64, torch.int32)),
-                  tensor_view(router_weights, "router_weights", (torch.float32,)),
-                  weight_views(self, weights),
+                  tensor_view(router_weights, "router_weights", (torch.float32,),
+                              manual=manual),
+                  weight_views(self, weights, manual=manual),
                   out=out.view(torch.uint16), stream=current_stream())
+        self.step_key = inputs_key(x, topk_ids, router_weights, weights)
         return out, self.context()
 
+    def recompute_context(self, x, topk_ids, router_weights, weights):
+        """The ``ForwardContext`` of the step these inputs made, rebuilt bit for bit
+        (``mok_comm.functional.recompute_forward_context``: activation checkpointing, or a
+        backward after another step of this layer)."""
+        self.step_key = None
+        ctx = F.recompute_forward_context(
+            self, tensor_view(x, "x", manual=False),
+            tensor_view(topk_ids, "topk_ids", (torch.int64, torch.int32)),
+            tensor_view(router_weights, "router_weights", (torch.float32,), manual=False),
+            weight_views(self, weights, manual=False), stream=current_stream())
+        self.step_key = inputs_key(x, topk_ids, router_weights, weights)
+        return ctx
+
+    def context_for(self, x, topk_ids, router_weights, weights):
+        """The ``ForwardContext`` of the step these inputs made: the layer's own when its last
+        step was that one, else recomputed (``recompute_context``). Every rank calls the
+        layer in the same order, so every rank decides alike (the recompute is collective)."""
+        if getattr(self, "step_key", None) == inputs_key(x, topk_ids, router_weights, weights):
+            return self.context()
+        return self.recompute_context(x, topk_ids, router_weights, weights)
+
     def backward(self, ctx, d_out, router_weights, weights, *, grads=None,
-                 accumulate: bool = False) -> Grads:
+                 accumulate: bool = False, manual: bool = True) -> Grads:
         """The gradients of the step ``ctx`` came from (``mok_comm.backward.backward``): d_out
         [T, H] bf16, the step's router weights and ``weights``. Returns ``Grads`` of fresh
         tensors (bf16; d_router_weights float32), or fills ``grads`` (a ``Grads`` of the
         caller's tensors: bf16, or float32 weight gradients, which ``accumulate`` adds into)."""
-        T, H, k = self.tokens_per_rank, self.shape.hidden, self.shape.topk
-        d_out = tensor_view(d_out, "d_out")
+        T, H, k = ctx.tokens, self.shape.hidden, self.shape.topk
+        d_out = tensor_view(d_out, "d_out", manual=manual)
         if grads is None:
             dev, bf = d_out.device, torch.bfloat16
             shapes = B._grad_shapes(self)
@@ -127,12 +163,19 @@ class Layer(L.Layer):
                         tensor_view(g, f"grads.{n}", (torch.bfloat16, torch.float32))
                         for g, n in zip(grads, Grads._fields)))
         B.backward(self, ctx, d_out, tensor_view(router_weights, "router_weights",
-                                                 (torch.float32,)),
-                   weight_views(self, weights), grads=views, accumulate=accumulate,
-                   stream=current_stream())
+                                                 (torch.float32,), manual=manual),
+                   weight_views(self, weights, manual=manual), grads=views,
+                   accumulate=accumulate, stream=current_stream())
         return Grads(*grads)
 
     def __call__(self, x, topk_ids, router_weights, weights) -> torch.Tensor:
+        """out [T, H]; with grad enabled and an input requiring grad, through autograd
+        (``mok_torch.moe``), else the step alone."""
+        if torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (x, router_weights, *weights)):
+            from .op import moe
+            return moe(self, x, topk_ids, router_weights, weights)
         return self.forward(x, topk_ids, router_weights, weights)[0]
 
     def compile(self, weights) -> "CompiledStep":
@@ -142,4 +185,5 @@ class Layer(L.Layer):
         return CompiledStep(self, weights)
 
 
-__all__ = ["Grads", "Layer", "Weights", "current_stream", "tensor_view", "weight_views"]
+__all__ = ["Grads", "Layer", "Weights", "current_stream", "inputs_key", "tensor_view",
+           "weight_views"]

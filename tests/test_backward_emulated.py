@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import to_dev
-from layer_support import bf16_round, layer_inputs, rel_l1
+from layer_support import bf16_round, layer_inputs, reference_out, rel_l1
 from mok_comm.backward import Grads, backward_phases
 from mok_comm.emulation import emulated_layers, run_steps
 from mok_comm.functional import step_phases
@@ -163,6 +163,59 @@ def test_accumulate_twice_is_twice_once():
     check_grads(once, inp, d_out, inp["ids"], None)
 
 
+def test_variable_tokens_per_rank():
+    """One layer sized for T_max = 16 serves steps of 5 and 16 tokens, then 0 and 1 (different
+    per rank, no reallocation): outputs and all 8 gradients equal the float64 reference of the
+    T_max problem with the missing tokens masked and their d_out zero, so rows staged by an
+    earlier step (or never written) contribute nothing."""
+    R, T_max = 2, 16
+    shape, inp, d_out = inputs(R, T_max, seed=21)
+    lws = emulated_layers(shape, T_max, CFG, SIM_GEMM)
+    E_l = shape.experts_per_rank
+    W = [rank_weights(inp, r, E_l) for r in range(R)]
+    for counts in ((5, 16), (0, 1)):
+        outs = [to_dev(np.full((T, shape.hidden), 0x7FC0, np.uint16)) for T in counts]
+        run_steps(lws, [step_phases(lw, to_dev(u16(inp["x"][r][:T])),
+                                    to_dev(inp["ids"][r][:T]), to_dev(inp["w"][r][:T]), W[r],
+                                    out=outs[r])[0]
+                        for r, (lw, T) in enumerate(zip(lws, counts))])
+        phases, grads = [], []
+        for r, (lw, T) in enumerate(zip(lws, counts)):
+            assert lw.context().tokens == T
+            p, G = backward_phases(lw, lw.context(), to_dev(u16(d_out[r][:T])),
+                                   to_dev(inp["w"][r][:T]), W[r])
+            phases.append(p)
+            grads.append(G)
+        run_steps(lws, phases)
+        for lw in lws:
+            lw.check()
+        ids, d_full = inp["ids"].copy(), d_out.astype(np.float32)
+        for r, T in enumerate(counts):
+            ids[r, T:] = -1
+            d_full[r, T:] = 0
+        want = reference_out(dict(inp, ids=ids))
+        full = reference(dict(inp, ids=ids), bf16_round(d_full), ids, None)[0]
+        for r, T in enumerate(counts):
+            got = f64(to_host(outs[r]))
+            assert got.shape == (T, shape.hidden)
+            if T:
+                assert rel_l1(got, want[r, :T]) < 5e-3, (counts, r)
+            G = Grads(*(None if a is None else to_host(a).copy() for a in grads[r]))
+            assert G.d_x.shape == (T, shape.hidden) and G.d_router_weights.shape == (T, 3)
+            if T:
+                assert rel_l1(f64(G.d_x), full.d_x.reshape(R, T_max, -1)[r, :T]) < 5e-3
+        # the T_max-shaped check on zero-padded gradients: weights, router, the rest of d_x
+        padded = []
+        for r, T in enumerate(counts):
+            G = Grads(*(None if a is None else to_host(a).copy() for a in grads[r]))
+            d_x = np.zeros((T_max, shape.hidden), np.float32)
+            d_x[:T] = f64(G.d_x)
+            d_r = np.zeros((T_max, 3), np.float32)
+            d_r[:T] = G.d_router_weights
+            padded.append(G._replace(d_x=bf16_round(d_x).view(np.uint16), d_router_weights=d_r))
+        check_grads(padded, inp, bf16_round(d_full), ids, None)
+
+
 def test_bad_inputs_raise_before_launch():
     R, T = 1, 16
     shape, inp, d_out = inputs(R, T, seed=1)
@@ -180,6 +233,13 @@ def test_bad_inputs_raise_before_launch():
         backward_phases(lw, ctx, to_dev(u16(d_out[0])), w, W, accumulate=True)
     with pytest.raises(ValueError, match="ForwardContext"):
         backward_phases(lw, None, to_dev(u16(d_out[0])), w, W)
+    with pytest.raises(ValueError, match=r"x: 17 tokens on rank 0, but the layer holds at most "
+                                         r"tokens_per_rank=16"):
+        step_phases(lw, to_dev(np.zeros((17, 64), np.uint16)), to_dev(np.zeros((17, 3), np.int32)),
+                    to_dev(np.zeros((17, 3), np.float32)), W)
+    with pytest.raises(ValueError, match=r"topk_ids.*\(4, 3\)"):
+        step_phases(lw, to_dev(np.zeros((4, 64), np.uint16)), ids, to_dev(np.zeros((4, 3),
+                                                                                  np.float32)), W)
 
 
 @pytest.mark.parametrize("limit", [None, 0.7])

@@ -26,7 +26,7 @@ def gloo_world_of_one(monkeypatch):
 
 @pytest.mark.parametrize("limit", [None, 0.7])
 def test_torch_native_baseline_matches_reference(gloo_world_of_one, limit):
-    from benchmarks.baselines.torch_native import TorchNativeEP
+    from mok_testing.torch_native import TorchNativeEP
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=1)
     x, ids, w = synthetic.rank_inputs(shape, 40, 0, "cpu", masked=0.1, skew=0.5)
@@ -45,7 +45,7 @@ def test_torch_native_baseline_gradients(gloo_world_of_one, limit):
     rounds every intermediate to bf16, and a pre-activation within a bf16 rounding of the
     limit flips its mask against float64 (at 0.7, where the bulk of them lies here, a small
     expert's sampled columns differ by 15 %)."""
-    from benchmarks.baselines.torch_native import TorchNativeEP
+    from mok_testing.torch_native import TorchNativeEP
     from mok_testing.sampled import grad_errors
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=1)
@@ -108,5 +108,5 @@ def test_torch_symm_mem_baseline_matches_reference(gloo_world_of_one, limit):
     assert float((out.double() - ref).abs().sum() / ref.abs().sum()) < 1e-2
     assert torch.equal(out, again)
     assert (ids < 0).any()                   # the masked path was exercised
-    from benchmarks.baselines.torch_native import TorchNativeEP
+    from mok_testing.torch_native import TorchNativeEP
     assert torch.equal(out, TorchNativeEP(*shared, wg, wu, wd).forward(x, ids, w, limit))

@@ -144,7 +144,10 @@ def test_bad_inputs_rejected_before_any_launch():
     before = to_host(lw.comm.x_buf).copy()
     cases = [
         ("x", to_dev(np.zeros((T, 64), np.float32)), TypeError, "x: expected dtype uint16"),
-        ("x", to_dev(np.zeros((T + 1, 64), np.uint16)), ValueError, "x: expected shape"),
+        ("x", to_dev(np.zeros((T + 1, 64), np.uint16)), ValueError,
+         f"x: {T + 1} tokens on rank 0, but the layer holds at most tokens_per_rank={T}"),
+        ("x", to_dev(np.zeros((T, 48), np.uint16)), ValueError, "x: expected shape"),
+        ("topk_ids", to_dev(inp["ids"][0][:T - 1]), ValueError, "topk_ids: expected shape"),
         ("router_weights", to_dev(np.zeros((T, 2), np.float64)), TypeError, "router_weights"),
         ("topk_ids", to_dev(np.zeros((T, 2), np.int16)), TypeError,
          "topk_ids: expected dtype int32 or int64"),

@@ -112,11 +112,11 @@ def test_torch_inputs_checked():
         layer(x, ids, w, W._replace(w_up=W.w_up[:1]))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got ndarray"):
         layer(x.float().cpu().numpy(), ids, w, W)
-    # the layer records no autograd graph: a tensor that wants a gradient is refused, not
-    # silently detached (gradients come from layer.backward)
-    with pytest.raises(ValueError, match="x: requires_grad=True, but the layer does not record "
-                                         "autograd graphs"):
-        layer(x.clone().requires_grad_(), ids, w, W)
+    # the manual API records no autograd graph: a tensor that wants a gradient is refused, not
+    # silently detached (layer(...) and mok_torch.moe take the autograd path)
+    with pytest.raises(ValueError, match="x: requires_grad=True, but layer.forward / "
+                                         "layer.backward are the manual API"):
+        layer.forward(x.clone().requires_grad_(), ids, w, W)
     if SIM:
         np.testing.assert_array_equal(layer.comm.x_buf, before)        # nothing ran
     with torch.no_grad():

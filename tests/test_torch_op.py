@@ -1,6 +1,7 @@
-"""torch.ops.mok.moe_forward: the layer step as a torch custom op (EP = 1; the simulator on CPU
-tensors in CI, unchanged on one GPU): bit-equal to ``mok_torch.Layer``, the same under
-``torch.compile``, registration checked by ``torch.library.opcheck``, clear errors."""
+"""torch.ops.mok.moe_forward / moe_backward: the layer step and its gradients as torch custom ops
+(EP = 1; the simulator on CPU tensors in CI, unchanged on one GPU): bit-equal to
+``mok_torch.Layer``, the same under ``torch.compile``, registration checked by
+``torch.library.opcheck``, clear errors."""
 import pytest
 import torch
 
@@ -76,7 +77,23 @@ def test_op_errors(layer):
         torch.ops.mok.moe_forward(x.float(), ids, w, *weights, handle)
     with pytest.raises(TypeError, match="layer: expected a mok_torch.Layer"):
         mok_torch.register_layer(object())
-    wg = weights.w_gate.clone().requires_grad_(True)
-    out = torch.ops.mok.moe_forward(x, ids, w, *weights[:3], wg, *weights[4:], handle)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        out.float().sum().backward()
+    with pytest.raises(TypeError, match="d_out: expected dtype torch.bfloat16, got torch.float32"):
+        torch.ops.mok.moe_backward(x.float(), x, ids, w, *weights, handle)
+
+
+def test_autograd_equals_manual_backward(layer):
+    """mok_torch.moe's gradients (the backward op, the layer's context of this very step) are
+    Layer.backward's bit for bit; the backward op itself passes opcheck."""
+    lw, handle, (x, ids, w), weights = layer
+    out, ctx = lw.forward(x, ids, w, weights)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = lw.backward(ctx, d_out.to(x.device), w, weights)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *weights)]
+    got = mok_torch.moe(lw, leaves[0], ids, leaves[1], leaves[2:])
+    assert torch.equal(got, out)
+    got.backward(d_out.to(x.device))
+    for leaf, g in zip(leaves, want):
+        assert torch.equal(leaf.grad, g)
+    torch.library.opcheck(torch.ops.mok.moe_backward.default,
+                          (d_out.to(x.device), x, ids, w, *weights, handle),
+                          test_utils=("test_schema", "test_faketensor"))

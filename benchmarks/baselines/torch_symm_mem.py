@@ -59,7 +59,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from benchmarks.baselines.torch_native import ALIGN, _swiglu
+from mok_testing.torch_native import ALIGN, _swiglu
 
 
 def available(group=None) -> tuple[bool, str]:

@@ -34,10 +34,11 @@ def cases(R):
         "compare_fingerprints": (routing.compare_fingerprints_kernel,
                                  (int64, int32[:, ::1], i32), []),
         "check_push_ids_int64": (routing.check_push_ids_kernel,
-                                 (int64, types.int64[::1], i32, int64, int64, peers32, i32),
+                                 (int64, types.int64[::1], int64, i32, int64, int64, peers32,
+                                  i32),
                                  [r"atom\.global\.add", r"bar\.sync|barrier\.sync"]),
         "check_push_ids_int32": (routing.check_push_ids_kernel,
-                                 (int64, i32, i32, int64, int64, peers32, i32),
+                                 (int64, i32, int64, i32, int64, int64, peers32, i32),
                                  [r"atom\.global\.add"]),
     }
 

@@ -16,6 +16,7 @@ CASES = {
     "place_routes": (sk.place_routes_kernel,
                      (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, i64, a1)),
     "reset_error_word": (ek._reset_kernel, (a1,)),
+    "token_rows": (sk.token_rows_kernel, (i64, i64, a1, a1, a1)),
 }
 
 

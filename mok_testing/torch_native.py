@@ -53,6 +53,16 @@ class TorchNativeEP:
         self.E_local = w_gate.shape[0]
         self.I = w_gate.shape[1]
 
+    @classmethod
+    def concatenated(cls, shared, w_gu, w_down, group=None) -> "TorchNativeEP":
+        """Over a model's own tensors, no copy: ``shared`` (gate, up, down), ``w_gu``
+        [E_local, 2I, H] (gate rows then up rows), ``w_down`` [E_local, H, I]; autograd
+        reaches them as they are."""
+        self = cls.__new__(cls)
+        self.group, self.shared, self.w_gu, self.w_d = group, tuple(shared), w_gu, w_down
+        self.E_local, self.I = w_gu.shape[0], w_gu.shape[1] // 2
+        return self
+
     @property
     def w_gu_t(self):
         return self.w_gu.transpose(1, 2)                                    # [E, H, 2I] view

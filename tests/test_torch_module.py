@@ -1,0 +1,213 @@
+"""mok_torch.MoEBlock and autograd through the custom ops (EP = 1; the simulator on CPU tensors
+in CI, unchanged on one GPU): forward and every gradient through the router against a float64
+torch model, torch.compile(fullgraph) forward+backward bit-equal to eager, micro-batches and
+checkpointing (the context recomputed) bit-equal to plain steps, variable tokens, checkpoints
+(ours and Hugging Face's layout), clear errors before any launch."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mok_torch
+from mok_core.config import MoKConfig
+from test_torch_adapter import CFG, DEV, GEMM
+
+H, I, I_S, E, K, T_MAX = 64, 32, 32, 4, 2, 16
+
+
+def block(seed=0, **kw):
+    torch.manual_seed(seed)
+    return mok_torch.MoEBlock(H, I, I_S, E, K, config=CFG, max_tokens=T_MAX, gemm=GEMM, **kw)
+
+
+def tokens(T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g).bfloat16().to(DEV)
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().sum() / b.abs().sum())
+
+
+def reference(blk, x, ids, d_out):
+    """float64 torch: the block's parameters, its router's choice ``ids`` (ties aside), autograd
+    -> (out, {name: grad} with "x")."""
+    p = {n: t.detach().cpu().double().requires_grad_() for n, t in blk.named_parameters()}
+    xd = x.detach().cpu().double().requires_grad_()
+    h = xd.reshape(-1, H)
+    scores = (h @ p["router.weight"].T).sigmoid()
+    w = scores.gather(1, ids.cpu())
+    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+
+    def ffn(a, g, u, d):
+        return (nn.functional.silu(a @ g.T) * (a @ u.T)) @ d.T
+
+    out = ffn(h, p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"])
+    for j in range(K):
+        for e in range(E):
+            rows = ids[:, j].cpu() == e
+            if rows.any():
+                y = ffn(h[rows], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
+                out = out.index_add(0, rows.nonzero()[:, 0], w[rows, j:j + 1] * y)
+    out = out.reshape(x.shape)
+    (out * d_out.double().cpu()).sum().backward()
+    return out, dict({n: t.grad for n, t in p.items()}, x=xd.grad)
+
+
+def run(blk, x, d_out):
+    x = x.detach().clone().requires_grad_()
+    blk.zero_grad(set_to_none=True)
+    y = blk(x)
+    (y.float() * d_out.float()).sum().backward()
+    grads = dict({n: t.grad.clone() for n, t in blk.named_parameters()}, x=x.grad.clone())
+    return y.detach(), grads
+
+
+def assert_equal(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_block_matches_float64():
+    blk = block()
+    x = tokens(T_MAX).reshape(2, T_MAX // 2, H)                 # [B, S, H]
+    d_out = tokens(T_MAX, seed=2).reshape(x.shape)
+    y, grads = run(blk, x, d_out)
+    ids, _ = blk.router(x.reshape(-1, H))
+    want, want_grads = reference(blk, x, ids, d_out)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert rel(y, want) < 1e-2
+    for name, g in want_grads.items():
+        assert grads[name].shape == g.shape, name
+        assert rel(grads[name], g) < 1e-2, (name, rel(grads[name], g))
+    assert grads["router.weight"].abs().sum() > 0               # through the router weights
+
+
+def test_compile_fullgraph_equals_eager():
+    blk = block(seed=3)
+    x, d_out = tokens(12, seed=4), tokens(12, seed=5)
+    y, grads = run(blk, x, d_out)
+
+    def step(x):
+        return blk(x)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    xc = x.clone().requires_grad_()
+    blk.zero_grad(set_to_none=True)
+    yc = compiled(xc)
+    (yc.float() * d_out.float()).sum().backward()
+    assert torch.equal(yc, y)
+    assert_equal(dict({n: t.grad for n, t in blk.named_parameters()}, x=xc.grad), grads)
+
+
+def test_micro_batches_and_checkpoint_equal_plain_steps():
+    """Two micro-batches forward before either backward (the first's context is recomputed),
+    and a torch.utils.checkpoint region: the gradients of plain steps, bit for bit."""
+    blk = block(seed=6)
+    xs = [tokens(10, seed=7), tokens(T_MAX, seed=8)]
+    ds = [tokens(10, seed=9), tokens(T_MAX, seed=10)]
+    plain = [run(blk, x, d) for x, d in zip(xs, ds)]
+    want = {n: plain[0][1][n] + plain[1][1][n] for n in plain[0][1] if n != "x"}
+
+    blk.zero_grad(set_to_none=True)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    ys = [blk(x) for x in leaves]
+    sum((y.float() * d.float()).sum() for y, d in zip(ys, ds)).backward()
+    for y, (p, _) in zip(ys, plain):
+        assert torch.equal(y, p)
+    assert_equal({n: t.grad for n, t in blk.named_parameters()}, want)
+    for leaf, (_, g) in zip(leaves, plain):
+        assert torch.equal(leaf.grad, g["x"])
+
+    blk.zero_grad(set_to_none=True)
+    x = xs[0].clone().requires_grad_()
+    y = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+    (y.float() * ds[0].float()).sum().backward()
+    assert torch.equal(y, plain[0][0])
+    assert_equal(dict({n: t.grad for n, t in blk.named_parameters()}, x=x.grad), plain[0][1])
+
+
+def test_variable_tokens_same_rows():
+    """Any 0 <= T <= T_max per call on one workspace: a token's output does not depend on the
+    other tokens of its step, bit for bit (each row's GEMMs and sums run in a fixed order)."""
+    blk = block(seed=11)
+    x = tokens(T_MAX, seed=12)
+    with torch.no_grad():
+        full = blk(x)
+        for T in (1, 0, 5):
+            got = blk(x[:T])
+            assert got.shape == (T, H)
+            assert torch.equal(got, full[:T]), T
+
+
+def test_state_dict_round_trip_and_hf_layout():
+    a, b = block(seed=13), block(seed=14)
+    assert not torch.equal(a.w_gate, b.w_gate)
+    b.load_state_dict(a.state_dict())
+    assert_equal(dict(a.state_dict()), dict(b.state_dict()))
+    hf = {"gate.weight": a.router.weight.detach() * 2,
+          "gate.e_score_correction_bias": torch.arange(E, dtype=torch.float32)}
+    for e in range(E):
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"),
+                             ("w_down", "down_proj")):
+            hf[f"experts.{e}.{theirs}.weight"] = getattr(a, ours)[e].detach() + 1
+    for ours, theirs in (("w_shared_gate", "gate_proj"), ("w_shared_up", "up_proj"),
+                         ("w_shared_down", "down_proj")):
+        hf[f"shared_experts.{theirs}.weight"] = getattr(a, ours).detach() - 1
+    hf["experts.7.gate_proj.weight"] = torch.zeros(I, H)        # another rank's: skipped
+    c = block(seed=15)
+    c.load_state_dict(hf)
+    assert torch.equal(c.router.weight, a.router.weight * 2)
+    assert torch.equal(c.router.e_score_correction_bias, torch.arange(E).float().to(DEV))
+    assert torch.equal(c.w_down, a.w_down + 1) and torch.equal(c.w_shared_up, a.w_shared_up - 1)
+    del hf["experts.2.up_proj.weight"]
+    with pytest.raises(RuntimeError, match=r"experts.\{e\}.up_proj.weight: missing for this "
+                                           r"rank's experts \[2\]"):
+        block(seed=16).load_state_dict(hf)
+
+
+def test_init_like_linear_and_distinct_experts():
+    blk = block(seed=17)
+    bound = 1 / math.sqrt(H)
+    assert blk.w_gate.abs().max() <= bound and blk.w_gate.abs().max() > 0.9 * bound
+    assert blk.w_down.abs().max() <= 1 / math.sqrt(I)
+    assert not torch.equal(blk.w_gate[0], blk.w_gate[1])
+    again = block(seed=17)                                       # the same seed, the same model
+    assert_equal(dict(blk.state_dict()), dict(again.state_dict()))
+
+
+def test_router_groups_bias_and_update():
+    r = mok_torch.Router(H, 8, 2, n_group=4, topk_group=1, device=DEV)
+    x = tokens(6, seed=18)
+    ids, w = r(x)
+    assert ids.shape == (6, 2) and w.dtype == torch.float32
+    assert ((ids // 2)[:, 0] == (ids // 2)[:, 1]).all()          # both from the one kept group
+    torch.testing.assert_close(w.sum(-1), torch.ones(6, device=DEV))
+    r.update_bias(torch.tensor([[0, 0], [0, -1]], device=DEV), rate=0.5)
+    assert r.e_score_correction_bias[0] == -0.5 and r.e_score_correction_bias[1] == 0.5
+    with pytest.raises(ValueError, match="score_func='tanh'"):
+        mok_torch.Router(H, 8, 2, score_func="tanh")
+    with pytest.raises(ValueError, match="n_group=3"):
+        mok_torch.Router(H, 8, 2, n_group=3)
+
+
+def test_bad_inputs_raise_before_launch():
+    blk = block(seed=19)
+    with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16, got torch.float32"):
+        blk(tokens(4).float())
+    with pytest.raises(ValueError, match=r"x: expected a \[T, 64\] or \[B, S, 64\]"):
+        blk(torch.zeros(4, 32, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match=r"x: 17 tokens on rank 0, but the layer holds at most "
+                                         r"tokens_per_rank=16"):
+        blk(tokens(17))
+    blk.w_up = nn.Parameter(torch.empty(blk.w_up.shape, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="w_up: a parameter on meta, but x is on (cpu|cuda)"):
+        blk(tokens(4))
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        mok_torch.MoEBlock(H, I, I_S, E, K, max_tokens=0)
+    with pytest.raises(ValueError, match="ep_group: given, but torch.distributed"):
+        mok_torch.MoEBlock(H, I, I_S, E, K, ep_group=object(), max_tokens=8)
+    with pytest.raises(ValueError, match="topk"):
+        mok_torch.MoEBlock(H, I, I_S, E, 0, config=MoKConfig(), max_tokens=8)
