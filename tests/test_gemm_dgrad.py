@@ -197,6 +197,10 @@ def test_dgrad_rejects_bad_arguments():
              w0=np.zeros((E, 32, 64), np.uint16), w1=np.zeros((E, 96, 64), np.uint16),
              out=np.zeros((64, 64), np.uint16), off=np.array([0, 64, 64], np.int32),
              config=WG64)
+    with pytest.raises(ValueError, match="K=0 columns: the wgmma dgrad runs at least one"):
+        call(a=np.zeros((64, 0), np.uint16), a_index=np.zeros(64, np.int32),
+             w0=np.zeros((E, 0, 64), np.uint16), out=np.zeros((64, 64), np.uint16),
+             off=np.array([0, 64, 64], np.int32), config=WG64)
     with pytest.raises(ValueError, match="config.bn=48"):
         call(config=GemmConfig(bm=32, bn=48, bk=32, wm=2, wn=1, stages=2))
     with pytest.raises(TypeError, match="a: expected dtype uint16, got float32"):

@@ -264,8 +264,8 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
             routed d_x rows pushed home; the bits equal ``dgrad`` into out, then the scatter.
         config: a ``GemmConfig``. mma.sync: bn = 16, 32 or a multiple of 64. wgmma (Hopper;
             ``sm90``'s B_KN: TMA boxes of the weights as stored, MN-major wgmma B): any valid
-            wgmma config, ``out`` 16-byte aligned. N a multiple of bn, K and K0 of bk, C of
-            row_unit. Default: the device's mma.sync tiles (on Hopper too, until the wgmma
+            wgmma config, ``out`` 16-byte aligned, K > 0. N a multiple of bn, K and K0 of bk,
+            C of row_unit. Default: the device's mma.sync tiles (on Hopper too, until the wgmma
             dgrad has been measured there: pass a wgmma config to use it).
         errors, tensor, rank: NaN/Inf written to ``out`` (checked, always) as in
             ``gate_up_swiglu``.
@@ -311,6 +311,8 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
     if K0 % config.bk:
         raise ValueError(f"w0: K0={K0} rows per expert must be a multiple of bk={config.bk} "
                          "(each K slice reads one of w0, w1)")
+    if config.mma == "wgmma" and K == 0:
+        raise ValueError("a: K=0 columns: the wgmma dgrad runs at least one K slice per tile")
     errors, tensor = _check_errors(errors, tensor)
     launch_dgrad(a, a_index, w0, w1, off, nr, out, push=push, config=config, stream=stream,
                  errors=errors, tensor=tensor, rank=int(rank))

@@ -38,7 +38,8 @@ ring. Order of one tile, every thread:
 
     prologue (issued before the K loop, right after the previous tile's staging):
                loads of slices 0 .. PREFETCH - 1 into stages 0 .. PREFETCH - 1
-    K loop, step kt (compute stage kt % STAGES, load stage (kt + PREFETCH) % STAGES):
+    K loop, step kt (compute stage kt % STAGES, load stage (kt + PREFETCH) % STAGES; B_KN:
+    at least one step, K > 0):
     0. (kt = 0, sending lanes) bulk_wait_read: the previous staging was read out
     1. cp.async.wait -> my A chunks of slice kt landed; wait full[kt's stage] -> B landed;
        fence.proxy.async (wgmma reads through the async proxy); __syncthreads -> everyone's
@@ -53,7 +54,13 @@ ring. Order of one tile, every thread:
 A warpgroup whose 64 rows are all padding (a_index[first row] < 0: padding sits at the end of
 each expert's segment) skips its MMAs and stages zeros. Branches around wgmmas and warp
 barriers test a warp vote (``warp_all``): under a plain per-thread ``if`` ptxas serialises
-every wgmma of the kernel (C7518).
+every wgmma of the kernel (C7518). So does a non-wgmma instruction that defines accumulator
+registers between a wgmma and its wait, which LLVM produces when it copies the accumulator's
+zeroing into the path around a K loop that may run no step: the tile loop carries one int64
+``b_row`` (no tuple: ``_make_loader``), and B_KN's K loop tests its exit after each step (the
+forward keeps the guarded ``for``, whose code LLVM leaves alone; see the kernel).
+``benchmarks/probes/ptxas_check.py`` prints ptxas's verdict per production kernel without a
+GPU.
 """
 from __future__ import annotations
 
@@ -179,10 +186,16 @@ class _Layout:
 
 def _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn):
     """``tile_start(...)``: where a tile's A chunks come from, where its B boxes come from
-    (``bsrc``), whether this warpgroup's rows are the expert's (``owned``) and real
+    (``b_row``), whether this warpgroup's rows are the expert's (``owned``) and real
     (``active``), and its prologue loads issued.
     ``load_stage(...)``: one slice into a ring stage -- this thread's A chunks by cp.async,
-    then (thread 0) B's TMA box(es) armed on the stage's full barrier."""
+    then (thread 0) B's TMA box(es) armed on the stage's full barrier.
+
+    The tile loop carries one int64 scalar for B, ``b_row`` (ABt: B's first weight row,
+    e N_w + col0; B_KN: the expert e, each slice's rows and columns derived from it, col0, K
+    and K0). Not a tuple: one carried through the tile loop, even a 1-tuple, makes LLVM copy
+    the accumulator's zeroing into the path around the K loop, and ptxas serialise every
+    wgmma (C7518; module header) -- the forward's kernels too."""
     bn, bm, stages = lay.bn, lay.bm, lay.stages
     a_rows, pass_rows, pass_bytes = lay.a_passes, lay.pass_rows, lay.pass_bytes
     a_stage, stage_bytes, prefetch = lay.a_stage, lay.stage_bytes, lay.prefetch
@@ -204,9 +217,10 @@ def _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn):
             a_src[j] = max(src, 0) * K + chunk * 8
 
     @kjit(device=True, inline="always")
-    def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, a_src, a_nb, bsrc, tid):
-        """``bsrc`` (``tile_start``): ABt (B's first weight row, -, -, -); B_KN (the expert's
-        first row in map 0, the same in map 1 less K0, the tile's first column, K0)."""
+    def load_stage(smem, st, k0, ring, full0, tmaps, dst0, a, a_src, a_nb, b_row, col0, K,
+                   n_w, tid):
+        """``b_row`` (``tile_start``): ABt, B's first weight row (``col0``, ``K`` and ``n_w``
+        unused); B_KN, the expert (``n_w`` = K0)."""
         dst = dst0 + st * stage_bytes
         for j in range(a_rows):
             cp_async_16_at(smem, dst + j * pass_bytes, a, a_src[j] + k0, a_nb[j])
@@ -217,31 +231,28 @@ def _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn):
             if b_kn:
                 # the slice's 64 rows of k from w0 (map 0) below K0, else from w1 (map 1):
                 # BN/64 boxes of 64 columns side by side, BOX_BYTES apart (the descriptor's
-                # leading byte offset)
-                lo = k0 < bsrc[3]
+                # leading byte offset). w0 [E K0, N]: expert e's row k at e K0 + k; w1
+                # [E (K - K0), N]: at e (K - K0) + k - K0.
+                lo = k0 < n_w
                 elem = 0 if lo else MAP_ELEMS
-                row = (bsrc[0] if lo else bsrc[1]) + k0
+                row = (b_row * n_w if lo else b_row * (K - n_w) - n_w) + k0
                 for j in range(bn // BOX_COLS):
                     tma_load_2d(smem, b_dst + j * BOX_BYTES, tmaps, elem,
-                                bsrc[2] + j * BOX_COLS, row, bar)
+                                col0 + j * BOX_COLS, row, bar)
             else:
-                tma_load_2d(smem, b_dst, tmaps, 0, k0, bsrc[0], bar)
+                tma_load_2d(smem, b_dst, tmaps, 0, k0, b_row, bar)
                 if swiglu_epilogue:        # gate rows from map 0, up rows from map 1
-                    tma_load_2d(smem, b_dst + half_bytes, tmaps, MAP_ELEMS, k0, bsrc[0], bar)
+                    tma_load_2d(smem, b_dst + half_bytes, tmaps, MAP_ELEMS, k0, b_row, bar)
 
     @kjit(device=True, inline="always")
     def tile_start(smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
                    dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap):
-        """Returns (first row, first output column, bsrc, active, owned); ``bsrc[0] // n_w``
-        is the expert either way (the epilogue's NaN/Inf report)."""
+        """Returns (first row, first output column, b_row, active, owned)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, offsets.shape[0] - 1, t,
                                                   n_tiles, bm, rows_cap)
         col0 = nt * (bn // 2 if swiglu_epilogue else bn)
         a_sources(a_index, row0 + ld_row, row_end, K, ld_chunk, a_src, a_nb)
-        if b_kn:                           # n_w = K0: w0 [E K0, N], w1 [E (K - K0), N]
-            bsrc = (int64(e * n_w), int64(e * (K - n_w) - n_w), int64(col0), int64(n_w))
-        else:
-            bsrc = (int64(e * n_w + col0), int64(0), int64(0), int64(0))
+        b_row = e if b_kn else e * n_w + col0
         first = row0 + wg * 64
         owned = first < row_end
         active = owned
@@ -249,10 +260,10 @@ def _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn):
             active = a_index[first] >= 0
         for s in range(prefetch):
             if s < ktiles:
-                load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, a_src, a_nb, bsrc,
-                           tid)
+                load_stage(smem, s, s * BK, ring, full0, tmaps, dst0, a, a_src, a_nb, b_row,
+                           col0, K, n_w, tid)
             cp_async_commit()
-        return row0, col0, bsrc, active, owned
+        return row0, col0, b_row, active, owned
 
     return tile_start, load_stage
 
@@ -288,6 +299,30 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
                                                  lay.in_flight)
     a_passes = lay.a_passes
     nacc = bn // 2                          # fp32 accumulators per thread
+
+    @kjit(device=True, inline="always")
+    def k_step(smem, acc, kt, ktiles, cst, lst, phases, active, ring, full0, tmaps, dst0, a,
+               a_src, a_nb, b_row, col0, K, n_w, tid, desc_a0, desc_b0):
+        """K loop step ``kt`` (module header, steps 1-4): compute ring stage ``cst``, load
+        slice kt + PREFETCH into stage ``lst``. Returns (acc, cst, lst, phases) for kt + 1."""
+        cp_async_wait(in_flight)
+        wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
+        phases ^= 1 << cst
+        fence_proxy_async()
+        cuda.syncthreads()
+        soff = (cst * stage_bytes) >> 4
+        run_mma = warp_all(active) != 0     # vote: see the header (C7518)
+        nxt = kt + prefetch
+        if nxt < ktiles:
+            load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, a_src, a_nb, b_row,
+                       col0, K, n_w, tid)
+        cp_async_commit()
+        if run_mma:
+            acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+            acc = wgmma_wait(acc, 1)
+        cst = 0 if cst == stages - 1 else cst + 1
+        lst = 0 if lst == stages - 1 else lst + 1
+        return acc, cst, lst, phases
 
     @kjit(**opts)
     def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
@@ -333,6 +368,7 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
             fence_mbarrier_init()
         cuda.syncthreads()
         total = int64(smem[num_experts]) * n_tiles
+        nf_div = int64(1) if b_kn else n_w      # b_row // nf_div: the expert (NaN/Inf report)
         phases = 0                              # bit s = parity of full[s]'s next phase
 
         a_src = cuda.local.array(a_passes, int64)
@@ -341,11 +377,11 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
         t = cuda.blockIdx.x
         row0 = 0
         col0 = 0
-        bsrc = (int64(0), int64(0), int64(0), int64(0))
+        b_row = 0
         active = True
         owned = True
         if t < total:
-            row0, col0, bsrc, active, owned = tile_start(
+            row0, col0, b_row, active, owned = tile_start(
                 smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
                 dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap)
         while t < total:
@@ -354,36 +390,39 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
             lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
             if lane < 16:                      # the last epilogue's staging (stages
                 bulk_wait_read(0)              # PREFETCH..) is read out before kt = 0
-            for kt in range(ktiles):
-                cp_async_wait(in_flight)
-                wait_phase(smem, full0 + 8 * cst, (phases >> cst) & 1)
-                phases ^= 1 << cst
-                fence_proxy_async()
-                cuda.syncthreads()
-                soff = (cst * stage_bytes) >> 4
-                run_mma = warp_all(active) != 0     # vote: see the header (C7518)
-                nxt = kt + prefetch
-                if nxt < ktiles:
-                    load_stage(smem, lst, nxt * BK, ring, full0, tmaps, dst0, a, a_src, a_nb,
-                               bsrc, tid)
-                cp_async_commit()
-                if run_mma:
-                    acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-                    acc = wgmma_wait(acc, 1)
-                cst = 0 if cst == stages - 1 else cst + 1
-                lst = 0 if lst == stages - 1 else lst + 1
+            if b_kn:
+                # At least one step, tested at the end (K >= 64: the launch checks it): with
+                # the guarded loop below, LLVM copies the 128 zeroed accumulators into the
+                # path that skips the loop, laid out after it -- non-wgmma definitions of
+                # accumulator registers inside the wgmma pipeline, for which ptxas serialises
+                # every wgmma of the kernel (C7518). The forward keeps the guarded loop: its
+                # code is the one measured, and LLVM does not split its zeroing.
+                kt = 0
+                while True:
+                    acc, cst, lst, phases = k_step(
+                        smem, acc, kt, ktiles, cst, lst, phases, active, ring, full0, tmaps,
+                        dst0, a, a_src, a_nb, b_row, col0, K, n_w, tid, desc_a0, desc_b0)
+                    kt += 1
+                    if kt >= ktiles:
+                        break
+            else:
+                for kt in range(ktiles):
+                    acc, cst, lst, phases = k_step(
+                        smem, acc, kt, ktiles, cst, lst, phases, active, ring, full0, tmaps,
+                        dst0, a, a_src, a_nb, b_row, col0, K, n_w, tid, desc_a0, desc_b0)
             acc = wgmma_wait(acc, 0)
             cp_async_wait(0)
             cuda.syncthreads()                 # every warpgroup done with the ring
 
             # All-padding warpgroups stage zeros; one past the expert's rows sends nothing
-            # (they are the next expert's).
+            # (they are the next expert's). The NaN/Inf report names the expert, nf[2] // nf[3]
+            # (B_KN: b_row is the expert).
             stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k,
                            n_out, limit, ring, lane, frag_row, frag_col, row0, col0, owned,
-                           errors, (nf_tensor, nf_rank, bsrc[0], n_w))
+                           errors, (nf_tensor, nf_rank, b_row, nf_div))
             t += cuda.gridDim.x
             if t < total:                      # next tile's first slices: in flight now
-                row0, col0, bsrc, active, owned = tile_start(
+                row0, col0, b_row, active, owned = tile_start(
                     smem, a, a_index, tmaps, offsets, t, n_tiles, K, n_w, ktiles, ring, full0,
                     dst0, a_src, a_nb, ld_row, ld_chunk, wg, tid, rows_cap)
         if lane < 16:               # the last bulk stores, written before the block ends
