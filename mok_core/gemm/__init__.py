@@ -27,7 +27,8 @@ tensor, the expected and the actual) and call ``launch_gate_up_swiglu`` / ``laun
 once: numba device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma),
 a required ``config``; ``launch_project`` (no checks) is the backward's recompute of a gate or
 up pre-activation. Kernels: ``sm90`` (wgmma, Hopper; ``dgrad`` with a wgmma config), ``sm80``
-(mma.sync, elsewhere and on the simulator; ``dgrad``'s default everywhere so far),
+(mma.sync, elsewhere and on the simulator; ``dgrad``'s default everywhere: the layer's
+backward passes a wgmma config on Hopper, ``mok_comm.layer.dgrad_gemm``),
 ``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows are the reduction), epilogues
 in ``epilogue``.
 """
@@ -265,8 +266,9 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
         config: a ``GemmConfig``. mma.sync: bn = 16, 32 or a multiple of 64. wgmma (Hopper;
             ``sm90``'s B_KN: TMA boxes of the weights as stored, MN-major wgmma B): any valid
             wgmma config, ``out`` 16-byte aligned, K > 0. N a multiple of bn, K and K0 of bk,
-            C of row_unit. Default: the device's mma.sync tiles (on Hopper too, until the wgmma
-            dgrad has been measured there: pass a wgmma config to use it).
+            C of row_unit. Default: the device's mma.sync tiles, on Hopper too (pass a wgmma
+            config for the wgmma kernel, as the layer's backward does on Hopper where the
+            shape fits its tile: ``mok_comm.layer.dgrad_gemm``).
         errors, tensor, rank: NaN/Inf written to ``out`` (checked, always) as in
             ``gate_up_swiglu``.
     """
