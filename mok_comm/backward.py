@@ -48,6 +48,14 @@ the forward's (it clamps its FP32 accumulators; bf16 pre-activations flip masks 
 rounding of the limit). The recompute costs a third of the forward's FLOPs again; saving them
 in the forward instead is the next step (docs/perf.md has the measured cost of each launch).
 
+GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the gate / up recompute
+on ``layer.backward_gemm`` (mma.sync); the two data gradients (p = d_out W_down, the d_x rows
+= [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``, weights read as stored) on
+``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the forward's tiles are wgmma
+and the shape splits into its tile, else ``backward_gemm``; the weight gradients on
+``layer.wgrad_gemm`` (mma.sync). The routed d_x rows are written, then pushed home by the
+combine kernel on either path.
+
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
 the epilogue a fixed slot order: bitwise-identical gradients for identical inputs. Padding rows
@@ -204,7 +212,7 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     """p = d_out W_down[e] (unweighted)."""
     o = _rows(layer, shared)
     launch_dgrad(o.d_out, o.index, _expert_weights(layer, W, shared)[2], None, o.offsets,
-                 o.rows, o.p, config=layer.backward_gemm, stream=stream,
+                 o.rows, o.p, config=layer.dgrad_gemm, stream=stream,
                  **_nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN))
 
 
@@ -224,7 +232,7 @@ def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows."""
     o = _rows(layer, shared)
     w_g, w_u, _ = _expert_weights(layer, W, shared)
-    launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.backward_gemm,
+    launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.dgrad_gemm,
                  stream=stream,
                  **_nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED))
 

@@ -37,8 +37,13 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
 ``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
 step: ``ForwardContext`` hands them to the backward. With ``backward=True`` the layer also
 holds the backward's buffers (``BackwardBuffers``, documented there and in
-``mok_comm.backward``). ``nbytes`` sums them by buffer. ``errors`` (``mok_core.step_errors``)
-reports each step's device-side problems at the next call (forward and backward calls alike).
+``mok_comm.backward``) and its GEMM tiles, derived from the shape, the config and the
+forward's tiles (so not in the fingerprint): ``backward_gemm`` (mma.sync: the gate/up
+recompute), ``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the
+forward's tiles are wgmma and the shape splits into it; else ``backward_gemm``) and
+``wgrad_gemm`` (the weight gradients, mma.sync). ``nbytes`` sums the buffers by name.
+``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
+call (forward and backward calls alike).
 
 bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors as uint16.
 """
@@ -56,7 +61,7 @@ import numpy as np
 from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
-from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, GemmConfig, default_gemm
+from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 
@@ -183,11 +188,40 @@ def wgrad_gemm(shape: LayerShape, backward: GemmConfig) -> GemmConfig:
     return backward
 
 
+# The data gradients' tile on Hopper: sm90's B_KN (the weights as stored, MN-major wgmma B) at
+# WGMMA_GEMM's 128 x 256 tile measured 1.40x the mma.sync dgrad at qwen's shapes on the H200
+# (docs/perf.md: d_x 0.315 vs 0.443 ms, d_hidden 0.165 vs 0.231 ms). Not the forward's
+# 192-row tile where the forward takes it: at 384 threads its kernels spill (168 registers;
+# benchmarks/probes/ptxas_check.py), the 128-row dgrad kernels do not.
+DGRAD_GEMM = WGMMA_GEMM
+
+
+def dgrad_gemm(shape: LayerShape, config: MoKConfig, forward: tuple,
+               backward: GemmConfig) -> GemmConfig:
+    """The tiles of the backward's two data-gradient GEMMs (``dgrad``: p = d_out W_down, K = H,
+    N = I or I_s; d_x = [d_g | d_u] [W_gate; W_up], K = 2I split at I (2 I_s at I_s), N = H).
+
+    ``DGRAD_GEMM`` (wgmma) on a GPU when the forward's tiles ``forward`` (gate/up, down) are
+    wgmma -- the forward runs on Hopper -- and every dgrad splits into its tile: H, I and I_s
+    multiples of its bn (N) and bk (K, K0; K > 0: H and I are), ``row_align`` a multiple of its
+    row_unit (the routed segments; the shared expert's T_pad is a multiple of the forward's
+    wgmma bm, itself one of 64). Else ``backward`` (``backward_gemm``, mma.sync; the
+    simulator's ``SIM_GEMM``: it cannot run wgmma)."""
+    g = DGRAD_GEMM
+    if (not SIM and all(f.mma == "wgmma" for f in forward)
+            and not config.row_align % g.row_unit
+            and all(not n % t for n in (shape.hidden, shape.intermediate,
+                                        shape.shared_intermediate) for t in (g.bn, g.bk))):
+        return g
+    return backward
+
+
 def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
-    """The backward's GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM`` first; the
-    simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide H, I and
-    I_s (every backward GEMM has them as M, N or K) -- the backward's operand layouts
-    (weights read as stored, K = an expert's rows) exist on that path only so far.
+    """The backward's mma.sync GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM``
+    first; the simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide
+    H, I and I_s (every backward GEMM has them as M, N or K). The gate/up recompute runs on
+    them (mma.sync only), the data and weight gradients where ``dgrad_gemm`` / ``wgrad_gemm``
+    pick no tiles of their own (the weight gradients exist on mma.sync only so far).
     ValueError when none does."""
     for g in _BACKWARD_TILES[-1:] if SIM else _BACKWARD_TILES:
         if not config.row_align % g.row_unit and all(
@@ -297,6 +331,10 @@ class Layer:
         self.backward_gemm = backward_gemm(shape, config) if backward else None
         # the weight gradients' tiles cut H and I only (their K is an expert's rows)
         self.wgrad_gemm = wgrad_gemm(shape, self.backward_gemm) if backward else None
+        # the data gradients': wgmma where the forward's are and the shape splits into them
+        # (derived from the shape, config and forward tiles: not in the fingerprint)
+        self.dgrad_gemm = (dgrad_gemm(shape, config, (gemm, gemm_down), self.backward_gemm)
+                           if backward else None)
         self.grad = BackwardBuffers(self, heap, stream) if backward else None
         fields = dict(hidden=H, intermediate=I, shared_intermediate=I_s,
                       num_experts=shape.num_experts, topk=k, ep_size=shape.ep_size,
@@ -371,6 +409,6 @@ def agreement_phases(layer: Layer, stream=0):
             partial(compare_fingerprints, layer.comm, layer.fingerprint_table, stream)]
 
 
-__all__ = ["BackwardBuffers", "ForwardContext", "Layer", "WGRAD_GEMM", "Weights",
-           "agreement_phases", "backward_gemm", "check_swiglu_limit", "layer_gemm",
-           "wgrad_gemm"]
+__all__ = ["BackwardBuffers", "DGRAD_GEMM", "ForwardContext", "Layer", "WGRAD_GEMM",
+           "Weights", "agreement_phases", "backward_gemm", "check_swiglu_limit", "dgrad_gemm",
+           "layer_gemm", "wgrad_gemm"]

@@ -24,8 +24,8 @@ from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_r
                                  tensormap_acquire, tma_load_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
-                                 wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n128k16_bf16,
-                                 wgmma_wait)
+                                 wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
+                                 wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait)
 
 
 def bf16_bits(a):
@@ -379,6 +379,94 @@ def test_wgmma_descriptors_swizzle_and_fragments(n):
     _make_wgmma_slice(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+_WGMMA_TB_N = {64: wgmma_m64n64k16_bf16_tb, 128: wgmma_m64n128k16_bf16_tb}
+
+
+def _make_wgmma_slice_tb(n):
+    """One warpgroup, B MN-major (the dgrad kernel's layout): A [64, 64] K-major as above; B
+    [64 rows of k, n columns] row-major, staged as n/64 blocks of [64 k][64 n] (8 KiB apart),
+    row k of a block 128 bytes with 16-byte chunk c at c ^ (k % 8) -- what a TMA box with the
+    128-byte swizzle writes. Descriptor: ``sm90._DESC_HIGH_MN`` (leading byte offset 8 KiB,
+    stride 1024 B), a k16 step +2048 bytes; the ``_tb`` wgmma (imm-trans-b = 1)."""
+    from mok_core.gemm.sm90 import _DESC_HIGH, _DESC_HIGH_MN, _K16, _K16_MN
+    mma = _WGMMA_TB_N[n]
+    elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
+    nacc = n // 2
+
+    @kjit
+    def kernel(a, b, d):
+        sm = cuda.shared.array(elems, uint16)
+        t = cuda.threadIdx.x
+        base = shared_addr(sm)
+        pad = (1024 - base % 1024) % 1024
+        for idx in range(t, 64 * 8, 128):        # A: 64 rows x 8 chunks, K-major
+            r = idx // 8
+            ch = idx % 8
+            dst = pad // 2 + r * 64 + (ch ^ (r % 8)) * 8
+            for e in range(8):
+                sm[dst + e] = a[r * 64 + ch * 8 + e]
+        for idx in range(t, 64 * (n // 8), 128):  # B: 64 rows of k x n/8 chunks of n
+            k = idx // (n // 8)
+            c = idx % (n // 8)
+            blk = c // 8
+            dst = pad // 2 + 64 * 64 + blk * 64 * 64 + k * 64 + ((c % 8) ^ (k % 8)) * 8
+            for e in range(8):
+                sm[dst + e] = b[k * n + c * 8 + e]
+        fence_proxy_async()
+        cuda.syncthreads()
+        da = int64(_DESC_HIGH) + int64((base + pad) >> 4)
+        db = int64(_DESC_HIGH_MN) + int64((base + pad + 64 * 128) >> 4)
+        acc = wgmma_fence(f32_zeros(nacc))
+        acc = mma(acc, sm, da, db)
+        acc = mma(acc, sm, da + _K16, db + _K16_MN)
+        acc = mma(acc, sm, da + 2 * _K16, db + 2 * _K16_MN)
+        acc = mma(acc, sm, da + 3 * _K16, db + 3 * _K16_MN)
+        wgmma_commit()
+        acc = wgmma_wait(acc, 0)
+        _store_acc(acc, (d, 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4), int64(n)))
+    return kernel
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_b_mn_major_descriptor_swizzle_and_fragments(n):
+    """D = A B with B [K, N] as stored (N contiguous): n = 128 spans two 64-column blocks, so
+    the leading byte offset is exercised, not only the stride and the k16 step."""
+    from mok_core.cuda_compat import SIM
+    if not SIM and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    rng = np.random.default_rng(n + 1)
+    A = bf16_bits(rng.standard_normal((64, 64)))
+    B = bf16_bits(rng.standard_normal((64, n)))
+    D = to_dev(np.full(64 * n, np.nan, np.float32))
+    _make_wgmma_slice_tb(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
+    want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64)
+    np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+def test_wgmma_b_mn_major_twin_refuses_k_major_steps():
+    """The twin decodes an MN-major descriptor as the hardware does: a start stepped like a
+    K-major one (+32 bytes, off the 1024-byte boundary) is refused, and a wrong leading byte
+    offset reads the wrong columns."""
+    from mok_core.cuda_compat import SIM
+    if not SIM:
+        pytest.skip("simulator twin")
+    from mok_core.gemm.sm90 import _DESC_HIGH_MN
+    from mok_core.intrinsics import twins
+    rng = np.random.default_rng(3)
+    smem = np.zeros(2 * 8192 // 2, np.uint16)
+    B = bf16_bits(rng.standard_normal((16, 128)))
+    for k in range(16):                           # two blocks [k][64 n], swizzled
+        for c in range(16):
+            dst = (c // 8) * 4096 + k * 64 + ((c % 8) ^ (k % 8)) * 8
+            smem[dst:dst + 8] = B[k, 8 * c:8 * c + 8]
+    got = twins._desc_operand_mn(smem, _DESC_HIGH_MN, 128)
+    np.testing.assert_array_equal(got, bits_to_f32(B).astype(np.float64).T)
+    with pytest.raises(ValueError, match="1024-byte boundary"):
+        twins._desc_operand_mn(smem, _DESC_HIGH_MN + 2, 128)
+    wrong_lbo = (_DESC_HIGH_MN & ~(0x3FFF << 16)) | (1 << 16)     # K-major's "unused" 1
+    assert not np.array_equal(twins._desc_operand_mn(smem, wrong_lbo, 128), got)
 
 
 # ---- per-group function over an accumulator tuple ------------------------------------------------

@@ -80,8 +80,8 @@ def _time_backward(args, layer, x, ids, w, W, d_out):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm}, wgrad "
-          f"{layer.wgrad_gemm} (a name's first "
+    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm}, dgrad "
+          f"{layer.dgrad_gemm}, wgrad {layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")
     for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):
         print(f"  {n:24s} {ms:8.3f} ms")

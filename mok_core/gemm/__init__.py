@@ -14,7 +14,8 @@ for every row r of expert e's segment [off[e], off[e+1]), and the backward's wei
 whose reduction runs over each expert's rows. ``dgrad`` is the backward's data gradient
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
 gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over two
-weight arrays). ``dgrad`` and ``wgrad`` are mma.sync kernels only, so far. Counts and offsets
+weight arrays); it runs on both kernel families (wgmma: B read MN-major, ``push`` sends the
+rows home like ``down``'s), ``wgrad`` on mma.sync only, so far. Counts and offsets
 are read on the device; A rows can be gathered through an index table (a token pulled once per
 rank feeds all its local experts without a fan-out copy; -1 = padding row, read as zeros) --
 wgrad gathers either operand's rows. The shared expert is the same kernels with one expert.
@@ -25,9 +26,11 @@ tensor, the expected and the actual) and call ``launch_gate_up_swiglu`` / ``laun
 ``launch_dgrad`` / ``launch_wgrad``, the trusted entries the layer uses with views it checked
 once: numba device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma),
 a required ``config``; ``launch_project`` (no checks) is the backward's recompute of a gate or
-up pre-activation. Kernels: ``sm90`` (wgmma, Hopper), ``sm80`` (mma.sync, elsewhere and on the
-simulator; also ``dgrad``), ``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows
-are the reduction), epilogues in ``epilogue``.
+up pre-activation. Kernels: ``sm90`` (wgmma, Hopper; ``dgrad`` with a wgmma config), ``sm80``
+(mma.sync, elsewhere and on the simulator; ``dgrad``'s default everywhere: the layer's
+backward passes a wgmma config on Hopper, ``mok_comm.layer.dgrad_gemm``),
+``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows are the reduction), epilogues
+in ``epilogue``.
 """
 from __future__ import annotations
 
@@ -115,16 +118,36 @@ def launch_project(x, a_index, w, expert_offsets, num_rows, out, *, config: Gemm
                      errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
-def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, config: GemmConfig,
-                 stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """``dgrad`` without the checks (arguments as there, ``config`` required: mma.sync)."""
-    E, K0, N = w0.shape
+def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
+                 config: GemmConfig, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``dgrad`` without the checks (arguments as there, ``config`` required; ``push`` only
+    with a wgmma config, its peer buffers as flat uint32 views)."""
+    nf = {"errors": _error_word(errors), "tensor": tensor, "rank": rank}
     gather = a_index is not None
-    sm80.launch_gemm(config, stream, a, a_index if gather else num_rows, w0,
-                     w0 if w1 is None else w1, expert_offsets, num_rows,
-                     flat_view(out, np.uint32), a.shape[1], K0, N, math.inf, swiglu=False,
-                     gather=gather, b_kn=True, errors=_error_word(errors), tensor=tensor,
-                     rank=rank)
+    if config.mma != "wgmma":
+        E, K0, N = w0.shape
+        sm80.launch_gemm(config, stream, a, a_index if gather else num_rows, w0,
+                         w0 if w1 is None else w1, expert_offsets, num_rows,
+                         flat_view(out, np.uint32), a.shape[1], K0, N, math.inf, swiglu=False,
+                         gather=gather, b_kn=True, **nf)
+        return
+    # The wgmma kernel reads each matrix through a TMA map: an empty one gets none (K0 = 0:
+    # all of B is w1; K - K0 = 0: w0 stands in for the w1 map, never read).
+    if w1 is not None and w0.shape[1] == 0:
+        w0, w1 = w1, None
+    if w1 is None or w1.shape[1] == 0:
+        w1 = w0
+    E, K0, N = w0.shape
+    route = None
+    if push is not None:
+        rank_, token, slot, peers, k = push
+        route = (rank_, token, slot, peers, np.int64(k))
+        out = num_rows                                  # unused placeholder
+    else:
+        out = flat_view(out, np.uint32)
+    sm90.launch_gemm(config, stream, a, a_index if gather else num_rows, w0, w1,
+                     expert_offsets, num_rows, out, a.shape[1], K0, N, math.inf, swiglu=False,
+                     gather=gather, padding_index=gather, route=route, b_kn=True, **nf)
 
 
 def launch_wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split, *,
@@ -204,17 +227,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
         if config.mma != "wgmma":
             raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
                              "writes y; combine it afterwards)")
-        src_rank, token, slot, peers, k = push
-        src_rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
-                                 ((src_rank, "src_rank"), (token, "src_token"),
-                                  (slot, "src_slot")))
-        peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
-                                np.uint32) for p in peers)
-        if any(p.shape[0] % (H // 2) for p in peers):
-            raise ValueError(f"peer_combine: each buffer must hold whole rows of H={H}")
-        for p in peers:
-            _check_staged_out(config, p, "peer_combine")
-        push = (src_rank, token, slot, peers, k)
+        push = _check_push(config, push, C, H)
     else:
         y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
         _check_staged_out(config, y, "y")
@@ -227,7 +240,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
                 stream=stream, errors=errors, tensor=tensor, rank=int(rank))
 
 
-def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *,
+def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
           config: GemmConfig | None = None, stream=0, errors=None, tensor=err.NF_HIDDEN,
           rank=0):
     """out[r] = a[row(r)] B[e], bf16, with B[e] = w0[e] (rows k < K0) over w1[e] (rows
@@ -244,20 +257,28 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *,
         expert_offsets, num_rows: as in ``gate_up_swiglu`` (offsets multiples of
             config.row_unit; num_rows on the device, never read by the host).
         out: uint16 [C, N]; rows past num_rows untouched, padding rows get what A's zero rows
-            give (zeros).
-        config: a mma.sync ``GemmConfig`` (default: the device's mma.sync tiles); bn = 16, 32
-            or a multiple of 64; N a multiple of bn, K of bk, C of row_unit.
+            give (zeros; wgmma with ``a_index``: all-padding 64-row groups skip their MMAs and
+            write zeros). Unused (may be None) with ``push``.
+        push: optional ``(src_rank, src_token, src_slot, peer_combine, k)`` as in ``down``
+            (wgmma only): row r goes to ``peer_combine[src_rank[r]]`` (uint16 [T*k*N] each) at
+            row ``src_token[r] * k + src_slot[r]``, rows with src_rank < 0 dropped -- the
+            routed d_x rows pushed home; the bits equal ``dgrad`` into out, then the scatter.
+        config: a ``GemmConfig``. mma.sync: bn = 16, 32 or a multiple of 64. wgmma (Hopper;
+            ``sm90``'s B_KN: TMA boxes of the weights as stored, MN-major wgmma B): any valid
+            wgmma config, ``out`` 16-byte aligned, K > 0. N a multiple of bn, K and K0 of bk,
+            C of row_unit. Default: the device's mma.sync tiles, on Hopper too (pass a wgmma
+            config for the wgmma kernel, as the layer's backward does on Hopper where the
+            shape fits its tile: ``mok_comm.layer.dgrad_gemm``).
         errors, tensor, rank: NaN/Inf written to ``out`` (checked, always) as in
             ``gate_up_swiglu``.
     """
     if config is None:
         config = default_gemm()
-        if config.mma != "mma_sync":          # (Hopper's default is wgmma: no dgrad there yet)
+        if config.mma != "mma_sync":          # (see ``config`` above)
             config = MMA_SYNC_GEMM
-    if config.mma != "mma_sync":
-        raise ValueError(f"dgrad: config {config} is a {config.mma} GemmConfig; the wgmma dgrad "
-                         "does not exist yet (pass a mma_sync config, e.g. MMA_SYNC_GEMM)")
-    if not sm80.b_kn_width_ok(config.bn):
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    if config.mma == "mma_sync" and not sm80.b_kn_width_ok(config.bn):
         raise ValueError(f"dgrad: config.bn={config.bn}: the weight tile's rows are bn wide, "
                          "which must be 16, 32 or a multiple of 64 (the shared-memory swizzle)")
     a = as_device_array(a, "a", dtype=np.uint16, ndim=2)
@@ -279,15 +300,24 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *,
         C = a_index.shape[0]
     else:
         C = a.shape[0]
-    out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
+    if push is not None:
+        if config.mma != "wgmma":
+            raise ValueError("dgrad(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
+                             "writes out; push it afterwards)")
+        push = _check_push(config, push, C, N)
+    else:
+        out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
+        _check_staged_out(config, out, "out")
     _check_dims(config, E=E, C=C, K=K, N=N, n_tile=config.bn, name_k="K (columns of a)",
                 name_n="N (columns of w0)")
     if K0 % config.bk:
         raise ValueError(f"w0: K0={K0} rows per expert must be a multiple of bk={config.bk} "
                          "(each K slice reads one of w0, w1)")
+    if config.mma == "wgmma" and K == 0:
+        raise ValueError("a: K=0 columns: the wgmma dgrad runs at least one K slice per tile")
     errors, tensor = _check_errors(errors, tensor)
-    launch_dgrad(a, a_index, w0, w1, off, nr, out, config=config, stream=stream, errors=errors,
-                 tensor=tensor, rank=int(rank))
+    launch_dgrad(a, a_index, w0, w1, off, nr, out, push=push, config=config, stream=stream,
+                 errors=errors, tensor=tensor, rank=int(rank))
 
 
 def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split, *,
@@ -424,6 +454,21 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     return a, w, off, nr, E, N, K
+
+
+def _check_push(cfg, push, C, N):
+    """A push route ``(src_rank, src_token, src_slot, peer_combine, k)`` for C rows of N
+    columns: checked device views, the peer buffers as flat uint32."""
+    src_rank, token, slot, peers, k = push
+    src_rank, token, slot = (as_device_array(v, n, dtype=np.int32, shape=(C,)) for v, n in
+                             ((src_rank, "src_rank"), (token, "src_token"), (slot, "src_slot")))
+    peers = tuple(flat_view(as_device_array(p, "peer_combine", dtype=np.uint16, ndim=1),
+                            np.uint32) for p in peers)
+    if any(p.shape[0] % (N // 2) for p in peers):
+        raise ValueError(f"peer_combine: each buffer must hold whole rows of N={N}")
+    for p in peers:
+        _check_staged_out(cfg, p, "peer_combine")
+    return (src_rank, token, slot, peers, k)
 
 
 def _check_staged_out(cfg, out, name):

@@ -5,6 +5,9 @@ extents, row stride), the box one instruction moves and the shared-memory swizzl
 them for 2-D bf16 views [rows, cols] of the weights with a [box_rows, 64] box (64 bf16 = 128
 bytes = one swizzle row) and the 128-byte swizzle -- exactly the ring layout the wgmma
 descriptors read (16-byte chunk c of row r at chunk c ^ (r % 8), 1024-byte aligned stages).
+The forward's maps view weights as [E N, K] (a box = B rows of n x 64 of k: K-major); dgrad's
+view them as stored, [E K, N], with [64, 64] boxes (64 rows of k x 64 of n: the MN-major
+layout of ``sm90``'s B_KN).
 
 Maps live in a device uint64 array, 16 elements (128 bytes) per map, map i at element 16 i;
 kernels take that array (``tensormap_acquire`` + ``tma_load_2d``). Encoding goes straight to

@@ -13,7 +13,9 @@
                   ldmatrix_x4_at (and ``_trans_at``: the
                   operand stored transposed) / cp_async_16_at (32-bit shared byte addresses for hot
                   loops), st_shared_u32
-    wgmma:        wgmma_m64n{64,128,256}k16_bf16, wgmma_fence, wgmma_commit, wgmma_wait,
+    wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
+                  transposed, the weights as stored for dgrad), wgmma_fence, wgmma_commit,
+                  wgmma_wait,
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
                   tuple_groups (a per-group function over the accumulator, unrolled: constant
                   indices, no local-memory copy), tuple_fold (the same with a carried value)
@@ -37,7 +39,9 @@ __all__ = [
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",
     "ldmatrix_x4_trans_at", "cp_async_16_at",
-    "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16", "wgmma_fence",
+    "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16",
+    "wgmma_m64n64k16_bf16_tb", "wgmma_m64n128k16_bf16_tb", "wgmma_m64n256k16_bf16_tb",
+    "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",
     "mbarrier_init", "mbarrier_try_wait", "trap",

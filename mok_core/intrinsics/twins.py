@@ -274,49 +274,90 @@ def cp_async_wait(pending):
 #
 # Each thread computes its own accumulator fragment straight from shared memory, decoding the
 # descriptors the way the hardware does (so a wrong descriptor, swizzle or fragment index fails
-# here too). The simulator runs the MMA at issue time; the kernel's fence/commit/wait discipline
-# keeps the operands unchanged until the wait, as on the GPU.
+# here too): K-major (A always, B of the ``wgmma_*`` twins) and MN-major (B of the ``_tb``
+# twins: the PTX ISA's canonical 128B layout, leading byte offset between 64-column blocks,
+# stride byte offset between 8-row groups of k). The simulator runs the MMA at issue time;
+# the kernel's fence/commit/wait discipline keeps the operands unchanged until the wait, as on
+# the GPU.
 
 _SWIZZLE_128B = 1
 
 
-def _desc_operand(smem, desc, rows):
-    """bf16 [rows, 16] (as float64) that a K-major, 128-byte-swizzled descriptor points at."""
+def _desc_fields(desc):
+    """(start, leading byte offset, stride byte offset) in bytes of a 128-byte-swizzled
+    descriptor with base offset 0 -- the only kind the kernels build (anything else raises)."""
     desc = int(desc)
     if desc >> 62 != _SWIZZLE_128B:
         raise ValueError(f"wgmma twin: descriptor swizzle mode {desc >> 62}, only 128B is used")
     if (desc >> 49) & 7:
         raise ValueError("wgmma twin: descriptor base offset must be 0 (1024-byte aligned tiles)")
-    start = (desc & 0x3FFF) << 4
-    sbo = ((desc >> 32) & 0x3FFF) << 4
+    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4)
+
+
+def _swizzled_bf16(smem, logical):
+    """bf16 (as float64) at the logical byte addresses ``logical``, read through the 128-byte
+    swizzle the way the hardware applies it: by address, 16-byte chunk bits [6:4] XOR row
+    bits [9:7] (so a tile laid out from a 1024-byte boundary is swizzled from its first row)."""
     raw = _raw(smem).view(np.uint8)
-    i = np.arange(rows)[:, None]
-    k = np.arange(16)[None, :]
-    logical = start + (i // 8) * sbo + (i % 8) * 128 + 2 * k
-    if (start % 1024) >= 128 or logical.max() + 2 > raw.size:
-        raise ValueError(f"wgmma twin: operand at byte {start} outside its 1024-byte atom / smem")
-    phys = logical ^ (((logical >> 7) & 7) << 4)          # the 128-byte swizzle, by address
+    if logical.min() < 0 or logical.max() + 2 > raw.size:
+        raise ValueError("wgmma twin: operand outside shared memory")
+    phys = logical ^ (((logical >> 7) & 7) << 4)
     bits = raw[phys].astype(np.uint32) | (raw[phys + 1].astype(np.uint32) << 8)
     return (bits << 16).view(np.float32).astype(np.float64)
 
 
-def _wgmma(n):
+def _desc_operand(smem, desc, rows):
+    """bf16 [rows, 16] (as float64) that a K-major, 128-byte-swizzled descriptor points at:
+    row i, k at start + (i // 8) SBO + (i % 8) 128 + 2k (the leading byte offset is unused)."""
+    start, _, sbo = _desc_fields(desc)
+    if (start % 1024) >= 128:
+        raise ValueError(f"wgmma twin: operand at byte {start} outside its 1024-byte atom's "
+                         "first row")
+    i = np.arange(rows)[:, None]
+    k = np.arange(16)[None, :]
+    return _swizzled_bf16(smem, start + (i // 8) * sbo + (i % 8) * 128 + 2 * k)
+
+
+def _desc_operand_mn(smem, desc, cols):
+    """bf16 [cols, 16] (n, k; as float64) that an MN-major, 128-byte-swizzled descriptor
+    points at (PTX ISA, "Canonical Layouts", MN-major 128B: ((T,8,m),(8,k)) :
+    ((1,T,LBO),(8T,SBO)), T = 8 bf16): column n, row k at
+    start + (n // 64) LBO + 2 (n % 64) + (k // 8) SBO + (k % 8) 128 -- each 64-column block a
+    stack of 128-byte rows of k, blocks LBO apart, groups of 8 k-rows SBO apart. The start must
+    lie on a 1024-byte boundary (base offset 0 and what the kernels' k16 steps of 2048 bytes
+    keep); a descriptor stepped like a K-major one (+32 bytes) is refused."""
+    start, lbo, sbo = _desc_fields(desc)
+    if start % 1024:
+        raise ValueError(f"wgmma twin: MN-major operand at byte {start}: not on a 1024-byte "
+                         "boundary")
+    n = np.arange(cols)[:, None]
+    k = np.arange(16)[None, :]
+    return _swizzled_bf16(smem, start + (n // 64) * lbo + 2 * (n % 64) + (k // 8) * sbo
+                          + (k % 8) * 128)
+
+
+def _wgmma(n, trans_b=False):
+    b_operand = _desc_operand_mn if trans_b else _desc_operand
+
     def twin(acc, smem, desc_a, desc_b):
         t = threading.current_thread().thread_id % 128
         row = 16 * (t // 32) + (t % 32) // 4
         a = _desc_operand(smem, desc_a, 64)[[row, row + 8]]          # [2, 16]
-        b = _desc_operand(smem, desc_b, n)                             # [n, 16]
+        b = b_operand(smem, desc_b, n)                                 # [n, 16]
         d = a @ b.T                                                    # [2, n]
         cols = 2 * (t % 4) + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]  # [n/8, 2]
         frag = np.stack([d[0][cols], d[1][cols]], 1).reshape(-1)      # j, h, c order
         return tuple(np.float32(np.float32(x) + np.float32(y)) for x, y in zip(acc, frag))
-    twin.__name__ = f"wgmma_m64n{n}k16_bf16"
+    twin.__name__ = f"wgmma_m64n{n}k16_bf16" + ("_tb" if trans_b else "")
     return twin
 
 
 wgmma_m64n64k16_bf16 = _wgmma(64)
 wgmma_m64n128k16_bf16 = _wgmma(128)
 wgmma_m64n256k16_bf16 = _wgmma(256)
+wgmma_m64n64k16_bf16_tb = _wgmma(64, trans_b=True)
+wgmma_m64n128k16_bf16_tb = _wgmma(128, trans_b=True)
+wgmma_m64n256k16_bf16_tb = _wgmma(256, trans_b=True)
 
 
 def wgmma_fence(acc):

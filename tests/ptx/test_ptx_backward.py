@@ -1,6 +1,9 @@
 """The backward's element-wise kernels compile for sm_90 (typing, no local memory): the SwiGLU
 backward (routed, with the router weights read from and d_w pushed to 2 or 8 ranks; shared)
-and the router-gradient epilogue."""
+and the router-gradient epilogue; the recompute's GEMM; the layer's choice of dgrad tiles and
+the wgmma dgrad kernels it launches on Hopper at real presets' shapes."""
+import re
+
 import pytest
 from numba import float32, int32, int64, types, uint32
 
@@ -39,3 +42,80 @@ def test_project_f32_lowers():
     ptx = compile_sm90(kern, sig)
     assert count(ptx, r"ld\.local|st\.local") == 0
     assert count(ptx, r"st\.global\.f32") >= 4
+
+
+# ---- the backward's wgmma dgrads (``mok_comm.layer.dgrad_gemm``) --------------------------------
+
+_DGRAD_PRESETS = ("qwen3.5-397b", "kimi-k2.7")
+
+
+def _layer_dgrad_gemms():
+    """The dgrad tiles a Hopper layer takes at the presets' shapes (EP 1 and 8) behind either
+    forward tile ``default_gemm`` picks there (128 or 192 rows)."""
+    from mok_comm.layer import backward_gemm, dgrad_gemm
+    from mok_core.config import MoKConfig, preset
+    from mok_core.gemm import WGMMA_192_GEMM, WGMMA_GEMM
+    cfg = MoKConfig()
+    return {dgrad_gemm(shape, cfg, (fwd, fwd), backward_gemm(shape, cfg))
+            for shape in (preset(p, ep) for p in _DGRAD_PRESETS for ep in (1, 8))
+            for fwd in (WGMMA_GEMM, WGMMA_192_GEMM)}
+
+
+def test_layer_dgrad_gemm_choice():
+    """wgmma (``DGRAD_GEMM``) behind a wgmma forward where the shape splits into its tile; the
+    mma.sync ``backward_gemm`` behind an mma.sync forward, or where I (N of d_hidden, K0 of
+    d_x) is no multiple of its bn, or row_align of its row_unit."""
+    from mok_comm.layer import DGRAD_GEMM, backward_gemm, dgrad_gemm
+    from mok_core.config import LayerShape, MoKConfig, preset
+    from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_GEMM
+    assert _layer_dgrad_gemms() == {DGRAD_GEMM} and DGRAD_GEMM.mma == "wgmma"
+    cfg = MoKConfig()
+    qwen = preset("qwen3.5-397b")
+    bwd = backward_gemm(qwen, cfg)
+    assert bwd.mma == "mma_sync"
+    assert dgrad_gemm(qwen, cfg, (MMA_SYNC_GEMM, MMA_SYNC_GEMM), bwd) is bwd
+    assert dgrad_gemm(qwen, cfg, (WGMMA_GEMM, MMA_SYNC_GEMM), bwd) is bwd
+    odd = LayerShape(hidden=4096, intermediate=1088, shared_intermediate=1024, num_experts=512,
+                     topk=10)
+    assert dgrad_gemm(odd, cfg, (WGMMA_GEMM, WGMMA_GEMM), backward_gemm(odd, cfg)).mma == \
+        "mma_sync"
+    cfg32 = MoKConfig(row_align=32, minibatch_size=64)
+    assert dgrad_gemm(qwen, cfg32, (WGMMA_GEMM, WGMMA_GEMM), bwd) is bwd
+
+
+@pytest.mark.parametrize("use", ["d_hidden", "d_x"])
+def test_layer_wgmma_dgrad_lowers_unserialised(use):
+    """The wgmma dgrad kernels the backward launches on Hopper at the qwen3.5-397b and
+    kimi-k2.7 shapes (``_layer_dgrad_gemms``: one tile), built as ``sm90._kernel`` builds them
+    for ``launch_dgrad``: d_hidden = d_out W_down gathers A through the padding index, d_x =
+    [d_g | d_u] [W_gate; W_up] reads it direct. Arch-specific target, 4 wgmmas per slice with
+    imm-trans-b 1, both weight maps acquired, TMA boxes, the plain staged epilogue with its
+    NaN/Inf check, no local memory anywhere -- and ptxas (where it reads numba's PTX) keeps
+    the wgmmas unserialised (C7518) without spills."""
+    from numba import cuda
+
+    from mok_core.gemm.sm90 import make_wgmma_gemm
+    from ptx_util import assemble_sm90a
+    from test_ptx_gemm import NF_CHECK, TMA, WG_SIG
+    (g,) = _layer_dgrad_gemms()
+    gather = use == "d_hidden"
+    kern = make_wgmma_gemm(g.bn, g.stages, False, gather, gather, push=False, bm=g.bm,
+                           max_registers=g.max_registers, blocks_per_sm=g.blocks_per_sm,
+                           b_kn=True)
+    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
+    assert ".target sm_90a" in ptx
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{g.bn}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
+    assert count(ptx, r"vote\.sync\.all\.pred") >= 1
+    assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") == 2
+    assert count(ptx, TMA) >= 1
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 1          # A rows
+    for p in (r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", *NF_CHECK):
+        assert count(ptx, p) >= 1, p
+    assert count(ptx, r"fma\.rn\.bf16x2") == g.bn // 4     # one fold per staged pair
+    assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the dgrad kernel"
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+    assert not re.search(r"[1-9]\d* bytes spill", report), report[-600:]

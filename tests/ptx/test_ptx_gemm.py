@@ -146,3 +146,37 @@ def test_two_blocks_per_sm_bound_the_registers(swiglu):
     report = assemble_sm90a(ptx)
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128, report[-400:]
+
+
+@pytest.mark.parametrize("bn,gather,push", [(256, False, False), (128, True, False),
+                                            (256, False, True)],
+                         ids=["d_x", "d_hidden-bn128", "d_x-push"])
+def test_wgmma_dgrad_lowers_unserialised(bn, gather, push):
+    """sm90's B_KN specialisation (dgrad: weights as stored, MN-major B): the arch-specific
+    target, 4 wgmmas per slice carrying imm-trans-a 0 / imm-trans-b 1, both weight maps
+    acquired (w0 below K0, w1 above), TMA boxes on the full barriers, the staged plain
+    epilogue with its NaN/Inf check (or the push), nothing in local memory in the K loop --
+    and ptxas keeps the wgmmas unserialised (C7518)."""
+    from numba import cuda
+
+    from mok_core.gemm.sm90 import make_wgmma_gemm
+    kern = make_wgmma_gemm(bn, 4, False, gather, gather, push=push, bm=128, b_kn=True)
+    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"))
+    assert ".target sm_90a" in ptx
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
+    assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") == 2
+    assert count(ptx, r"mbarrier\.arrive\.expect_tx") >= 1
+    assert count(ptx, TMA) >= 1
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 1          # A rows
+    for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
+              r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0",
+              *NF_CHECK):
+        assert count(ptx, p) >= 1, p
+    assert count(ptx, r"fma\.rn\.bf16x2") == bn // 4     # one fold per staged pair
+    loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
+    assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
+    assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the dgrad kernel"
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]

@@ -54,6 +54,8 @@ def test_wgmma_and_mbarrier_kernels_lower_for_sm90a():
               r"fence\.proxy\.async\.shared::cta"):
         assert count(ptx, p) >= 1, f"{p} missing"
     assert count(ptx, r"wgmma\.mma_async") == 4
+    # both operands K-major: the transpose immediates (the last two) are 0
+    assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 0;") == 4
     ptx = compile_sm90(ti._mbarrier_phases, (i32,))
     for p in (r"mbarrier\.init\.shared::cta\.b64", r"mbarrier\.arrive\.expect_tx",
               r"mbarrier\.try_wait\.parity\.shared::cta\.b64"):
@@ -64,3 +66,15 @@ def test_tuple_groups_keeps_the_tuple_out_of_local_memory():
     """Every element read at a constant index: no local (stack) copy of the tuple."""
     ptx = compile_sm90(ti._tuple_groups_kernel, (f32, f32, int64))
     assert count(ptx, r"\.local") == 0 and count(ptx, r"st\.global\.f32") == 4
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_b_transposed_lowers_with_the_transpose_immediate(n):
+    """The ``_tb`` wgmmas (B MN-major, dgrad's weights as stored): imm-trans-a 0, imm-trans-b 1
+    on each of the 4 k16 steps."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice_tb(n).py_func, (u16, u16, f32),
+                              cc=(9, 0, "a"))
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
