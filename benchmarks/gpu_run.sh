@@ -13,6 +13,9 @@
 #        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
 #        and backward columns)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
+#        gpu-dgrad (the dgrad GEMM tests) probe-bwd (probe_backward: PROBE_PRESET, PROBE_TOKENS)
+#        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
+#        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS)
 #        -- the probes live in benchmarks/probes/
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
@@ -119,6 +122,14 @@ for s in "$@"; do
     bench-layer-bwd) step bench-layer-bwd torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --out "$OUT/bench_layer_bwd.json" ;;
+    gpu-dgrad) step gpu-dgrad $PYT tests/test_gemm_dgrad.py ;;
+    probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
+         --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" ;;
+    gpu-train) export SUITE=gputrain; step gpu-train torchrun --standalone --nproc-per-node="$NGPU" \
+         --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_module_gpu.py \
+         tests/test_torch_module.py tests/test_torch_op.py; rank_logs gputrain ;;
+    train-example) step train-example torchrun --standalone --nproc-per-node="$NGPU" \
+         examples/train_moe.py --steps "${TRAIN_STEPS:-300}" --plot "$OUT/train_moe_loss.png" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;
