@@ -21,6 +21,11 @@ Checkpoints: ``state_dict`` holds this rank's stacked experts under the names ab
 / ``up_proj`` / ``down_proj`` (global e: this rank's are stacked, other ranks' skipped),
 ``shared_experts.*_proj.weight`` and ``gate.weight`` / ``gate.e_score_correction_bias``.
 
+Gradients: bf16 ``.grad`` through autograd like any module; or, with ``main_grad=True``, the six
+expert weights' gradients accumulated in float32 ``param.main_grad`` buffers straight from the
+backward's GEMMs (Megatron's convention: ``.grad`` stays None for them, ``zero_main_grad()``
+after the optimizer step; eager only).
+
 Tokens: any 0 <= T <= ``max_tokens`` per call and per rank (``mok_comm.layer``: one workspace
 for T_max). EP > 1: one process per GPU, ``ep_group`` the whole world (NVSHMEM spans the world);
 replicated parameters (router, shared expert, the rest of the model) see only this rank's tokens,
@@ -139,13 +144,14 @@ class MoEBlock(nn.Module):
     ``config`` (``MoKConfig``); ``router``: a module ``x [T, H] -> (topk_ids [T, k],
     weights [T, k] float32)`` (default ``Router(H, E, k)``); ``max_tokens``: T_max, the most
     tokens one call brings per rank; ``swiglu_limit``, ``gemm``, ``gemm_down`` as
-    ``mok_comm.layer.Layer``.
+    ``mok_comm.layer.Layer``; ``main_grad``: FP32 weight-gradient accumulation (module
+    docstring).
     """
 
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int,
                  num_experts: int, topk: int, ep_group=None, config: MoKConfig = MoKConfig(),
                  router: nn.Module | None = None, *, max_tokens: int, swiglu_limit=None,
-                 gemm=None, gemm_down=None):
+                 gemm=None, gemm_down=None, main_grad: bool = False):
         super().__init__()
         rank, R = _ep(ep_group)
         self.shape = LayerShape(hidden, intermediate, shared_intermediate, num_experts, topk, R)
@@ -169,6 +175,18 @@ class MoEBlock(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shp, **bf)) if I_s else None)
         self.reset_parameters()
         self.register_load_state_dict_pre_hook(_hf_layout)
+        self.main_grad = main_grad
+        if main_grad:
+            for w in self.expert_weights():
+                if w is not None:
+                    w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+
+    def zero_main_grad(self) -> None:
+        """Zero the float32 ``main_grad`` buffers (``main_grad=True``), as after an optimizer
+        step."""
+        for w in self.expert_weights():
+            if w is not None and hasattr(w, "main_grad"):
+                w.main_grad.zero_()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -202,8 +220,12 @@ class MoEBlock(nn.Module):
                                  f"(rank {self.rank})")
         h = x.reshape(-1, H)
         topk_ids, weights = self.router(h)
-        out = moe(self.layer, h.contiguous(), topk_ids.contiguous(),
-                  weights.float().contiguous(), self.expert_weights())
+        args = (h.contiguous(), topk_ids.contiguous(), weights.float().contiguous())
+        if self.main_grad:
+            out = _MainGradMoE.apply(self.layer, self.expert_weights(), *args,
+                                     *self.expert_weights())
+        else:
+            out = moe(self.layer, *args, self.expert_weights())
         return out.reshape(x.shape)
 
     def extra_repr(self) -> str:
@@ -212,6 +234,30 @@ class MoEBlock(nn.Module):
                 f"{s.shared_intermediate}, experts={s.num_experts} (this rank: "
                 f"{self.experts.start}..{self.experts.stop - 1}), topk={s.topk}, "
                 f"max_tokens={self.layer.tokens_per_rank}")
+
+
+class _MainGradMoE(torch.autograd.Function):
+    """``main_grad=True``: the step with its weight gradients accumulated in FP32 straight from
+    the backward's GEMMs into each weight's ``main_grad`` (``accumulate=True``: no bf16
+    rounding per micro-batch, as Megatron's distributed optimizer), d_x and the router weights'
+    gradient returned to autograd. Eager only: under ``torch.compile`` it is a graph break."""
+
+    @staticmethod
+    def forward(ctx, layer, params, x, topk_ids, router_weights, *weights):
+        ctx.layer, ctx.params = layer, params
+        ctx.save_for_backward(x, topk_ids, router_weights, *weights)
+        return layer.forward(x, topk_ids, router_weights, weights, manual=False)[0]
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, topk_ids, router_weights, *weights = ctx.saved_tensors
+        layer = ctx.layer
+        step = layer.context_for(x, topk_ids, router_weights, weights)
+        d_x, d_w = torch.empty_like(x), torch.empty_like(router_weights)
+        main = [None if p is None else p.main_grad for p in ctx.params]
+        layer.backward(step, d_out.to(torch.bfloat16).contiguous(), router_weights, weights,
+                       grads=(d_x, d_w, *main), accumulate=True, manual=False)
+        return (None, None, d_x, None, d_w, *(None for _ in weights))
 
 
 def _hf_layout(module: MoEBlock, state_dict, prefix, *_args):

@@ -211,3 +211,27 @@ def test_bad_inputs_raise_before_launch():
         mok_torch.MoEBlock(H, I, I_S, E, K, ep_group=object(), max_tokens=8)
     with pytest.raises(ValueError, match="topk"):
         mok_torch.MoEBlock(H, I, I_S, E, 0, config=MoKConfig(), max_tokens=8)
+
+
+def test_main_grad_accumulates_fp32():
+    """main_grad=True: two micro-batches add their FP32 weight gradients into each expert
+    weight's main_grad, bit for bit the manual layer's accumulate=True; .grad stays None for
+    them (the router's is as usual); zero_main_grad clears them."""
+    blk = block(seed=20, main_grad=True)
+    x, d = tokens(12, seed=21), tokens(12, seed=22)
+    for _ in range(2):
+        y = blk(x.clone().requires_grad_())
+        (y.float() * d.float()).sum().backward()
+    assert blk.w_gate.grad is None and blk.router.weight.grad is not None
+    weights = blk.expert_weights()
+    with torch.no_grad():
+        ids, w = blk.router(x)
+        acc = mok_torch.Grads(torch.empty_like(x), torch.empty_like(w),
+                              *(torch.zeros_like(p, dtype=torch.float32) for p in weights))
+        for _ in range(2):
+            _, ctx = blk.layer.forward(x, ids, w, weights)
+            blk.layer.backward(ctx, d, w, weights, grads=acc, accumulate=True)
+    for p, want in zip(weights, acc[2:]):
+        assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want)
+    blk.zero_main_grad()
+    assert not any(p.main_grad.any() for p in weights)
