@@ -18,3 +18,15 @@ def guarded(n, dtype, fill, guard=64, guard_value=-777):
     full = np.full(n + 2 * guard, guard_value, dtype=dtype)
     full[guard:guard + n] = fill
     return full, full[guard:guard + n]
+
+
+def push_route(rng, real, C, R, T, k):
+    """A random push route for the rows ``real`` of C: a unique (rank, token, slot) each, -1
+    rank on the others -> (src_rank, src_token, src_slot) int32 [C]."""
+    slots = rng.permutation(R * T * k)[:real.size]
+    src_rank = np.full(C, -1, np.int32)
+    src_token = np.zeros(C, np.int32)
+    src_slot = np.zeros(C, np.int32)
+    src_rank[real], rem = slots // (T * k), slots % (T * k)
+    src_token[real], src_slot[real] = rem // k, rem % k
+    return src_rank, src_token, src_slot

@@ -15,7 +15,7 @@ GPU check: ``NUMBA_ENABLE_CUDASIM=0 python -m pytest -q tests/test_gemm_dgrad.py
 import numpy as np
 import pytest
 
-from helpers import to_dev
+from helpers import push_route, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, dgrad,
@@ -156,12 +156,7 @@ def test_wgmma_dgrad_push_equals_dgrad_then_scatter():
     counts, R, T, k, K, K0, N = [70, 0, 40], 2, 64, 2, 128, 64, 64
     a, a_index, w0, w1, off, C = _case(cfg, counts, K, N, K0, False, seed=5)
     real = np.flatnonzero(a.any(axis=1))
-    slots = rng.permutation(R * T * k)[:real.size]        # unique (rank, token, slot) per row
-    src_rank = np.full(C, -1, np.int32)
-    src_token = np.zeros(C, np.int32)
-    src_slot = np.zeros(C, np.int32)
-    src_rank[real], rem = slots // (T * k), slots % (T * k)
-    src_token[real], src_slot[real] = rem // k, rem % k
+    src_rank, src_token, src_slot = push_route(rng, real, C, R, T, k)
     want_rows = _run(cfg, a, a_index, w0, w1, off, C)
     peers = tuple(to_dev(np.full(T * k * N, POISON, np.uint16)) for _ in range(R))
     dgrad(to_dev(a), None, to_dev(w0), to_dev(w1), to_dev(off),

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import to_dev
+from helpers import push_route, to_dev
 from mok_core.cuda_compat import to_host
 from mok_core.gemm import SIM_GEMM, GemmConfig, down, gate_up_swiglu
 from mok_core.reference import swiglu
@@ -244,12 +244,7 @@ def test_down_push_equals_down_then_scatter(cfg):
     counts, E, H, I, R, T, k = [70, 0, 140, 130], 4, 128, 64, 2, 128, 4
     off, C, a_index = layout(counts, cfg.row_unit, 0, rng, 1)
     real = np.flatnonzero(a_index >= 0)
-    slots = rng.permutation(R * T * k)[:real.size]        # unique (rank, token, slot) per row
-    src_rank = np.full(C, -1, np.int32)
-    src_token = np.zeros(C, np.int32)
-    src_slot = np.zeros(C, np.int32)
-    src_rank[real], rem = slots // (T * k), slots % (T * k)
-    src_token[real], src_slot[real] = rem // k, rem % k
+    src_rank, src_token, src_slot = push_route(rng, real, C, R, T, k)
     h = bits(rng.standard_normal((C, I)))
     h[a_index < 0] = 0
     wd = bits(rng.standard_normal((E, H, I)) / 6)

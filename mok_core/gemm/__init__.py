@@ -223,14 +223,7 @@ def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=No
     C = hidden.shape[0]
     _check_dims(config, E=E, C=C, K=I, N=H, n_tile=config.bn, name_k="intermediate I",
                 name_n="hidden size H")
-    if push is not None:
-        if config.mma != "wgmma":
-            raise ValueError("down(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
-                             "writes y; combine it afterwards)")
-        push = _check_push(config, push, C, H)
-    else:
-        y = as_device_array(y, "y", dtype=np.uint16, shape=(C, H))
-        _check_staged_out(config, y, "y")
+    y, push = _out_or_push(config, "down", y, "y", push, C, H)
     if row_index is not None:
         row_index = as_device_array(row_index, "row_index", dtype=np.int32, shape=(C,))
         if config.mma != "wgmma":        # (the mma.sync kernel computes every row)
@@ -300,14 +293,7 @@ def dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
         C = a_index.shape[0]
     else:
         C = a.shape[0]
-    if push is not None:
-        if config.mma != "wgmma":
-            raise ValueError("dgrad(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
-                             "writes out; push it afterwards)")
-        push = _check_push(config, push, C, N)
-    else:
-        out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
-        _check_staged_out(config, out, "out")
+    out, push = _out_or_push(config, "dgrad", out, "out", push, C, N)
     _check_dims(config, E=E, C=C, K=K, N=N, n_tile=config.bn, name_k="K (columns of a)",
                 name_n="N (columns of w0)")
     if K0 % config.bk:
@@ -454,6 +440,19 @@ def _operands(a, a_name, w, w_name, dims, expert_offsets, num_rows):
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     return a, w, off, nr, E, N, K
+
+
+def _out_or_push(cfg, op, out, name, push, C, N):
+    """(out, push) checked for a GEMM ``op`` of C rows and N columns: a push route (wgmma
+    only) or the output array ``name`` [C, N]."""
+    if push is not None:
+        if cfg.mma != "wgmma":
+            raise ValueError(f"{op}(push=...) needs a wgmma GemmConfig (the mma.sync kernel "
+                             f"writes {name}; send its rows home afterwards)")
+        return out, _check_push(cfg, push, C, N)
+    out = as_device_array(out, name, dtype=np.uint16, shape=(C, N))
+    _check_staged_out(cfg, out, name)
+    return out, None
 
 
 def _check_push(cfg, push, C, N):
