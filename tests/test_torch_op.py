@@ -94,6 +94,9 @@ def test_autograd_equals_manual_backward(layer):
     got.backward(d_out.to(x.device))
     for leaf, g in zip(leaves, want):
         assert torch.equal(leaf.grad, g)
+    torch.library.opcheck(torch.ops.mok.moe_forward.default,
+                          (leaves[0], ids, leaves[1], *leaves[2:], handle),
+                          test_utils=("test_autograd_registration",))
     torch.library.opcheck(torch.ops.mok.moe_backward.default,
                           (d_out.to(x.device), x, ids, w, *weights, handle),
                           test_utils=("test_schema", "test_faketensor"))
