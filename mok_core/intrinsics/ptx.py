@@ -256,6 +256,16 @@ def u32_as_f32(typingctx, x):
 
 
 @intrinsic
+def f32_as_u32(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _i32)
+    return types.uint32(x), codegen
+
+
+@intrinsic
 def pack_bf16x2(typingctx, lo, hi):
     """Two float32 -> one uint32 of two RNE bf16 (``lo`` in the low half)."""
     if lo != types.float32 or hi != types.float32:
@@ -303,6 +313,34 @@ def fadd_rn(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return _asm(builder, _f32, list(args), "add.rn.f32 $0, $1, $2;", "=f,f,f")
     return types.float32(a, b), codegen
+
+
+@intrinsic
+def fdiv_rn(typingctx, a, b):
+    """float32 a/b, IEEE round-to-nearest (``div.rn.f32``): what the FP8 quantizer's float64
+    reference computes, whatever the compiler's division flags."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _f32, list(args), "div.rn.f32 $0, $1, $2;", "=f,f,f")
+    return types.float32(a, b), codegen
+
+
+@intrinsic
+def pack_e4m3x4(typingctx, a, b, c, d):
+    """Four float32 -> one uint32 of four e4m3 bytes (``a`` lowest), each rounded to nearest
+    even and saturated to +-448 (``cvt.rn.satfinite.e4m3x2.f32``, sm_89+; NaN -> 0x7F)."""
+    if any(v != types.float32 for v in (a, b, c, d)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        # cvt puts its first source in the upper byte
+        return _asm(builder, _i32, [args[1], args[0], args[3], args[2]],
+                    "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2; "
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }",
+                    "=r,f,f,f,f")
+    return types.uint32(a, b, c, d), codegen
 
 
 def _f32_unary(name, text, doc):

@@ -109,6 +109,10 @@ def u32_as_f32(x):
     return np.array([x], dtype=np.uint32).view(np.float32)[0]
 
 
+def f32_as_u32(x):
+    return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+
 def _bf16_bits(x):
     """Round-to-nearest-even float32 -> bf16 bits, as ``cvt.rn.bf16x2.f32`` does per half."""
     u = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
@@ -141,6 +145,17 @@ def fmul_rn(a, b):
 
 def fadd_rn(a, b):
     return np.float32(np.float32(a) + np.float32(b))
+
+
+def fdiv_rn(a, b):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.float32(np.float32(a) / np.float32(b))
+
+
+def pack_e4m3x4(a, b, c, d):
+    from ..quantize_reference import e4m3_bits
+    q = e4m3_bits(np.array([a, b, c, d], np.float32)).astype(np.uint32)
+    return np.uint32(q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24)
 
 
 def _ftz(x):

@@ -1,0 +1,87 @@
+"""FP8 block quantization (``mok_core.quantize``) bit for bit against its NumPy reference, every
+mode (1 x 128 / 128 x 128 blocks, fp32 / ue8m0 scales, transposed or not), on the CUDA simulator
+in CI and unchanged on a GPU (where ``cvt.rn.satfinite`` does the rounding); the reference's
+rounding against ``ml_dtypes``; NaN/Inf reported; bad arguments refused."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import to_dev
+from mok_core import errors as err
+from mok_core.cuda_compat import SIM, device_full, to_host
+from mok_core.quantize import quantize_fp8
+from mok_core.quantize_reference import (dequantize_fp8, e4m3_bits, e4m3_values,
+                                         quantize_fp8_reference)
+
+R, C = (160, 256) if SIM else (4096, 7168)          # 160: a partial row tile
+
+
+def bf16_bits(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def inputs(seed, rows=R, cols=C):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-8, 8, (rows, 1)))
+    x[:, :128][rng.random((rows, 128)) < 0.5] = 0           # sparse blocks
+    x[3] = 0                                                 # an all-zero line
+    x[5, 7] = 60000.0                                        # one outlier in its block
+    return bf16_bits(x)
+
+
+@pytest.mark.parametrize("block,scale,transpose", [
+    ((1, 128), "fp32", False), ((1, 128), "ue8m0", False), ((1, 128), "fp32", True),
+    ((128, 128), "fp32", False), ((128, 128), "ue8m0", True)])
+def test_quantize_matches_reference(block, scale, transpose):
+    rows = R if block == (1, 128) and not transpose else 128 * (R // 128)
+    xb = inputs(1, rows)
+    data, scales = quantize_fp8(to_dev(xb), block, scale, transpose)
+    want_data, want_scales = quantize_fp8_reference(
+        xb.view(ml_dtypes.bfloat16).astype(np.float32), block, scale, transpose)
+    np.testing.assert_array_equal(to_host(data), want_data)
+    np.testing.assert_array_equal(to_host(scales), want_scales)
+    # what the scales promise: dequantised values within half an e4m3 step of x (2**-4
+    # relative; half the subnormal step, 2**-10 s, near zero)
+    x = xb.view(ml_dtypes.bfloat16).astype(np.float64)
+    x = x.T if transpose else x
+    deq = dequantize_fp8(want_data, want_scales, block, scale)
+    s = dequantize_fp8(np.full(want_data.shape, 0x38, np.uint8), want_scales, block, scale)
+    assert np.all(np.abs(deq - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * s)
+
+
+def test_reference_rounding_equals_ml_dtypes():
+    rng = np.random.default_rng(0)
+    v = np.concatenate([rng.standard_normal(20000) * s for s in (1e-3, 1, 100)])
+    q = e4m3_values(np.arange(256, dtype=np.uint8))
+    q = np.sort(q[np.isfinite(q)])
+    mids = (q[:-1] + q[1:]) / 2                                # every tie, both ways
+    v = np.concatenate([v, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        [0.0, -0.0, 448.0, 464.0, 1e6, -1e6]]).astype(np.float32)
+    want = np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(e4m3_bits(v), want)
+
+
+def test_nonfinite_reported():
+    xb = inputs(2, 128, 256)
+    xb[70, 200] = 0x7FC0                                      # NaN
+    xb[90, 3] = 0x7F80                                        # +Inf
+    errors = device_full((err.ERROR_WORDS,), 0, np.int32)
+    quantize_fp8(to_dev(xb), (128, 128), errors=errors, tensor=err.NF_D_OUT, rank=1)
+    words = to_host(errors)
+    assert words[err.FLAGS] & err.ERR_NON_FINITE
+    assert words[err.NONFINITE + 2 * err.NF_D_OUT] == 2
+    assert err.INT32_MAX - words[err.NONFINITE + 2 * err.NF_D_OUT + 1] == 70
+
+
+def test_bad_arguments():
+    x = to_dev(np.zeros((128, 200), np.uint16))
+    with pytest.raises(ValueError, match=r"columns must be a multiple of 128"):
+        quantize_fp8(x)
+    with pytest.raises(ValueError, match=r"block=\(64, 128\)"):
+        quantize_fp8(to_dev(np.zeros((128, 128), np.uint16)), (64, 128))
+    with pytest.raises(ValueError, match="scale='e5m2'"):
+        quantize_fp8(to_dev(np.zeros((128, 128), np.uint16)), scale="e5m2")
+    with pytest.raises(ValueError, match="rows"):
+        quantize_fp8(to_dev(np.zeros((100, 128), np.uint16)), transpose=True)
+    with pytest.raises(TypeError, match="x: expected dtype uint16"):
+        quantize_fp8(to_dev(np.zeros((128, 128), np.float32)))
