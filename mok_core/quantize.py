@@ -206,4 +206,62 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     return out, scales
 
 
-__all__ = ["quantize_fp8", "quantize_kernel"]
+@kjit(device=True, inline="always")
+def _e4m3_value(b):
+    """An e4m3 byte's value as float32, exactly (0x7F / 0xFF: NaN)."""
+    e = (b >> 3) & 0xF
+    m = float32(b & 7)
+    v = m * float32(2.0 ** -9)
+    if e:
+        v = (float32(8.0) + m) * u32_as_f32(uint32(e + 117) << 23)   # (8 + m) 2**(e - 10)
+    if (b & 0x7F) == 0x7F:
+        v = u32_as_f32(uint32(0x7FC00000))
+    return -v if b & 0x80 else v
+
+
+@kjit
+def dequantize_mx_kernel(data32, scales, cols, out32):
+    """Launch: any grid. data32 uint32 [R*C/4] e4m3 bytes, scales uint8 [R*C/32] (one E8M0
+    exponent per 32 consecutive values of a row), out32 uint32 [R*C/2]: bf16 pairs, exact
+    (a value has 4 significant bits, bf16 keeps 8) down to bf16's normal range."""
+    i = cuda.grid(1)
+    while i < data32.shape[0]:
+        w = data32[i]
+        e = uint32(scales[(4 * i) // 32])
+        s = u32_as_f32(e << 23)
+        if e == 0:
+            s = u32_as_f32(uint32(0x00400000))           # 2**-127 (subnormal in float32)
+        elif e == 255:
+            s = u32_as_f32(uint32(0x7FC00000))           # E8M0's NaN
+        v0 = _e4m3_value(w & 0xFF) * s
+        v1 = _e4m3_value((w >> 8) & 0xFF) * s
+        v2 = _e4m3_value((w >> 16) & 0xFF) * s
+        v3 = _e4m3_value(w >> 24) * s
+        out32[2 * i] = (f32_as_u32(v1) & 0xFFFF0000) | (f32_as_u32(v0) >> 16)
+        out32[2 * i + 1] = (f32_as_u32(v3) & 0xFFFF0000) | (f32_as_u32(v2) >> 16)
+        i += cuda.gridsize(1)
+
+
+def mxfp8_to_blockwise(data, scales, block=(128, 128), scale: str = "fp32", *,
+                       transpose: bool = False, stream=0):
+    """MXFP8 (e4m3 ``data`` [R, C] with an E8M0 exponent byte per 32 consecutive values of a
+    row, ``scales`` uint8 [R, C / 32] -- Blackwell's format) -> ``quantize_fp8``'s layout, once
+    (e.g. at checkpoint load). Through bf16, which holds every MX value exactly, then
+    ``quantize_fp8``. With ``scale="ue8m0"`` the values are kept exactly where a block's
+    32-groups share one exponent (the new power-of-two scale only shifts them); otherwise, and
+    with float32 scales, each value moves by at most half an e4m3 step of its new block scale
+    (groups with smaller exponents lose low bits)."""
+    data = as_device_array(data, "data", dtype=np.uint8, ndim=2)
+    R, C = data.shape
+    if C % 128:
+        raise ValueError(f"data: {C} columns, must be a multiple of 128")
+    scales = as_device_array(scales, "scales", dtype=np.uint8, shape=(R, C // 32))
+    bf16 = device_empty((R, C), np.uint16, stream)
+    if R:
+        launch(dequantize_mx_kernel, min(1024, -(-R * C // 4 // THREADS)), THREADS, stream, 0,
+               flat_view(data, np.uint32), scales.reshape(scales.size), np.int64(C),
+               flat_view(bf16, np.uint32))
+    return quantize_fp8(bf16, block, scale, transpose, stream=stream)
+
+
+__all__ = ["dequantize_mx_kernel", "mxfp8_to_blockwise", "quantize_fp8", "quantize_kernel"]

@@ -96,5 +96,14 @@ def dequantize_fp8(data, scales, block=(1, 128), scale: str = "fp32") -> np.ndar
     return (v * s[:, None, :, None]).reshape(R, C)
 
 
-__all__ = ["E4M3_MAX", "block_scales", "dequantize_fp8", "e4m3_bits", "e4m3_values",
-           "quantize_fp8_reference"]
+def dequantize_mxfp8(data, scales) -> np.ndarray:
+    """float64 values of MXFP8 data: e4m3 bytes [R, C] times 2**(E - 127), one E8M0 byte E per
+    32 consecutive values of a row (scales [R, C / 32]; 255 = NaN)."""
+    R, C = data.shape
+    e = np.asarray(scales, np.int64)
+    s = np.where(e == 255, np.nan, np.ldexp(1.0, e - 127))
+    return (e4m3_values(data).reshape(R, C // 32, 32) * s[:, :, None]).reshape(R, C)
+
+
+__all__ = ["E4M3_MAX", "block_scales", "dequantize_fp8", "dequantize_mxfp8", "e4m3_bits",
+           "e4m3_values", "quantize_fp8_reference"]

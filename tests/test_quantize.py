@@ -10,8 +10,8 @@ from helpers import to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, device_full, to_host
 from mok_core.quantize import quantize_fp8
-from mok_core.quantize_reference import (dequantize_fp8, e4m3_bits, e4m3_values,
-                                         quantize_fp8_reference)
+from mok_core.quantize_reference import (dequantize_fp8, dequantize_mxfp8, e4m3_bits,
+                                         e4m3_values, quantize_fp8_reference)
 
 R, C = (160, 256) if SIM else (4096, 7168)          # 160: a partial row tile
 
@@ -85,3 +85,24 @@ def test_bad_arguments():
         quantize_fp8(to_dev(np.zeros((100, 128), np.uint16)), transpose=True)
     with pytest.raises(TypeError, match="x: expected dtype uint16"):
         quantize_fp8(to_dev(np.zeros((128, 128), np.float32)))
+
+
+def test_mxfp8_conversion():
+    """MXFP8 -> our 128 x 128 blocks with ue8m0 scales: a block whose 32-groups share an
+    exponent keeps its values exactly (so the bf16 in between held them exactly), every other
+    value stays within half an e4m3 step of its new scale."""
+    from mok_core.quantize import mxfp8_to_blockwise
+    rng = np.random.default_rng(4)
+    rows, cols = 128, 256
+    data = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    data[(data & 0x7F) == 0x7F] = 0x38                           # no NaN bytes
+    scales = rng.integers(120, 135, (rows, cols // 32)).astype(np.uint8)
+    scales[:, :4] = 127                                          # block 0: one exponent
+    q, s = mxfp8_to_blockwise(to_dev(data), to_dev(scales), scale="ue8m0")
+    want = dequantize_mxfp8(data, scales)
+    got = dequantize_fp8(to_host(q), to_host(s), (128, 128), "ue8m0")
+    np.testing.assert_array_equal(got[:, :128], want[:, :128])
+    step = dequantize_fp8(np.full(q.shape, 0x38, np.uint8), to_host(s), (128, 128), "ue8m0")
+    assert np.all(np.abs(got - want) <= 2.0 ** -4 * np.abs(want) + 2.0 ** -10 * step)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        mxfp8_to_blockwise(to_dev(data), to_dev(scales[:, :4]))

@@ -2,7 +2,7 @@
 the warp amax by redux.sync, nothing in local memory."""
 from numba import boolean, float32, int32, int64, uint8, uint16, uint32
 
-from mok_core.quantize import quantize_kernel
+from mok_core.quantize import dequantize_mx_kernel, quantize_kernel
 from ptx_util import compile_sm90
 
 
@@ -13,4 +13,9 @@ def test_quantize_kernel_lowers():
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx
     assert "redux.sync.min.s32" in ptx
+    assert ".local" not in ptx
+
+
+def test_dequantize_mx_kernel_lowers():
+    ptx = compile_sm90(dequantize_mx_kernel, (uint32[::1], uint8[::1], int64, uint32[::1]))
     assert ".local" not in ptx
