@@ -5,10 +5,10 @@
 
 ``ctx`` is the ``ForwardContext`` of the step being differentiated (the layer's last forward:
 its T, schedule, gather index, token staging and SwiGLU output), ``d_out`` [T, H] uint16 (bf16
-bits) the gradient of the step's output (T the step's tokens, ``ctx.tokens``), ``router_weights`` [T, k] float32 and ``weights`` the
-step's (``Weights``). Returns ``Grads`` (shapes there). Every launch is on ``stream``; nothing
-waits for the host and no count leaves the GPU, so forward and backward can be captured in one
-CUDA graph.
+bits) the gradient of the step's output (T = ``ctx.tokens``), ``router_weights`` [T, k]
+float32 and ``weights`` the step's (``Weights``). Returns ``Grads`` (shapes there). Every
+launch is on ``stream``; nothing waits for the host and no count leaves the GPU, so forward and
+backward can be captured in one CUDA graph.
 
 The math (per route r = (token t, slot j) of expert e, w its router weight, h its bf16 SwiGLU
 output; ``mok_core.reference.moe_backward`` is the float64 statement):

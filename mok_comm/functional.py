@@ -299,6 +299,6 @@ def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, str
     return out, layer.context()
 
 
-__all__ = ["StepInputs", "check_inputs", "step_tokens", "check_weights", "core_phases", "forward", "io_phases",
+__all__ = ["StepInputs", "check_inputs", "check_weights", "core_phases", "forward", "io_phases",
            "recompute_forward_context", "recompute_phases", "run_core", "run_phases",
-           "step_phases"]
+           "step_phases", "step_tokens"]

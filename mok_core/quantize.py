@@ -19,8 +19,9 @@ shared memory as bf16 (rows past R read as zero), two bf16 loads per thread per 
 shared word per warp; max is exact and order-free, so deterministic). Then warp w quantizes
 output lines 16w .. 16w + 15 of the tile -- a line is an input row, or an input column with
 ``transpose`` -- lane l taking elements 4l .. 4l + 3: a (1, 128) line's amax comes from a
-warp reduction (``redux.sync`` on the float bits), every lane forms the same scale, packs its four e4m3 bytes into one
-word and stores it (128 contiguous bytes per warp and line); lane 0 stores the scale.
+warp reduction (``redux.sync`` on the float bits), every lane forms the same scale, packs its
+four e4m3 bytes into one word and stores it (128 contiguous bytes per warp and line); lane 0
+stores the scale.
 NaN/Inf in the input is counted into the error word (``record_non_finite``: count, first row)
 as tensor ``tensor``; that block's scale is then meaningless (its values are NaN or 448-
 saturated). No atomics on the data path, nothing waits, no host sync.

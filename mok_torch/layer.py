@@ -71,8 +71,9 @@ def weight_views(layer: L.Layer, weights, *, manual=True):
 
 
 def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
-    """What identifies a step's inputs among live tensors: storage, geometry and version of
-    each (two live tensors never share storage, so equal keys mean the same step)."""
+    """What identifies a step's inputs: address, geometry and version of each tensor -- equal
+    keys mean the same memory, unmodified since, so the same values (the autograd node keeps
+    its inputs alive, so their memory is not reused meanwhile)."""
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
                                          t._version)
                  for t in (x, topk_ids, router_weights, *weights))
