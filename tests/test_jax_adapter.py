@@ -1,6 +1,7 @@
 """mok_jax_adapter: jax arrays through the layer in one XLA buffer callback, inside and outside
 ``jax.jit`` (EP = 1; the simulator on JAX's CPU backend in CI, unchanged on one GPU), against
-the float64 reference and bit for bit against ``mok_comm.functional`` on the same inputs."""
+the float64 reference and bit for bit against ``mok_comm.functional`` on the same inputs;
+``jax.grad`` through it (``jax.custom_vjp``) bit for bit against ``mok_comm.backward``."""
 import os
 
 import numpy as np
@@ -8,12 +9,15 @@ import pytest
 
 from helpers import to_dev
 from layer_support import layer_inputs, reference_out, rel_l1
+from mok_comm import backward as B
+from mok_comm import functional as F
 from mok_comm.heap import LocalHeap
 from mok_comm.layer import Layer, Weights
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.errors import MoKError
 from mok_core.gemm import SIM_GEMM
+from mok_core.reference import moe_backward
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GPU to the rest
 jax = pytest.importorskip("jax") if not SIM else __import__("jax")   # CI installs it (README)
@@ -32,6 +36,9 @@ GEMM = SIM_GEMM
 CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
 SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
                    ep_size=1)
+NO_SHARED = LayerShape(hidden=64, intermediate=32, shared_intermediate=0, num_experts=4, topk=2,
+                       ep_size=1)
+NAMES = ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d")
 T = 40
 
 
@@ -77,8 +84,7 @@ def test_forward_matches_reference_and_functional(limit):
 
 
 def test_forward_without_shared_expert():
-    shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=0, num_experts=4,
-                       topk=2, ep_size=1)
+    shape = NO_SHARED
     inp, args = _inputs(5, shape=shape)
     layer = mok_jax_adapter.Layer(shape, T, CFG, gemm=GEMM,
                                   swiglu_limit=np.float32(4.0))      # a NumPy scalar is taken
@@ -105,6 +111,20 @@ def test_jax_inputs_checked():
         jax.jit(layer)(x[:8], ids, w, W)
     with pytest.raises(ValueError, match="swiglu_limit=-1.0"):
         mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, swiglu_limit=-1.0)
+    with pytest.raises(TypeError, match="w_shared_up: expected a jax.Array, got NoneType"):
+        layer(x, ids, w, W._replace(w_shared_up=None))         # None only when I_s = 0
+    # under jax.grad: the same checks, when traced
+    loss = lambda x, w, W: jnp.sum(layer(x, ids, w, W).astype(jnp.float32))  # noqa: E731
+    with pytest.raises(TypeError, match="w_down: expected dtype bfloat16, got float32"):
+        jax.grad(loss, argnums=(0, 1, 2))(x, w, W._replace(w_down=W.w_down.astype(jnp.float32)))
+    with pytest.raises(ValueError, match=r"router_weights: expected shape \(40, 2\), got "
+                                         r"\(40, 3\)"):
+        jax.jit(jax.grad(loss))(x, jnp.ones((T, 3), jnp.float32), W)
+    # a forward-only layer refuses to be differentiated (when traced), and still runs forward
+    infer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, backward=False)
+    assert infer.grad is None
+    with pytest.raises(ValueError, match="built with backward=False"):
+        jax.grad(lambda x: jnp.sum(infer(x, ids, w, W).astype(jnp.float32)))(x)
 
 
 def test_out_of_range_expert_id_is_reported():
@@ -116,3 +136,85 @@ def test_out_of_range_expert_id_is_reported():
                                        r"\(valid: 0\.\.3 or -1 for a masked route\); 1 bad id "
                                        r"in all, that route was skipped$"):
         layer.check(out)
+
+
+def _functional_grads(inp, d_out, shape, limit):
+    """``mok_comm``'s forward + backward on the same inputs: the 8 gradients on the host."""
+    plain = Layer(shape, T, CFG, gemm=GEMM, heap=LocalHeap(0), swiglu_limit=limit)
+    W = Weights(*(None if i < 3 and not shape.shared_intermediate else to_dev(_bits(inp[n]))
+                  for i, n in enumerate(NAMES)))
+    w = to_dev(inp["w"][0])
+    _, ctx = F.forward(plain, to_dev(_bits(inp["x"][0])), to_dev(inp["ids"][0].astype(np.int32)),
+                       w, W)
+    G = B.backward(plain, ctx, to_dev(_bits(d_out)), w, W)
+    plain.check()
+    return [None if g is None else to_host(g) for g in G]
+
+
+@pytest.mark.parametrize("shape, limit", [(SHAPE, None), (NO_SHARED, 1.0)],
+                         ids=["shared", "no-shared-limit"])
+def test_grad_matches_backward_and_reference(shape, limit):
+    """jax.grad of sum(out * c) through jax.jit(layer): d_x, d_router_weights and the weight
+    gradients bit for bit mok_comm.backward's with d_out = c (bf16), within 1e-2 of float64.
+    No shared expert: its weights None (or [0, .]), and so their gradients."""
+    inp, (x, ids, w, W) = _inputs(6, limit, shape=shape)
+    c = np.asarray(np.random.default_rng(7).standard_normal((T, shape.hidden)),
+                   np.float32).astype(jnp.bfloat16)               # d_out: c in bf16, exactly
+    if not shape.shared_intermediate:
+        W = W._replace(w_shared_gate=None, w_shared_up=None, w_shared_down=None)
+    layer = mok_jax_adapter.Layer(shape, T, CFG, gemm=GEMM, swiglu_limit=limit)
+    step = jax.jit(layer)
+    c32 = jnp.asarray(c.astype(np.float32))
+
+    def loss(x, w, W):
+        return jnp.sum(step(x, ids, w, W).astype(jnp.float32) * c32)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    d_x, d_w, d_W = grad(x, w, W)
+    layer.check((d_x, d_w, d_W))
+    assert d_x.dtype == jnp.bfloat16 and d_w.dtype == jnp.float32
+    assert all(g.dtype == jnp.bfloat16 for g in d_W if g is not None)
+    got = [d_x, d_w, *d_W]          # Grads' order
+    want = _functional_grads(inp, c, shape, limit)
+    for name, a, b in zip(B.Grads._fields, got, want):
+        if b is None:                       # no shared expert: no gradient (the input is None)
+            assert a is None, name
+            continue
+        np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)
+    assert (np.asarray(d_w)[inp["ids"][0] < 0] == 0).all()      # masked routes
+
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    ref = moe_backward(f(c), f(inp["x"][0]), f(inp["w"][0]), inp["ids"][0],
+                       *(f(inp[n]) for n in NAMES), swiglu_limit=limit)
+    for name in B.Grads._fields:
+        r = getattr(ref, name)
+        g = got[B.Grads._fields.index(name)]
+        if r.size:
+            assert rel_l1(f(g), r) < 1e-2, name
+
+    if not shape.shared_intermediate:       # [0, .] shared weights instead of None: [0, .] grads
+        W0 = W._replace(**{n: jnp.zeros(s, jnp.bfloat16) for n, s in zip(
+            Weights._fields[:3], ((0, shape.hidden), (0, shape.hidden), (shape.hidden, 0)))})
+        d_W0 = jax.eval_shape(jax.grad(loss, argnums=2), x, w, W0)
+        assert [(a.shape, a.dtype) for a in d_W0] == [(a.shape, a.dtype) for a in W0]
+
+
+def test_grad_when_the_layer_ran_again_before_its_backward():
+    """The layer's second call (other tokens) is forced between the first's forward and
+    backward -- its input is the first's output, the first's d_out its output -- so the
+    first's context in the layer is gone: the backward recomputes it, and the gradients are
+    still bit for bit mok_comm.backward's for that d_out."""
+    inp, (x, ids, w, W) = _inputs(8)
+    layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
+
+    def loss(x, w, W):
+        out = layer(x, ids, w, W)
+        again = layer(*jax.lax.stop_gradient((out[::-1], ids[::-1], w[::-1], W)))
+        d_out = jax.lax.stop_gradient(again)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), d_out
+
+    grads, d_out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, W)
+    layer.check((grads, d_out))
+    want = _functional_grads(inp, np.asarray(d_out), SHAPE, None)
+    for name, a, b in zip(B.Grads._fields, jax.tree_util.tree_leaves(grads), want):
+        np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)

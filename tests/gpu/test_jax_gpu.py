@@ -1,6 +1,7 @@
 """The JAX adapter on GPUs (torchrun / mok_comm.launch; any number of processes, EP = their
 number): a real preset at 4096 tokens/rank through ``mok_jax_adapter.Layer`` under ``jax.jit``
-equals ``mok_torch.Layer`` on the same inputs bit for bit, three calls alike."""
+equals ``mok_torch.Layer`` on the same inputs bit for bit, three calls alike; ``jax.grad``
+through it (EP 1, one process) equals ``mok_torch.Layer.backward`` bit for bit."""
 import os
 
 import numpy as np
@@ -20,18 +21,24 @@ def _host(t):
     return t.cpu().numpy()
 
 
-def test_jax_layer_equals_torch_layer(request, dist):
-    R, me = dist.world, dist.rank
-    if R > 1:
-        request.getfixturevalue("nvshmem_world")
+def _jax(dist):
+    """jax with a GPU backend, or skip (EP > 1 through JAX does not work yet: run 74)."""
     jax = pytest.importorskip("jax")
-    if R > 1:
+    if dist.world > 1:
         # run 74: with JAX pinned to GPU 1, XLA raised "Device id 1 is out of range [0, 1)"
         # on rank 1 -- EP > 1 through JAX is not working yet (NOTES, Next)
         # (what it tried: jax.config.update("jax_cuda_visible_devices", str(local_rank)))
         pytest.skip("the JAX adapter at EP > 1 on GPUs: not working yet (run 74)")
     if jax.default_backend() != "gpu":
         pytest.skip("this jax has no GPU backend")
+    return jax
+
+
+def test_jax_layer_equals_torch_layer(request, dist):
+    R, me = dist.world, dist.rank
+    if R > 1:
+        request.getfixturevalue("nvshmem_world")
+    jax = _jax(dist)
     import jax.numpy as jnp
     import torch
 
@@ -62,6 +69,54 @@ def test_jax_layer_equals_torch_layer(request, dist):
         for rep, o in enumerate(outs):
             np.testing.assert_array_equal(np.asarray(o).view(np.uint16), ref,
                                           err_msg=f"call {rep}")
+    finally:
+        torch.cuda.synchronize()
+        if jax_layer is not None:
+            jax_layer.comm.free()
+        torch_layer.comm.free()
+
+
+def test_jax_grad_equals_torch_backward(dist):
+    """jax.grad of sum(out * c) through jax.jit(layer) (the preset at EP 1, 4096 tokens): the
+    8 gradients bit for bit ``mok_torch.Layer.backward``'s with d_out = c (bf16), twice."""
+    jax = _jax(dist)
+    import jax.numpy as jnp
+    import torch
+
+    import mok_jax_adapter
+    import mok_torch
+    from mok_core.config import MoKConfig, preset
+    from mok_testing import synthetic
+    shape = preset("qwen3.5-397b", ep_size=1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = MoKConfig()
+    x, ids, w = synthetic.rank_inputs(shape, T, 0, dev, skew=0.3, masked=0.01)
+    weights = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
+                                *synthetic.local_expert_weights(shape, 0, dev))
+    c = torch.randn(T, shape.hidden, device=dev,
+                    generator=torch.Generator(dev).manual_seed(100)).bfloat16()
+    torch_layer = mok_torch.Layer(shape, T, cfg)
+    jax_layer = None
+    try:
+        _, ctx = torch_layer.forward(x, ids, w, weights)
+        want = [_host(g) for g in torch_layer.backward(ctx, c, w, weights)]
+        torch_layer.check()
+        jax_layer = mok_jax_adapter.Layer(shape, T, cfg)
+        x_j, ids_j, w_j, c_j = [jnp.asarray(_host(t)) for t in (x, ids.int(), w, c)]
+        W_j = mok_jax_adapter.Weights(*(jnp.asarray(_host(t)) for t in weights))
+        step = jax.jit(jax_layer)
+
+        def loss(x, w, W):
+            return jnp.sum(step(x, ids_j, w, W).astype(jnp.float32) * c_j.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        for rep in range(2):
+            got = jax.tree_util.tree_leaves(grad(x_j, w_j, W_j))    # Grads' order
+            jax_layer.check(got)
+            for name, a, b in zip(mok_torch.Grads._fields, got, want):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8),
+                                              err_msg=f"{name}, call {rep}")
+            del got
     finally:
         torch.cuda.synchronize()
         if jax_layer is not None:
