@@ -4,18 +4,18 @@
                      accumulate=False, stream=s)
 
 ``ctx`` is the ``ForwardContext`` of the step being differentiated (the layer's last forward:
-its T, schedule, gather index, token staging and SwiGLU output), ``d_out`` [T, H] uint16 (bf16
-bits) the gradient of the step's output (T = ``ctx.tokens``), ``router_weights`` [T, k]
-float32 and ``weights`` the step's (``Weights``). Returns ``Grads`` (shapes there). Every
-launch is on ``stream``; nothing waits for the host and no count leaves the GPU, so forward and
-backward can be captured in one CUDA graph.
+its T, schedule, gather index, token staging, SwiGLU output and saved FP32 pre-activations),
+``d_out`` [T, H] uint16 (bf16 bits) the gradient of the step's output (T = ``ctx.tokens``),
+``router_weights`` [T, k] float32 and ``weights`` the step's (``Weights``). Returns ``Grads``
+(shapes there). Every launch is on ``stream``; nothing waits for the host and no count leaves
+the GPU, so forward and backward can be captured in one CUDA graph.
 
 The math (per route r = (token t, slot j) of expert e, w its router weight, h its bf16 SwiGLU
 output; ``mok_core.reference.moe_backward`` is the float64 statement):
 
     p_r       = d_out[t] W_down[e]                    (the down GEMM's data gradient)
     d_w[t, j] = <p_r, h_r>  (= <d_out[t], y_r>)      (0 for masked routes)
-    d_g, d_u  = SwiGLU'(g_r, u_r) applied to w p_r    (g, u recomputed: below)
+    d_g, d_u  = SwiGLU'(g_r, u_r) applied to w p_r    (g, u saved by the forward: below)
     d_x[t]    = d_x_shared[t] + sum_j (d_g W_gate[e] + d_u W_up[e]),  slots ascending
     dW_down[e] = sum_r d_out[t_r]^T (w_r h_r),  dW_gate[e] = sum_r d_g^T x[t_r],  dW_up likewise
 
@@ -25,12 +25,12 @@ The phases (``backward_phases``), the only cross-rank synchronisation being the 
 
     0 publish   d_out -> this rank's slice of the d_out staging (NaN/Inf counted as "d_out"),
                 router weights -> this rank's symmetric copy                 | barrier |
-    1 experts   shared expert: gate / up recomputed, p = d_out W_sd, SwiGLU backward,
-                d_x_s = [d_g | d_u] [W_sg; W_su], its three weight gradients;
+    1 experts   shared expert: p = d_out W_sd, SwiGLU backward, d_x_s = [d_g | d_u]
+                [W_sg; W_su], its three weight gradients;
                 routed: pull of the d_out rows this rank's experts need (the forward's
                 dispatch and schedule: a token crosses NVLink once per rank however many of
-                its routes land there), gate / up recomputed from the staged x, p = d_out
-                W_down, SwiGLU backward with d_w pushed home (``mok_core.swiglu_backward``),
+                its routes land there), p = d_out W_down, SwiGLU backward at the saved g, u
+                with d_w pushed home (``mok_core.swiglu_backward``),
                 d_x rows = [d_g | d_u] [W_gate; W_up] pushed home into the combine rows
                 (``combine.combine``), the three weight gradients            | barrier |
     2 epilogue  d_x = d_x_s + sum_j d_x_rows[t, j] in FP32, slots ascending (the forward's
@@ -43,18 +43,25 @@ epilogue reads them. Across calls: a peer pulls our d_out in its phase 1, we ove
 the next backward's phase 0, after this backward's 1->2 barrier; the forward's next pushes into
 the combine rows come after its own barriers, so after our epilogue read them.
 
-g and u are recomputed, in FP32: the forward keeps only h, and FP32 keeps the clamp masks
-the forward's (it clamps its FP32 accumulators; bf16 pre-activations flip masks within a
-rounding of the limit). The recompute costs a third of the forward's FLOPs again; saving them
-in the forward instead is the next step (docs/perf.md has the measured cost of each launch).
+g and u are saved by the forward, in FP32: its gate/up GEMMs write the accumulators their
+SwiGLU epilogue consumed (before the clamp) into ``layer.grad.gate`` / ``up`` (``gate_s`` /
+``up_s``: the shared expert's) when the layer has backward buffers (``mok_comm.functional``,
+``mok_core.gemm.gate_up_swiglu``'s ``pre``). FP32, so the clamp masks are the forward's
+(bf16 pre-activations flip masks within a rounding of the limit), and the very values: no
+drift between the forward's h and the derivative. Saved, not recomputed: the recompute (two
+FP32-output mma.sync GEMMs from the staged x, a third of the forward's FLOPs again) measured
+4.1 ms of a 24 ms backward at the qwen3.5-397b shape (T = 4096, EP 1) on an H200, + 0.6 ms
+for the shared expert; saving costs the forward's gate/up epilogues 8 bytes of stores per
+(row, intermediate column) -- about 0.4 GB there, a tenth of a millisecond of HBM
+bandwidth (estimated) -- and no memory the backward buffers did not hold already.
+``recompute_forward_context`` rewrites them with the rest of the context, bit for bit.
 
-GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the gate / up recompute
-on ``layer.backward_gemm`` (mma.sync); the two data gradients (p = d_out W_down, the d_x rows
-= [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``, weights read as stored) on
-``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the forward's tiles are wgmma
-and the shape splits into its tile, else ``backward_gemm``; the weight gradients on
-``layer.wgrad_gemm`` (mma.sync). The routed d_x rows are written, then pushed home by the
-combine kernel on either path.
+GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two data gradients
+(p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,
+weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the
+forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
+(mma.sync); the weight gradients on ``layer.wgrad_gemm`` (mma.sync). The routed d_x rows are
+written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
@@ -71,7 +78,7 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array, device_copy, device_empty, flat_view
-from mok_core.gemm import launch_dgrad, launch_project, launch_wgrad
+from mok_core.gemm import launch_dgrad, launch_wgrad
 from mok_core.swiglu_backward import launch_swiglu_backward
 
 from . import combine, dispatch
@@ -161,7 +168,7 @@ class _Rows(NamedTuple):
     index: object        # expert-sorted row -> staging row (-1 padding)
     offsets: object      # expert offsets
     rows: object         # rows in use [1]
-    gate: object         # float32 [., I] recomputed pre-activations
+    gate: object         # float32 [., I] pre-activations, saved by the forward
     up: object
     p: object            # d_out W_down, then (routed) w h
     d_gu: object         # [d_g | d_u]
@@ -196,16 +203,6 @@ def _weight_grads(layer: Layer, G: Grads, shared: bool):
         return G.d_w_gate, G.d_w_up, G.d_w_down
     one = lambda a: a.reshape((1,) + a.shape)              # noqa: E731
     return one(G.d_w_shared_gate), one(G.d_w_shared_up), one(G.d_w_shared_down)
-
-
-def recompute_gate_up(layer: Layer, W: Weights, shared: bool, stream):
-    """g and u in FP32 from the staged x (the forward kept only h)."""
-    o = _rows(layer, shared)
-    w_g, w_u, _ = _expert_weights(layer, W, shared)
-    tensor = err.NF_SHARED_HIDDEN if shared else err.NF_HIDDEN
-    for w, out in ((w_g, o.gate), (w_u, o.up)):
-        launch_project(o.x, o.index, w, o.offsets, o.rows, out, config=layer.backward_gemm,
-                       stream=stream, **_nan_check(layer, tensor))
 
 
 def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
@@ -269,8 +266,7 @@ def pull_d_out(layer: Layer, stream):
 def expert_backward(layer: Layer, W: Weights, G: Grads, accumulate, shared: bool, stream):
     """The launches of one expert group's backward, in order (named: traces and timers read
     them): routed ones push d_w and the d_x rows home."""
-    calls = [partial(recompute_gate_up, layer, W, shared, stream),
-             partial(dgrad_down, layer, W, shared, stream),
+    calls = [partial(dgrad_down, layer, W, shared, stream),
              partial(swiglu_backward, layer, shared, stream),
              partial(dgrad_gate_up, layer, W, shared, stream)]
     if not shared:

@@ -26,6 +26,11 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
                   its output tiles into the step's error word                          | barrier |
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
+A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
+from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /
+``up_s``): the backward differentiates the SwiGLU at them instead of recomputing them
+(``mok_comm.backward``); a forward-only layer writes nothing more.
+
 Phases 1 and 2 read only the layer's buffers and the weights -- never the caller's x, ids or
 router weights -- so ``barrier, 1, barrier, 2, barrier`` is what a graphed step captures once
 (``run_core``) while phases 0 and 3 run eagerly around the replay with fresh tensors. Eager and
@@ -130,12 +135,22 @@ def _nan_check(layer: Layer, tensor: int) -> dict:
     return {"errors": layer.comm.errors, "tensor": tensor, "rank": layer.rank}
 
 
+def _saved_pre(layer: Layer, shared: bool):
+    """Where the gate/up GEMM saves its FP32 pre-activations for the backward: the layer's
+    backward buffers (``BackwardBuffers.gate`` / ``up``, ``gate_s`` / ``up_s``), None for a
+    forward-only layer (nothing more written)."""
+    g = layer.grad
+    if g is None:
+        return None
+    return (g.gate_s, g.up_s) if shared else (g.gate, g.up)
+
+
 def shared_gate_up(layer: Layer, W: Weights, stream):
     """The shared expert's gate/up + SwiGLU on this rank's tokens, read from ``x_buf``."""
     H, I_s = layer.shape.hidden, layer.shape.shared_intermediate
     launch_gate_up_swiglu(layer.comm.x_buf, layer.shared_index, W.w_shared_gate.reshape((1, I_s, H)),
                           W.w_shared_up.reshape((1, I_s, H)), layer.shared_offsets,
-                          layer.shared_rows, layer.hidden_shared,
+                          layer.shared_rows, layer.hidden_shared, pre=_saved_pre(layer, True),
                           swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream,
                           **_nan_check(layer, err.NF_SHARED_HIDDEN))
 
@@ -165,8 +180,8 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,
-                          swiglu_limit=layer.swiglu_limit, config=layer.gemm, stream=stream,
-                          **_nan_check(layer, err.NF_HIDDEN))
+                          pre=_saved_pre(layer, False), swiglu_limit=layer.swiglu_limit,
+                          config=layer.gemm, stream=stream, **_nan_check(layer, err.NF_HIDDEN))
 
 
 def routed_down_push(layer: Layer, W: Weights, stream):
@@ -256,8 +271,9 @@ def recompute_phases(layer: Layer, x, topk_ids, router_weights, weights, *, stre
 def recompute_forward_context(layer: Layer, x, topk_ids, router_weights, weights, *,
                               stream=0) -> ForwardContext:
     """Activation checkpointing: rebuild the ``ForwardContext`` of a step from its inputs
-    (routing, schedule, dispatch, shared and routed gate/up + SwiGLU), bit for bit what the
-    forward left, without the down GEMMs, the combine or the epilogue. A caller that drops the
+    (routing, schedule, dispatch, shared and routed gate/up + SwiGLU with their saved FP32
+    pre-activations), bit for bit what the forward left, without the down GEMMs, the combine
+    or the epilogue. A caller that drops the
     context between forward and backward (another layer's step reused the buffers, or it runs
     the layer again) calls this right before ``mok_comm.backward.backward``."""
     run_phases(recompute_phases(layer, x, topk_ids, router_weights, weights, stream=stream),

@@ -37,11 +37,12 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
 ``hidden``, ``hidden_shared``, ``gather_index`` and the staging rows stay valid until the next
 step: ``ForwardContext`` hands them to the backward. With ``backward=True`` the layer also
 holds the backward's buffers (``BackwardBuffers``, documented there and in
-``mok_comm.backward``) and its GEMM tiles, derived from the shape, the config and the
-forward's tiles (so not in the fingerprint): ``backward_gemm`` (mma.sync: the gate/up
-recompute), ``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the
-forward's tiles are wgmma and the shape splits into it; else ``backward_gemm``) and
-``wgrad_gemm`` (the weight gradients, mma.sync). ``nbytes`` sums the buffers by name.
+``mok_comm.backward``; the forward writes the gate/up pre-activations there) and its GEMM
+tiles, derived from the shape, the config and the forward's tiles (so not in the
+fingerprint): ``backward_gemm`` (mma.sync: where the next two pick none of their own),
+``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the forward's tiles are
+wgmma and the shape splits into it; else ``backward_gemm``) and ``wgrad_gemm`` (the weight
+gradients, mma.sync). ``nbytes`` sums the buffers by name.
 ``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
 call (forward and backward calls alike).
 
@@ -93,6 +94,9 @@ class ForwardContext(NamedTuple):
     x_recv: object            # uint16 [R*T, H] token staging
     hidden: object            # uint16 [C, I] routed SwiGLU output
     hidden_shared: object     # uint16 [T_pad, I_s]
+    pre: object               # (gate, up) float32 [C, I]: the routed SwiGLU's inputs, saved
+                              # by the forward (None: a forward-only layer)
+    pre_shared: object        # (gate_s, up_s) float32 [T_pad, I_s] (None: forward-only, I_s = 0)
 
 
 class BackwardBuffers:
@@ -107,7 +111,10 @@ class BackwardBuffers:
     ops pull d_out through it exactly as they pull x); its combine rows are the forward's,
     reused for the routed d_x pushed home (the forward's epilogue has read them).
     Local, expert-sorted rows [C, .] (routed) and [T_pad, .] (shared, suffix ``_s``):
-        gate, up    [., I]   float32: the gate / up pre-activations, recomputed
+        gate, up    [., I]   float32: the gate / up pre-activations, written by the forward's
+                             gate/up GEMMs (``pre``: the FP32 accumulators the SwiGLU read,
+                             padding rows zero), read by the SwiGLU backward; part of the
+                             step's context (``ForwardContext.pre``)
         p           [., I]   d_out W_down, then (routed) w * h
         d_gu        [., 2I]  [d_gate | d_up]
         d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
@@ -219,9 +226,9 @@ def dgrad_gemm(shape: LayerShape, config: MoKConfig, forward: tuple,
 def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
     """The backward's mma.sync GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM``
     first; the simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide
-    H, I and I_s (every backward GEMM has them as M, N or K). The gate/up recompute runs on
-    them (mma.sync only), the data and weight gradients where ``dgrad_gemm`` / ``wgrad_gemm``
-    pick no tiles of their own (the weight gradients exist on mma.sync only so far).
+    H, I and I_s (every backward GEMM has them as M, N or K). The data and weight gradients
+    run on them where ``dgrad_gemm`` / ``wgrad_gemm`` pick no tiles of their own (the weight
+    gradients exist on mma.sync only so far).
     ValueError when none does."""
     for g in _BACKWARD_TILES[-1:] if SIM else _BACKWARD_TILES:
         if not config.row_align % g.row_unit and all(
@@ -376,8 +383,11 @@ class Layer:
 
     def context(self) -> ForwardContext:
         """The forward context of the last step run on this layer."""
+        g = self.grad
         return ForwardContext(self.tokens, self.schedule, self.gather_index, self.comm.x_recv,
-                              self.hidden, self.hidden_shared)
+                              self.hidden, self.hidden_shared,
+                              None if g is None else (g.gate, g.up),
+                              None if g is None or g.gate_s is None else (g.gate_s, g.up_s))
 
     def check(self, stream=0) -> None:
         """Wait for every step in flight and raise ``MoKError`` for the first one that recorded

@@ -110,8 +110,7 @@ ID_REPORTED = INT32_MIN
 COUNTER_NAMES = {0: "barrier"}
 
 # Tensor ids of the non-finite slots. 0 and 1 are checked by the forward's ``publish_x``, 2 by
-# the backward's; 3-6 are the output tiles of the forward's four GEMMs (the backward's
-# recompute of the gate/up projections reports as 3 and 5), 7-11 the backward's.
+# the backward's; 3-6 are the output tiles of the forward's four GEMMs, 7-11 the backward's.
 NF_X = 0
 NF_ROUTER_WEIGHTS = 1
 NF_D_OUT = 2

@@ -4,10 +4,11 @@ Per row r < num_rows[0] of the expert-sorted layout (I intermediate columns; bf1
 uint32 pairs; FP32 math, each output rounded to bf16 once):
 
     in   p      [C, I]   d_out[token] W_down[e]: the down GEMM's data gradient, unweighted
-         gate   [C, I]   float32 gate pre-activation g (recomputed in FP32:
-                         ``mok_core.gemm.launch_project``; FP32 so that the clamp masks agree
-                         with the forward's, which clamps the FP32 accumulators)
-         up     [C, I]   float32 up pre-activation u
+         gate   [C, I]   float32 gate pre-activation g, saved by the forward's gate/up GEMM
+                         (``mok_core.gemm.gate_up_swiglu``'s ``pre``: the FP32 accumulators
+                         its SwiGLU read, so the clamp masks here are the forward's)
+         up     [C, I]   float32 up pre-activation u (likewise); gate and up are read on real
+                         rows only (row_index >= 0)
          hidden [C, I]   the forward's h = SwiGLU(g, u) in bf16 (what the down GEMM consumed)
     out  d_gu   [C, 2I]  [d_g | d_u]: the A operand of the gate/up data gradient (K = 2I)
          p      [C, I]   (routed) overwritten by w * h: the B operand of W_down's gradient

@@ -280,7 +280,8 @@ def test_sampled_grad_reference_equals_numpy(limit):
 
 def test_recompute_forward_context_bit_equal():
     """Forward, then another step with other tokens clobbers the context; the recomputed one
-    is bit for bit the saved one, and so is the backward taken from it."""
+    -- the saved FP32 gate / up pre-activations included -- is bit for bit the saved one, and
+    so is the backward taken from it."""
     from mok_comm.functional import recompute_phases
     R, T = 2, 16
     shape, inp, d_out = inputs(R, T, seed=8)
@@ -288,8 +289,16 @@ def test_recompute_forward_context_bit_equal():
     want = run_fwd_bwd(lws, inp, d_out)
 
     def ctx_bits():
-        return [[to_host(a).copy() for a in (lw.gather_index, lw.comm.x_recv, lw.hidden,
-                                             lw.hidden_shared)] for lw in lws]
+        out = []
+        for lw in lws:
+            ctx = lw.context()
+            g = lw.grad
+            assert all(a is b for a, b in zip(ctx.pre + ctx.pre_shared,
+                                              (g.gate, g.up, g.gate_s, g.up_s)))
+            out.append([to_host(a).copy().view(np.uint8) for a in (
+                ctx.gather_index, ctx.x_recv, ctx.hidden, ctx.hidden_shared, *ctx.pre,
+                *ctx.pre_shared)])
+        return out
     saved = ctx_bits()                               # (the backward leaves the context be)
     other = bf16_round(np.random.default_rng(9).standard_normal(inp["x"].shape))
     W = [rank_weights(inp, r, shape.experts_per_rank) for r in range(R)]

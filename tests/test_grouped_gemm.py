@@ -1,15 +1,21 @@
 """Grouped expert GEMMs (mma.sync and wgmma kernels) vs float64, on the simulator at tiny shapes.
 
 Ragged experts (including empty ones), gathered A rows with padding, SwiGLU clamp on/off,
-rows past num_rows untouched, padding rows exactly zero, bitwise-identical reruns.
+rows past num_rows untouched, padding rows exactly zero, bitwise-identical reruns; gate/up's
+saved FP32 pre-activations (``pre``) against float64 and against the h they made.
 """
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import cuda
 
 from helpers import push_route, to_dev
-from mok_core.cuda_compat import to_host
+from mok_core.cuda_compat import kjit, to_host
 from mok_core.gemm import SIM_GEMM, GemmConfig, down, gate_up_swiglu
+from mok_core.gemm.epilogue import swiglu as swiglu_epilogue
+from mok_core.intrinsics import pack_bf16x2
 from mok_core.reference import swiglu
 
 # Small tiles so the simulator stays quick; the same config runs compiled on a GPU.
@@ -50,31 +56,69 @@ def rel_l1(got, want):
     return np.abs(got - want).sum() / np.abs(want).sum()
 
 
-@pytest.mark.parametrize("cfg,counts,limit", [
-    (CFG, [40, 0, 17], None), (CFG, [40, 0, 17], 1.5),
-    (CFG, [5, 33, 0, 1], None), (CFG, [5, 33, 0, 1], 1.5),
+# ``pre``: gate/up also saves its FP32 pre-activations (the layer's forward with a backward);
+# on in half the cases of each kernel family, so both specialisations run.
+@pytest.mark.parametrize("cfg,counts,limit,pre", [
+    (CFG, [40, 0, 17], None, False), (CFG, [40, 0, 17], 1.5, True),
+    (CFG, [5, 33, 0, 1], None, True), (CFG, [5, 33, 0, 1], 1.5, False),
     # wgmma: a half-padding tile (rows 64-127 skipped), an empty expert, a full second tile
     # (blocks take several tiles: the ring wraps, mbarrier phase bits flip, the staging is
     # reused tile after tile; no row past an expert's end or past num_rows written: 150 rows =
     # 128 + a tile whose second warpgroup lies past the expert)
-    (WGMMA_CFG, [40, 0, 150], 1.5), (WGMMA_CFG, [40, 70], None),
+    (WGMMA_CFG, [40, 0, 150], 1.5, True), (WGMMA_CFG, [40, 70], None, False),
     # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, a 192 + 128
     # pair (the last warpgroup idle past the expert's end)
-    (WGMMA192_CFG, [40, 0, 300], 1.5),
+    (WGMMA192_CFG, [40, 0, 300], 1.5, True),
     # 256-row tiles: a 64-row tile (3 warpgroups idle), an empty expert, 256 + 64 rows
-    (WGMMA256_CFG, [40, 0, 300], None),
-], ids=["sync-a", "sync-a-clamp", "sync-b", "sync-b-clamp", "wgmma-clamp", "wgmma",
-        "wgmma192-clamp", "wgmma256"])
-def test_gate_up_swiglu_and_down(cfg, counts, limit):
+    (WGMMA256_CFG, [40, 0, 300], None, True),
+], ids=["sync-a", "sync-a-clamp-pre", "sync-b-pre", "sync-b-clamp", "wgmma-clamp-pre", "wgmma",
+        "wgmma192-clamp-pre", "wgmma256-pre"])
+def test_gate_up_swiglu_and_down(cfg, counts, limit, pre):
     # (wgmma at a small K: several tiles per block still reuse every stage; the simulator's
     # big blocks are slow)
     H, I = (64, 32) if cfg.mma == "mma_sync" else (128, 64)
-    check_gemms(cfg, counts, limit, H, I)
+    check_gemms(cfg, counts, limit, H, I, pre)
 
 
-def check_gemms(cfg, counts, limit, H, I):
-    """gate_up_swiglu then down with ``cfg`` on random bf16 data (hidden H, intermediate I;
-    experts of ``counts`` rows) vs float64; padding, rows past num_rows, a bitwise rerun."""
+@kjit
+def _swiglu_words(g, u, limit, out):
+    """out[i] = the bf16 pair of the epilogue's SwiGLU at g / u elements 2i, 2i + 1."""
+    i = cuda.grid(1)
+    while i < out.size:
+        out[i] = pack_bf16x2(swiglu_epilogue(g[2 * i], u[2 * i], limit),
+                             swiglu_epilogue(g[2 * i + 1], u[2 * i + 1], limit))
+        i += cuda.gridDim.x * cuda.blockDim.x
+
+
+def check_pre(gate, up, h, x, wg, wu, off, a_index, limit):
+    """The saved pre-activations (host float32 [C, I]): rows past num_rows untouched (NaN),
+    padding rows exactly zero, real rows x W^T within FP32 accumulation of exact bf16 products
+    (K u |x| |W|^T: far below a bf16 rounding, which the test would see), and bitwise the
+    values h was made of (the epilogue's SwiGLU of them, rounded, is h)."""
+    live = slice(0, off[-1])
+    K = x.shape[1]
+    for name, a, w in (("gate", gate, wg), ("up", up, wu)):
+        assert np.isnan(a[off[-1]:]).all(), f"{name}: rows past num_rows must not be written"
+        pad = a_index[live] < 0
+        assert (a[live][pad].view(np.uint32) == 0).all(), f"{name}: padding rows must be +0"
+        for e in range(len(off) - 1):
+            rows = np.arange(off[e], off[e + 1])
+            real = rows[a_index[rows] >= 0]
+            xa, we = f64(x[a_index[real]]), f64(w[e])
+            err = np.abs(a[real] - xa @ we.T)
+            bound = K * 2.0 ** -24 * (np.abs(xa) @ np.abs(we).T) + 1e-30
+            assert (err <= bound).all(), (name, e, float((err / bound).max()))
+    words = to_dev(np.zeros(a_index.size * gate.shape[1] // 2, np.uint32))
+    _swiglu_words[2, 32](to_dev(gate.ravel()), to_dev(up.ravel()),
+                         np.float32(math.inf if limit is None else limit), words)
+    np.testing.assert_array_equal(to_host(words).view(np.uint16).reshape(gate.shape)[live],
+                                  h[live])
+
+
+def check_gemms(cfg, counts, limit, H, I, save_pre=False):
+    """gate_up_swiglu (``save_pre``: with its FP32 pre-activations, ``check_pre``) then down
+    with ``cfg`` on random bf16 data (hidden H, intermediate I; experts of ``counts`` rows) vs
+    float64; padding, rows past num_rows, a bitwise rerun."""
     rng = np.random.default_rng(len(counts) + (0 if limit is None else 1))
     E, n_src = len(counts), 50
     off, C, a_index = layout(counts, cfg.row_unit, 1, rng, n_src)
@@ -84,9 +128,14 @@ def check_gemms(cfg, counts, limit, H, I):
     wd = bits(rng.standard_normal((E, H, I)) / 6)
     num_rows = np.array([off[-1]], np.int32)
     hidden = to_dev(np.full((C, I), POISON, np.uint16))
+    pre = tuple(to_dev(np.full((C, I), np.nan, np.float32)) for _ in range(2)) if save_pre \
+        else None
     gate_up_swiglu(to_dev(x), to_dev(a_index), to_dev(wg), to_dev(wu),
-                   to_dev(off), to_dev(num_rows), hidden, swiglu_limit=limit, config=cfg)
+                   to_dev(off), to_dev(num_rows), hidden, pre=pre, swiglu_limit=limit,
+                   config=cfg)
     h = to_host(hidden)
+    if save_pre:
+        check_pre(to_host(pre[0]), to_host(pre[1]), h, x, wg, wu, off, a_index, limit)
 
     # float64 reference on the same bf16 inputs
     want = np.zeros((C, I))
@@ -138,6 +187,28 @@ def test_wgmma_output_needs_16_byte_alignment():
     with pytest.raises(ValueError, match="16-byte aligned"):
         down(to_dev(np.zeros((C, I), np.uint16)), to_dev(np.zeros((E, H, I), np.uint16)), off,
              nr, to_dev(np.zeros(C * H + 8, np.uint16)[1:C * H + 1].reshape(C, H)), config=cfg)
+
+
+def test_gate_up_pre_is_checked():
+    """``pre`` must be two float32 [C, I] arrays with 8-byte aligned starts (their stores are
+    8 bytes): anything else is refused on the host, before any launch."""
+    cfg = CFG
+    E, H, I, C = 1, 64, 32, cfg.bm
+    args = (to_dev(np.zeros((C, H), np.uint16)), to_dev(np.full(C, -1, np.int32)),
+            to_dev(np.zeros((E, I, H), np.uint16)), to_dev(np.zeros((E, I, H), np.uint16)),
+            to_dev(np.array([0, C], np.int32)), to_dev(np.array([C], np.int32)),
+            to_dev(np.zeros((C, I), np.uint16)))
+    good = to_dev(np.zeros((C, I), np.float32))
+    with pytest.raises(TypeError, match="pre: expected \\(gate, up\\)"):
+        gate_up_swiglu(*args, pre=(good,), config=cfg)
+    with pytest.raises(TypeError, match=r"pre\[1\] \(up\): expected dtype float32"):
+        gate_up_swiglu(*args, pre=(good, to_dev(np.zeros((C, I), np.float64))), config=cfg)
+    with pytest.raises(ValueError, match=r"pre\[0\] \(gate\)"):
+        gate_up_swiglu(*args, pre=(to_dev(np.zeros((C, I + 2), np.float32)), good),
+                       config=cfg)
+    off4 = to_dev(np.zeros(C * I + 2, np.float32)[1:C * I + 1].reshape(C, I))
+    with pytest.raises(ValueError, match="8-byte aligned start"):
+        gate_up_swiglu(*args, pre=(good, off4), config=cfg)
 
 
 def test_rejects_bad_shapes():

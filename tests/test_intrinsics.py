@@ -17,7 +17,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                                  ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
                                  pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
-                                 match_any, st_release_sys, st_v4, tuple_pick)
+                                 match_any, st_release_sys, st_v2_f32, st_v4, tuple_pick)
 from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
                                  st_shared_u32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
@@ -56,6 +56,21 @@ def test_ld_st_v4_copy():
     _copy_rows_v4[rows, 4](to_dev(src), dst, to_dev(perm), width)
     np.testing.assert_array_equal(to_host(dst).reshape(rows, width),
                                   src.reshape(rows, width)[perm])
+
+
+@kjit
+def _swap_pairs_v2(src, dst):
+    """dst pair i = (src[2i + 1], src[2i]) by one 8-byte store."""
+    i = cuda.grid(1)
+    if 2 * i + 1 < src.size:
+        st_v2_f32(dst, 2 * i, src[2 * i + 1], src[2 * i])
+
+
+def test_st_v2_f32_pairs():
+    src = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    dst = to_dev(np.zeros(64, np.float32))
+    _swap_pairs_v2[1, 32](to_dev(src), dst)
+    np.testing.assert_array_equal(to_host(dst), src.reshape(32, 2)[:, ::-1].ravel())
 
 
 # ---- bf16 conversions ------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 
 One GPU, EP 1 (``mok_torch.Layer`` on a local heap). Each call of the backward's phases (and
 the barriers between them) runs between CUDA events after one forward; median over --iters,
-then a table of ms per call, largest first. A probe: it prints, it does not write results.
+then a table of ms per call, largest first. Then what the backward costs the forward: its
+gate/up GEMMs (routed, shared) saving the FP32 pre-activations the backward reads, against
+the same launches of a forward-only layer. A probe: it prints, it does not write results.
 """
 from __future__ import annotations
 
@@ -41,6 +43,41 @@ def main(argv=None):
         if tiles:
             layer.wgrad_gemm = GemmConfig(*map(int, tiles.split(",")))
         _time_backward(args, layer, x, ids, w, W, d_out)
+    _time_gate_up(args, layer, W)
+
+
+def _time_gate_up(args, layer, W):
+    """The forward's gate/up launches after the last step, saving g and u (``layer.grad``
+    set, as the forward runs them) or not (``layer.grad`` None for the measurement: a
+    forward-only layer's launches); median ms over --iters."""
+    import torch
+
+    from benchmarks.common import numba_stream
+    from mok_comm import functional as F
+    from mok_torch.layer import weight_views
+    s = numba_stream()
+    Wc = F.check_weights(layer, weight_views(layer, W))
+    calls = [("routed_gate_up", F.routed_gate_up)]
+    if layer.shape.shared_intermediate:
+        calls.insert(0, ("shared_gate_up", F.shared_gate_up))
+    grad = layer.grad
+    print(f"forward gate/up ({layer.gemm}), saving g and u for the backward vs not")
+    try:
+        for label, g in (("saving g, u", grad), ("forward-only", None)):
+            layer.grad = g
+            for name, call in calls:
+                ms = []
+                for _ in range(args.iters + 1):
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    ev[0].record()
+                    call(layer, Wc, s)
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    ms.append(ev[0].elapsed_time(ev[1]))
+                print(f"  {name:16s} {label:12s} {statistics.median(ms[1:]):8.3f} ms")
+    finally:
+        layer.grad = grad
+    layer.check()
 
 
 def _time_backward(args, layer, x, ids, w, W, d_out):

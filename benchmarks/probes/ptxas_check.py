@@ -11,7 +11,8 @@ local ptxas reads). The kernels use nothing newer, and the verdict matched the G
 (CUDA 13) on C7518: none at f64739d, every kernel at 219f4cc. The 192-row kernels spill at
 every commit so far (168 registers at 384 threads): compare their spills between trees.
 ``--keep``: write each kernel's PTX and ptxas report there. ``PYTHONPATH=<tree>`` probes
-another source tree (one from before B_KN: the forward kernels only).
+another source tree, with that tree's kernel signatures (its ``tests/ptx/test_ptx_gemm.py``;
+one from before B_KN: the forward kernels only; before SAVE_PRE: no ``gate_up_pre``).
 """
 from __future__ import annotations
 
@@ -25,16 +26,25 @@ import tempfile
 from pathlib import Path
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(_ROOT, "tests", "ptx"))
 if not any(os.path.isdir(os.path.join(p, "mok_core")) for p in sys.path if p):
     sys.path.insert(0, _ROOT)
 
-# (name, bn, stages, swiglu, gather, padding_index, push, bm, b_kn)
+
+def _tree_tests():
+    """The probed tree's tests/ptx on the path: its kernels' signatures are in there."""
+    import mok_core
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(mok_core.__file__)))
+    sys.path.insert(0, os.path.join(tree, "tests", "ptx"))
+
+# (name, bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_pre); gate_up_pre:
+# the forward of a layer with a backward (FP32 g and u saved from the epilogue)
 KERNELS = [
     ("gate_up-128", 256, 4, True, True, True, False, 128, False),
+    ("gate_up_pre-128", 256, 4, True, True, True, False, 128, False, True),
     ("down-128", 256, 4, False, False, True, False, 128, False),
     ("down_push-128", 256, 4, False, False, True, True, 128, False),
     ("gate_up-192", 256, 4, True, True, True, False, 192, False),
+    ("gate_up_pre-192", 256, 4, True, True, True, False, 192, False, True),
     ("down-192", 256, 4, False, False, True, False, 192, False),
     ("down_push-192", 256, 4, False, False, True, True, 192, False),
     ("down_push-256", 128, 4, False, False, True, True, 256, False),
@@ -83,12 +93,14 @@ def _probe_version(exe):
     raise SystemExit(f"{exe} reads none of the PTX versions tried:\n{err}")
 
 
-def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn):
+def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_pre=False):
     from numba import cuda
     from test_ptx_gemm import PUSH_SIG, WG_SIG
 
     from mok_core.gemm.sm90 import make_wgmma_gemm
     kw = {"b_kn": True} if b_kn else {}          # (a tree from before B_KN: forward only)
+    if save_pre:                                 # (... or before SAVE_PRE)
+        kw["save_pre"] = True
     kern = make_wgmma_gemm(bn, stages, swiglu, gather, padding_index, push=push, bm=bm, **kw)
     opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
     ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
@@ -110,6 +122,7 @@ def _no_driver_needed():
 
 
 def main():
+    _tree_tests()
     _no_driver_needed()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ptxas")

@@ -1,6 +1,7 @@
 """Grouped expert GEMMs over the expert-sorted, row-padded layout of the schedule.
 
-    gate_up_swiglu: hidden[r] = SwiGLU(A[r] W_gate[e]^T, A[r] W_up[e]^T)   (bf16 out)
+    gate_up_swiglu: hidden[r] = SwiGLU(A[r] W_gate[e]^T, A[r] W_up[e]^T)   (bf16 out; optionally
+                    the two FP32 pre-activations too: what the backward differentiates)
     down:           y[r]      = hidden[r] W_down[e]^T                       (bf16 out)
     dgrad:          out[r]    = A[r] B[e], B[e] = [w0[e]; w1[e]] as stored  (bf16 out)
 
@@ -25,8 +26,7 @@ All bf16 tensors are uint16 bit arrays here (the adapters view framework bf16 as
 tensor, the expected and the actual) and call ``launch_gate_up_swiglu`` / ``launch_down`` /
 ``launch_dgrad`` / ``launch_wgrad``, the trusted entries the layer uses with views it checked
 once: numba device arrays of the right dtypes and shapes (outputs 16-byte aligned for wgmma),
-a required ``config``; ``launch_project`` (no checks) is the backward's recompute of a gate or
-up pre-activation. Kernels: ``sm90`` (wgmma, Hopper; ``dgrad`` with a wgmma config), ``sm80``
+a required ``config``. Kernels: ``sm90`` (wgmma, Hopper; ``dgrad`` with a wgmma config), ``sm80``
 (mma.sync, elsewhere and on the simulator; ``dgrad``'s default everywhere: the layer's
 backward passes a wgmma config on Hopper, ``mok_comm.layer.dgrad_gemm``),
 ``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows are the reduction), epilogues
@@ -49,8 +49,7 @@ from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMM
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
-           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_project",
-           "launch_wgrad"]
+           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad"]
 
 
 _SCRATCH = {}
@@ -68,18 +67,20 @@ def _error_word(errors):
 
 
 def launch_gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
-                          swiglu_limit=None, config: GemmConfig, stream=0, errors=None,
-                          tensor=err.NF_HIDDEN, rank=0):
+                          pre=None, swiglu_limit=None, config: GemmConfig, stream=0,
+                          errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``gate_up_swiglu`` without the checks (arguments as there, ``config`` required)."""
     E, I, H = w_gate.shape
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     args = (config, stream, x, a_index, w_gate, w_up, expert_offsets, num_rows,
             flat_view(hidden, np.uint32), H, I, I, limit)
     nf = {"errors": _error_word(errors), "tensor": tensor, "rank": rank}
+    if pre is not None:
+        pre = (flat_view(pre[0]), flat_view(pre[1]))
     if config.mma == "wgmma":
-        sm90.launch_gemm(*args, swiglu=True, gather=True, padding_index=True, **nf)
+        sm90.launch_gemm(*args, swiglu=True, gather=True, padding_index=True, pre=pre, **nf)
     else:
-        sm80.launch_gemm(*args, swiglu=True, gather=True, **nf)
+        sm80.launch_gemm(*args, swiglu=True, gather=True, pre=pre, **nf)
 
 
 def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
@@ -104,18 +105,6 @@ def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, 
     sm90.launch_gemm(config, stream, hidden, index, w_down, w_down, expert_offsets, num_rows,
                      y, I, H, H, math.inf, swiglu=False, gather=False,
                      padding_index=row_index is not None, route=route, **nf)
-
-
-def launch_project(x, a_index, w, expert_offsets, num_rows, out, *, config: GemmConfig,
-                   stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """out[r] = x[a_index[r]] W[e]^T (no activation) in float32: the backward's recompute of
-    the gate or up pre-activation (w = w_gate or w_up [E, I, H], out float32 [C, I]; a_index
-    and the other arguments as in ``gate_up_swiglu``). mma.sync configs only (trusted: the
-    backward picks one)."""
-    E, I, H = w.shape
-    sm80.launch_gemm(config, stream, x, a_index, w, w, expert_offsets, num_rows,
-                     flat_view(out), H, I, I, math.inf, swiglu=False, gather=True,
-                     errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
 def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None,
@@ -162,10 +151,11 @@ def launch_wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m
                         errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
-def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,
+def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *, pre=None,
                    swiglu_limit=None, config: GemmConfig | None = None, stream=0, errors=None,
                    tensor=err.NF_HIDDEN, rank=0):
-    """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16.
+    """hidden[r] = SwiGLU(x[a_index[r]] W_gate[e]^T, x[a_index[r]] W_up[e]^T), bf16; with
+    ``pre``, the two pre-activations too.
 
     Arguments:
         x: uint16 (bf16 bits) [A_rows, H] -- source rows (token staging buffer or local x).
@@ -174,6 +164,12 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
         expert_offsets: int32 [E + 1] padded offsets (multiples of config.row_unit);
         num_rows: int32 [1] rows in use (device; never read by the host).
         hidden: uint16 [C, I] output; rows past num_rows untouched, padding rows = 0.
+        pre: optional ``(gate, up)``, float32 [C, I] each, C-contiguous with 8-byte aligned
+            starts: written with g = x W_gate[e]^T and u = x W_up[e]^T exactly as the FP32
+            accumulators the SwiGLU consumed (before its clamp: the backward's clamp masks
+            are then the forward's). Rows as ``hidden``'s: past num_rows untouched, padding
+            rows = 0. The backward's saved activations (``mok_comm.backward``); not checked
+            for NaN/Inf (h, computed from them, is). None: nothing more written or paid.
         swiglu_limit: None or float L > 0 (gate clamped above at L, up to [-L, L]).
         errors, tensor, rank: NaN/Inf in the output (checked in the epilogue, always) are
             recorded in the error word ``errors`` (int32 [ERROR_WORDS]; None: a scratch word
@@ -188,14 +184,25 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     C = a_index.shape[0]
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
     _check_staged_out(config, hidden, "hidden")
+    if pre is not None:
+        if len(pre) != 2:
+            raise TypeError(f"pre: expected (gate, up), got {len(pre)} tensors")
+        names = ("pre[0] (gate)", "pre[1] (up)")
+        pre = tuple(as_device_array(a, n, dtype=np.float32, shape=(C, I))
+                    for a, n in zip(pre, names))
+        for a, n in zip(pre, names):
+            if device_address(a) % 8:
+                raise ValueError(f"{n}: written by 8-byte stores, which need an 8-byte "
+                                 f"aligned start (this one is {device_address(a) % 8} bytes "
+                                 "past)")
     if swiglu_limit is not None and not float(swiglu_limit) > 0:
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
     _check_dims(config, E=E, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
     errors, tensor = _check_errors(errors, tensor)
-    launch_gate_up_swiglu(x, a_index, w_gate, w_up, off, nr, hidden, swiglu_limit=swiglu_limit,
-                          config=config, stream=stream, errors=errors, tensor=tensor,
-                          rank=int(rank))
+    launch_gate_up_swiglu(x, a_index, w_gate, w_up, off, nr, hidden, pre=pre,
+                          swiglu_limit=swiglu_limit, config=config, stream=stream, errors=errors,
+                          tensor=tensor, rank=int(rank))
 
 
 def down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,

@@ -11,7 +11,12 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
        accumulator tuple is read at constant indices group by group (``tuple_fold``), never
        copied to local memory; each bf16 pair written is also folded into a running NaN/Inf
        check (``fold_nonfinite_bf16x2``: one fma.rn.bf16x2, two chains: rows r and r + 8). ``stride`` = row bytes + 16, so the 8 rows of a store land in 8
-       different bank groups.
+       different bank groups. ``save_pre`` (SWIGLU): the same pass also stores the FP32 gate
+       and up values it reads, unclamped, straight from the registers into ``pre`` = (gate,
+       up) float32 [C * N_out] (one 8-byte st_v2_f32 per pair: a warp's store covers 8 rows x
+       32 contiguous bytes, whole sectors). Not staged: FP32 gate and up of a tile are 4x the
+       bf16 staging, which holds 2 ring stages. Not checked for NaN/Inf: h, made from them,
+       is.
     2. fence.proxy.async (generic-proxy st.shared -> bulk-copy reads), __syncwarp: a warp
        stages exactly the 16 rows it sends, so a warp barrier suffices.
     3. the warp's 16 rows leave by bulk stores (one per row, then one commit): lane 0 sends
@@ -37,8 +42,8 @@ from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
 from ..intrinsics import (bulk_commit, bulk_store, ex2_approx, fence_proxy_async,
                           fold_nonfinite_bf16x2, pack_bf16x2, rcp_approx, shared_addr,
-                          st_shared_u32, syncwarp, tuple_fold, tuple_pick, warp_all, warp_min,
-                          warp_sum)
+                          st_shared_u32, st_v2_f32, syncwarp, tuple_fold, tuple_pick, warp_all,
+                          warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _INT32_MAX = INT32_MAX
@@ -70,6 +75,23 @@ def _stage_swiglu_group(j, bad, smem, r, col, limit, base, stride, g0, g1, g2, g
     return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
 
 
+def _stage_swiglu_save_group(j, bad, smem, r, col, limit, base, stride, gate, up, at, row8,
+                             g0, g1, g2, g3, u0, u1, u2, u3):
+    """``_stage_swiglu_group`` (its body again: a group function cannot call another), and
+    the FP32 gate and up values into ``gate`` / ``up`` at element ``at`` + 8j (row r) and
+    ``at + row8`` + 8j (row r + 8)."""
+    st_v2_f32(gate, at + 8 * j, g0, g1)
+    st_v2_f32(gate, at + row8 + 8 * j, g2, g3)
+    st_v2_f32(up, at + 8 * j, u0, u1)
+    st_v2_f32(up, at + row8 + 8 * j, u2, u3)
+    at_s = base + 2 * (col + 8 * j)
+    lo = pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit))
+    hi = pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit))
+    st_shared_u32(smem, at_s + r * stride, lo)
+    st_shared_u32(smem, at_s + (r + 8) * stride, hi)
+    return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
+
+
 def _stage_plain_group(j, bad, smem, r, col, limit, base, stride, a0, a1, a2, a3):
     """8-column group j of a plain fragment -> bf16 pairs of rows r and r + 8, folded into
     ``bad``. (Both rows share the column offset: computed per row instead, ptxas keeps more
@@ -92,11 +114,14 @@ def _plain_layout(count):
     return [[4 * j + i for i in range(4)] for j in range(count // 4)]
 
 
-def make_stage_tile(swiglu_epilogue):
-    """``stage_tile(acc, (0, 0), (smem, r, col, limit, base, stride)) -> bad``: step 1 of the
-    header; ``bad`` (two uint32) has a bit set outside 0x80008000 iff a staged value is NaN or
-    Inf (``fold_nonfinite_bf16x2``)."""
-    if swiglu_epilogue:      # (plain functions: tuple_fold compiles them inline per group)
+def make_stage_tile(swiglu_epilogue, save_pre=False):
+    """``stage_tile(acc, (0, 0), (smem, r, col, limit, base, stride[, gate, up, at, row8]))
+    -> bad``: step 1 of the header (``save_pre``: the extra arguments say where the FP32 gate
+    and up go); ``bad`` (two uint32) has a bit set outside 0x80008000 iff a staged value is
+    NaN or Inf (``fold_nonfinite_bf16x2``)."""
+    if save_pre:             # (plain functions: tuple_fold compiles them inline per group)
+        return tuple_fold(_stage_swiglu_save_group, _swiglu_layout)
+    if swiglu_epilogue:
         return tuple_fold(_stage_swiglu_group, _swiglu_layout)
     return tuple_fold(_stage_plain_group, _plain_layout)
 
@@ -143,28 +168,37 @@ def make_row_sender(push):
     return send_row
 
 
-def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset):
-    """``stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k, n_out,
-    limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors, nf)``: steps 1-3 of the
-    header for the tile at (row0, col0), staged at ``ring + stage_offset``; ``stores``: this
+def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False):
+    """``stage_and_send(smem, acc, out, pre, peers, route_rank, route_token, route_slot, k,
+    n_out, limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors, nf)``: steps 1-3
+    of the header for the tile at (row0, col0), staged at ``ring + stage_offset``
+    (``save_pre``: g and u into ``pre`` on the way, else ``pre`` is unused); ``stores``: this
     warp's rows are the expert's (else it does nothing); then step 4 with ``nf`` = (tensor id,
     rank, B's first weight row, weight rows per expert): the expert is their quotient,
     computed on the bad path only. Returns it and the staging's bytes per tile row (the caller checks they
     fit)."""
+    assert swiglu_epilogue or not save_pre
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     stride = out_row_bytes + 16             # +16: a warp's 8 rows land in 8 bank groups
-    stage_tile = make_stage_tile(swiglu_epilogue)
+    stage_tile = make_stage_tile(swiglu_epilogue, save_pre)
     send_row = make_row_sender(push)
 
     @kjit(device=True, inline="always")
-    def stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k, n_out,
-                       limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors, nf):
+    def stage_and_send(smem, acc, out, pre, peers, route_rank, route_token, route_slot, k,
+                       n_out, limit, ring, lane, frag_row, frag_col, row0, col0, stores, errors,
+                       nf):
         # The vote makes the branch warp-uniform to ptxas: a warp barrier on a path it thinks
         # divergent serialises every wgmma of the kernel (C7518).
         if warp_all(stores) != 0:
             epi0 = ring + stage_offset
-            bad = stage_tile(acc, (uint32(0), uint32(0)),
-                             (smem, frag_row, frag_col, limit, epi0, stride))
+            if save_pre:                   # this thread's first element of g / u
+                bad = stage_tile(acc, (uint32(0), uint32(0)),
+                                 (smem, frag_row, frag_col, limit, epi0, stride, pre[0],
+                                  pre[1], (row0 + frag_row) * n_out + col0 + frag_col,
+                                  8 * n_out))
+            else:
+                bad = stage_tile(acc, (uint32(0), uint32(0)),
+                                 (smem, frag_row, frag_col, limit, epi0, stride))
             fence_proxy_async()            # generic-proxy writes -> bulk reads
             syncwarp()
             if push:

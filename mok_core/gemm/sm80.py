@@ -18,10 +18,11 @@ Contract of every kernel built here (ThunderKittens style: read this block, know
              [W_gate[e]; W_up[e]] splits K = 2I at K0 = I.)
     off      int32 [E + 1] padded row offsets (multiples of BM: no tile spans two experts)
     num_rows int32 [1]   rows in use; tiles past it are never visited (count stays on device)
-    out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once), or
-             (F32_OUT, plain only) float32 [rows * N_out]: the accumulators as they are (the
-             backward's recomputed gate / up pre-activations: its clamp masks then agree
-             with the forward's FP32 ones)
+    out      uint32 [rows * N_out / 2]  packed bf16 pairs (round to nearest even, once)
+    pre      (SAVE_PRE, SWIGLU only) two float32 [rows * N_out]: gate and up pre-activations,
+             the FP32 accumulators the SwiGLU consumes, before its clamp (the backward's
+             SwiGLU derivative: its clamp masks then are the forward's); padding rows zeros.
+             Without SAVE_PRE a placeholder, never touched
     errors   int32 [ERROR_WORDS]  NaN/Inf written to ``out`` are counted there under tensor
              id ``nf_tensor`` with the smallest row and the tile's expert (``mok_core.errors``;
              a clean tile pays one fma.rn.bf16x2 per written pair and one warp vote)
@@ -30,7 +31,7 @@ Two epilogues:
     SWIGLU   (ABt only) W = gate and up ([E, I, K] each). A tile's B rows interleave, per warp
              column, 16 gate rows then the 16 up rows of the same hidden columns, so one
              thread holds gate and up of the same element: h = ``epilogue.swiglu``(g, u, L)
-             -> bf16.
+             -> bf16; SAVE_PRE also stores g and u into ``pre`` (8-byte pairs, st_v2_f32).
     plain    out = acc -> bf16.
 
 Tiles: BM x BN output per block (BN = 2 x hidden columns for SWIGLU), WM x WN warps, each warp
@@ -55,7 +56,7 @@ from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import flat_view, kjit, launch
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                           fold_nonfinite_bf16x2, ldmatrix_x4_at, ldmatrix_x4_trans_at,
-                          mma_bf16_16816, pack_bf16x2, shared_addr, warp_all)
+                          mma_bf16_16816, pack_bf16x2, shared_addr, st_v2_f32, warp_all)
 from .epilogue import report_warp, swiglu
 
 
@@ -135,10 +136,10 @@ def make_mma_slice(mi_n, ni_n, kk_n, ldmatrix_a, ldmatrix_b):
 
 
 def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_registers=0,
-                      b_kn=False, f32_out=False):
+                      b_kn=False, save_pre=False):
     """Build one grouped-GEMM kernel specialisation (all tile sizes are compile-time);
     ``b_kn``: B read as stored, [K, N] per expert (the contract's B_KN), else ABt;
-    ``f32_out``: a float32 output (plain epilogue only)."""
+    ``save_pre``: the SWIGLU epilogue also writes g and u to ``pre`` (the contract's SAVE_PRE)."""
     threads = wm * wn * 32
     mi_n = bm // wm // 16                  # m16 tiles per warp
     ni_n = bn // wn // 8                   # n8 tiles per warp
@@ -162,7 +163,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     assert (bm * cpr) % threads == 0 and (bn * cpr) % threads == 0
     assert not swiglu_epilogue or ni_n % 2 == 0
     assert not (b_kn and swiglu_epilogue) and (not b_kn or b_kn_width_ok(bn))
-    assert not (f32_out and swiglu_epilogue)
+    assert swiglu_epilogue or not save_pre
     swz = _swizzle(cpr)
     swz_b = _swizzle(b_cpr)
     mma_slice = make_mma_slice(mi_n, ni_n, kk_n, ldmatrix_x4_at,
@@ -198,7 +199,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
     opts = {"max_registers": max_registers} if max_registers else {}
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, offsets, num_rows, out, K, n_w, n_out, limit, errors,
+    def kernel(a, a_index, w0, w1, offsets, num_rows, out, pre, K, n_w, n_out, limit, errors,
                nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
@@ -321,21 +322,19 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         out[((r + 8) * n_out + col) // 2] = hi
                         z0 = fold_nonfinite_bf16x2(z0, lo)
                         z1 = fold_nonfinite_bf16x2(z1, hi)
+                        if save_pre:
+                            st_v2_f32(pre[0], r * n_out + col, acc[x], acc[x + 1])
+                            st_v2_f32(pre[0], (r + 8) * n_out + col, acc[x + 2], acc[x + 3])
+                            st_v2_f32(pre[1], r * n_out + col, acc[y], acc[y + 1])
+                            st_v2_f32(pre[1], (r + 8) * n_out + col, acc[y + 2], acc[y + 3])
                 else:
                     for ni in range(ni_n):
                         x = (mi * ni_n + ni) * 4
                         col = col0 + warp_n * wn_cols + ni * 8 + 2 * q
                         lo = pack_bf16x2(acc[x], acc[x + 1])
                         hi = pack_bf16x2(acc[x + 2], acc[x + 3])
-                        if f32_out:
-                            # (the check folds the bf16 roundings: NaN/Inf stay NaN/Inf)
-                            out[r * n_out + col] = acc[x]
-                            out[r * n_out + col + 1] = acc[x + 1]
-                            out[(r + 8) * n_out + col] = acc[x + 2]
-                            out[(r + 8) * n_out + col + 1] = acc[x + 3]
-                        else:
-                            out[(r * n_out + col) // 2] = lo
-                            out[((r + 8) * n_out + col) // 2] = hi
+                        out[(r * n_out + col) // 2] = lo
+                        out[((r + 8) * n_out + col) // 2] = hi
                         z0 = fold_nonfinite_bf16x2(z0, lo)
                         z1 = fold_nonfinite_bf16x2(z1, hi)
             # A clean tile costs one vote; else each lane recounts what it wrote, by row.
@@ -349,11 +348,7 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
                         for ni in range(ni_n // 2 if swiglu_epilogue else ni_n):
                             col = col0 + warp_n * (half if swiglu_epilogue else wn_cols) \
                                 + ni * 8 + 2 * q
-                            if f32_out:
-                                n += nonfinite_bf16x2(pack_bf16x2(out[r * n_out + col],
-                                                                  out[r * n_out + col + 1]))
-                            else:
-                                n += nonfinite_bf16x2(out[(r * n_out + col) // 2])
+                            n += nonfinite_bf16x2(out[(r * n_out + col) // 2])
                         if n > 0 and bad == 0:
                             first = r
                         bad += n
@@ -379,23 +374,24 @@ def make_grouped_gemm(bm, bn, bk, wm, wn, stages, swiglu_epilogue, gather, max_r
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg, swiglu_epilogue, gather, b_kn, f32_out):
+def _kernel(cfg, swiglu_epilogue, gather, b_kn, save_pre):
     return make_grouped_gemm(cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages, swiglu_epilogue,
                              gather, max_registers=cfg.max_registers, b_kn=b_kn,
-                             f32_out=f32_out)
+                             save_pre=save_pre)
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
-                swiglu, gather, errors, tensor, rank, b_kn=False):
+                swiglu, gather, errors, tensor, rank, b_kn=False, pre=None):
     """Persistent launch (``cfg.grid``) of the specialisation for ``cfg``; NaN/Inf in the
     output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``. ``b_kn``: B
-    as stored (``n_w`` = K0, the rows per expert of w0); a float32 ``out`` takes the plain
-    epilogue's FP32 values."""
+    as stored (``n_w`` = K0, the rows per expert of w0); ``pre``: SWIGLU's saved
+    pre-activations, (gate, up) flat float32 [rows * n_out] (None: not saved)."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn
-    f32_out = out.dtype == np.float32
-    launch(_kernel(cfg, swiglu, gather, b_kn, f32_out), cfg.grid(C, n_out, n_tile), cfg.threads,
-           stream,
+    kern = _kernel(cfg, swiglu, gather, b_kn, pre is not None)
+    if pre is None:                                    # placeholder, never touched
+        pre = (flat_view(out, np.float32),) * 2
+    launch(kern, cfg.grid(C, n_out, n_tile), cfg.threads, stream,
            cfg.smem_bytes, flat_view(a), a_index, flat_view(w0), flat_view(w1), off, nr, out,
-           np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), errors,
+           pre, np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), errors,
            np.int32(tensor), np.int32(rank))

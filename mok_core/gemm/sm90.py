@@ -31,7 +31,8 @@ tile is computed:
     epilogue = staged in the ring stages the next tile's prologue leaves free, rows sent by
                bulk stores (``epilogue`` module header; ``push``: to the source ranks' combine
                rows), so the next tile's MMAs need not wait for the global stores; what it
-               stages is checked for NaN/Inf on the way (reported to the error word)
+               stages is checked for NaN/Inf on the way (reported to the error word); SAVE_PRE
+               (gate/up): the FP32 g and u also go from the registers straight to ``pre``
 
 Shared memory: uint16 tile table [E + 1] (``MAX_EXPERTS`` + 1), STAGES mbarriers full[s], the
 ring. Order of one tile, every thread:
@@ -325,7 +326,7 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
         return acc, cst, lst, phases
 
     @kjit(**opts)
-    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, K, n_w, n_out, limit,
+    def kernel(a, a_index, w0, w1, tmaps, offsets, num_rows, out, pre, K, n_w, n_out, limit,
                route_rank, route_token, route_slot, peers, k, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
@@ -417,7 +418,7 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
             # All-padding warpgroups stage zeros; one past the expert's rows sends nothing
             # (they are the next expert's). The NaN/Inf report names the expert, nf[2] // nf[3]
             # (B_KN: b_row is the expert).
-            stage_and_send(smem, acc, out, peers, route_rank, route_token, route_slot, k,
+            stage_and_send(smem, acc, out, pre, peers, route_rank, route_token, route_slot, k,
                            n_out, limit, ring, lane, frag_row, frag_col, row0, col0, owned,
                            errors, (nf_tensor, nf_rank, b_row, nf_div))
             t += cuda.gridDim.x
@@ -432,7 +433,7 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
 
 
 def make_wgmma_gemm(bn, stages, swiglu_epilogue, gather, padding_index, push=False, bm=128,
-                    max_registers=0, blocks_per_sm=1, b_kn=False):
+                    max_registers=0, blocks_per_sm=1, b_kn=False, save_pre=False):
     """Build one wgmma grouped-GEMM specialisation (all arguments compile-time).
 
     ``gather``: A rows come through ``a_index``; ``padding_index``: ``a_index`` marks padding
@@ -440,14 +441,16 @@ def make_wgmma_gemm(bn, stages, swiglu_epilogue, gather, padding_index, push=Fal
     ``b_kn``: dgrad, B read as stored ([K, N] per expert from w0 / w1 split at K0 = ``n_w``;
     MN-major wgmma B), plain epilogue only.
     ``push``: the epilogue sends rows home (``epilogue.make_row_sender``); else the route
-    arguments are unused placeholders. ``blocks_per_sm`` > 1 or 3+ warpgroups: launch bounds,
+    arguments are unused placeholders. ``save_pre`` (SWIGLU only): the epilogue also writes
+    the FP32 gate and up values into ``pre`` (``epilogue`` header), else ``pre`` is an unused
+    placeholder. ``blocks_per_sm`` > 1 or 3+ warpgroups: launch bounds,
     so that ptxas caps the registers to fit (384 threads: <= 168; 512: <= 128)."""
     assert bn in _WGMMA and stages >= 3 and bm in (128, 192, 256)
     assert bm < 256 or bn <= 128, "4 warpgroups hold at most 64 accumulators per thread"
     assert not (b_kn and swiglu_epilogue), "dgrad has the plain epilogue"
     lay = _Layout(bn, stages, bm)
     stage_and_send, stride = make_staged_epilogue(bn, swiglu_epilogue, push,
-                                                  lay.prefetch * lay.stage_bytes)
+                                                  lay.prefetch * lay.stage_bytes, save_pre)
     assert bm * stride <= 2 * lay.stage_bytes, "the staging must fit in 2 ring stages"
     tile_start, load_stage = _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn)
     opts = {"max_registers": max_registers} if max_registers else {}
@@ -470,31 +473,37 @@ def _require_arch(cfg):
 
 
 @lru_cache(maxsize=None)
-def _kernel(cfg, swiglu, gather, padding_index, push, b_kn=False):
+def _kernel(cfg, swiglu, gather, padding_index, push, b_kn=False, save_pre=False):
     _require_arch(cfg)
     return make_wgmma_gemm(cfg.bn, cfg.stages, swiglu, gather, padding_index, push=push,
                            bm=cfg.bm, max_registers=cfg.max_registers,
-                           blocks_per_sm=cfg.blocks_per_sm, b_kn=b_kn)
+                           blocks_per_sm=cfg.blocks_per_sm, b_kn=b_kn, save_pre=save_pre)
 
 
 def launch_gemm(cfg, stream, a, a_index, w0, w1, off, nr, out, K, n_w, n_out, limit, *,
-                swiglu, gather, padding_index, errors, tensor, rank, route=None, b_kn=False):
+                swiglu, gather, padding_index, errors, tensor, rank, route=None, b_kn=False,
+                pre=None):
     """Persistent launch (``cfg.grid``): the weights' tensor maps and the push route (rank,
     token, slot, peers, k; placeholders when None) go with it. Maps: ``w0``, ``w1``
     [E, N_w, K] as 2-D [E N_w, K] with boxes of the B rows a slice needs (BN/2 per gate/up
     half, BN for down); ``b_kn`` (``n_w`` = K0): w0 [E, K0, N] and w1 [E, K - K0, N] (w0 again
     where there is no second matrix) as [E K0, N] / [E (K - K0), N] with boxes of 64 rows x 64
     columns (the swizzle's 128-byte row caps a box at 64 bf16: BN/64 boxes per slice). NaN/Inf
-    in the output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``."""
+    in the output go to the error word ``errors`` as tensor id ``tensor`` of ``rank``.
+    ``pre``: SWIGLU's saved pre-activations, (gate, up) flat float32 [C * n_out] (None: not
+    saved)."""
     C = a_index.shape[0] if gather else a.shape[0]
     n_tile = cfg.bn // 2 if swiglu else cfg.bn     # output columns per tile
-    kern = _kernel(cfg, swiglu, gather, padding_index, route is not None, b_kn)
+    kern = _kernel(cfg, swiglu, gather, padding_index, route is not None, b_kn,
+                   pre is not None)
     box_rows = BK if b_kn else n_tile              # (ABt: B rows per box = output columns)
     maps = tensor_maps([w.reshape((w.shape[0] * w.shape[1], w.shape[2]))
                         for w in ((w0, w1) if swiglu or b_kn else (w0,))], box_rows, stream)
     if route is None:
         route = (nr, nr, nr, (out,), np.int64(0))
+    if pre is None:                                # placeholder, never touched
+        pre = (flat_view(out, np.float32),) * 2
     launch(kern, cfg.grid(C, n_out, n_tile), cfg.threads, stream, cfg.smem_bytes,
-           flat_view(a), a_index, flat_view(w0), flat_view(w1), maps, off, nr, out,
+           flat_view(a), a_index, flat_view(w0), flat_view(w1), maps, off, nr, out, pre,
            np.int64(K), np.int64(n_w), np.int64(n_out), np.float32(limit), *route, errors,
            np.int32(tensor), np.int32(rank))

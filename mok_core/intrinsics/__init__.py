@@ -1,6 +1,7 @@
 """MoK-Py's few GPU intrinsics, each with a simulator twin (same name, same behaviour).
 
     memory:       ld_v4, st_v4                      16-byte vector load/store
+                  st_v2_f32                         8-byte store of two float32
     ordering:     ld_acquire_sys, st_release_sys, red_add_release_gpu, clock64, nanosleep,
                   syncwarp, warp_all (a vote ptxas knows is warp-uniform), warp_sum /
                   warp_min (int32 over the warp, redux.sync),
@@ -33,7 +34,7 @@ import importlib
 from ..cuda_compat import SIM
 
 __all__ = [
-    "ld_v4", "st_v4",
+    "ld_v4", "st_v4", "st_v2_f32",
     "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
     "syncwarp", "warp_all", "warp_sum", "warp_min", "match_any", "tuple_pick",
     "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn", "fdiv_rn",

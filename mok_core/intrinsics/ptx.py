@@ -81,6 +81,24 @@ def st_v4(typingctx, arr, idx, v0, v1, v2, v3):
     return types.void(arr, idx, types.uint32, types.uint32, types.uint32, types.uint32), codegen
 
 
+@intrinsic
+def st_v2_f32(typingctx, arr, idx, v0, v1):
+    """Store 2 float32 as 8 bytes at element ``idx`` of the float32 ``arr`` (8-byte aligned):
+    one vector store, where two element stores would be two instructions."""
+    if not (_is_1d(arr) and arr.dtype == types.float32 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        vec = ir.Constant(ir.VectorType(_f32, 2), ir.Undefined)
+        for i in range(2):
+            val = context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+            vec = builder.insert_element(vec, val, ir.Constant(_i32, i))
+        builder.store(vec, builder.bitcast(ptr, ir.VectorType(_f32, 2).as_pointer()), align=8)
+        return context.get_dummy_value()
+    return types.void(arr, idx, types.float32, types.float32), codegen
+
+
 # ---- memory ordering (flags and counters) -----------------------------------------------------
 
 def _int32_array(arr):

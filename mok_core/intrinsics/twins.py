@@ -53,6 +53,11 @@ def st_v4(arr, idx, v0, v1, v2, v3):
     raw[sl] = np.array([v0, v1, v2, v3], dtype=np.uint32).view(raw.dtype)
 
 
+def st_v2_f32(arr, idx, v0, v1):
+    raw, sl = _chunk(arr, idx, 8)
+    raw[sl] = np.array([v0, v1], dtype=np.float32)
+
+
 # ---- memory ordering -----------------------------------------------------------------------------
 
 def ld_acquire_sys(arr, idx):

@@ -1,4 +1,5 @@
-"""Grouped expert GEMMs at real shapes on the GPU vs float64 (sampled rows), determinism."""
+"""Grouped expert GEMMs at real shapes on the GPU vs float64 (sampled rows), determinism; gate/up's
+saved FP32 pre-activations (``pre``) too."""
 import numpy as np
 import pytest
 
@@ -58,22 +59,27 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
     s = numba_stream()
     kw = [wg, wu, wd]
 
-    def run():
+    def run(save_pre=True):
         hidden = torch.full((C, I), float("nan"), device="cuda", dtype=bf)
         y = torch.full((C, H), float("nan"), device="cuda", dtype=bf)
+        pre = tuple(torch.full((C, I), float("nan"), device="cuda") for _ in range(2)) \
+            if save_pre else None
         gate_up_swiglu(x.view(u16), d_idx, kw[0].view(u16), kw[1].view(u16), d_off, d_nr,
-                       hidden.view(u16), swiglu_limit=limit, config=cfg, stream=s)
+                       hidden.view(u16), pre=pre, swiglu_limit=limit, config=cfg, stream=s)
         down(hidden.view(u16), kw[2].view(u16), d_off, d_nr, y.view(u16), row_index=d_idx,
              config=cfg, stream=s)
         torch.cuda.synchronize()
-        return hidden, y
+        return hidden, y, pre
 
-    hidden, y = run()
+    hidden, y, pre = run()
     n = int(off[-1])
     assert torch.isnan(y[n:]).all(), "rows past num_rows must stay untouched"
     assert not torch.isnan(y[:n]).any() and not torch.isnan(hidden[:n]).any()
     pad = torch.from_numpy(a_index[:n] < 0).cuda()
     assert (hidden[:n][pad] == 0).all() and (y[:n][pad] == 0).all()
+    for a in pre:                       # the saved g, u: rows as hidden's, padding +0.0
+        assert torch.isnan(a[n:]).all() and not torch.isnan(a[:n]).any()
+        assert (a[:n][pad].view(torch.int32) == 0).all()
 
     # float64 on 3 experts (all their rows)
     err_num = err_den = 0.0
@@ -82,7 +88,11 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
         if rows.size == 0:
             continue
         xa = f64(x[torch.from_numpy(a_index[rows]).long().cuda()])
-        h_ref = swiglu(xa @ f64(wg[e]).T, xa @ f64(wu[e]).T, limit)
+        g_ref, u_ref = xa @ f64(wg[e]).T, xa @ f64(wu[e]).T
+        h_ref = swiglu(g_ref, u_ref, limit)
+        for a, ref in zip(pre, (g_ref, u_ref)):   # FP32 accumulation (bf16 would be ~1e-3)
+            err = np.abs(f64(a[rows[0]:rows[-1] + 1]) - ref).sum() / np.abs(ref).sum()
+            assert err < 1e-5, f"saved pre-activation, expert {e}: rel-L1 {err}"
         y_ref = f64(hidden[rows[0]:rows[-1] + 1]) @ f64(wd[e]).T     # down from our hidden
         h_err = np.abs(f64(hidden[rows[0]:rows[-1] + 1]) - h_ref).sum() / np.abs(h_ref).sum()
         assert h_err < 5e-3, f"gate_up expert {e}: rel-L1 {h_err}"
@@ -90,5 +100,9 @@ def test_gemm_real_shape(dist, preset_name, limit, cfg_name):
         err_den += np.abs(y_ref).sum()
     assert err_num / err_den < 5e-3
 
-    h2, y2 = run()
+    h2, y2, pre2 = run()
     assert torch.equal(h2[:n], hidden[:n]) and torch.equal(y2[:n], y[:n]), "not deterministic"
+    assert all(torch.equal(a[:n].view(torch.int32), b[:n].view(torch.int32))
+               for a, b in zip(pre, pre2))
+    h3, y3, _ = run(save_pre=False)     # saving changes nothing else
+    assert torch.equal(h3[:n], hidden[:n]) and torch.equal(y3[:n], y[:n])

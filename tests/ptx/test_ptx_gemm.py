@@ -9,8 +9,9 @@ from numba import float32, int32, int64, types, uint16, uint32, uint64
 from mok_core.gemm.sm80 import make_grouped_gemm
 from ptx_util import assemble_sm90a, compile_sm90, count, require_ptxas
 
+# out, then ``pre``: the saved gate / up pre-activations (a placeholder without SAVE_PRE)
 _BASE = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
-         int64, int64, int64, float32)
+         types.UniTuple(float32[::1], 2), int64, int64, int64, float32)
 # every kernel ends with the error word, the tensor id and the rank of its NaN/Inf check
 _NF = (int32[::1], int32, int32)
 SIG = _BASE + _NF
@@ -20,12 +21,13 @@ _ROUTE = (int32[::1], int32[::1], int32[::1])
 WG_SIG = (_BASE[:4] + (uint64[::1],) + _BASE[4:] + _ROUTE + (types.UniTuple(uint32[::1], 1),
                                                               int64) + _NF)
 # down fused with the combine: out is a placeholder, the route is real (2 ranks).
-PUSH_SIG = (WG_SIG[:7] + (int32[::1],) + WG_SIG[8:12] + _ROUTE
+PUSH_SIG = (WG_SIG[:7] + (int32[::1],) + WG_SIG[8:13] + _ROUTE
             + (types.UniTuple(uint32[::1], 2), int64) + _NF)
 # the epilogue's NaN/Inf check: a fold per output pair, the vote, the bad path's reductions
 NF_CHECK = (r"fma\.rn\.bf16x2", r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 TMA = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier"
+ST_F32X2 = r"st(\.global)?\.v2\.f32"     # the saved pre-activations' 8-byte stores
 
 
 def _wgmma_ptx(bn, stages, swiglu, push=False, bm=128, **kw):
@@ -43,9 +45,10 @@ def _wgmma_ptx(bn, stages, swiglu, push=False, bm=128, **kw):
 
 @pytest.mark.parametrize("tile", [(128, 128, 32, 2, 4, 4), (128, 128, 64, 2, 4, 3),
                                   (32, 32, 32, 2, 1, 2), (64, 128, 32, 2, 2, 4)])
-@pytest.mark.parametrize("swiglu", [True, False])
-def test_gemm_lowers_without_local_memory(tile, swiglu):
-    kern = make_grouped_gemm(*tile, swiglu, swiglu)
+@pytest.mark.parametrize("swiglu,save_pre", [(True, False), (True, True), (False, False)],
+                         ids=["swiglu", "swiglu-pre", "plain"])
+def test_gemm_lowers_without_local_memory(tile, swiglu, save_pre):
+    kern = make_grouped_gemm(*tile, swiglu, swiglu, save_pre=save_pre)
     ptx = compile_sm90(kern, SIG)
     bm, bn, bk, wm, wn, _ = tile
     mma_per_kslice = (bm // wm // 16) * (bn // wn // 8) * (bk // 16)
@@ -57,6 +60,8 @@ def test_gemm_lowers_without_local_memory(tile, swiglu):
         assert count(ptx, p) >= 1, p
     pairs = (bm // wm // 16) * (bn // wn // 8) * (2 if not swiglu else 1)
     assert count(ptx, r"fma\.rn\.bf16x2") == pairs        # one fold per written pair
+    # SAVE_PRE: every accumulator pair once more, as FP32 (gate and up: 2 per hidden pair)
+    assert count(ptx, ST_F32X2) == (2 * pairs if save_pre else 0)
 
 
 @pytest.mark.parametrize("tile,gather", [((64, 128, 32, 2, 2, 4), True),
@@ -82,17 +87,19 @@ def test_dgrad_lowers_without_local_memory(tile, gather):
 
 
 @pytest.mark.parametrize("bm", [128, 192])
-@pytest.mark.parametrize("kind", ["gate_up", "down", "down_push"])
+@pytest.mark.parametrize("kind", ["gate_up", "gate_up_pre", "down", "down_push"])
 def test_production_wgmma_kernels_lower_unserialised(bm, kind):
-    """Every variant the layer launches (WGMMA_GEMM / WGMMA_192_GEMM: gate/up, down, down
-    fused with the combine): the arch-specific target, 4 wgmmas per slice with one group in
-    flight, the TMA weight boxes (gate/up: two per slice, two maps acquired) on the full
-    barriers, the staged epilogue (st.shared pairs, bulk stores, the read-wait before the
-    next tile, the final wait), nothing in local memory in the K loop -- and ptxas keeps the
-    wgmmas unserialised (C7518: a wgmma or warp barrier on a path it thinks divergent makes it
-    serialise them all; the branches test a warp vote)."""
-    swiglu, push = kind == "gate_up", kind == "down_push"
-    kern, ptx = _wgmma_ptx(256, 4, swiglu, push=push, bm=bm)
+    """Every variant the layer launches (WGMMA_GEMM / WGMMA_192_GEMM: gate/up -- saving its
+    FP32 pre-activations where the layer has a backward, ``_pre`` --, down, down fused with
+    the combine): the arch-specific target, 4 wgmmas per slice with one group in flight, the
+    TMA weight boxes (gate/up: two per slice, two maps acquired) on the full barriers, the
+    staged epilogue (st.shared pairs, bulk stores, the read-wait before the next tile, the
+    final wait; ``_pre``: one 8-byte FP32 store per accumulator pair), nothing in local memory
+    in the K loop -- and ptxas keeps the wgmmas unserialised (C7518: a wgmma or warp barrier
+    on a path it thinks divergent makes it serialise them all; the branches test a warp
+    vote)."""
+    swiglu, push, save_pre = kind.startswith("gate_up"), kind == "down_push", kind.endswith("pre")
+    kern, ptx = _wgmma_ptx(256, 4, swiglu, push=push, bm=bm, save_pre=save_pre)
     assert ".target sm_90a" in ptx
     if bm > 128:
         assert ".maxntid 384, 1, 1" in ptx
@@ -110,6 +117,7 @@ def test_production_wgmma_kernels_lower_unserialised(bm, kind):
         assert count(ptx, p) >= 1, p
     # one fold per staged pair: 256 columns (gate/up: 128 hidden) x 64 rows / 128 threads / 2
     assert count(ptx, r"fma\.rn\.bf16x2") == (32 if swiglu else 64)
+    assert count(ptx, ST_F32X2) == (64 if save_pre else 0)     # 128 accumulators / 2
     loop = ptx[ptx.index("wgmma.fence"):ptx.index("wgmma.wait_group.sync.aligned 0;")]
     assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
     report = assemble_sm90a(ptx)

@@ -10,6 +10,7 @@ u16, u32, f32, i32 = uint16[::1], uint32[::1], float32[::1], int32[::1]
 CASES = {
     "ld_st_v4": (ti._copy_rows_v4, (u16, u16, i32, int32),
                  [r"ld(\.global)?\.v4\.u32", r"st(\.global)?\.v4\.u32"]),
+    "st_v2_f32": (ti._swap_pairs_v2, (f32, f32), [r"st(\.global)?\.v2\.f32"]),
     "sfu": (ti._sfu, (f32, f32), [r"ex2\.approx\.ftz\.f32", r"rcp\.approx\.ftz\.f32"]),
     "bf16": (ti._convert, (f32, u32, f32), [r"cvt\.rn\.bf16x2\.f32"]),
     "flags": (ti._flags, (i32, i32), [r"ld\.acquire\.sys", r"st\.release\.sys",
