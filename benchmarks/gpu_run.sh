@@ -13,8 +13,10 @@
 #        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
 #        and backward columns)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
-#        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU)
-#        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET, PROBE_TOKENS)
+#        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
+#        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape)
+#        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
+#        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
 #        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS)
 #        -- the probes live in benchmarks/probes/
@@ -124,11 +126,12 @@ for s in "$@"; do
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --out "$OUT/bench_layer_bwd.json" ;;
     gpu-dgrad) step gpu-dgrad $PYT tests/test_gemm_dgrad.py ;;
-    gpu-wgrad) step gpu-wgrad $PYT tests/test_gemm_wgrad.py ;;
+    gpu-wgrad) step gpu-wgrad $PYT -s tests/test_gemm_wgrad.py ;;
     gpu-quant) step gpu-quant $PYT tests/test_quantize.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
-         --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" ;;
+         --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
+         --wgrad-tiles "${PROBE_WGRAD_TILES:-}" ;;
     gpu-train) export SUITE=gputrain; step gpu-train torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_module_gpu.py \
          tests/test_torch_module.py tests/test_torch_op.py; rank_logs gputrain ;;

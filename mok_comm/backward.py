@@ -60,8 +60,10 @@ GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two da
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,
 weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
-(mma.sync); the weight gradients on ``layer.wgrad_gemm`` (mma.sync). The routed d_x rows are
-written, then pushed home by the combine kernel on either path.
+(mma.sync); the weight gradients on ``layer.wgrad_gemm``: the wgmma kernel (``sm90_wgrad``,
+both operands MN-major) where the forward's tiles are wgmma and the shape splits into its
+tile, else mma.sync. The routed d_x rows are written, then pushed home by the combine kernel
+on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,

@@ -42,7 +42,8 @@ tiles, derived from the shape, the config and the forward's tiles (so not in the
 fingerprint): ``backward_gemm`` (mma.sync: where the next two pick none of their own),
 ``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the forward's tiles are
 wgmma and the shape splits into it; else ``backward_gemm``) and ``wgrad_gemm`` (the weight
-gradients, mma.sync). ``nbytes`` sums the buffers by name.
+gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are wgmma and the
+shape splits into it; else mma.sync). ``nbytes`` sums the buffers by name.
 ``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
 call (forward and backward calls alike).
 
@@ -185,12 +186,32 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
                         max_registers=128)
 
 
-def wgrad_gemm(shape: LayerShape, backward: GemmConfig) -> GemmConfig:
-    """``WGRAD_GEMM`` when H, I and I_s split into its tiles (on a GPU), else ``backward``
-    (the rest of the backward's tiles; the simulator's)."""
-    if not SIM and all(not n % t for n in (shape.hidden, shape.intermediate,
-                                            shape.shared_intermediate)
-                       for t in (WGRAD_GEMM.bm, WGRAD_GEMM.bn)):
+# The weight gradients' tile on Hopper: ``sm90_wgrad`` (both operands MN-major wgmma, the
+# forward's 128 x 256 tile and 4-slice ring). An expert's ~100 rows are 1-3 K slices, so a
+# tile is mostly its output: the bf16 tile leaves by bulk stores from shared memory while the
+# next tile's slices load and multiply, where the mma.sync kernel's warps store scattered
+# fragments and then wait for the next tile's loads (docs/perf.md: 9.9 + 4.9 ms for qwen's
+# routed wgrads on ``WGRAD_GEMM``, the output alone being 8.6 GB of bf16 for gate/up). The
+# 128-row tile, not 192: the wgrad loader's passes need 2 BM a multiple of BN
+# (``sm90_wgrad.tile_ok``), and 384-thread wgmma kernels spill.
+WGRAD_WGMMA_GEMM = WGMMA_GEMM
+
+
+def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = ()) -> GemmConfig:
+    """The tiles of the backward's weight-gradient GEMMs (``wgrad``: dW_gate | dW_up, M = 2I
+    split at I (2 I_s at I_s), N = H; dW_down, M = H, N = I or I_s; K = an expert's rows).
+
+    ``WGRAD_WGMMA_GEMM`` (wgmma) on a GPU when the forward's tiles ``forward`` are wgmma -- the
+    forward runs on Hopper -- and H, I and I_s are multiples of its bm and bn (M, N and the
+    split; no row alignment: the rows are its K, zero-filled past each expert). Else
+    ``WGRAD_GEMM`` (mma.sync) where they split into its tiles (on a GPU), else ``backward``
+    (the rest of the backward's tiles; the simulator's ``SIM_GEMM``: it cannot run wgmma)."""
+    dims = (shape.hidden, shape.intermediate, shape.shared_intermediate)
+    g = WGRAD_WGMMA_GEMM
+    if (not SIM and forward and all(f.mma == "wgmma" for f in forward)
+            and all(not n % t for n in dims for t in (g.bm, g.bn))):
+        return g
+    if not SIM and all(not n % t for n in dims for t in (WGRAD_GEMM.bm, WGRAD_GEMM.bn)):
         return WGRAD_GEMM
     return backward
 
@@ -227,8 +248,7 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
     """The backward's mma.sync GEMM tiles: the largest mma.sync tile (``MMA_SYNC_GEMM``
     first; the simulator: ``SIM_GEMM``) whose rows divide ``row_align`` and whose sides divide
     H, I and I_s (every backward GEMM has them as M, N or K). The data and weight gradients
-    run on them where ``dgrad_gemm`` / ``wgrad_gemm`` pick no tiles of their own (the weight
-    gradients exist on mma.sync only so far).
+    run on them where ``dgrad_gemm`` / ``wgrad_gemm`` pick no tiles of their own.
     ValueError when none does."""
     for g in _BACKWARD_TILES[-1:] if SIM else _BACKWARD_TILES:
         if not config.row_align % g.row_unit and all(
@@ -336,8 +356,10 @@ class Layer:
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
         self.backward_gemm = backward_gemm(shape, config) if backward else None
-        # the weight gradients' tiles cut H and I only (their K is an expert's rows)
-        self.wgrad_gemm = wgrad_gemm(shape, self.backward_gemm) if backward else None
+        # the weight gradients' tiles cut H and I only (their K is an expert's rows): wgmma
+        # where the forward's are (derived like dgrad_gemm: not in the fingerprint)
+        self.wgrad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down))
+                           if backward else None)
         # the data gradients': wgmma where the forward's are and the shape splits into them
         # (derived from the shape, config and forward tiles: not in the fingerprint)
         self.dgrad_gemm = (dgrad_gemm(shape, config, (gemm, gemm_down), self.backward_gemm)
@@ -420,5 +442,6 @@ def agreement_phases(layer: Layer, stream=0):
 
 
 __all__ = ["BackwardBuffers", "DGRAD_GEMM", "ForwardContext", "Layer", "WGRAD_GEMM",
+           "WGRAD_WGMMA_GEMM",
            "Weights", "agreement_phases", "backward_gemm", "check_swiglu_limit", "dgrad_gemm",
            "layer_gemm", "wgrad_gemm"]

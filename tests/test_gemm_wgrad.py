@@ -1,11 +1,17 @@
-"""The weight-gradient grouped GEMM (``mok_core.gemm.wgrad``, kernel in ``sm80_wgrad``,
-mma.sync) vs float64, on the simulator at tiny shapes.
+"""The weight-gradient grouped GEMM (``mok_core.gemm.wgrad``: ``sm80_wgrad``, mma.sync, and
+``sm90_wgrad``, wgmma with both operands MN-major) vs float64, on the simulator at tiny shapes
+(the same tests run on a GPU as they are; the wgmma ones need sm_90).
 
 D_e[m, n] = sum over expert e's rows r (clamped to num_rows) of A[ra(r), m] B[rb(r), n]:
 gathered A and/or B with -1 padding rows, rows past num_rows ignored (NaN there, or indices of a
-NaN row), empty experts written as zeros, the m_split into two outputs, bf16 (FP32
-rounded once) and float32 outputs, accumulate=True, bitwise reruns, NaN reported to the error
-word, and the host-side validation messages.
+NaN row), ragged experts (not a multiple of the K slice), empty experts written as zeros, the
+m_split into two outputs, bf16 (FP32 rounded once) and float32 outputs, accumulate=True,
+bitwise reruns, NaN reported to the error word, and the host-side validation messages. On a
+GPU only (sm_90): both wgrads of the layer at the qwen3.5-397b shape (H = 4096, I = 1024, 512
+experts, top-10 of 4096 tokens) on the wgmma kernel vs float64 on sampled experts, with its
+TFLOP/s next to the mma.sync kernel's printed (not asserted).
+
+GPU check: ``NUMBA_ENABLE_CUDASIM=0 python -m pytest -q -s tests/test_gemm_wgrad.py``.
 """
 import ml_dtypes
 import numpy as np
@@ -13,12 +19,17 @@ import pytest
 
 from helpers import to_dev
 from mok_core import errors as err
-from mok_core.cuda_compat import to_host
-from mok_core.gemm import SIM_GEMM, WGMMA_GEMM, GemmConfig, wgrad
+from mok_core.cuda_compat import SIM, to_host
+from mok_core.gemm import WGMMA_192_GEMM, SIM_GEMM, GemmConfig, wgrad
 
 # SIM_GEMM: 32 x 32 tiles, 2 x 1 warps, 2 stages; CFG64: 64 x 64 tiles, 2 x 2 warps, 3 stages
 # (each warp 2 m16 x 4 n8 tiles, the ring deeper than most experts' slices).
 CFG64 = GemmConfig(bm=64, bn=64, bk=32, wm=2, wn=2, stages=3)
+# wgmma (``sm90_wgrad``): 128 rows of m (2 warpgroups) x 64 columns (one 64 x 64 box of B per
+# slice, 2 chunks per thread), a 3-deep ring (PREFETCH 1); and x 128 columns (two boxes side
+# by side: the MN-major descriptor's leading byte offset is read), a 4-deep ring (PREFETCH 2)
+WG64 = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
+WG128 = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 from mok_comm.layer import WGRAD_GEMM  # noqa: E402
 POISON16 = 0xFFFF                    # bf16 NaN bits: a tile the kernel forgets shows up
 GARBAGE = 32                         # rows past num_rows (NaN, or valid indices of a NaN row)
@@ -116,13 +127,34 @@ CASES = {
     # the layer's GPU wgrad tile (``mok_comm.layer.WGRAD_GEMM``: 128 x 128, 2 x 4 warps)
     "gate_up128": dict(cfg=WGRAD_GEMM, counts=[64, 0, 32, 32], cut=32, M=256, N=128,
                        gather_a=False, gather_b=True, m_split=128, dtype=np.uint16),
+    # wgmma, dW_gate/dW_up's form: ragged experts (40 rows: one part-slice; 130 cut to 112 by
+    # num_rows: a full slice and a part one, zero-filled on both sides past hi), an empty one,
+    # one wholly past num_rows (its one slice of zeros), two outputs; 10 tiles on 4 blocks: the
+    # ring, the staging and the prologue of the next tile wrap around
+    "wgmma-gate_up": dict(cfg=WG64, counts=[64, 0, 40, 130, 32], cut=50, M=256, N=64,
+                          gather_a=False, gather_b=True, m_split=128, dtype=np.uint16),
+    # wgmma, dW_down's form, FP32 out: A gathered, one output, two boxes of B per slice; 200
+    # rows = 4 slices (the ring of 4 wraps within a tile), a ragged 40, an empty expert
+    "wgmma-down": dict(cfg=WG128, counts=[200, 0, 64, 40, 32], cut=32, M=128, N=128,
+                       gather_a=True, gather_b=False, m_split=128, dtype=np.float32),
+    # wgmma, both gathered, bf16, two column tiles per expert
+    "wgmma-both": dict(cfg=WG64, counts=[0, 70, 64, 32], cut=32, M=128, N=128, gather_a=True,
+                       gather_b=True, m_split=128, dtype=np.uint16),
 }
+
+
+def _needs_hopper(cfg):
+    if cfg.mma == "wgmma" and not SIM:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the wgmma wgrad needs sm_90")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_wgrad_matches_float64(case):
     c = CASES[case]
     cfg, M, N, m_split, dtype = c["cfg"], c["M"], c["N"], c["m_split"], c["dtype"]
+    _needs_hopper(cfg)
     args = problem(len(case), c["counts"], M, N, gather_a=c["gather_a"],
                    gather_b=c["gather_b"], cut=c["cut"])
     E = len(c["counts"])
@@ -142,29 +174,37 @@ def test_wgrad_matches_float64(case):
         check_bf16(got, D, S)
 
 
-def test_bf16_is_the_fp32_sum_rounded_once_and_reruns_are_bitwise():
+# (config, M, N, m_split) of the single-config tests below: each kernel family's small tiles
+SMALL = {"sync": (SIM_GEMM, 64, 32, 32), "wgmma": (WG64, 256, 64, 128)}
+
+
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_bf16_is_the_fp32_sum_rounded_once_and_reruns_are_bitwise(kind):
     """The bf16 output is exactly the FP32 output rounded (to nearest even) once, and a rerun
     (a second launch, fresh outputs) gives the same bits."""
-    M, N, m_split = 64, 32, 32
+    cfg, M, N, m_split = SMALL[kind]
+    _needs_hopper(cfg)
     args = problem(5, [64, 0, 32], M, N, gather_a=True, gather_b=True)
     E = 3
     f32 = to_dev(np.full((E, M, N), np.nan, np.float32))
-    run(args, f32, f32, M, SIM_GEMM)
+    run(args, f32, f32, M, cfg)
     outs = []
     for _ in range(2):
         lo = to_dev(np.full((E, m_split, N), POISON16, np.uint16))
         hi = to_dev(np.full((E, M - m_split, N), POISON16, np.uint16))
-        run(args, lo, hi, m_split, SIM_GEMM)
+        run(args, lo, hi, m_split, cfg)
         outs.append(joined(lo, hi, m_split))
     np.testing.assert_array_equal(outs[0], bits(to_host(f32)))
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
-def test_accumulate_adds_in_fp32():
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_accumulate_adds_in_fp32(kind):
     """accumulate=True twice = initial + D + D, bitwise equal to the two FP32 additions of the
     plain result D (itself bitwise equal on a rerun); an empty expert keeps its values; a clean
     run records nothing in the error word."""
-    M, N, m_split = 64, 32, 32
+    cfg, M, N, m_split = SMALL[kind]
+    _needs_hopper(cfg)
     args = problem(6, [32, 0, 64], M, N, gather_a=False, gather_b=True)
     E = 3
     rng = np.random.default_rng(7)
@@ -174,14 +214,14 @@ def test_accumulate_adds_in_fp32():
     for _ in range(2):
         lo = to_dev(np.full((E, m_split, N), np.nan, np.float32))
         hi = to_dev(np.full((E, M - m_split, N), np.nan, np.float32))
-        run(args, lo, hi, m_split, SIM_GEMM, errors=words)
+        run(args, lo, hi, m_split, cfg, errors=words)
         plain.append(joined(lo, hi, m_split))
     np.testing.assert_array_equal(plain[1], plain[0])
     D = plain[0]
     lo = to_dev(init[:, :m_split].copy())
     hi = to_dev(init[:, m_split:].copy())
     for _ in range(2):
-        run(args, lo, hi, m_split, SIM_GEMM, accumulate=True, errors=words)
+        run(args, lo, hi, m_split, cfg, accumulate=True, errors=words)
     got = joined(lo, hi, m_split)
     np.testing.assert_array_equal(got, (init + D) + D)
     np.testing.assert_array_equal(got[1], init[1])             # the empty expert: unchanged
@@ -190,18 +230,22 @@ def test_accumulate_adds_in_fp32():
     np.testing.assert_array_equal(to_host(words), err.initial_error_word())
 
 
+@pytest.mark.parametrize("kind", list(SMALL))
 @pytest.mark.parametrize("dtype", [np.uint16, np.float32], ids=["bf16", "f32"])
-def test_nan_input_is_reported(dtype):
+def test_nan_input_is_reported(dtype, kind):
     """A NaN in A at (row r of expert 1, column m) makes row m of D_1 NaN: N values, first row
     m, expert 1, under the tensor id and rank given."""
-    M, N, m = 32, 32, 21
+    cfg, M, N, _ = SMALL[kind]
+    _needs_hopper(cfg)
+    M = cfg.bm
+    m = 21 if M == 32 else 77          # (wgmma: a row of the second warpgroup)
     a, a_index, b, b_index, off, nr = problem(8, [32, 64], M, N, gather_a=False,
                                               gather_b=False)
     a = a.copy()
     a[off[1] + 40, m] = bits([np.nan])[0]
     words = to_dev(err.initial_error_word())
     out = to_dev(np.zeros((2, M, N), dtype))
-    run((a, a_index, b, b_index, off, nr), out, out, M, SIM_GEMM, errors=words,
+    run((a, a_index, b, b_index, off, nr), out, out, M, cfg, errors=words,
         tensor=err.NF_HIDDEN, rank=3)
     got = joined(out, out, M).astype(np.float64) if dtype == np.float32 else f64(to_host(out))
     assert np.isnan(got[1, m]).all() and np.isfinite(np.delete(got[1], m, axis=0)).all()
@@ -251,7 +295,9 @@ def _good():
      "out1: expected dtype float32 \\(that of out0\\), got uint16"),
     (dict(out0=np.zeros((2, 32, 64), np.uint16), accumulate=True), ValueError,
      "accumulate=True needs float32 outputs, got uint16"),
-    (dict(config=WGMMA_GEMM), ValueError, "the wgmma wgrad does not exist yet"),
+    (dict(config=WGMMA_192_GEMM), ValueError,
+     "the wgmma wgrad takes bm=128 with bn=64, 128 or 256, or bm=256 with bn <= 128"),
+    (dict(config=WG64), ValueError, "a: M=32 .* multiple of bm=128"),
     (dict(config=GemmConfig(bm=96, bn=32, bk=32, wm=2, wn=1, stages=2)), ValueError,
      "wgrad needs bm = 16, 32 or a multiple of 64"),
     (dict(tensor=99), ValueError, "tensor=99"),
@@ -273,3 +319,101 @@ def test_split_outputs_must_not_alias():
     with pytest.raises(ValueError, match="out0, out1: .* the same memory"):
         wgrad(a, None, to_dev(kw["b"]), to_dev(kw["b_index"]), to_dev(kw["expert_offsets"]),
               to_dev(kw["num_rows"]), out, out, 32, config=SIM_GEMM)
+
+
+# ---- a real shape, on the GPU only --------------------------------------------------------------
+
+def _rand_bf16(rng, shape, top):
+    """Random bf16 bits, |x| in [2^(top-4), 2^top), random sign and mantissa: built as bits,
+    so the operands of a real shape take seconds, not minutes, on the host."""
+    r = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    exp = np.uint16(127 + top - 4) + ((r >> 7) & np.uint16(3))
+    return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
+
+
+def _gpu_ms(fn, reps=10):
+    from numba import cuda
+    fn()
+    cuda.synchronize()
+    t0, t1 = cuda.event(), cuda.event()
+    t0.record()
+    for _ in range(reps):
+        fn()
+    t1.record()
+    t1.synchronize()
+    return cuda.event_elapsed_time(t0, t1) / reps
+
+
+@pytest.mark.skipif(SIM, reason="a real shape: GPU only")
+@pytest.mark.parametrize("use", ["gate_up", "down"])
+def test_wgmma_wgrad_real_shape(use, capsys):
+    """qwen3.5-397b's routed experts at EP 1 (H = 4096, I = 1024, 512 experts, top-10 of 4096
+    tokens: ~80 rows each, padded to 64, one expert empty): dW_gate | dW_up = d_gu^T x (A =
+    d_gu [C, 2I] direct, B = x gathered, split at I) or dW_down = d_out^T (w h) (A = d_out
+    gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` vs
+    float64 on 3 whole experts (the largest, the empty one, the last); then the TFLOP/s (useful
+    rows) and output GB/s of the wgmma and the mma.sync wgrad (``WGRAD_GEMM``), printed."""
+    from numba import cuda
+    if cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the wgmma wgrad needs sm_90")
+    from mok_comm.layer import WGRAD_WGMMA_GEMM
+    from mok_core.cuda_compat import device_full
+    from mok_core.gemm import launch_wgrad
+    H, I, E, T, k = 4096, 1024, 512, 4096, 10
+    cfg = WGRAD_WGMMA_GEMM
+    rng = np.random.default_rng(31)
+    counts = np.bincount(rng.integers(0, E, T * k), minlength=E).astype(np.int64)
+    counts[7] = 0
+    off = np.concatenate([[0], np.cumsum(-(-counts // 64) * 64)]).astype(np.int32)
+    C = int(off[-1]) + 128                                   # spare rows past num_rows
+    index = np.full(C, -1, np.int32)                         # row -> token (-1: padding)
+    for e in range(E):
+        index[off[e]:off[e] + counts[e]] = rng.integers(0, T, counts[e])
+    if use == "gate_up":
+        M, N, m_split = 2 * I, H, I
+        a = _rand_bf16(rng, (C, M), 0)                       # d_gu rows, padding rows zero
+        a[index < 0] = 0
+        b = _rand_bf16(rng, (T, N), 0)                       # x, gathered
+        a_index, b_index = None, index
+    else:
+        M, N, m_split = H, I, H
+        a = _rand_bf16(rng, (T, M), 0)                       # d_out, gathered
+        b = _rand_bf16(rng, (C, N), 0)                       # w h rows, padding rows zero
+        b[index < 0] = 0
+        a_index, b_index = index, None
+    dev = {name: None if v is None else cuda.to_device(v) for name, v in
+           (("a", a), ("ai", a_index), ("b", b), ("bi", b_index), ("off", off),
+            ("nr", np.array([off[-1]], np.int32)))}
+    out0 = device_full((E, m_split, N), POISON16, np.uint16)       # (4.3 GB for gate/up)
+    out1 = out0 if m_split == M else device_full((E, M - m_split, N), POISON16, np.uint16)
+    word = cuda.to_device(err.initial_error_word())
+    wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"], dev["off"], dev["nr"], out0, out1, m_split,
+          config=cfg, errors=word)
+    cuda.synchronize()
+    np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
+    for e in (int(np.argmax(counts)), 7, E - 1):
+        rows = np.arange(off[e], off[e] + counts[e])
+
+        def side(x, idx):
+            return f64(x[rows] if idx is None else x[idx[rows]])
+        A, B = side(a, a_index), side(b, b_index)
+        D, S = A.T @ B, np.abs(A).T @ np.abs(B)
+        got = out0[e].copy_to_host()
+        if out1 is not out0:
+            got = np.concatenate([got, out1[e].copy_to_host()])
+        if counts[e] == 0:
+            assert np.all(got == 0), f"expert {e} (no rows) must get zeros"
+        else:
+            check_bf16(got, D, S)
+    flop = 2.0 * counts.sum() * M * N
+    gbytes = 2.0 * E * M * N / 1e9                          # the bf16 output written
+
+    def timed(c):              # the trusted entry: no host checks in what is timed
+        return _gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
+                                            dev["off"], dev["nr"], out0, out1, m_split,
+                                            config=c))
+    ms = {"wgmma": timed(cfg), "mma_sync": timed(WGRAD_GEMM)}
+    with capsys.disabled():
+        print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
+            f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"
+            for name, v in ms.items()) + f" (wgmma x{ms['mma_sync'] / ms['wgmma']:.2f})")

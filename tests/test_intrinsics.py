@@ -25,7 +25,8 @@ from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_r
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
-                                 wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait)
+                                 wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait,
+                                 wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb)
 
 
 def bf16_bits(a):
@@ -457,6 +458,70 @@ def test_wgmma_b_mn_major_descriptor_swizzle_and_fragments(n):
     D = to_dev(np.full(64 * n, np.nan, np.float32))
     _make_wgmma_slice_tb(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64)
+    np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+_WGMMA_TATB_N = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb}
+
+
+def _make_wgmma_slice_tatb(n):
+    """One warpgroup, both operands MN-major (the wgrad kernel's layout, ``sm90_wgrad``): A^T
+    [64 rows of k, 64 columns of m] and B [64 rows of k, n columns] as stored, each staged as
+    blocks of [64 k][64 columns] (8 KiB apart), row k 128 bytes with 16-byte chunk c at
+    c ^ (k % 8); both descriptors ``sm90._DESC_HIGH_MN``, a k16 step +2048 bytes; the
+    ``_tatb`` wgmma (imm-trans-a = imm-trans-b = 1)."""
+    from mok_core.gemm.sm90 import _DESC_HIGH_MN, _K16_MN
+    mma = _WGMMA_TATB_N[n]
+    elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
+    nacc = n // 2
+
+    @kjit
+    def kernel(at, b, d):
+        sm = cuda.shared.array(elems, uint16)
+        t = cuda.threadIdx.x
+        base = shared_addr(sm)
+        pad = (1024 - base % 1024) % 1024
+        for idx in range(t, 64 * 8, 128):        # A^T: 64 rows of k x 8 chunks of m
+            k = idx // 8
+            c = idx % 8
+            dst = pad // 2 + k * 64 + (c ^ (k % 8)) * 8
+            for e in range(8):
+                sm[dst + e] = at[k * 64 + c * 8 + e]
+        for idx in range(t, 64 * (n // 8), 128):  # B: 64 rows of k x n/8 chunks of n
+            k = idx // (n // 8)
+            c = idx % (n // 8)
+            blk = c // 8
+            dst = pad // 2 + 64 * 64 + blk * 64 * 64 + k * 64 + ((c % 8) ^ (k % 8)) * 8
+            for e in range(8):
+                sm[dst + e] = b[k * n + c * 8 + e]
+        fence_proxy_async()
+        cuda.syncthreads()
+        da = int64(_DESC_HIGH_MN) + int64((base + pad) >> 4)
+        db = int64(_DESC_HIGH_MN) + int64((base + pad + 64 * 128) >> 4)
+        acc = wgmma_fence(f32_zeros(nacc))
+        acc = mma(acc, sm, da, db)
+        acc = mma(acc, sm, da + _K16_MN, db + _K16_MN)
+        acc = mma(acc, sm, da + 2 * _K16_MN, db + 2 * _K16_MN)
+        acc = mma(acc, sm, da + 3 * _K16_MN, db + 3 * _K16_MN)
+        wgmma_commit()
+        acc = wgmma_wait(acc, 0)
+        _store_acc(acc, (d, 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4), int64(n)))
+    return kernel
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_a_and_b_mn_major_descriptor_swizzle_and_fragments(n):
+    """D = A^T B with A^T [K, M] and B [K, N] as stored (rows of k, m / n contiguous): the
+    weight gradient's product; n = 128 spans two 64-column blocks of B."""
+    from mok_core.cuda_compat import SIM
+    if not SIM and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    rng = np.random.default_rng(n + 2)
+    At = bf16_bits(rng.standard_normal((64, 64)))
+    B = bf16_bits(rng.standard_normal((64, n)))
+    D = to_dev(np.full(64 * n, np.nan, np.float32))
+    _make_wgmma_slice_tatb(n)[1, 128](to_dev(At.ravel()), to_dev(B.ravel()), D)
+    want = bits_to_f32(At).astype(np.float64).T @ bits_to_f32(B).astype(np.float64)
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
 
 

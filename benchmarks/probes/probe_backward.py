@@ -24,8 +24,9 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--wgrad-tiles", default="",
-                    help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers] "
-                         "of the weight-gradient GEMMs (mma.sync): one table each")
+                    help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers"
+                         "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
+                         "or wgmma, e.g. 128,256,64,2,1,4,1,0,wgmma): one table each")
     args = ap.parse_args(argv)
     import torch
 
@@ -41,7 +42,8 @@ def main(argv=None):
     from mok_core.gemm import GemmConfig
     for tiles in args.wgrad_tiles.split(";") if args.wgrad_tiles else [""]:
         if tiles:
-            layer.wgrad_gemm = GemmConfig(*map(int, tiles.split(",")))
+            fields = tiles.split(",")
+            layer.wgrad_gemm = GemmConfig(*map(int, fields[:8]), *fields[8:])
         _time_backward(args, layer, x, ids, w, W, d_out)
     _time_gate_up(args, layer, W)
 

@@ -1,6 +1,7 @@
-"""ptxas's verdict on every production wgmma kernel (forward and dgrad), without a GPU:
+"""ptxas's verdict on every production wgmma kernel (forward, dgrad and wgrad), without a GPU:
 registers, spills and C7518 (serialised wgmmas) per kernel, built as
-``tests/ptx/test_ptx_gemm.py`` builds them. Exit status 1 if any serialises or fails to assemble.
+``tests/ptx/test_ptx_gemm.py`` (``test_ptx_wgrad.py``: the wgrads) builds them. Exit status 1
+if any serialises or fails to assemble.
 
     python benchmarks/probes/ptxas_check.py [--ptxas PATH] [--version 9.0] [--only NAME ...]
                                             [--keep DIR]
@@ -55,6 +56,14 @@ KERNELS = [
     ("dgrad-d_x-192", 256, 4, False, False, False, False, 192, True),
     ("dgrad-d_hidden-192", 256, 4, False, True, True, False, 192, True),
 ]
+# sm90_wgrad: (name, bm, bn, stages, gather_a, gather_b, out_f32, accumulate) -- the layer's
+# dW_gate | dW_up (B = x gathered) and dW_down (A = d_out gathered), bf16 out or FP32 added
+WGRAD_KERNELS = [
+    ("wgrad-gate_up-128", 128, 256, 4, False, True, False, False),
+    ("wgrad-down-128", 128, 256, 4, True, False, False, False),
+    ("wgrad-gate_up-f32acc-128", 128, 256, 4, False, True, True, True),
+    ("wgrad-down-f32acc-128", 128, 256, 4, True, False, True, True),
+]
 
 
 def _ptxas(path):
@@ -108,6 +117,18 @@ def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_p
     return ptx
 
 
+def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
+    from numba import cuda, float32, uint32
+    from test_ptx_wgrad import wgrad_sig
+
+    from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
+    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
+    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kern.py_func, wgrad_sig(float32 if out_f32 else uint32),
+                              cc=(9, 0, "a"), **opts)
+    return ptx
+
+
 def _no_driver_needed():
     """Device-function calls ask the driver for the compute capability (tests/ptx/conftest.py):
     with no GPU here, answer (9, 0)."""
@@ -136,10 +157,16 @@ def main():
     version = args.version or _probe_version(exe)
     print(f"# {exe}, PTX .version {version}")
     bad = 0
-    for name, *spec in KERNELS:
+    try:                                         # (a tree from before sm90_wgrad: none)
+        import mok_core.gemm.sm90_wgrad  # noqa: F401
+        jobs = [(n, kernel_ptx, s) for n, *s in KERNELS] + [(n, wgrad_ptx, s)
+                                                            for n, *s in WGRAD_KERNELS]
+    except ImportError:
+        jobs = [(n, kernel_ptx, s) for n, *s in KERNELS]
+    for name, build, spec in jobs:
         if args.only and name not in args.only:
             continue
-        ptx = kernel_ptx(*spec)
+        ptx = build(*spec)
         rc, report = assemble(exe, ptx, version)
         if args.keep:
             Path(args.keep).mkdir(parents=True, exist_ok=True)

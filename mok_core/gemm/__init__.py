@@ -16,7 +16,8 @@ whose reduction runs over each expert's rows. ``dgrad`` is the backward's data g
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
 gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over two
 weight arrays); it runs on both kernel families (wgmma: B read MN-major, ``push`` sends the
-rows home like ``down``'s), ``wgrad`` on mma.sync only, so far. Counts and offsets
+rows home like ``down``'s), and so does ``wgrad`` (wgmma: both operands read MN-major,
+``sm90_wgrad``). Counts and offsets
 are read on the device; A rows can be gathered through an index table (a token pulled once per
 rank feeds all its local experts without a fan-out copy; -1 = padding row, read as zeros) --
 wgrad gathers either operand's rows. The shared expert is the same kernels with one expert.
@@ -29,8 +30,9 @@ once: numba device arrays of the right dtypes and shapes (outputs 16-byte aligne
 a required ``config``. Kernels: ``sm90`` (wgmma, Hopper; ``dgrad`` with a wgmma config), ``sm80``
 (mma.sync, elsewhere and on the simulator; ``dgrad``'s default everywhere: the layer's
 backward passes a wgmma config on Hopper, ``mok_comm.layer.dgrad_gemm``),
-``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows are the reduction), epilogues
-in ``epilogue``.
+``sm80_wgrad`` (mma.sync, both operands stored k-major: the rows are the reduction; ``wgrad``'s
+default everywhere) and ``sm90_wgrad`` (the same on wgmma, Hopper: the layer's backward passes a
+wgmma config there, ``mok_comm.layer.wgrad_gemm``), epilogues in ``epilogue``.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from numba import cuda
 from .. import errors as err
 from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
 from . import sm80, sm90
-from . import sm80_wgrad
+from . import sm80_wgrad, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
 
@@ -142,13 +144,14 @@ def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None
 def launch_wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split, *,
                  accumulate=False, config: GemmConfig, stream=0, errors=None, tensor=err.NF_Y,
                  rank=0):
-    """``wgrad`` without the checks (arguments as there, ``config`` required and mma.sync;
-    ``out0`` / ``out1`` may be None where they would hold no rows)."""
+    """``wgrad`` without the checks (arguments as there, ``config`` required: mma.sync, or
+    wgmma on Hopper; ``out0`` / ``out1`` may be None where they would hold no rows)."""
     M = a.shape[1]
     N = b.shape[1]
-    sm80_wgrad.launch_wgrad(config, stream, a, a_index, b, b_index, expert_offsets, num_rows, out0,
-                        out1, M, N, m_split, accumulate=accumulate,
-                        errors=_error_word(errors), tensor=tensor, rank=rank)
+    kernels = sm90_wgrad if config.mma == "wgmma" else sm80_wgrad
+    kernels.launch_wgrad(config, stream, a, a_index, b, b_index, expert_offsets, num_rows, out0,
+                         out1, M, N, m_split, accumulate=accumulate,
+                         errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
 def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *, pre=None,
@@ -342,14 +345,19 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
         m_split: a multiple of config.bm in [0, M].
         accumulate: float32 outputs only: out += D (one FP32 add; an empty expert leaves the
             values as they are) -- main-grad accumulation.
-        config: an mma.sync GemmConfig (M a multiple of bm, N of bn; bm and bn 16, 32 or a
-            multiple of 64). None: ``default_gemm()`` where that is mma.sync, else
-            ``MMA_SYNC_GEMM``.
+        config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
+            multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
+            with bn = 64, 128 or 256, or bm = 256 with bn <= 128; bf16 outputs 16-byte aligned
+            (bulk stores). None: ``default_gemm()`` where that is mma.sync, else
+            ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
+            backward does on Hopper where the shape fits its tile:
+            ``mok_comm.layer.wgrad_gemm``).
         errors, tensor, rank: NaN/Inf written (checked always) are recorded in the error word
             ``errors`` (None: a scratch word nobody reads) as tensor id ``tensor`` seen on
             ``rank``, with the smallest output row m (of D_e) and the local expert.
 
-    Deterministic: one block owns each output tile, no split-K, no atomics on data.
+    Deterministic: one block owns each output tile, no split-K, no atomics on data (the two
+    kernel families round differently: each is bitwise repeatable, not equal to the other).
     """
     if config is None:
         config = default_gemm()
@@ -357,11 +365,13 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             config = MMA_SYNC_GEMM
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
-    if config.mma != "mma_sync":
-        raise ValueError(f"config: the wgmma wgrad does not exist yet; pass an mma_sync "
-                         f"GemmConfig (got mma={config.mma!r})")
+    if config.mma == "wgmma":
+        if not sm90_wgrad.tile_ok(config.bm, config.bn):
+            raise ValueError(f"config: the wgmma wgrad takes bm=128 with bn=64, 128 or 256, or "
+                             f"bm=256 with bn <= 128 (its loader's thread mapping), got "
+                             f"bm={config.bm}, bn={config.bn}")
     for name, size in (("bm", config.bm), ("bn", config.bn)):
-        if not sm80_wgrad.swizzle_ok(size):
+        if config.mma == "mma_sync" and not sm80_wgrad.swizzle_ok(size):
             raise ValueError(f"config: wgrad needs {name} = 16, 32 or a multiple of 64 (its "
                              f"staged rows are swizzled per 128-byte line), got {name}={size}")
     a = as_device_array(a, "a", dtype=np.uint16, ndim=2)
@@ -417,6 +427,10 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             raise ValueError("out0, out1: both hold rows (0 < m_split < M) but are the same "
                              "memory")
     dtype = np.dtype((out0 if out0 is not None else out1).dtype)
+    if dtype == np.uint16:
+        for out, name in ((out0, "out0"), (out1, "out1")):
+            if out is not None:
+                _check_staged_out(config, out, name)
     if accumulate and dtype != np.float32:
         raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
     errors, tensor = _check_errors(errors, tensor)

@@ -16,7 +16,9 @@
                   operand stored transposed) / cp_async_16_at (32-bit shared byte addresses for hot
                   loops), st_shared_u32
     wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
-                  transposed, the weights as stored for dgrad), wgmma_fence, wgmma_commit,
+                  transposed, the weights as stored for dgrad) and ``_tatb`` (A and B
+                  MN-major: both operands stored k-major, the weight gradients),
+                  wgmma_fence, wgmma_commit,
                   wgmma_wait,
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
                   tuple_groups (a per-group function over the accumulator, unrolled: constant
@@ -44,6 +46,7 @@ __all__ = [
     "ldmatrix_x4_trans_at", "cp_async_16_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16",
     "wgmma_m64n64k16_bf16_tb", "wgmma_m64n128k16_bf16_tb", "wgmma_m64n256k16_bf16_tb",
+    "wgmma_m64n64k16_bf16_tatb", "wgmma_m64n128k16_bf16_tatb", "wgmma_m64n256k16_bf16_tatb",
     "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",

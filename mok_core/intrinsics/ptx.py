@@ -512,7 +512,8 @@ def cp_async_wait(typingctx, pending):
 # A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 A tile by a 16 x N B tile,
 # both read from shared memory through 64-bit matrix descriptors (A K-major; B K-major, or
 # MN-major in the ``_tb`` variants: the instruction's imm-trans-b), into a 64 x N fp32
-# accumulator spread over its threads: N/2 floats each, carried as a UniTuple. Only the tuple
+# accumulator spread over its threads: N/2 floats each, carried as a UniTuple. (``_tatb``: A
+# MN-major as well, the instruction's imm-trans-a.) Only the tuple
 # travels between the asm statements below, so the accumulator never leaves registers while a
 # wgmma is in flight (fence -> mma_async ... -> commit -> wait).
 
@@ -590,12 +591,16 @@ def f32_zeros(typingctx, n):
     return ret(n), codegen
 
 
-def _wgmma_bf16(n, trans_b=False):
-    """wgmma m64nNk16, bf16 x bf16 -> f32, A K-major in shared memory; B K-major
-    (``trans_b`` False: the ``imm-trans-b`` immediate 0) or MN-major (True: immediate 1, B
-    stored as [k][n] rows with n contiguous -- the weights as stored, read by ``dgrad``)."""
+def _wgmma_bf16(n, trans_b=False, trans_a=False):
+    """wgmma m64nNk16, bf16 x bf16 -> f32 from shared memory; B K-major (``trans_b`` False:
+    the ``imm-trans-b`` immediate 0) or MN-major (True: immediate 1, B stored as [k][n] rows
+    with n contiguous -- the weights as stored, read by ``dgrad``); A K-major, or with
+    ``trans_a`` MN-major too (``imm-trans-a`` = 1, A stored as [k][m] rows with m contiguous:
+    both operands of the weight gradient, whose reduction runs over the rows they are stored
+    in)."""
     nacc = n // 2
     tb = 1 if trans_b else 0
+    ta = 1 if trans_a else 0
 
     def impl(typingctx, acc, smem, desc_a, desc_b):
         if not (_f32_tuple(acc) and acc.count == nacc and _is_1d(smem)
@@ -608,15 +613,21 @@ def _wgmma_bf16(n, trans_b=False):
             db = context.cast(builder, args[3], sig.args[3], types.int64)
             regs = ",".join(f"${i}" for i in range(nacc))
             one = ir.Constant(_i32, 1)          # scale-d: accumulate (fresh tiles start at 0)
-            # immediates: scale-a, scale-b (1: no negation), trans-a (0: A K-major), trans-b
+            # immediates: scale-a, scale-b (1: no negation), trans-a, trans-b
             text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
                     f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
-                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1, 0, {tb}; }}")
+                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1, {ta}, {tb}; }}")
             outs, ties = _acc_constraints(nacc)
             res = _asm(builder, ir.LiteralStructType([_f32] * nacc), vals + [da, db, one], text,
                        f"{outs},{ties},l,l,r,~{{memory}}", True)
             return _tuple(context, builder, sig, res, nacc)
         return acc(acc, smem, desc_a, desc_b), codegen
+    if trans_a:
+        return _named(impl, f"wgmma_m64n{n}k16_bf16_tatb",
+                      f"``wgmma_m64n{n}k16_bf16_tb`` with A MN-major too (``imm-trans-a`` = 1): "
+                      "A(64x16) stored as rows of k, m contiguous, 128-byte swizzle, its "
+                      "descriptor built like the MN-major B's (``mok_core.gemm.sm90_wgrad``). "
+                      "Same accumulator fragment.")
     if trans_b:
         return _named(impl, f"wgmma_m64n{n}k16_bf16_tb",
                       f"``wgmma_m64n{n}k16_bf16`` with B MN-major (transposed, ``imm-trans-b`` "
@@ -638,6 +649,9 @@ wgmma_m64n256k16_bf16 = _wgmma_bf16(256)
 wgmma_m64n64k16_bf16_tb = _wgmma_bf16(64, trans_b=True)
 wgmma_m64n128k16_bf16_tb = _wgmma_bf16(128, trans_b=True)
 wgmma_m64n256k16_bf16_tb = _wgmma_bf16(256, trans_b=True)
+wgmma_m64n64k16_bf16_tatb = _wgmma_bf16(64, trans_b=True, trans_a=True)
+wgmma_m64n128k16_bf16_tatb = _wgmma_bf16(128, trans_b=True, trans_a=True)
+wgmma_m64n256k16_bf16_tatb = _wgmma_bf16(256, trans_b=True, trans_a=True)
 
 
 def tuple_groups(fn, layout):

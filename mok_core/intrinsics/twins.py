@@ -294,9 +294,10 @@ def cp_async_wait(pending):
 #
 # Each thread computes its own accumulator fragment straight from shared memory, decoding the
 # descriptors the way the hardware does (so a wrong descriptor, swizzle or fragment index fails
-# here too): K-major (A always, B of the ``wgmma_*`` twins) and MN-major (B of the ``_tb``
-# twins: the PTX ISA's canonical 128B layout, leading byte offset between 64-column blocks,
-# stride byte offset between 8-row groups of k). The simulator runs the MMA at issue time;
+# here too): K-major (A of all but the ``_tatb`` twins, B of the ``wgmma_*`` twins) and
+# MN-major (B of the ``_tb`` twins, A and B of the ``_tatb`` twins: the PTX ISA's canonical 128B
+# layout, leading byte offset between 64-column blocks, stride byte offset between 8-row groups
+# of k; A is read the same way, m in place of n). The simulator runs the MMA at issue time;
 # the kernel's fence/commit/wait discipline keeps the operands unchanged until the wait, as on
 # the GPU.
 
@@ -356,19 +357,21 @@ def _desc_operand_mn(smem, desc, cols):
                           + (k % 8) * 128)
 
 
-def _wgmma(n, trans_b=False):
+def _wgmma(n, trans_b=False, trans_a=False):
     b_operand = _desc_operand_mn if trans_b else _desc_operand
+    a_operand = _desc_operand_mn if trans_a else _desc_operand
 
     def twin(acc, smem, desc_a, desc_b):
         t = threading.current_thread().thread_id % 128
         row = 16 * (t // 32) + (t % 32) // 4
-        a = _desc_operand(smem, desc_a, 64)[[row, row + 8]]          # [2, 16]
+        a = a_operand(smem, desc_a, 64)[[row, row + 8]]              # [2, 16]
         b = b_operand(smem, desc_b, n)                                 # [n, 16]
         d = a @ b.T                                                    # [2, n]
         cols = 2 * (t % 4) + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]  # [n/8, 2]
         frag = np.stack([d[0][cols], d[1][cols]], 1).reshape(-1)      # j, h, c order
         return tuple(np.float32(np.float32(x) + np.float32(y)) for x, y in zip(acc, frag))
-    twin.__name__ = f"wgmma_m64n{n}k16_bf16" + ("_tb" if trans_b else "")
+    twin.__name__ = f"wgmma_m64n{n}k16_bf16" + ("_tatb" if trans_a else
+                                                 "_tb" if trans_b else "")
     return twin
 
 
@@ -378,6 +381,9 @@ wgmma_m64n256k16_bf16 = _wgmma(256)
 wgmma_m64n64k16_bf16_tb = _wgmma(64, trans_b=True)
 wgmma_m64n128k16_bf16_tb = _wgmma(128, trans_b=True)
 wgmma_m64n256k16_bf16_tb = _wgmma(256, trans_b=True)
+wgmma_m64n64k16_bf16_tatb = _wgmma(64, trans_b=True, trans_a=True)
+wgmma_m64n128k16_bf16_tatb = _wgmma(128, trans_b=True, trans_a=True)
+wgmma_m64n256k16_bf16_tatb = _wgmma(256, trans_b=True, trans_a=True)
 
 
 def wgmma_fence(acc):

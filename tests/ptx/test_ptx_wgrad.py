@@ -1,6 +1,9 @@
 """The wgrad GEMM's specialisations compile for sm_90 with no local-memory traffic (the
 accumulators, fragments, per-thread addresses and prefetched gather rows must live in
-registers) and use the transposing ldmatrix and mma.sync."""
+registers): the mma.sync kernel (``sm80_wgrad``) with the transposing ldmatrix, the wgmma
+kernel (``sm90_wgrad``) with both operands MN-major (imm-trans-a = imm-trans-b = 1) and no
+serialised wgmma (C7518, where the local ptxas reads numba's PTX); and the layer's choice of
+tiles (``mok_comm.layer.wgrad_gemm``)."""
 import pytest
 from numba import float32, int32, int64, uint16, uint32
 
@@ -8,7 +11,9 @@ from mok_core.gemm.sm80_wgrad import make_wgrad_gemm
 from ptx_util import compile_sm90, count
 
 
-def _sig(out):
+def wgrad_sig(out):
+    """The wgrad kernels' argument types (both families), ``out`` the outputs' element type:
+    uint32 (bf16 pairs) or float32."""
     return (uint16[::1], int32[::1], uint16[::1], int32[::1], int32[::1], int32[::1],
             out[::1], out[::1], int64, int64, int64, int32[::1], int32, int32)
 
@@ -25,7 +30,7 @@ NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
 def test_wgrad_lowers_without_local_memory(tile, kind):
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     kern = make_wgrad_gemm(*tile, gather_a, gather_b, out_f32, accumulate)
-    ptx = compile_sm90(kern, _sig(float32 if out_f32 else uint32))
+    ptx = compile_sm90(kern, wgrad_sig(float32 if out_f32 else uint32))
     bm, bn, bk, wm, wn, _ = tile
     mi_n, ni_n, kk_n = bm // wm // 16, bn // wn // 8, bk // 16
     n_mma = count(ptx, r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32")
@@ -44,3 +49,85 @@ def test_wgrad_lowers_without_local_memory(tile, kind):
         assert count(ptx, r"ld\.(global\.)?f32") >= mi_n * ni_n * 4
     else:
         assert count(ptx, r"fma\.rn\.bf16x2") == mi_n * ni_n * 2     # one fold per pair
+
+
+# ---- the wgmma wgrad (``sm90_wgrad``) -----------------------------------------------------------
+
+def _wgmma_wgrad_ptx(bm, bn, stages, kind):
+    """PTX of the wgmma wgrad as ``sm90_wgrad._kernel`` builds it (launch bounds included)."""
+    from numba import cuda
+
+    from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
+    gather_a, gather_b, out_f32, accumulate = KINDS[kind]
+    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
+    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kern.py_func, wgrad_sig(float32 if out_f32 else uint32),
+                              cc=(9, 0, "a"), **opts)
+    return ptx
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("bn", [256, 64])
+def test_wgmma_wgrad_lowers_unserialised(bn, kind):
+    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``) and the narrowest
+    one: the arch-specific target, 4 wgmmas per slice carrying imm-trans-a 1 and imm-trans-b 1
+    (both operands MN-major), one group left in flight in the K loop, the operands' rows by
+    cp.async; bf16: the staged epilogue (st.shared pairs, bulk stores, the read-wait before the
+    next tile, the final wait) with one fold per staged pair, FP32: each value stored once
+    (read first: accumulate); the NaN/Inf check; no local memory anywhere -- and ptxas keeps
+    the wgmmas unserialised (C7518) without spills."""
+    from ptx_util import assemble_sm90a
+    gather_a, gather_b, out_f32, accumulate = KINDS[kind]
+    ptx = _wgmma_wgrad_ptx(128, bn, 4, kind)
+    assert ".target sm_90a" in ptx
+    assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
+    assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 1, 1;") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
+    assert count(ptx, r"cp\.async\.bulk\.tensor") == 0                   # no TMA
+    for p in NF_CHECK:
+        assert count(ptx, p) >= 1, p
+    values = 64 * bn // 128                  # accumulator values per thread
+    if out_f32:
+        assert count(ptx, r"st\.(global\.)?f32") == values
+        assert count(ptx, r"ld\.(global\.)?f32") >= (values if accumulate else 0)
+        assert count(ptx, r"cp\.async\.bulk\.global") == 0
+    else:
+        for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
+                  r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"):
+            assert count(ptx, p) >= 1, p
+        assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
+    assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+    assert " 0 bytes spill stores, 0 bytes spill loads" in report, report[-600:]
+
+
+def test_layer_wgrad_gemm_choice():
+    """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256) behind a wgmma forward at the presets' shapes,
+    a tile ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync forward or
+    where H, I or I_s is no multiple of the wgmma tile's sides (and the backward's tiles where
+    not even that one fits)."""
+    from mok_comm.layer import WGRAD_GEMM, WGRAD_WGMMA_GEMM, backward_gemm, wgrad_gemm
+    from mok_core.config import LayerShape, MoKConfig, preset
+    from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM
+    from mok_core.gemm.sm90_wgrad import tile_ok
+    g = WGRAD_WGMMA_GEMM
+    assert g.mma == "wgmma" and tile_ok(g.bm, g.bn)
+    cfg = MoKConfig()
+    for name in ("qwen3.5-397b", "kimi-k2.7", "glm-5.2"):
+        for ep in (1, 8):
+            shape = preset(name, ep)
+            bwd = backward_gemm(shape, cfg)
+            for fwd in (WGMMA_GEMM, WGMMA_192_GEMM):
+                assert wgrad_gemm(shape, bwd, (fwd, fwd)) is g, (name, ep, fwd)
+            assert wgrad_gemm(shape, bwd, (MMA_SYNC_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
+            assert wgrad_gemm(shape, bwd, (WGMMA_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
+            assert wgrad_gemm(shape, bwd) is WGRAD_GEMM
+    odd = LayerShape(hidden=4096, intermediate=1152, shared_intermediate=1024,
+                     num_experts=512, topk=10)                 # I: 9 x 128, no multiple of 256
+    assert wgrad_gemm(odd, backward_gemm(odd, cfg), (WGMMA_GEMM, WGMMA_GEMM)) is WGRAD_GEMM
+    odd = LayerShape(hidden=4096, intermediate=1088, shared_intermediate=1024,
+                     num_experts=512, topk=10)                 # I = 17 x 64: the backward's
+    bwd = backward_gemm(odd, cfg)
+    assert wgrad_gemm(odd, bwd, (WGMMA_GEMM, WGMMA_GEMM)) is bwd

@@ -1,0 +1,438 @@
+"""Weight-gradient (wgrad) grouped GEMM on Hopper warpgroup MMA (wgmma), with its host launch.
+
+Same contract as ``sm80_wgrad`` (read its header: A / a_index / B / b_index / off / num_rows,
+out0 / out1 split at m_split, bf16 or FP32 (ACCUMULATE) outputs, the NaN/Inf report, empty
+experts written as zeros, rows reduced in ascending order by the tile's one owner):
+
+    D_e[m, n] = sum over rows r in [lo_e, hi_e) of A[ra(r), m] * B[rb(r), n]    for each e
+
+What differs is how a tile is computed. Both operands are stored k-major (the reduction runs
+over the rows they are stored in), so both reach the wgmma MN-major: A = the tile's BM columns
+of a K slice of rows, B = its BN columns, each as it lies in global memory, and the
+``_tatb`` wgmmas (imm-trans-a = imm-trans-b = 1) read them.
+
+    block    = BM / 64 warpgroups (BM = 128: 256 threads; 256: 512 threads with BN <= 128);
+               warpgroup g owns rows m0 + [64g, 64g + 64) of the tile and all BN columns
+               (BN = 64, 128 or 256)
+    tiles    = E x (M / BM) x (N / BN) whatever the routing, in the order (expert, column
+               tile, row tile): block b takes tiles b, b + grid, ...; the tiles running at once
+               share one expert's rows of A and B, which stay in L2. No tile table: the tile ->
+               (expert, m0, n0) map is two divisions
+    K slice  = 64 consecutive rows r of the expert (BK = 64: one 128-byte swizzle row per
+               64 columns); ktiles = max(1, ceil((hi - lo) / 64)) slices -- an empty expert
+               runs one slice of zeros (the K loop tests its exit after each step: see C7518
+               below), which gives its zero gradient
+    ring     = STAGES slices of [A: BM/64 boxes | B: BN/64 boxes] in shared memory, 1024-byte
+               aligned; a box = [64 rows of k][64 columns] (8 KiB), row k 128 bytes at k * 128,
+               16-byte chunk c of it stored at chunk c ^ (k % 8): the MN-major 128-byte-swizzle
+               layout that ``sm90``'s B_KN reads (and TMA writes), here written by cp.async
+    loads    = every thread, cp.async 16 B, a fixed column chunk of each operand and rows
+               64 / (threads / (BM/8)) apart (A: 4 chunks per slice; B: 4 BN / BM), a pass of
+               rows a multiple of 8 apart so every chunk of a thread has one swizzle. Source
+               row r of a slice: index[r] (gathered operand) or r; rows at or past hi, and
+               padding rows (index -1), are zero-filled without a read (cp.async src-size 0).
+               PREFETCH = STAGES - 2 slices ahead. No TMA: rows past an expert's end (or
+               NaN rows past num_rows) must read as zeros on the direct side too
+    MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 ``_tatb`` from two MN-major
+               descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between the
+               64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
+               A's warpgroup g starts at box g of the A slice)
+    epilogue = bf16: staged in the ring stages the next tile's prologue leaves free (stages
+               PREFETCH.., row stride BN * 2 + 16) and sent by bulk stores, lane 0 of each warp
+               its 16 rows, so the next tile's loads and MMAs need not wait for the global
+               stores; FP32: each thread stores its fragment (ACCUMULATE: adds it to the value
+               read first, one FP32 add). What is written is checked for NaN/Inf on the way
+               (a clean tile: one fold per written value or pair and one warp vote)
+
+Order of one tile, every thread:
+
+    prologue (issued right after the previous tile's K loop, before its epilogue):
+               loads of slices 0 .. PREFETCH - 1 into stages 0 .. PREFETCH - 1
+    K loop, step kt (compute stage kt % STAGES, load stage (kt + PREFETCH) % STAGES; at least
+    one step):
+    0. (kt = 0, lane 0 of each warp; bf16) bulk_wait_read: the previous staging was read out
+    1. cp.async.wait -> my chunks of slice kt landed; fence.proxy.async (wgmma reads through
+       the async proxy); __syncthreads -> everyone's chunks landed, every warpgroup retired
+       slice kt - 2's wgmmas, and step 0 is done
+    2. wgmma.fence; 4 wgmmas on slice kt; commit          (tensor cores busy on kt ...)
+    3. issue loads of slice kt + PREFETCH into the stage of slice kt - 2 (free, by 1.): the
+       gathered rows' index loads wait under the MMAs, not before them
+    4. wgmma.wait(1) -> slice kt - 1's group retired      (... while kt - 1 drains)
+    after: wgmma.wait(0); cp.async.wait(0); __syncthreads (the ring is free)
+    then: the next tile's prologue, this tile's epilogue
+    exit: lane 0 of each warp waits for its last bulk stores (bf16)
+
+C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
+ptxas may think divergent -- the only branches around them test kernel arguments and block-
+uniform tile values or a warp vote (``warp_all``) -- and the K loop runs at least once, so LLVM
+does not copy the accumulator's zeroing into a path around it (``sm90``'s header).
+``benchmarks/probes/ptxas_check.py`` prints ptxas's verdict per production kernel.
+
+Order and determinism: each tile's rows are reduced in ascending order, 16 per wgmma, by the
+one block that owns the tile; no split-K, no atomics on data. Same inputs, same bits, whatever
+the grid (the FP32 sums differ from mma.sync's in rounding: a different MMA tree).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int64, uint16, uint32
+
+from ..cuda_compat import flat_view, kjit, launch, multiprocessor_count
+from ..intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read, cp_async_16_at,
+                          cp_async_commit, cp_async_wait, f32_zeros, fence_proxy_async,
+                          shared_addr, syncwarp, tuple_fold, warp_all, wgmma_commit,
+                          wgmma_fence, wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
+                          wgmma_m64n256k16_bf16_tatb, wgmma_wait)
+from .epilogue import bf16_nonfinite_count, make_stage_tile, report_warp
+from .sm90 import _DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch
+
+_WGMMA_TATB = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb,
+               256: wgmma_m64n256k16_bf16_tatb}
+
+
+def tile_ok(bm, bn):
+    """Whether the loader's thread mapping covers a (bm, bn) tile: each thread copies one column
+    chunk of each operand in passes of rows a multiple of 8 apart (one swizzle per thread) that
+    divide the 64-row slice -- BM = 128 with BN = 64, 128 or 256, and BM = 256 with BN <= 128
+    (not the 192-row tile: 384 threads over 32 chunks of a 256-wide row is no whole pass)."""
+    threads = 2 * bm
+    for cols in (bm, bn):
+        cpr = cols // 8
+        if cols % 64 or threads % cpr:
+            return False
+        step = threads // cpr
+        if step % 8 or BK % step:
+            return False
+    return bm in (128, 256) and bn in _WGMMA_TATB and (bm < 256 or bn <= 128)
+
+
+def _make_loader(bm, bn, stages, gather_a, gather_b):
+    """``load_slice(smem, st, r0, hi, a, a_index, b, b_index, M, N, a_dst, b_dst, a_src0,
+    b_src0, a_k, b_k)``: this thread's cp.async chunks of the slice of rows [r0, r0 + 64)
+    (rows at or past ``hi``, and padding rows: zero-filled, no read) into ring stage ``st``.
+    ``a_dst`` / ``b_dst``: the shared byte address of the thread's first chunk in stage 0;
+    ``a_src0`` / ``b_src0``: its column in the tile (m0 / n0 included); ``a_k`` / ``b_k``:
+    its first row of the slice."""
+    threads = 2 * bm
+    step_a = threads // (bm // 8)
+    step_b = threads // (bn // 8)
+    n_a = BK // step_a
+    n_b = BK // step_b
+    stage_bytes = (bm + bn) * ROW_BYTES
+
+    @kjit(device=True, inline="always")
+    def load_slice(smem, st, r0, hi, a, a_index, b, b_index, M, N, a_dst, b_dst, a_src0,
+                   b_src0, a_k, b_k):
+        base = st * stage_bytes
+        for i in range(n_a):
+            r = r0 + a_k + i * step_a
+            src = -1
+            if r < hi:
+                src = a_index[r] if gather_a else r
+            nbytes = 16 if src >= 0 else 0
+            cp_async_16_at(smem, a_dst + base + i * step_a * ROW_BYTES, a,
+                           max(src, 0) * M + a_src0, nbytes)
+        for i in range(n_b):
+            r = r0 + b_k + i * step_b
+            src = -1
+            if r < hi:
+                src = b_index[r] if gather_b else r
+            nbytes = 16 if src >= 0 else 0
+            cp_async_16_at(smem, b_dst + base + i * step_b * ROW_BYTES, b,
+                           max(src, 0) * N + b_src0, nbytes)
+
+    return load_slice
+
+
+def _make_mma_slice(bn):
+    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-row K slice = wgmma.fence,
+    4 x wgmma m64nBNk16 with both operands MN-major (a k16 step is 16 rows of k, 2048 bytes:
+    +128 in both descriptors' address fields), commit."""
+    mma = _WGMMA_TATB[bn]
+
+    @kjit(device=True, inline="always")
+    def mma_slice(acc, smem, da, db):
+        acc = wgmma_fence(acc)
+        acc = mma(acc, smem, da, db)
+        acc = mma(acc, smem, da + _K16_MN, db + _K16_MN)
+        acc = mma(acc, smem, da + 2 * _K16_MN, db + 2 * _K16_MN)
+        acc = mma(acc, smem, da + 3 * _K16_MN, db + 3 * _K16_MN)
+        wgmma_commit()
+        return acc
+    return mma_slice
+
+
+def _store_f32_group(accumulate):
+    """Group j of a thread's fragment (rows r and r + 8 of the output, columns col + 8j,
+    col + 8j + 1) -> ``out`` (float32, flat, N columns; row r at element ``at``), each value
+    added to the one read first with ``accumulate``; the values folded into the NaN/Inf
+    chains ``y`` (z + v * 0: stays zero while every v is finite)."""
+    def group(j, y, out, at, N, a0, a1, a2, a3):
+        lo = at + 8 * j
+        hi = lo + 8 * N
+        if accumulate:
+            a0 = out[lo] + a0
+            a1 = out[lo + 1] + a1
+            a2 = out[hi] + a2
+            a3 = out[hi + 1] + a3
+        out[lo] = a0
+        out[lo + 1] = a1
+        out[hi] = a2
+        out[hi + 1] = a3
+        zero = float32(0.0)
+        return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+    return group
+
+
+def _plain_layout(count):
+    return [[4 * j + i for i in range(4)] for j in range(count // 4)]
+
+
+def _make_epilogues(bm, bn, stages, out_f32, accumulate):
+    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col, errors,
+    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i of ``out`` for tile rows
+    i, columns n0 ..; D_e's rows m0 + i) written and checked (module header)."""
+    prefetch = stages - 2
+    stage_bytes = (bm + bn) * ROW_BYTES
+    row_bytes = bn * 2
+    stride = row_bytes + 16                 # +16: a warp's 8 rows land in 8 bank groups
+    stage_offset = prefetch * stage_bytes
+    assert bm * stride <= 2 * stage_bytes, "the staging must fit in 2 ring stages"
+    stage_tile = make_stage_tile(False)
+    store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
+
+    @kjit(device=True, inline="always")
+    def epilogue_bf16(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col,
+                      errors, nf_tensor, nf_rank):
+        epi0 = ring + stage_offset
+        bad = stage_tile(acc, (uint32(0), uint32(0)),
+                         (smem, frag_row, frag_col, float32(0.0), epi0, stride))
+        fence_proxy_async()                 # generic-proxy writes -> bulk reads
+        syncwarp()
+        if lane == 0:                       # lane 0's row is the warp's first
+            for i in range(16):
+                bulk_store(out, ((grow0 + frag_row + i) * N + n0) // 2, smem,
+                           epi0 + (frag_row + i) * stride, row_bytes)
+            bulk_commit()
+        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows
+        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+            srow = frag_row - lane // 4 + lane % 16      # the warp's first row + i
+            n = 0
+            if lane < 16:
+                n = bf16_nonfinite_count(smem, epi0 + srow * stride - shared_addr(smem), bn)
+            report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
+
+    @kjit(device=True, inline="always")
+    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col,
+                     errors, nf_tensor, nf_rank):
+        at = (grow0 + frag_row) * N + n0 + frag_col
+        y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
+        # a clean tile costs one vote; else each lane recounts what it wrote, by row
+        if warp_all(y[0] + y[1] == float32(0.0)) == 0:
+            bad = 0
+            first_m = 0
+            for h in range(2):                 # rows ascending: the first is the smallest
+                n = 0
+                for j in range(bn // 8):
+                    x = at + h * 8 * N + 8 * j
+                    n += _nonfinite_f32(out[x]) + _nonfinite_f32(out[x + 1])
+                if n > 0 and bad == 0:
+                    first_m = m0 + frag_row + 8 * h
+                bad += n
+            report_warp(errors, nf_tensor, nf_rank, bad, first_m, e)
+
+    return epilogue_f32 if out_f32 else epilogue_bf16
+
+
+@kjit(device=True, inline="always")
+def _nonfinite_f32(v):
+    """1 if the float32 ``v`` is NaN or Inf, else 0 (the bad path's recount)."""
+    return 1 if math.isnan(v) or math.isinf(v) else 0
+
+
+def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, max_registers=0,
+                     blocks_per_sm=1):
+    """Build one wgmma wgrad specialisation (all arguments compile-time)."""
+    assert tile_ok(bm, bn) and stages >= 3
+    assert not accumulate or out_f32
+    threads = 2 * bm
+    nacc = bn // 2                          # fp32 accumulators per thread
+    prefetch = stages - 2
+    in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
+    stage_bytes = (bm + bn) * ROW_BYTES
+    a_stage = bm * ROW_BYTES
+    cpr_a = bm // 8
+    cpr_b = bn // 8
+    load_slice = _make_loader(bm, bn, stages, gather_a, gather_b)
+    mma_slice = _make_mma_slice(bn)
+    epilogue = _make_epilogues(bm, bn, stages, out_f32, accumulate)
+    opts = {"max_registers": max_registers} if max_registers else {}
+    if bm >= 192 or blocks_per_sm > 1:
+        opts["launch_bounds"] = (threads, blocks_per_sm)
+
+    @kjit(device=True, inline="always")
+    def tile_start(smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b,
+                   b_index, M, N, a_dst, b_dst, a_col, b_col, a_k, b_k):
+        """Tile t -> (expert, m0, n0, lo, hi, ktiles), its prologue loads issued."""
+        e = t // tiles_per_expert
+        local = t - e * tiles_per_expert
+        m0 = (local % m_tiles) * bm
+        n0 = (local // m_tiles) * bn
+        hi = int64(min(offsets[e + 1], num_rows[0]))
+        lo = int64(min(offsets[e], hi))
+        ktiles = max((hi - lo + (BK - 1)) // BK, 1)
+        for s in range(prefetch):
+            if s < ktiles:
+                load_slice(smem, s, lo + s * BK, hi, a, a_index, b, b_index, M, N, a_dst,
+                           b_dst, m0 + a_col, n0 + b_col, a_k, b_k)
+            cp_async_commit()
+        return e, m0, n0, lo, hi, ktiles
+
+    @kjit(device=True, inline="always")
+    def k_step(smem, acc, kt, ktiles, cst, lst, lo, hi, a, a_index, b, b_index, M, N, a_dst,
+               b_dst, a_src0, b_src0, a_k, b_k, desc_a0, desc_b0):
+        """K loop step ``kt`` (module header, steps 1-4). Returns (acc, cst, lst) for
+        kt + 1."""
+        cp_async_wait(in_flight)
+        fence_proxy_async()
+        cuda.syncthreads()
+        soff = (cst * stage_bytes) >> 4
+        acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+        nxt = kt + prefetch
+        if nxt < ktiles:
+            load_slice(smem, lst, lo + nxt * BK, hi, a, a_index, b, b_index, M, N, a_dst,
+                       b_dst, a_src0, b_src0, a_k, b_k)
+        cp_async_commit()
+        acc = wgmma_wait(acc, 1)
+        cst = 0 if cst == stages - 1 else cst + 1
+        lst = 0 if lst == stages - 1 else lst + 1
+        return acc, cst, lst
+
+    @kjit(**opts)
+    def kernel(a, a_index, b, b_index, offsets, num_rows, out0, out1, M, N, m_split, errors,
+               nf_tensor, nf_rank):
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        wg = tid // 128
+        lane = tid % 32
+        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
+        frag_col = 2 * (lane % 4)
+        num_experts = offsets.shape[0] - 1
+        m_tiles = M // bm
+        tiles_per_expert = m_tiles * (N // bn)
+        total = num_experts * tiles_per_expert
+
+        # The ring from the first 1024-byte boundary; this thread's chunks (module header):
+        # A column chunk tid % (BM/8) of rows tid // (BM/8) + pass, B likewise.
+        sbase = shared_addr(smem)
+        ring = sbase + (1024 - sbase % 1024) % 1024
+        a_c = tid % cpr_a
+        a_k = tid // cpr_a
+        b_c = tid % cpr_b
+        b_k = tid // cpr_b
+        a_dst = (ring + (a_c // 8) * BOX_BYTES + a_k * ROW_BYTES
+                 + ((a_c % 8) ^ (a_k % 8)) * 16)
+        b_dst = (ring + a_stage + (b_c // 8) * BOX_BYTES + b_k * ROW_BYTES
+                 + ((b_c % 8) ^ (b_k % 8)) * 16)
+        a_col = a_c * 8
+        b_col = b_c * 8
+        desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * BOX_BYTES) >> 4)
+        desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
+
+        t = int64(cuda.blockIdx.x)
+        e = int64(0)
+        m0 = int64(0)
+        n0 = int64(0)
+        lo = int64(0)
+        hi = int64(0)
+        ktiles = int64(1)
+        if t < total:
+            e, m0, n0, lo, hi, ktiles = tile_start(
+                smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b, b_index,
+                M, N, a_dst, b_dst, a_col, b_col, a_k, b_k)
+        while t < total:
+            acc = f32_zeros(nacc)
+            cst = 0                            # ring stages of the slice computed / loaded
+            lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
+            if not out_f32:
+                if lane == 0:                  # the last epilogue's staging (stages
+                    bulk_wait_read(0)          # PREFETCH..) is read out before kt = 0
+            # At least one step, the exit tested at the end (``ktiles`` >= 1): a guarded loop
+            # makes LLVM copy the zeroed accumulators into the path that skips it (C7518).
+            kt = int64(0)
+            a_src0 = m0 + a_col
+            b_src0 = n0 + b_col
+            while True:
+                acc, cst, lst = k_step(smem, acc, kt, ktiles, cst, lst, lo, hi, a, a_index, b,
+                                       b_index, M, N, a_dst, b_dst, a_src0, b_src0, a_k, b_k,
+                                       desc_a0, desc_b0)
+                kt += 1
+                if kt >= ktiles:
+                    break
+            acc = wgmma_wait(acc, 0)
+            cp_async_wait(0)
+            cuda.syncthreads()                 # every warpgroup done with the ring
+
+            # This tile's place in the outputs: the whole tile lies on one side of m_split (a
+            # multiple of BM); D_e's row m goes to row e * rows + m - first of that output.
+            te = e
+            tm0 = m0
+            tn0 = n0
+            out = out0
+            rows = m_split
+            first = int64(0)
+            if tm0 >= m_split:
+                out = out1
+                rows = M - m_split
+                first = m_split
+            t += cuda.gridDim.x
+            if t < total:                      # next tile's first slices: in flight now
+                e, m0, n0, lo, hi, ktiles = tile_start(
+                    smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b,
+                    b_index, M, N, a_dst, b_dst, a_col, b_col, a_k, b_k)
+            epilogue(smem, acc, out, te * rows + tm0 - first, tm0, tn0, te, N, ring, lane,
+                     frag_row, frag_col, errors, nf_tensor, nf_rank)
+        if not out_f32:
+            if lane == 0:           # the last bulk stores, written before the block ends
+                bulk_wait(0)
+
+    kernel.threads = threads
+    return kernel
+
+
+@lru_cache(maxsize=None)
+def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
+    _require_arch(cfg)
+    return make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, out_f32,
+                            accumulate, max_registers=cfg.max_registers,
+                            blocks_per_sm=cfg.blocks_per_sm)
+
+
+def grid(cfg, experts, M, N):
+    """Persistent grid: one block per SM (x blocks_per_sm), never more than the tiles."""
+    tiles = experts * (M // cfg.bm) * (N // cfg.bn)
+    return max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
+
+
+def launch_wgrad(cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N, m_split, *,
+                 accumulate, errors, tensor, rank):
+    """Persistent launch of the specialisation for ``cfg`` (a wgmma GemmConfig whose tile
+    ``tile_ok``) and the arguments' kinds: trusted device views as ``sm80_wgrad.launch_wgrad``
+    takes them (bf16 outputs 16-byte aligned: bulk stores). Shared memory: ``cfg.smem_bytes``
+    (``sm90.smem_bytes``: the ring plus the slack that aligns it)."""
+    if out0 is None:
+        out0 = out1
+    if out1 is None:
+        out1 = out0
+    out_f32 = np.dtype(out0.dtype) == np.float32
+    view = None if out_f32 else np.uint32
+    E = off.shape[0] - 1
+    kern = _kernel(cfg, a_index is not None, b_index is not None, out_f32, bool(accumulate))
+    launch(kern, grid(cfg, E, M, N), cfg.threads, stream, cfg.smem_bytes, flat_view(a),
+           nr if a_index is None else a_index, flat_view(b),        # (unused placeholders)
+           nr if b_index is None else b_index, off, nr, flat_view(out0, view),
+           flat_view(out1, view), np.int64(M), np.int64(N), np.int64(m_split), errors,
+           np.int32(tensor), np.int32(rank))
