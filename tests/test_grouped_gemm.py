@@ -57,7 +57,9 @@ def rel_l1(got, want):
 
 
 # ``pre``: gate/up also saves its FP32 pre-activations (the layer's forward with a backward);
-# on in half the cases of each kernel family, so both specialisations run.
+# on in half the mma.sync cases and in a 128-row wgmma case (the wgmma epilogue's pre path is
+# one code for every warpgroup count; the GPU suite runs it at the layer's tiles), so both
+# specialisations run and the simulator's time stays in bounds.
 @pytest.mark.parametrize("cfg,counts,limit,pre", [
     (CFG, [40, 0, 17], None, False), (CFG, [40, 0, 17], 1.5, True),
     (CFG, [5, 33, 0, 1], None, True), (CFG, [5, 33, 0, 1], 1.5, False),
@@ -68,11 +70,11 @@ def rel_l1(got, want):
     (WGMMA_CFG, [40, 0, 150], 1.5, True), (WGMMA_CFG, [40, 70], None, False),
     # 3 warpgroups, experts padded to 64 rows: one 64-row tile, an empty expert, a 192 + 128
     # pair (the last warpgroup idle past the expert's end)
-    (WGMMA192_CFG, [40, 0, 300], 1.5, True),
+    (WGMMA192_CFG, [40, 0, 300], 1.5, False),
     # 256-row tiles: a 64-row tile (3 warpgroups idle), an empty expert, 256 + 64 rows
-    (WGMMA256_CFG, [40, 0, 300], None, True),
+    (WGMMA256_CFG, [40, 0, 300], None, False),
 ], ids=["sync-a", "sync-a-clamp-pre", "sync-b-pre", "sync-b-clamp", "wgmma-clamp-pre", "wgmma",
-        "wgmma192-clamp-pre", "wgmma256-pre"])
+        "wgmma192-clamp", "wgmma256"])
 def test_gate_up_swiglu_and_down(cfg, counts, limit, pre):
     # (wgmma at a small K: several tiles per block still reuse every stage; the simulator's
     # big blocks are slow)

@@ -103,30 +103,28 @@ def test_compile_fullgraph_equals_eager():
 
 
 def test_micro_batches_and_checkpoint_equal_plain_steps():
-    """Two micro-batches forward before either backward (the first's context is recomputed),
-    and a torch.utils.checkpoint region: the gradients of plain steps, bit for bit."""
+    """Two micro-batches forward before either backward (the first's context is recomputed:
+    the second is another tensor), and a torch.utils.checkpoint region: the gradients of plain
+    steps, bit for bit."""
     blk = block(seed=6)
-    xs = [tokens(10, seed=7), tokens(T_MAX, seed=8)]
-    ds = [tokens(10, seed=9), tokens(T_MAX, seed=10)]
-    plain = [run(blk, x, d) for x, d in zip(xs, ds)]
-    want = {n: plain[0][1][n] + plain[1][1][n] for n in plain[0][1] if n != "x"}
+    x, d = tokens(10, seed=7), tokens(10, seed=9)
+    y_plain, plain = run(blk, x, d)
+    want = {n: plain[n] + plain[n] for n in plain if n != "x"}
 
     blk.zero_grad(set_to_none=True)
-    leaves = [x.clone().requires_grad_() for x in xs]
-    ys = [blk(x) for x in leaves]
-    sum((y.float() * d.float()).sum() for y, d in zip(ys, ds)).backward()
-    for y, (p, _) in zip(ys, plain):
-        assert torch.equal(y, p)
+    leaves = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [blk(leaf) for leaf in leaves]
+    sum((y.float() * d.float()).sum() for y in ys).backward()
+    assert all(torch.equal(y, y_plain) for y in ys)
     assert_equal({n: t.grad for n, t in blk.named_parameters()}, want)
-    for leaf, (_, g) in zip(leaves, plain):
-        assert torch.equal(leaf.grad, g["x"])
+    assert all(torch.equal(leaf.grad, plain["x"]) for leaf in leaves)
 
     blk.zero_grad(set_to_none=True)
-    x = xs[0].clone().requires_grad_()
-    y = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-    (y.float() * ds[0].float()).sum().backward()
-    assert torch.equal(y, plain[0][0])
-    assert_equal(dict({n: t.grad for n, t in blk.named_parameters()}, x=x.grad), plain[0][1])
+    xc = x.clone().requires_grad_()
+    y = torch.utils.checkpoint.checkpoint(blk, xc, use_reentrant=False)
+    (y.float() * d.float()).sum().backward()
+    assert torch.equal(y, y_plain)
+    assert_equal(dict({n: t.grad for n, t in blk.named_parameters()}, x=xc.grad), plain)
 
 
 def test_variable_tokens_same_rows():
@@ -214,23 +212,23 @@ def test_bad_inputs_raise_before_launch():
 
 
 def test_main_grad_accumulates_fp32():
-    """main_grad=True: two micro-batches add their FP32 weight gradients into each expert
-    weight's main_grad, bit for bit the manual layer's accumulate=True; .grad stays None for
-    them (the router's is as usual); zero_main_grad clears them."""
+    """main_grad=True: a step adds its FP32 weight gradients into each expert weight's
+    main_grad (here over a non-zero start), bit for bit the manual layer's accumulate=True;
+    .grad stays None for them (the router's is as usual); zero_main_grad clears them."""
     blk = block(seed=20, main_grad=True)
     x, d = tokens(12, seed=21), tokens(12, seed=22)
-    for _ in range(2):
-        y = blk(x.clone().requires_grad_())
-        (y.float() * d.float()).sum().backward()
+    for p in blk.expert_weights():
+        p.main_grad.fill_(0.25)
+    y = blk(x.clone().requires_grad_())
+    (y.float() * d.float()).sum().backward()
     assert blk.w_gate.grad is None and blk.router.weight.grad is not None
     weights = blk.expert_weights()
     with torch.no_grad():
         ids, w = blk.router(x)
         acc = mok_torch.Grads(torch.empty_like(x), torch.empty_like(w),
-                              *(torch.zeros_like(p, dtype=torch.float32) for p in weights))
-        for _ in range(2):
-            _, ctx = blk.layer.forward(x, ids, w, weights)
-            blk.layer.backward(ctx, d, w, weights, grads=acc, accumulate=True)
+                              *(torch.full_like(p, 0.25, dtype=torch.float32) for p in weights))
+        _, ctx = blk.layer.forward(x, ids, w, weights)
+        blk.layer.backward(ctx, d, w, weights, grads=acc, accumulate=True)
     for p, want in zip(weights, acc[2:]):
         assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want)
     blk.zero_main_grad()
