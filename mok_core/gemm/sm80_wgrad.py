@@ -365,12 +365,13 @@ def grid(cfg, experts, M, N):
     return max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
 
 
-def launch_wgrad(cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N, m_split, *,
-                 accumulate, errors, tensor, rank):
-    """Persistent launch of the specialisation for ``cfg`` and the arguments' kinds: trusted
-    device views (``a`` [A_rows, M], ``b`` [B_rows, N] uint16, indices int32 or None,
-    ``out0`` / ``out1`` uint16 or float32 of the same dtype -- one may be None where it would
-    hold no rows). NaN/Inf written go to ``errors`` as tensor id ``tensor`` of ``rank``."""
+def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
+                m_split, *, accumulate, errors, tensor, rank):
+    """Persistent launch of ``kernel_for(cfg, gather_a, gather_b, out_f32, accumulate)`` (this
+    module's ``_kernel`` or ``sm90_wgrad``'s: the two share their arguments): trusted device
+    views (``a`` [A_rows, M], ``b`` [B_rows, N] uint16, indices int32 or None, ``out0`` /
+    ``out1`` uint16 or float32 of the same dtype -- one may be None where it would hold no
+    rows). NaN/Inf written go to ``errors`` as tensor id ``tensor`` of ``rank``."""
     if out0 is None:
         out0 = out1
     if out1 is None:
@@ -378,9 +379,14 @@ def launch_wgrad(cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
     out_f32 = np.dtype(out0.dtype) == np.float32
     view = None if out_f32 else np.uint32
     E = off.shape[0] - 1
-    kern = _kernel(cfg, a_index is not None, b_index is not None, out_f32, bool(accumulate))
+    kern = kernel_for(cfg, a_index is not None, b_index is not None, out_f32, bool(accumulate))
     launch(kern, grid(cfg, E, M, N), cfg.threads, stream, cfg.smem_bytes, flat_view(a),
            nr if a_index is None else a_index, flat_view(b),        # (unused placeholders)
            nr if b_index is None else b_index, off, nr, flat_view(out0, view),
            flat_view(out1, view), np.int64(M), np.int64(N), np.int64(m_split), errors,
            np.int32(tensor), np.int32(rank))
+
+
+def launch_wgrad(*args, **kwargs):
+    """``launch_with`` this module's (mma.sync) kernels."""
+    launch_with(_kernel, *args, **kwargs)

@@ -77,16 +77,16 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-import numpy as np
 from numba import cuda, float32, int64, uint16, uint32
 
-from ..cuda_compat import flat_view, kjit, launch, multiprocessor_count
+from ..cuda_compat import kjit
 from ..intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read, cp_async_16_at,
                           cp_async_commit, cp_async_wait, f32_zeros, fence_proxy_async,
                           shared_addr, syncwarp, tuple_fold, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import bf16_nonfinite_count, make_stage_tile, report_warp
+from .sm80_wgrad import launch_with
 from .sm90 import _DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch
 
 _WGMMA_TATB = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb,
@@ -411,28 +411,8 @@ def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
                             blocks_per_sm=cfg.blocks_per_sm)
 
 
-def grid(cfg, experts, M, N):
-    """Persistent grid: one block per SM (x blocks_per_sm), never more than the tiles."""
-    tiles = experts * (M // cfg.bm) * (N // cfg.bn)
-    return max(1, min(tiles, multiprocessor_count() * cfg.blocks_per_sm))
-
-
-def launch_wgrad(cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N, m_split, *,
-                 accumulate, errors, tensor, rank):
-    """Persistent launch of the specialisation for ``cfg`` (a wgmma GemmConfig whose tile
-    ``tile_ok``) and the arguments' kinds: trusted device views as ``sm80_wgrad.launch_wgrad``
-    takes them (bf16 outputs 16-byte aligned: bulk stores). Shared memory: ``cfg.smem_bytes``
-    (``sm90.smem_bytes``: the ring plus the slack that aligns it)."""
-    if out0 is None:
-        out0 = out1
-    if out1 is None:
-        out1 = out0
-    out_f32 = np.dtype(out0.dtype) == np.float32
-    view = None if out_f32 else np.uint32
-    E = off.shape[0] - 1
-    kern = _kernel(cfg, a_index is not None, b_index is not None, out_f32, bool(accumulate))
-    launch(kern, grid(cfg, E, M, N), cfg.threads, stream, cfg.smem_bytes, flat_view(a),
-           nr if a_index is None else a_index, flat_view(b),        # (unused placeholders)
-           nr if b_index is None else b_index, off, nr, flat_view(out0, view),
-           flat_view(out1, view), np.int64(M), np.int64(N), np.int64(m_split), errors,
-           np.int32(tensor), np.int32(rank))
+def launch_wgrad(*args, **kwargs):
+    """``sm80_wgrad.launch_with`` this module's kernels (a wgmma GemmConfig whose tile
+    ``tile_ok``; bf16 outputs 16-byte aligned: bulk stores; shared memory ``cfg.smem_bytes``,
+    the ring plus the slack that aligns it)."""
+    launch_with(_kernel, *args, **kwargs)
