@@ -400,14 +400,22 @@ def test_wgmma_descriptors_swizzle_and_fragments(n):
 _WGMMA_TB_N = {64: wgmma_m64n64k16_bf16_tb, 128: wgmma_m64n128k16_bf16_tb}
 
 
-def _make_wgmma_slice_tb(n):
-    """One warpgroup, B MN-major (the dgrad kernel's layout): A [64, 64] K-major as above; B
-    [64 rows of k, n columns] row-major, staged as n/64 blocks of [64 k][64 n] (8 KiB apart),
-    row k of a block 128 bytes with 16-byte chunk c at c ^ (k % 8) -- what a TMA box with the
-    128-byte swizzle writes. Descriptor: ``sm90._DESC_HIGH_MN`` (leading byte offset 8 KiB,
-    stride 1024 B), a k16 step +2048 bytes; the ``_tb`` wgmma (imm-trans-b = 1)."""
+_WGMMA_TATB_N = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb}
+
+
+def _make_wgmma_slice_mn(n, a_mn):
+    """One warpgroup, B MN-major (the dgrad kernel's layout): B [64 rows of k, n columns]
+    row-major, staged as n/64 blocks of [64 k][64 n] (8 KiB apart), row k of a block 128 bytes
+    with 16-byte chunk c at c ^ (k % 8) -- what a TMA box with the 128-byte swizzle writes;
+    descriptor ``sm90._DESC_HIGH_MN`` (leading byte offset 8 KiB, stride 1024 B), a k16 step
+    +2048 bytes. A [64, 64] is K-major as above (the ``_tb`` wgmma, imm-trans-b = 1) or, with
+    ``a_mn``, A^T [64 rows of k, 64 columns of m] staged like B (the wgrad kernel's layout,
+    ``sm90_wgrad``: the ``_tatb`` wgmma, imm-trans-a = imm-trans-b = 1). Both A layouts stage
+    the same way: 64 rows of 8 swizzled chunks."""
     from mok_core.gemm.sm90 import _DESC_HIGH, _DESC_HIGH_MN, _K16, _K16_MN
-    mma = _WGMMA_TB_N[n]
+    mma = (_WGMMA_TATB_N if a_mn else _WGMMA_TB_N)[n]
+    desc_a = _DESC_HIGH_MN if a_mn else _DESC_HIGH
+    ka = _K16_MN if a_mn else _K16
     elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
     nacc = n // 2
 
@@ -417,7 +425,7 @@ def _make_wgmma_slice_tb(n):
         t = cuda.threadIdx.x
         base = shared_addr(sm)
         pad = (1024 - base % 1024) % 1024
-        for idx in range(t, 64 * 8, 128):        # A: 64 rows x 8 chunks, K-major
+        for idx in range(t, 64 * 8, 128):        # A: 64 rows x 8 chunks
             r = idx // 8
             ch = idx % 8
             dst = pad // 2 + r * 64 + (ch ^ (r % 8)) * 8
@@ -432,13 +440,13 @@ def _make_wgmma_slice_tb(n):
                 sm[dst + e] = b[k * n + c * 8 + e]
         fence_proxy_async()
         cuda.syncthreads()
-        da = int64(_DESC_HIGH) + int64((base + pad) >> 4)
+        da = int64(desc_a) + int64((base + pad) >> 4)
         db = int64(_DESC_HIGH_MN) + int64((base + pad + 64 * 128) >> 4)
         acc = wgmma_fence(f32_zeros(nacc))
         acc = mma(acc, sm, da, db)
-        acc = mma(acc, sm, da + _K16, db + _K16_MN)
-        acc = mma(acc, sm, da + 2 * _K16, db + 2 * _K16_MN)
-        acc = mma(acc, sm, da + 3 * _K16, db + 3 * _K16_MN)
+        acc = mma(acc, sm, da + ka, db + _K16_MN)
+        acc = mma(acc, sm, da + 2 * ka, db + 2 * _K16_MN)
+        acc = mma(acc, sm, da + 3 * ka, db + 3 * _K16_MN)
         wgmma_commit()
         acc = wgmma_wait(acc, 0)
         _store_acc(acc, (d, 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4), int64(n)))
@@ -456,57 +464,9 @@ def test_wgmma_b_mn_major_descriptor_swizzle_and_fragments(n):
     A = bf16_bits(rng.standard_normal((64, 64)))
     B = bf16_bits(rng.standard_normal((64, n)))
     D = to_dev(np.full(64 * n, np.nan, np.float32))
-    _make_wgmma_slice_tb(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
+    _make_wgmma_slice_mn(n, False)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64)
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
-
-
-_WGMMA_TATB_N = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb}
-
-
-def _make_wgmma_slice_tatb(n):
-    """One warpgroup, both operands MN-major (the wgrad kernel's layout, ``sm90_wgrad``): A^T
-    [64 rows of k, 64 columns of m] and B [64 rows of k, n columns] as stored, each staged as
-    blocks of [64 k][64 columns] (8 KiB apart), row k 128 bytes with 16-byte chunk c at
-    c ^ (k % 8); both descriptors ``sm90._DESC_HIGH_MN``, a k16 step +2048 bytes; the
-    ``_tatb`` wgmma (imm-trans-a = imm-trans-b = 1)."""
-    from mok_core.gemm.sm90 import _DESC_HIGH_MN, _K16_MN
-    mma = _WGMMA_TATB_N[n]
-    elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
-    nacc = n // 2
-
-    @kjit
-    def kernel(at, b, d):
-        sm = cuda.shared.array(elems, uint16)
-        t = cuda.threadIdx.x
-        base = shared_addr(sm)
-        pad = (1024 - base % 1024) % 1024
-        for idx in range(t, 64 * 8, 128):        # A^T: 64 rows of k x 8 chunks of m
-            k = idx // 8
-            c = idx % 8
-            dst = pad // 2 + k * 64 + (c ^ (k % 8)) * 8
-            for e in range(8):
-                sm[dst + e] = at[k * 64 + c * 8 + e]
-        for idx in range(t, 64 * (n // 8), 128):  # B: 64 rows of k x n/8 chunks of n
-            k = idx // (n // 8)
-            c = idx % (n // 8)
-            blk = c // 8
-            dst = pad // 2 + 64 * 64 + blk * 64 * 64 + k * 64 + ((c % 8) ^ (k % 8)) * 8
-            for e in range(8):
-                sm[dst + e] = b[k * n + c * 8 + e]
-        fence_proxy_async()
-        cuda.syncthreads()
-        da = int64(_DESC_HIGH_MN) + int64((base + pad) >> 4)
-        db = int64(_DESC_HIGH_MN) + int64((base + pad + 64 * 128) >> 4)
-        acc = wgmma_fence(f32_zeros(nacc))
-        acc = mma(acc, sm, da, db)
-        acc = mma(acc, sm, da + _K16_MN, db + _K16_MN)
-        acc = mma(acc, sm, da + 2 * _K16_MN, db + 2 * _K16_MN)
-        acc = mma(acc, sm, da + 3 * _K16_MN, db + 3 * _K16_MN)
-        wgmma_commit()
-        acc = wgmma_wait(acc, 0)
-        _store_acc(acc, (d, 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4), int64(n)))
-    return kernel
 
 
 @pytest.mark.parametrize("n", [64, 128])
@@ -520,7 +480,7 @@ def test_wgmma_a_and_b_mn_major_descriptor_swizzle_and_fragments(n):
     At = bf16_bits(rng.standard_normal((64, 64)))
     B = bf16_bits(rng.standard_normal((64, n)))
     D = to_dev(np.full(64 * n, np.nan, np.float32))
-    _make_wgmma_slice_tatb(n)[1, 128](to_dev(At.ravel()), to_dev(B.ravel()), D)
+    _make_wgmma_slice_mn(n, True)[1, 128](to_dev(At.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(At).astype(np.float64).T @ bits_to_f32(B).astype(np.float64)
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
 
