@@ -75,7 +75,7 @@ def test_wgmma_b_transposed_lowers_with_the_transpose_immediate(n):
     on each of the 4 k16 steps."""
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice_tb(n).py_func, (u16, u16, f32),
+    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice_mn(n, False).py_func, (u16, u16, f32),
                               cc=(9, 0, "a"))
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
@@ -87,7 +87,7 @@ def test_wgmma_a_and_b_transposed_lower_with_both_transpose_immediates(n):
     imm-trans-b 1 on each of the 4 k16 steps."""
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice_tatb(n).py_func, (u16, u16, f32),
+    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice_mn(n, True).py_func, (u16, u16, f32),
                               cc=(9, 0, "a"))
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 1, 1;") == 4
