@@ -30,3 +30,26 @@ def push_route(rng, real, C, R, T, k):
     src_rank[real], rem = slots // (T * k), slots % (T * k)
     src_token[real], src_slot[real] = rem // k, rem % k
     return src_rank, src_token, src_slot
+
+
+def rand_bf16_bits(rng, shape, top):
+    """Random bf16 bits, |x| in [2^(top-4), 2^top), random sign and mantissa: built as bits,
+    so the operands of a real shape take seconds, not minutes, on the host."""
+    r = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    exp = np.uint16(127 + top - 4) + ((r >> 7) & np.uint16(3))
+    return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
+
+
+def gpu_ms(fn, reps, warmup):
+    """Mean ms of ``fn`` over ``reps`` calls after ``warmup`` calls (CUDA events)."""
+    from numba import cuda
+    for _ in range(warmup):
+        fn()
+    cuda.synchronize()
+    t0, t1 = cuda.event(), cuda.event()
+    t0.record()
+    for _ in range(reps):
+        fn()
+    t1.record()
+    t1.synchronize()
+    return cuda.event_elapsed_time(t0, t1) / reps

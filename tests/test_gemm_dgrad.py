@@ -15,7 +15,7 @@ GPU check: ``NUMBA_ENABLE_CUDASIM=0 python -m pytest -q tests/test_gemm_dgrad.py
 import numpy as np
 import pytest
 
-from helpers import push_route, to_dev
+from helpers import gpu_ms, push_route, rand_bf16_bits, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, dgrad,
@@ -227,28 +227,6 @@ def test_dgrad_rejects_bad_arguments():
 
 # ---- a real shape, on the GPU only --------------------------------------------------------------
 
-def _rand_bf16(rng, shape, top):
-    """Random bf16 bits, |x| in [2^(top-4), 2^top), random sign and mantissa: built as bits,
-    so the weights of a real shape take seconds, not minutes, on the host."""
-    r = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    exp = np.uint16(127 + top - 4) + ((r >> 7) & np.uint16(3))
-    return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
-
-
-def _gpu_ms(fn, reps=20):
-    from numba import cuda
-    fn()
-    fn()
-    cuda.synchronize()
-    t0, t1 = cuda.event(), cuda.event()
-    t0.record()
-    for _ in range(reps):
-        fn()
-    t1.record()
-    t1.synchronize()
-    return cuda.event_elapsed_time(t0, t1) / reps
-
-
 @pytest.mark.skipif(SIM, reason="a real shape: GPU only")
 @pytest.mark.parametrize("use", ["d_x", "d_hidden"])
 def test_wgmma_dgrad_real_shape(use, capsys):
@@ -272,16 +250,16 @@ def test_wgmma_dgrad_real_shape(use, capsys):
         a_index[off[e]:off[e] + counts[e]] = np.arange(off[e], off[e] + counts[e])
     if use == "d_x":
         K, N, K0 = 2 * I, H, I
-        a = _rand_bf16(rng, (C, K), 0)
+        a = rand_bf16_bits(rng, (C, K), 0)
         a[a_index < 0] = 0                               # padding rows of d_gu are zeros
-        w0 = _rand_bf16(rng, (E, I, H), -5)
-        w1 = _rand_bf16(rng, (E, I, H), -5)
+        w0 = rand_bf16_bits(rng, (E, I, H), -5)
+        w1 = rand_bf16_bits(rng, (E, I, H), -5)
         idx = None
     else:
         K, N, K0 = H, I, H
         n_src = 4096
-        a = _rand_bf16(rng, (n_src, K), 0)
-        w0 = _rand_bf16(rng, (E, H, I), -5)
+        a = rand_bf16_bits(rng, (n_src, K), 0)
+        w0 = rand_bf16_bits(rng, (E, H, I), -5)
         w1 = None
         a_index[a_index >= 0] = rng.integers(0, n_src, int((a_index >= 0).sum()))
         idx = a_index
@@ -316,8 +294,8 @@ def test_wgmma_dgrad_real_shape(use, capsys):
         err_den += np.abs(want).sum()
     assert err_num / err_den <= 5e-3
     flop = 2.0 * counts.sum() * K * N
-    ms = {name: _gpu_ms(lambda c=c: run(c)) for name, c in (("wgmma", cfg),
-                                                             ("mma_sync", MMA_SYNC_GEMM))}
+    ms = {name: gpu_ms(lambda c=c: run(c), 20, 2) for name, c in (("wgmma", cfg),
+                                                                  ("mma_sync", MMA_SYNC_GEMM))}
     with capsys.disabled():
         print(f"\n[dgrad {use}: rows={int(counts.sum())} K={K} N={N}] " + ", ".join(
             f"{k}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s" for k, v in ms.items())

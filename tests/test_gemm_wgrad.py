@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import to_dev
+from helpers import gpu_ms, rand_bf16_bits, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.gemm import WGMMA_192_GEMM, SIM_GEMM, GemmConfig, wgrad
@@ -323,27 +323,6 @@ def test_split_outputs_must_not_alias():
 
 # ---- a real shape, on the GPU only --------------------------------------------------------------
 
-def _rand_bf16(rng, shape, top):
-    """Random bf16 bits, |x| in [2^(top-4), 2^top), random sign and mantissa: built as bits,
-    so the operands of a real shape take seconds, not minutes, on the host."""
-    r = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    exp = np.uint16(127 + top - 4) + ((r >> 7) & np.uint16(3))
-    return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
-
-
-def _gpu_ms(fn, reps=10):
-    from numba import cuda
-    fn()
-    cuda.synchronize()
-    t0, t1 = cuda.event(), cuda.event()
-    t0.record()
-    for _ in range(reps):
-        fn()
-    t1.record()
-    t1.synchronize()
-    return cuda.event_elapsed_time(t0, t1) / reps
-
-
 @pytest.mark.skipif(SIM, reason="a real shape: GPU only")
 @pytest.mark.parametrize("use", ["gate_up", "down"])
 def test_wgmma_wgrad_real_shape(use, capsys):
@@ -371,14 +350,14 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         index[off[e]:off[e] + counts[e]] = rng.integers(0, T, counts[e])
     if use == "gate_up":
         M, N, m_split = 2 * I, H, I
-        a = _rand_bf16(rng, (C, M), 0)                       # d_gu rows, padding rows zero
+        a = rand_bf16_bits(rng, (C, M), 0)                       # d_gu rows, padding rows zero
         a[index < 0] = 0
-        b = _rand_bf16(rng, (T, N), 0)                       # x, gathered
+        b = rand_bf16_bits(rng, (T, N), 0)                       # x, gathered
         a_index, b_index = None, index
     else:
         M, N, m_split = H, I, H
-        a = _rand_bf16(rng, (T, M), 0)                       # d_out, gathered
-        b = _rand_bf16(rng, (C, N), 0)                       # w h rows, padding rows zero
+        a = rand_bf16_bits(rng, (T, M), 0)                       # d_out, gathered
+        b = rand_bf16_bits(rng, (C, N), 0)                       # w h rows, padding rows zero
         b[index < 0] = 0
         a_index, b_index = index, None
     dev = {name: None if v is None else cuda.to_device(v) for name, v in
@@ -409,9 +388,9 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     gbytes = 2.0 * E * M * N / 1e9                          # the bf16 output written
 
     def timed(c):              # the trusted entry: no host checks in what is timed
-        return _gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
-                                            dev["off"], dev["nr"], out0, out1, m_split,
-                                            config=c))
+        return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
+                                           dev["off"], dev["nr"], out0, out1, m_split,
+                                           config=c), 10, 1)
     ms = {"wgmma": timed(cfg), "mma_sync": timed(WGRAD_GEMM)}
     with capsys.disabled():
         print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(

@@ -85,6 +85,15 @@ def launch_gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hi
         sm80.launch_gemm(*args, swiglu=True, gather=True, pre=pre, **nf)
 
 
+def _route_and_out(push, out, placeholder):
+    """(route, out) as ``sm90.launch_gemm`` takes them: the push route (k as int64) with
+    ``placeholder`` for the unused output, or no route and ``out`` as packed uint32 words."""
+    if push is None:
+        return None, flat_view(out, np.uint32)
+    src_rank, token, slot, peers, k = push
+    return (src_rank, token, slot, peers, np.int64(k)), placeholder
+
+
 def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, push=None,
                 config: GemmConfig, stream=0, errors=None, tensor=err.NF_Y, rank=0):
     """``down`` without the checks (arguments as there, ``config`` required; ``push`` only
@@ -96,13 +105,7 @@ def launch_down(hidden, w_down, expert_offsets, num_rows, y, *, row_index=None, 
                          num_rows, flat_view(y, np.uint32), I, H, H, math.inf, swiglu=False,
                          gather=False, **nf)
         return
-    route = None
-    if push is not None:
-        rank, token, slot, peers, k = push
-        route = (rank, token, slot, peers, np.int64(k))
-        y = num_rows                                   # unused placeholder
-    else:
-        y = flat_view(y, np.uint32)
+    route, y = _route_and_out(push, y, num_rows)
     index = num_rows if row_index is None else row_index   # unused without an index
     sm90.launch_gemm(config, stream, hidden, index, w_down, w_down, expert_offsets, num_rows,
                      y, I, H, H, math.inf, swiglu=False, gather=False,
@@ -129,13 +132,7 @@ def launch_dgrad(a, a_index, w0, w1, expert_offsets, num_rows, out, *, push=None
     if w1 is None or w1.shape[1] == 0:
         w1 = w0
     E, K0, N = w0.shape
-    route = None
-    if push is not None:
-        rank_, token, slot, peers, k = push
-        route = (rank_, token, slot, peers, np.int64(k))
-        out = num_rows                                  # unused placeholder
-    else:
-        out = flat_view(out, np.uint32)
+    route, out = _route_and_out(push, out, num_rows)
     sm90.launch_gemm(config, stream, a, a_index if gather else num_rows, w0, w1,
                      expert_offsets, num_rows, out, a.shape[1], K0, N, math.inf, swiglu=False,
                      gather=gather, padding_index=gather, route=route, b_kn=True, **nf)
