@@ -26,41 +26,48 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                aligned; a box = [64 rows of k][64 columns] (8 KiB), row k 128 bytes at k * 128,
                16-byte chunk c of it stored at chunk c ^ (k % 8): the MN-major 128-byte-swizzle
                layout that ``sm90``'s B_KN reads (and TMA writes), here written by cp.async
+    stream   = the block's slices in one stream across its tiles (tile b's slices, then tile
+               b + grid's, ...): slice j of the stream sits in stage j % STAGES, and the loads
+               run PREFETCH = STAGES - 2 slices ahead of the MMAs whatever tile they belong to,
+               so the next tile's first slices land while this tile multiplies and stores (an
+               expert is 1-3 slices: a tile's own prologue would expose the L2 latency every
+               tile). One cp.async group per slice of the stream, empty past the last tile
     loads    = every thread, cp.async 16 B, a fixed column chunk of each operand and rows
                64 / (threads / (BM/8)) apart (A: 4 chunks per slice; B: 4 BN / BM), a pass of
                rows a multiple of 8 apart so every chunk of a thread has one swizzle. Source
                row r of a slice: index[r] (gathered operand) or r; rows at or past hi, and
                padding rows (index -1), are zero-filled without a read (cp.async src-size 0).
-               PREFETCH = STAGES - 2 slices ahead. No TMA: rows past an expert's end (or
-               NaN rows past num_rows) must read as zeros on the direct side too
+               No TMA: rows past an expert's end (or NaN rows past num_rows) must read as
+               zeros on the direct side too
     MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 ``_tatb`` from two MN-major
                descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between the
                64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
                A's warpgroup g starts at box g of the A slice)
-    epilogue = bf16: staged in the ring stages the next tile's prologue leaves free (stages
-               PREFETCH.., row stride BN * 2 + 16) and sent by bulk stores, lane 0 of each warp
-               its 16 rows, so the next tile's loads and MMAs need not wait for the global
-               stores; FP32: each thread stores its fragment (ACCUMULATE: adds it to the value
-               read first, one FP32 add). What is written is checked for NaN/Inf on the way
-               (a clean tile: one fold per written value or pair and one warp vote)
+    epilogue = bf16: staged in shared memory apart from the ring (BM rows, stride BN * 2 + 16,
+               after the ring; ``smem_bytes``), each warp its own 16 rows, which it then reads
+               back and stores coalesced (16 B a lane, 512 contiguous bytes a warp
+               instruction). Not bulk stores: one per 128-1024-byte row is ~128 requests a
+               tile through the SM's one bulk-copy unit, and with K this short the tile's
+               requests, not its bytes, set the time (docs/perf.md). FP32: each thread stores
+               its fragment (ACCUMULATE: adds it to the value read first, one FP32 add). What is written is checked for NaN/Inf
+               on the way (a clean tile: one fold per written value or pair and one warp vote)
 
-Order of one tile, every thread:
+Order, every thread:
 
-    prologue (issued right after the previous tile's K loop, before its epilogue):
-               loads of slices 0 .. PREFETCH - 1 into stages 0 .. PREFETCH - 1
-    K loop, step kt (compute stage kt % STAGES, load stage (kt + PREFETCH) % STAGES; at least
-    one step):
-    0. (kt = 0, lane 0 of each warp; bf16) bulk_wait_read: the previous staging was read out
-    1. cp.async.wait -> my chunks of slice kt landed; fence.proxy.async (wgmma reads through
-       the async proxy); __syncthreads -> everyone's chunks landed, every warpgroup retired
-       slice kt - 2's wgmmas, and step 0 is done
-    2. wgmma.fence; 4 wgmmas on slice kt; commit          (tensor cores busy on kt ...)
-    3. issue loads of slice kt + PREFETCH into the stage of slice kt - 2 (free, by 1.): the
-       gathered rows' index loads wait under the MMAs, not before them
-    4. wgmma.wait(1) -> slice kt - 1's group retired      (... while kt - 1 drains)
-    after: wgmma.wait(0); cp.async.wait(0); __syncthreads (the ring is free)
-    then: the next tile's prologue, this tile's epilogue
-    exit: lane 0 of each warp waits for its last bulk stores (bf16)
+    prologue:  the stream's slices 0 .. PREFETCH - 1 into stages 0 .. PREFETCH - 1
+    per tile:
+    K loop, the tile's slices (stream slice j: compute stage j % STAGES, load stream slice
+    j + PREFETCH into stage (j + PREFETCH) % STAGES; at least one step):
+    1. cp.async.wait(PREFETCH - 1) -> my chunks of slice j landed; fence.proxy.async (wgmma
+       reads through the async proxy); __syncthreads -> everyone's chunks landed and every
+       warpgroup retired slice j - 2's wgmmas (and every warp read its previous staging)
+    2. wgmma.fence; 4 wgmmas on slice j; commit           (tensor cores busy on j ...)
+    3. issue loads of stream slice j + PREFETCH (this tile's or a later one's) into the stage
+       of slice j - 2 (free, by 1.); commit
+    4. wgmma.wait(1) -> slice j - 1's group retired       (... while j - 1 drains)
+    after: wgmma.wait(0); the epilogue (each warp stages, __syncwarp, reads back and stores
+           its own rows: no block barrier)
+    exit: cp.async.wait(0)
 
 C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
 ptxas may think divergent -- the only branches around them test kernel arguments and block-
@@ -80,8 +87,8 @@ from functools import lru_cache
 from numba import cuda, float32, int64, uint16, uint32
 
 from ..cuda_compat import kjit
-from ..intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read, cp_async_16_at,
-                          cp_async_commit, cp_async_wait, f32_zeros, fence_proxy_async,
+from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
+                          fence_proxy_async, ld_v4, st_v4,
                           shared_addr, syncwarp, tuple_fold, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
@@ -191,32 +198,33 @@ def _plain_layout(count):
     return [[4 * j + i for i in range(4)] for j in range(count // 4)]
 
 
-def _make_epilogues(bm, bn, stages, out_f32, accumulate):
-    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col, errors,
-    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i of ``out`` for tile rows
-    i, columns n0 ..; D_e's rows m0 + i) written and checked (module header)."""
-    prefetch = stages - 2
-    stage_bytes = (bm + bn) * ROW_BYTES
-    row_bytes = bn * 2
-    stride = row_bytes + 16                 # +16: a warp's 8 rows land in 8 bank groups
-    stage_offset = prefetch * stage_bytes
-    assert bm * stride <= 2 * stage_bytes, "the staging must fit in 2 ring stages"
+def _make_epilogues(bm, bn, out_f32, accumulate):
+    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col, errors,
+    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i of ``out`` for tile rows i,
+    columns n0 ..; D_e's rows m0 + i) written and checked, bf16 staged at the shared byte
+    address ``epi0`` (module header)."""
+    stride = bn * 2 + 16                    # +16: a warp's 8 rows land in 8 bank groups
+    cpr = bn // 8                           # 16-byte chunks per output row
+    chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
     stage_tile = make_stage_tile(False)
     store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
 
     @kjit(device=True, inline="always")
-    def epilogue_bf16(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col,
+    def epilogue_bf16(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col,
                       errors, nf_tensor, nf_rank):
-        epi0 = ring + stage_offset
         bad = stage_tile(acc, (uint32(0), uint32(0)),
                          (smem, frag_row, frag_col, float32(0.0), epi0, stride))
-        fence_proxy_async()                 # generic-proxy writes -> bulk reads
         syncwarp()
-        if lane == 0:                       # lane 0's row is the warp's first
-            for i in range(16):
-                bulk_store(out, ((grow0 + frag_row + i) * N + n0) // 2, smem,
-                           epi0 + (frag_row + i) * stride, row_bytes)
-            bulk_commit()
+        # the warp's 16 rows leave coalesced: 16-byte chunk c = lane + 32 i of them, a warp
+        # instruction covering 512 contiguous bytes of the output
+        rel = epi0 - shared_addr(smem)
+        row0 = frag_row - lane // 4         # the warp's first row
+        for i in range(chunks):
+            c = lane + 32 * i
+            r = row0 + c // cpr
+            col = c % cpr
+            v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
+            st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
         # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows
         if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
             srow = frag_row - lane // 4 + lane % 16      # the warp's first row + i
@@ -226,7 +234,7 @@ def _make_epilogues(bm, bn, stages, out_f32, accumulate):
             report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
 
     @kjit(device=True, inline="always")
-    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, ring, lane, frag_row, frag_col,
+    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col,
                      errors, nf_tensor, nf_rank):
         at = (grow0 + frag_row) * N + n0 + frag_col
         y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
@@ -253,6 +261,13 @@ def _nonfinite_f32(v):
     return 1 if math.isnan(v) or math.isinf(v) else 0
 
 
+def smem_bytes(bm, bn, stages, out_f32):
+    """Dynamic shared memory of one block: slack to align the ring to 1024 bytes, the ring,
+    and (bf16 outputs) the staged output tile apart from it."""
+    staging = 0 if out_f32 else bm * (2 * bn + 16)
+    return 1024 + stages * (bm + bn) * ROW_BYTES + staging
+
+
 def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, max_registers=0,
                      blocks_per_sm=1):
     """Build one wgmma wgrad specialisation (all arguments compile-time)."""
@@ -266,17 +281,21 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
     a_stage = bm * ROW_BYTES
     cpr_a = bm // 8
     cpr_b = bn // 8
+    nbytes = smem_bytes(bm, bn, stages, out_f32)
+    if nbytes * blocks_per_sm > 227 * 1024:
+        raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
+                         f"{nbytes} bytes of shared memory per block, x {blocks_per_sm} "
+                         "blocks per SM: over 227 KiB")
     load_slice = _make_loader(bm, bn, stages, gather_a, gather_b)
     mma_slice = _make_mma_slice(bn)
-    epilogue = _make_epilogues(bm, bn, stages, out_f32, accumulate)
+    epilogue = _make_epilogues(bm, bn, out_f32, accumulate)
     opts = {"max_registers": max_registers} if max_registers else {}
     if bm >= 192 or blocks_per_sm > 1:
         opts["launch_bounds"] = (threads, blocks_per_sm)
 
     @kjit(device=True, inline="always")
-    def tile_start(smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b,
-                   b_index, M, N, a_dst, b_dst, a_col, b_col, a_k, b_k):
-        """Tile t -> (expert, m0, n0, lo, hi, ktiles), its prologue loads issued."""
+    def tile_of(t, tiles_per_expert, m_tiles, offsets, num_rows):
+        """Tile t -> (expert, m0, n0, lo, hi, ktiles)."""
         e = t // tiles_per_expert
         local = t - e * tiles_per_expert
         m0 = (local % m_tiles) * bm
@@ -284,32 +303,27 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
         hi = int64(min(offsets[e + 1], num_rows[0]))
         lo = int64(min(offsets[e], hi))
         ktiles = max((hi - lo + (BK - 1)) // BK, 1)
-        for s in range(prefetch):
-            if s < ktiles:
-                load_slice(smem, s, lo + s * BK, hi, a, a_index, b, b_index, M, N, a_dst,
-                           b_dst, m0 + a_col, n0 + b_col, a_k, b_k)
-            cp_async_commit()
         return e, m0, n0, lo, hi, ktiles
 
     @kjit(device=True, inline="always")
-    def k_step(smem, acc, kt, ktiles, cst, lst, lo, hi, a, a_index, b, b_index, M, N, a_dst,
-               b_dst, a_src0, b_src0, a_k, b_k, desc_a0, desc_b0):
-        """K loop step ``kt`` (module header, steps 1-4). Returns (acc, cst, lst) for
-        kt + 1."""
-        cp_async_wait(in_flight)
-        fence_proxy_async()
-        cuda.syncthreads()
-        soff = (cst * stage_bytes) >> 4
-        acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-        nxt = kt + prefetch
-        if nxt < ktiles:
-            load_slice(smem, lst, lo + nxt * BK, hi, a, a_index, b, b_index, M, N, a_dst,
-                       b_dst, a_src0, b_src0, a_k, b_k)
+    def load_next(smem, lst, lt, lk, lm0, ln0, llo, lhi, lkt, total, tiles_per_expert, m_tiles,
+                  offsets, num_rows, a, a_index, b, b_index, M, N, a_dst, b_dst, a_col, b_col,
+                  a_k, b_k):
+        """The slice stream's next slice (slice lk of tile lt, none past the block's last
+        tile) into ring stage lst, one cp.async group either way; returns the cursor moved
+        on by one slice (to the next tile of the block after a tile's last)."""
+        if lt < total:
+            load_slice(smem, lst, llo + lk * BK, lhi, a, a_index, b, b_index, M, N, a_dst,
+                       b_dst, lm0 + a_col, ln0 + b_col, a_k, b_k)
+            lk += 1
+            if lk >= lkt:
+                lk = 0
+                lt += cuda.gridDim.x
+                if lt < total:
+                    _, lm0, ln0, llo, lhi, lkt = tile_of(lt, tiles_per_expert, m_tiles,
+                                                         offsets, num_rows)
         cp_async_commit()
-        acc = wgmma_wait(acc, 1)
-        cst = 0 if cst == stages - 1 else cst + 1
-        lst = 0 if lst == stages - 1 else lst + 1
-        return acc, cst, lst
+        return lt, lk, lm0, ln0, llo, lhi, lkt
 
     @kjit(**opts)
     def kernel(a, a_index, b, b_index, offsets, num_rows, out0, out1, M, N, m_split, errors,
@@ -329,6 +343,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
         # A column chunk tid % (BM/8) of rows tid // (BM/8) + pass, B likewise.
         sbase = shared_addr(smem)
         ring = sbase + (1024 - sbase % 1024) % 1024
+        staging = ring + stages * stage_bytes
         a_c = tid % cpr_a
         a_k = tid // cpr_a
         b_c = tid % cpr_b
@@ -342,64 +357,67 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
         desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * BOX_BYTES) >> 4)
         desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
 
+        # The slice stream's load cursor (tile lt, its slice lk) runs PREFETCH slices ahead of
+        # the MMAs, across the block's tiles: the prologue fills stages 0 .. PREFETCH - 1.
         t = int64(cuda.blockIdx.x)
-        e = int64(0)
-        m0 = int64(0)
-        n0 = int64(0)
-        lo = int64(0)
-        hi = int64(0)
-        ktiles = int64(1)
-        if t < total:
-            e, m0, n0, lo, hi, ktiles = tile_start(
-                smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b, b_index,
-                M, N, a_dst, b_dst, a_col, b_col, a_k, b_k)
+        lt = t
+        lk = int64(0)
+        lm0 = int64(0)
+        ln0 = int64(0)
+        llo = int64(0)
+        lhi = int64(0)
+        lkt = int64(1)
+        if lt < total:
+            _, lm0, ln0, llo, lhi, lkt = tile_of(lt, tiles_per_expert, m_tiles, offsets,
+                                                 num_rows)
+        for s in range(prefetch):
+            lt, lk, lm0, ln0, llo, lhi, lkt = load_next(
+                smem, s, lt, lk, lm0, ln0, llo, lhi, lkt, total, tiles_per_expert, m_tiles,
+                offsets, num_rows, a, a_index, b, b_index, M, N, a_dst, b_dst, a_col, b_col,
+                a_k, b_k)
+        cst = 0                                # ring stages of the slice computed / loaded
+        lst = prefetch                         # (compare-and-wrap: no modulo in the loop)
         while t < total:
+            e, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, m_tiles, offsets,
+                                                num_rows)
             acc = f32_zeros(nacc)
-            cst = 0                            # ring stages of the slice computed / loaded
-            lst = prefetch                     # (compare-and-wrap: no modulo in the loop)
-            if not out_f32:
-                if lane == 0:                  # the last epilogue's staging (stages
-                    bulk_wait_read(0)          # PREFETCH..) is read out before kt = 0
             # At least one step, the exit tested at the end (``ktiles`` >= 1): a guarded loop
             # makes LLVM copy the zeroed accumulators into the path that skips it (C7518).
             kt = int64(0)
-            a_src0 = m0 + a_col
-            b_src0 = n0 + b_col
             while True:
-                acc, cst, lst = k_step(smem, acc, kt, ktiles, cst, lst, lo, hi, a, a_index, b,
-                                       b_index, M, N, a_dst, b_dst, a_src0, b_src0, a_k, b_k,
-                                       desc_a0, desc_b0)
+                cp_async_wait(in_flight)       # my chunks of this slice landed
+                fence_proxy_async()
+                cuda.syncthreads()             # everyone's; slice - 2's wgmmas retired
+                soff = (cst * stage_bytes) >> 4
+                acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
+                lt, lk, lm0, ln0, llo, lhi, lkt = load_next(
+                    smem, lst, lt, lk, lm0, ln0, llo, lhi, lkt, total, tiles_per_expert,
+                    m_tiles, offsets, num_rows, a, a_index, b, b_index, M, N, a_dst, b_dst,
+                    a_col, b_col, a_k, b_k)
+                acc = wgmma_wait(acc, 1)
+                cst = 0 if cst == stages - 1 else cst + 1
+                lst = 0 if lst == stages - 1 else lst + 1
                 kt += 1
                 if kt >= ktiles:
                     break
             acc = wgmma_wait(acc, 0)
-            cp_async_wait(0)
-            cuda.syncthreads()                 # every warpgroup done with the ring
 
             # This tile's place in the outputs: the whole tile lies on one side of m_split (a
             # multiple of BM); D_e's row m goes to row e * rows + m - first of that output.
-            te = e
-            tm0 = m0
-            tn0 = n0
             out = out0
             rows = m_split
             first = int64(0)
-            if tm0 >= m_split:
+            if m0 >= m_split:
                 out = out1
                 rows = M - m_split
                 first = m_split
-            t += cuda.gridDim.x
-            if t < total:                      # next tile's first slices: in flight now
-                e, m0, n0, lo, hi, ktiles = tile_start(
-                    smem, t, tiles_per_expert, m_tiles, offsets, num_rows, a, a_index, b,
-                    b_index, M, N, a_dst, b_dst, a_col, b_col, a_k, b_k)
-            epilogue(smem, acc, out, te * rows + tm0 - first, tm0, tn0, te, N, ring, lane,
+            epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, staging, lane,
                      frag_row, frag_col, errors, nf_tensor, nf_rank)
-        if not out_f32:
-            if lane == 0:           # the last bulk stores, written before the block ends
-                bulk_wait(0)
+            t += cuda.gridDim.x
+        cp_async_wait(0)                       # (the stream's empty tail groups)
 
     kernel.threads = threads
+    kernel.smem_bytes = nbytes
     return kernel
 
 
@@ -413,6 +431,5 @@ def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
 
 def launch_wgrad(*args, **kwargs):
     """``sm80_wgrad.launch_with`` this module's kernels (a wgmma GemmConfig whose tile
-    ``tile_ok``; bf16 outputs 16-byte aligned: bulk stores; shared memory ``cfg.smem_bytes``,
-    the ring plus the slack that aligns it)."""
+    ``tile_ok``; bf16 outputs 16-byte aligned: 16-byte stores; shared memory ``smem_bytes``)."""
     launch_with(_kernel, *args, **kwargs)

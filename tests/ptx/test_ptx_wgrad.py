@@ -67,18 +67,18 @@ def _wgmma_wgrad_ptx(bm, bn, stages, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("bn", [256, 64])
-def test_wgmma_wgrad_lowers_unserialised(bn, kind):
-    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``) and the narrowest
-    one: the arch-specific target, 4 wgmmas per slice carrying imm-trans-a 1 and imm-trans-b 1
+@pytest.mark.parametrize("bn,stages", [(256, 3), (64, 4)])
+def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
+    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages beside the
+    staging) and the narrowest one: the arch-specific target, 4 wgmmas per slice carrying imm-trans-a 1 and imm-trans-b 1
     (both operands MN-major), one group left in flight in the K loop, the operands' rows by
-    cp.async; bf16: the staged epilogue (st.shared pairs, bulk stores, the read-wait before the
-    next tile, the final wait) with one fold per staged pair, FP32: each value stored once
+    cp.async; bf16: the staged epilogue (st.shared pairs, read back 16 bytes a lane and stored
+    coalesced, no bulk copies) with one fold per staged pair, FP32: each value stored once
     (read first: accumulate); the NaN/Inf check; no local memory anywhere -- and ptxas keeps
     the wgmmas unserialised (C7518) without spills."""
     from ptx_util import assemble_sm90a
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
-    ptx = _wgmma_wgrad_ptx(128, bn, 4, kind)
+    ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 1, 1;") == 4
@@ -93,9 +93,11 @@ def test_wgmma_wgrad_lowers_unserialised(bn, kind):
         assert count(ptx, r"ld\.(global\.)?f32") >= (values if accumulate else 0)
         assert count(ptx, r"cp\.async\.bulk\.global") == 0
     else:
-        for p in (r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
-                  r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"):
-            assert count(ptx, p) >= 1, p
+        assert count(ptx, r"st\.shared\.u32") >= 1
+        assert count(ptx, r"cp\.async\.bulk") == 0                   # coalesced, not bulk
+        # the warp's rows read back and stored, 16 B a lane (bn / 16 each, LLVM may roll them)
+        assert 1 <= count(ptx, r"ld\.shared\.v4\.u32") <= bn // 16
+        assert 1 <= count(ptx, r"st\.(global\.)?v4\.u32") <= bn // 16
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
     report = assemble_sm90a(ptx)
