@@ -29,6 +29,10 @@ never depends on the order. Its cost is the forward minus the down GEMMs (routin
 dispatch, shared and routed gate/up + SwiGLU: about two thirds of the forward's FLOPs) on every
 backward; a fused forward + backward callback that could prove the order is the way to save it.
 
+Variable tokens: x may hold any T <= ``tokens_per_rank`` rows per call and rank (topk_ids,
+router_weights, out and the gradients follow), as on the torch path; T is static under ``jit``,
+so each count is a trace of its own, with a buffer callback of its own (made once per count).
+
 Contract and limits:
 * one GPU per process, numba's current device (checked each step: the output buffer must live
   there); with NVSHMEM, EP > 1, start the processes with ``python -m mok_comm.launch`` or MPI,
@@ -96,10 +100,11 @@ class Layer(L.Layer):
                  backward: bool = True):
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
                          gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward)
-        self._callback = self._backward_callback = self._vjp = None
+        self._callbacks, self._backward_callbacks, self._vjp = {}, {}, None
 
     def __call__(self, x, topk_ids, router_weights, weights):
-        """One step as one XLA op. Shapes (jax.Array, this rank's): x [T, H] bf16, topk_ids
+        """One step as one XLA op. Shapes (jax.Array, this rank's; any T <= tokens_per_rank):
+        x [T, H] bf16, topk_ids
         [T, k] int32 (int64 too, with x64 on; -1 = masked route), router_weights [T, k]
         float32, ``weights`` (``Weights``, bf16; the shared ones None or [0, .] when I_s = 0).
         Returns out [T, H] bf16. Traceable: call it inside ``jax.jit``; shapes are checked
@@ -107,7 +112,7 @@ class Layer(L.Layer):
         ``jax.vjp``): the gradients come from ``mok_comm.backward`` (module docstring)."""
         import jax.numpy as jnp
         s = self.shape
-        T, H, k = self.tokens_per_rank, s.hidden, s.topk
+        T, H, k = F.step_tokens(self, x), s.hidden, s.topk
         _check(x, "x", (jnp.bfloat16,), (T, H))
         _check(topk_ids, "topk_ids", (jnp.int32, np.int64), (T, k))
         _check(router_weights, "router_weights", (jnp.float32,), (T, k))
@@ -138,32 +143,33 @@ class Layer(L.Layer):
         return Weights(*present) if self.shape.shared_intermediate else Weights(None, None,
                                                                                 None, *present)
 
-    def _call(self):
-        """The layer's forward buffer callback, made once: JAX keys its compilation cache on
-        the callback object, so a fresh one per call would compile again."""
-        if self._callback is None:
+    def _call(self, T):
+        """The layer's forward buffer callback for T tokens, made once per count: JAX keys its
+        compilation cache on the callback object, so a fresh one per call would compile
+        again."""
+        if T not in self._callbacks:
             import jax
             from jax.experimental.buffer_callback import buffer_callback
-            shape = jax.ShapeDtypeStruct((self.tokens_per_rank, self.shape.hidden),
-                                         jax.numpy.bfloat16)
-            self._callback = buffer_callback(self._step, shape, has_side_effect=True)
-        return self._callback
+            shape = jax.ShapeDtypeStruct((T, self.shape.hidden), jax.numpy.bfloat16)
+            self._callbacks[T] = buffer_callback(self._step, shape, has_side_effect=True)
+        return self._callbacks[T]
 
-    def _backward_call(self):
-        """The backward's buffer callback, made once: outputs d_x, d_router_weights and the
-        weight gradients present (the shared ones only when I_s > 0)."""
-        if self._backward_callback is None:
+    def _backward_call(self, T):
+        """The backward's buffer callback for T tokens, made once per count: outputs d_x,
+        d_router_weights and the weight gradients present (the shared ones only when
+        I_s > 0)."""
+        if T not in self._backward_callbacks:
             import jax
             import jax.numpy as jnp
             from jax.experimental.buffer_callback import buffer_callback
-            T, H, k = self.tokens_per_rank, self.shape.hidden, self.shape.topk
+            H, k = self.shape.hidden, self.shape.topk
             shapes = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
                       jax.ShapeDtypeStruct((T, k), jnp.float32)]
             shapes += [jax.ShapeDtypeStruct(shp, jnp.bfloat16)
                        for shp in self._present(B._grad_shapes(self))]
-            self._backward_callback = buffer_callback(self._backward_step, tuple(shapes),
-                                                      has_side_effect=True)
-        return self._backward_callback
+            self._backward_callbacks[T] = buffer_callback(self._backward_step, tuple(shapes),
+                                                          has_side_effect=True)
+        return self._backward_callbacks[T]
 
     def _differentiable(self):
         """The step as a ``jax.custom_vjp`` (made once, as the callbacks)."""
@@ -171,7 +177,8 @@ class Layer(L.Layer):
             import jax
 
             def forward(x, topk_ids, router_weights, weights):
-                return self._call()(x, topk_ids, router_weights, *self._present(weights))
+                return self._call(x.shape[0])(x, topk_ids, router_weights,
+                                              *self._present(weights))
 
             def forward_with_residuals(*args):     # the residuals: the inputs themselves
                 return forward(*args), args
@@ -188,10 +195,10 @@ class Layer(L.Layer):
             raise ValueError("this layer was built with backward=False (forward only): build "
                              "it with backward=True to differentiate it")
         x, topk_ids, router_weights, weights = residuals
-        _check(d_out, "d_out (the output's cotangent)", (jnp.bfloat16,),
-               (self.tokens_per_rank, self.shape.hidden))
-        d_x, d_router, *d_w = self._backward_call()(x, topk_ids, router_weights, d_out,
-                                                     *self._present(weights))
+        T = x.shape[0]
+        _check(d_out, "d_out (the output's cotangent)", (jnp.bfloat16,), (T, self.shape.hidden))
+        d_x, d_router, *d_w = self._backward_call(T)(x, topk_ids, router_weights, d_out,
+                                                      *self._present(weights))
         if not self.shape.shared_intermediate:          # the shared weights' are empty
             d_w = [None if w is None else jnp.zeros(w.shape, w.dtype) for w in weights[:3]] + d_w
         return d_x, None, d_router, Weights(*d_w)

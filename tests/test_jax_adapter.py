@@ -79,8 +79,8 @@ def test_forward_matches_reference_and_functional(limit):
     eager = [layer(*args) for _ in range(2)]
     for o in (again, *eager):
         np.testing.assert_array_equal(_bits(o), _bits(out))
-    # one buffer callback per layer: JAX compiles an eager call once
-    assert layer._call() is layer._call()
+    # one buffer callback per layer and token count: JAX compiles an eager call once
+    assert layer._call(T) is layer._call(T)
 
 
 def test_forward_without_shared_expert():
@@ -107,8 +107,13 @@ def test_jax_inputs_checked():
         layer(x, ids, w, W._replace(w_gate=W.w_gate[:, :16]))
     with pytest.raises(TypeError, match="weights: expected 6 arrays"):
         layer(x, ids, w, tuple(W)[:5])
-    with pytest.raises(ValueError, match=r"x: expected shape \(40, 64\)"):
-        jax.jit(layer)(x[:8], ids, w, W)
+    with pytest.raises(ValueError, match=r"topk_ids: expected shape \(8, 2\), got \(40, 2\)"):
+        jax.jit(layer)(x[:8], ids, w, W)             # fewer tokens: the others must follow
+    with pytest.raises(ValueError, match=r"x: 41 tokens on rank 0, but the layer holds at most "
+                                         r"tokens_per_rank=40"):
+        layer(jnp.concatenate([x, x[:1]]), ids, w, W)
+    with pytest.raises(ValueError, match=r"x: expected shape \(40, 64\), got \(40, 32\)"):
+        jax.jit(layer)(x[:, :32], ids, w, W)
     with pytest.raises(ValueError, match="swiglu_limit=-1.0"):
         mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, swiglu_limit=-1.0)
     with pytest.raises(TypeError, match="w_shared_up: expected a jax.Array, got NoneType"):
@@ -217,4 +222,33 @@ def test_grad_when_the_layer_ran_again_before_its_backward():
     layer.check((grads, d_out))
     want = _functional_grads(inp, np.asarray(d_out), SHAPE, None)
     for name, a, b in zip(B.Grads._fields, jax.tree_util.tree_leaves(grads), want):
+        np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)
+
+
+def test_variable_tokens():
+    """A layer built for T_max = 40 takes a step of 17 tokens (a trace and a callback of its
+    own): the output within 5e-3 of float64 on those tokens, jax.grad bit for bit the
+    functional path's at 17 tokens."""
+    t = 17
+    inp, _ = _inputs(9)
+    inp = {n: a[:, :t] if n in ("x", "ids", "w") else a for n, a in inp.items()}
+    x, ids, w = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
+                 jnp.asarray(inp["w"][0]))
+    W = mok_jax_adapter.Weights(*(jnp.asarray(inp[n]) for n in NAMES))
+    c = np.asarray(np.random.default_rng(10).standard_normal((t, SHAPE.hidden)),
+                   np.float32).astype(jnp.bfloat16)
+    c32 = jnp.asarray(c.astype(np.float32))
+    layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
+    step = jax.jit(layer)
+
+    def loss(x, w, W):
+        return jnp.sum(step(x, ids, w, W).astype(jnp.float32) * c32)
+
+    out = step(x, ids, w, W)
+    d_x, d_w, d_W = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, W)
+    layer.check((out, d_x, d_w, d_W))
+    assert out.shape == (t, SHAPE.hidden) and d_x.shape == (t, SHAPE.hidden)
+    assert rel_l1(np.asarray(out).astype(np.float64), reference_out(inp)[0]) < 5e-3
+    for name, a, b in zip(B.Grads._fields, [d_x, d_w, *d_W],
+                          _functional_grads(inp, c, SHAPE, None)):
         np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)
