@@ -26,7 +26,8 @@ from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
                                  wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait,
-                                 wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb)
+                                 wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
+                                 wgmma_m64n64k32_e4m3, wgmma_m64n128k32_e4m3)
 
 
 def bf16_bits(a):
@@ -330,14 +331,16 @@ def test_cp_async_twin_is_asynchronous():
 # ---- wgmma from swizzled shared memory -----------------------------------------------------------
 
 _WGMMA_N = {64: wgmma_m64n64k16_bf16, 128: wgmma_m64n128k16_bf16}
+_WGMMA_E4M3_N = {64: wgmma_m64n64k32_e4m3, 128: wgmma_m64n128k32_e4m3}
 
 
-def _make_wgmma_slice(n):
+def _make_wgmma_slice(n, e4m3=False):
     """One warpgroup: A [64, 64] and B [n, 64] (bf16, K-major) staged with plain stores in the
     128-byte-swizzled layout, then one K slice = 4 wgmma k16 steps through descriptors whose
-    start address advances 32 bytes per step -- exactly what the GEMM kernels do."""
+    start address advances 32 bytes per step -- exactly what the GEMM kernels do. ``e4m3``:
+    the same bytes as e4m3 [64, 128] and [n, 128] (two per uint16), 4 k32 steps."""
     from mok_core.gemm.sm90 import _DESC_HIGH
-    mma = _WGMMA_N[n]
+    mma = (_WGMMA_E4M3_N if e4m3 else _WGMMA_N)[n]
     elems = (64 + n) * 64 + 512                  # tiles + 1 KiB to align them
     nacc = n // 2
 
@@ -395,6 +398,24 @@ def test_wgmma_descriptors_swizzle_and_fragments(n):
     _make_wgmma_slice(n)[1, 128](to_dev(A.ravel()), to_dev(B.ravel()), D)
     want = bits_to_f32(A).astype(np.float64) @ bits_to_f32(B).astype(np.float64).T
     np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_e4m3_descriptors_swizzle_and_fragments(n):
+    """The FP8 wgmma: e4m3 A [64, 128] . B [n, 128]^T (K-major, swizzled) vs float64 of the
+    e4m3 values (the tensor cores' narrower running sum: within 1e-3)."""
+    from mok_core.cuda_compat import SIM
+    from mok_core.quantize_reference import e4m3_bits, e4m3_values
+    if not SIM and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    rng = np.random.default_rng(n + 1)
+    A = e4m3_bits(rng.standard_normal((64, 128)) * 4)
+    B = e4m3_bits(rng.standard_normal((n, 128)))
+    D = to_dev(np.full(64 * n, np.nan, np.float32))
+    _make_wgmma_slice(n, e4m3=True)[1, 128](to_dev(A.view(np.uint16).ravel()),
+                                            to_dev(B.view(np.uint16).ravel()), D)
+    want = e4m3_values(A) @ e4m3_values(B).T
+    np.testing.assert_allclose(to_host(D).reshape(64, n), want, rtol=1e-3, atol=1e-3)
 
 
 _WGMMA_TB_N = {64: wgmma_m64n64k16_bf16_tb, 128: wgmma_m64n128k16_bf16_tb}

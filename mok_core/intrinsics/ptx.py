@@ -654,6 +654,44 @@ wgmma_m64n128k16_bf16_tatb = _wgmma_bf16(128, trans_b=True, trans_a=True)
 wgmma_m64n256k16_bf16_tatb = _wgmma_bf16(256, trans_b=True, trans_a=True)
 
 
+def _wgmma_e4m3(n):
+    """wgmma m64nNk32, e4m3 x e4m3 -> f32 from shared memory, both operands K-major (8-bit
+    types have no transpose immediates): 32 bytes of k a step."""
+    nacc = n // 2
+
+    def impl(typingctx, acc, smem, desc_a, desc_b):
+        if not (_f32_tuple(acc) and acc.count == nacc and _is_1d(smem)
+                and isinstance(desc_a, types.Integer) and isinstance(desc_b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [builder.extract_value(args[0], i) for i in range(nacc)]
+            da = context.cast(builder, args[2], sig.args[2], types.int64)
+            db = context.cast(builder, args[3], sig.args[3], types.int64)
+            regs = ",".join(f"${i}" for i in range(nacc))
+            one = ir.Constant(_i32, 1)          # scale-d: accumulate (fresh tiles start at 0)
+            # immediates: scale-a, scale-b (1: no negation); no transposes for e4m3
+            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1; }}")
+            outs, ties = _acc_constraints(nacc)
+            res = _asm(builder, ir.LiteralStructType([_f32] * nacc), vals + [da, db, one], text,
+                       f"{outs},{ties},l,l,r,~{{memory}}", True)
+            return _tuple(context, builder, sig, res, nacc)
+        return acc(acc, smem, desc_a, desc_b), codegen
+    return _named(impl, f"wgmma_m64n{n}k32_e4m3",
+                  f"acc += A(64x32) . B(32x{n}), e4m3 (FP8) operands, FP32 accumulator, one "
+                  "warpgroup; both K-major, 128-byte swizzle (a 128-byte row holds 128 of k: "
+                  "a k32 step is +32 bytes in both descriptors, as bf16's k16). The "
+                  "accumulator fragment is ``wgmma_m64n{n}k16_bf16``'s. The tensor cores "
+                  "keep fewer bits than FP32 while they accumulate: FP8 GEMMs promote into "
+                  "their own FP32 sum every 128 of K (docs/design.md, FP8).")
+
+
+wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
+wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
+wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)
+
 def tuple_groups(fn, layout):
     """An intrinsic ``apply(acc, extra)`` over a float32 UniTuple ``acc``, unrolled at compile
     time: for each group j of ``layout(len(acc))`` (a list of index lists) it calls

@@ -57,6 +57,11 @@ def test_wgmma_and_mbarrier_kernels_lower_for_sm90a():
     assert count(ptx, r"wgmma\.mma_async") == 4
     # both operands K-major: the transpose immediates (the last two) are 0
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 0;") == 4
+    # FP8: e4m3 x e4m3 -> f32, k32 steps, no transpose immediates at all
+    ptx, _ = cuda.compile_ptx(ti._make_wgmma_slice(64, e4m3=True).py_func, (u16, u16, f32),
+                              cc=(9, 0, "a"))
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3 "
+                      r"[^;]*, p, 1, 1;") == 4
     ptx = compile_sm90(ti._mbarrier_phases, (i32,))
     for p in (r"mbarrier\.init\.shared::cta\.b64", r"mbarrier\.arrive\.expect_tx",
               r"mbarrier\.try_wait\.parity\.shared::cta\.b64"):
