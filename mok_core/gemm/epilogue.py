@@ -33,6 +33,14 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
 The caller owns the ordering around it: the staging area (ring stages the next tile's prologue
 leaves free) may be rewritten only after the sending lanes' ``bulk_wait_read`` and a block
 barrier, and the block's last stores must be waited (``bulk_wait``) before it exits.
+
+Coalesced epilogue (``make_coalesced_epilogue``: the weight gradients and the FP8 GEMM, short-K
+kernels whose tiles come faster than per-row bulk copies leave): steps 1 and 4 as above, but
+the warp reads its 16 staged rows back after the __syncwarp and stores them with 16-byte
+stores, a warp instruction covering 512 contiguous bytes; rows at or past ``rows`` (the tile's
+rows that are the expert's) are not stored. Plain generic stores: no proxy fence, and the
+staging may be rewritten once every lane of the warp is past its reads (the caller's next
+block barrier).
 """
 from numba import cuda, float32, uint32
 
@@ -41,9 +49,9 @@ from ..cuda_compat import kjit
 from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
 from ..intrinsics import (bulk_commit, bulk_store, ex2_approx, fence_proxy_async,
-                          fold_nonfinite_bf16x2, pack_bf16x2, rcp_approx, shared_addr,
-                          st_shared_u32, st_v2_f32, syncwarp, tuple_fold, tuple_pick, warp_all,
-                          warp_min, warp_sum)
+                          fold_nonfinite_bf16x2, ld_v4, pack_bf16x2, rcp_approx, shared_addr,
+                          st_shared_u32, st_v2_f32, st_v4, syncwarp, tuple_fold, tuple_pick,
+                          warp_all, warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _INT32_MAX = INT32_MAX
@@ -224,3 +232,40 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
                 report_warp(errors, nf[0], nf[1], n, row0 + srow, nf[2] // nf[3])
 
     return stage_and_send, stride
+
+
+def make_coalesced_epilogue(bn):
+    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
+    errors, nf_tensor, nf_rank)``: the finished tile, plain bf16, staged at the shared byte
+    address ``epi0`` (row stride BN * 2 + 16) and stored coalesced (module header) to rows
+    grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16 columns), columns n0 ..; NaN/Inf
+    reported as D_e's rows m0 + i."""
+    stride = bn * 2 + 16
+    cpr = bn // 8                           # 16-byte chunks per output row
+    chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
+    stage_tile = make_stage_tile(False)
+
+    @kjit(device=True, inline="always")
+    def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
+                 errors, nf_tensor, nf_rank):
+        bad = stage_tile(acc, (uint32(0), uint32(0)),
+                         (smem, frag_row, frag_col, float32(0.0), epi0, stride))
+        syncwarp()
+        rel = epi0 - shared_addr(smem)
+        row0 = frag_row - lane // 4         # the warp's first row
+        for i in range(chunks):             # chunk c = lane + 32 i of the warp's 16 rows
+            c = lane + 32 * i
+            r = row0 + c // cpr
+            col = c % cpr
+            if r < rows:
+                v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
+                st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
+        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows
+        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+            srow = row0 + lane % 16
+            n = 0
+            if lane < 16:
+                n = bf16_nonfinite_count(smem, rel + srow * stride, bn)
+            report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
+
+    return epilogue

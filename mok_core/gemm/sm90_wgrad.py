@@ -84,15 +84,14 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int64, uint16
 
 from ..cuda_compat import kjit
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
-                          fence_proxy_async, ld_v4, st_v4,
-                          shared_addr, syncwarp, tuple_fold, warp_all, wgmma_commit,
+                          fence_proxy_async, shared_addr, tuple_fold, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
-from .epilogue import bf16_nonfinite_count, make_stage_tile, report_warp
+from .epilogue import make_coalesced_epilogue, report_warp
 from .sm80_wgrad import launch_with
 from .sm90 import _DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch
 
@@ -199,43 +198,16 @@ def _plain_layout(count):
 
 
 def _make_epilogues(bm, bn, out_f32, accumulate):
-    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col, errors,
-    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i of ``out`` for tile rows i,
-    columns n0 ..; D_e's rows m0 + i) written and checked, bf16 staged at the shared byte
-    address ``epi0`` (module header)."""
-    stride = bn * 2 + 16                    # +16: a warp's 8 rows land in 8 bank groups
-    cpr = bn // 8                           # 16-byte chunks per output row
-    chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
-    stage_tile = make_stage_tile(False)
+    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
+    errors, nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i of ``out`` for tile
+    rows i, columns n0 ..; D_e's rows m0 + i) written and checked; bf16:
+    ``epilogue.make_coalesced_epilogue``, staged at the shared byte address ``epi0``."""
     store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
+    epilogue_bf16 = make_coalesced_epilogue(bn)
 
     @kjit(device=True, inline="always")
-    def epilogue_bf16(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col,
-                      errors, nf_tensor, nf_rank):
-        bad = stage_tile(acc, (uint32(0), uint32(0)),
-                         (smem, frag_row, frag_col, float32(0.0), epi0, stride))
-        syncwarp()
-        # the warp's 16 rows leave coalesced: 16-byte chunk c = lane + 32 i of them, a warp
-        # instruction covering 512 contiguous bytes of the output
-        rel = epi0 - shared_addr(smem)
-        row0 = frag_row - lane // 4         # the warp's first row
-        for i in range(chunks):
-            c = lane + 32 * i
-            r = row0 + c // cpr
-            col = c % cpr
-            v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
-            st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
-        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows
-        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
-            srow = frag_row - lane // 4 + lane % 16      # the warp's first row + i
-            n = 0
-            if lane < 16:
-                n = bf16_nonfinite_count(smem, epi0 + srow * stride - shared_addr(smem), bn)
-            report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
-
-    @kjit(device=True, inline="always")
-    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, epi0, lane, frag_row, frag_col,
-                     errors, nf_tensor, nf_rank):
+    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
+                     frag_col, errors, nf_tensor, nf_rank):
         at = (grow0 + frag_row) * N + n0 + frag_col
         y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
         # a clean tile costs one vote; else each lane recounts what it wrote, by row
@@ -411,7 +383,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
                 out = out1
                 rows = M - m_split
                 first = m_split
-            epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, staging, lane,
+            epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, bm, staging, lane,
                      frag_row, frag_col, errors, nf_tensor, nf_rank)
             t += cuda.gridDim.x
         cp_async_wait(0)                       # (the stream's empty tail groups)

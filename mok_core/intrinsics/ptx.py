@@ -688,6 +688,28 @@ def _wgmma_e4m3(n):
                   "their own FP32 sum every 128 of K (docs/design.md, FP8).")
 
 
+@intrinsic
+def promote_fp8(typingctx, acc, part, s_lo, s_hi):
+    """The FP8 promotion of one K slice: ``acc[i] + part[i] * s`` for every element of two
+    equal float32 UniTuples (wgmma fragments), ``s`` = ``s_lo`` for the fragment's upper row
+    (elements 4j, 4j + 1) and ``s_hi`` for the row 8 below (4j + 2, 4j + 3); one rounded
+    multiply and one rounded add each (no FMA contraction: the twin's bits)."""
+    if not (_f32_tuple(acc) and acc == part and isinstance(s_lo, types.Float)
+            and isinstance(s_hi, types.Float)):
+        return None
+    n = acc.count
+
+    def codegen(context, builder, sig, args):
+        lo = context.cast(builder, args[2], sig.args[2], types.float32)
+        hi = context.cast(builder, args[3], sig.args[3], types.float32)
+        out = []
+        for i in range(n):
+            p = builder.extract_value(args[1], i)
+            prod = builder.fmul(p, hi if (i // 2) % 2 else lo)
+            out.append(builder.fadd(builder.extract_value(args[0], i), prod))
+        return context.make_tuple(builder, sig.return_type, out)
+    return acc(acc, part, s_lo, s_hi), codegen
+
 wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
 wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
 wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)

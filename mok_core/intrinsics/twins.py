@@ -428,6 +428,11 @@ def _wgmma_e4m3(n):
     return twin
 
 
+def promote_fp8(acc, part, s_lo, s_hi):
+    lo, hi = np.float32(s_lo), np.float32(s_hi)
+    return tuple(np.float32(a + np.float32(p * (hi if (i // 2) % 2 else lo)))
+                 for i, (a, p) in enumerate(zip(acc, part)))
+
 wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
 wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
 wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)
