@@ -14,7 +14,9 @@
 #        and backward columns)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
-#        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape)
+#        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
+#        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
+#        sm_90a PTX checks with this host's ptxas: C7518 and spills)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
@@ -128,6 +130,10 @@ for s in "$@"; do
     gpu-dgrad) step gpu-dgrad $PYT tests/test_gemm_dgrad.py ;;
     gpu-wgrad) step gpu-wgrad $PYT -s tests/test_gemm_wgrad.py ;;
     gpu-quant) step gpu-quant $PYT tests/test_quantize.py ;;
+    gpu-fp8) step gpu-fp8 $PYT -s tests/test_gemm_fp8.py tests/test_quantize.py \
+         tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
+         step ptx-fp8 $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
+         tests/ptx/test_ptx_wgrad.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \

@@ -12,7 +12,12 @@ for every row r of expert e's segment [off[e], off[e+1]), and the backward's wei
                     m < m_split to one output, the rest to another: dW_gate and dW_up from
                     one launch)
 
-whose reduction runs over each expert's rows. ``dgrad`` is the backward's data gradient
+whose reduction runs over each expert's rows; and the FP8 forward GEMM (in progress, issue 23)
+
+    fp8_gemm:       out[r]    = A[r] W_e^T, A and W_e e4m3 with 1 x 128 / 128 x 128 scales
+                    (bf16 out; Hopper only, ``sm90_fp8``).
+
+``dgrad`` is the backward's data gradient
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
 gathered through an index) and d_x = [d_gate | d_up] [W_gate[e]; W_up[e]] (K split over two
 weight arrays); it runs on both kernel families (wgmma: B read MN-major, ``push`` sends the
@@ -45,13 +50,14 @@ from numba import cuda
 from .. import errors as err
 from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
 from . import sm80, sm90
-from . import sm80_wgrad, sm90_wgrad
+from . import sm80_wgrad, sm90_fp8, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
-           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad"]
+           "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad", "fp8_gemm",
+           "launch_fp8_gemm"]
 
 
 _SCRATCH = {}
@@ -345,7 +351,7 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
             with bn = 64, 128 or 256, or bm = 256 with bn <= 128; bf16 outputs 16-byte aligned
-            (bulk stores). None: ``default_gemm()`` where that is mma.sync, else
+            (16-byte stores). None: ``default_gemm()`` where that is mma.sync, else
             ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
             backward does on Hopper where the shape fits its tile:
             ``mok_comm.layer.wgrad_gemm``).
@@ -513,3 +519,64 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
     if cfg.mma == "wgmma" and C // 64 >= 1 << 16:
         raise ValueError(f"rows {C}: the wgmma kernel's tile table counts row tiles in 16 bits "
                          f"(at most {(1 << 16) * 64 - 1} rows per launch)")
+
+
+def launch_fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *,
+                    stages=4, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``fp8_gemm`` without the checks (arguments as there)."""
+    sm90_fp8.launch_fp8(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out,
+                        stages=stages, stream=stream, errors=_error_word(errors),
+                        tensor=tensor, rank=rank)
+
+
+def fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *, stages=4,
+             stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """FP8 grouped GEMM (Hopper; ``sm90_fp8``): for the rows r of each expert e,
+
+        out[r] = bf16( A[ra(r)] W_e^T ),  A = a x a_scale (1 x 128),  W_e = w[e] x w_scale[e]
+        (128 x 128 blocks), ra(r) = a_index[r] (-1: a zero row) or r
+
+    FP32 accumulation promoted from the tensor cores every 128 of K.
+
+    Arguments:
+        a: uint8 (e4m3) [A_rows, K], K a multiple of 128; a_scale: float32 [A_rows, K / 128]
+            (``mok_core.quantize.quantize_fp8(x, (1, 128))``).
+        a_index: int32 [C] or None (C = A_rows).
+        w: uint8 (e4m3) [E, N, K], N a multiple of 128; w_scale: float32 [E, N / 128, K / 128]
+            (each expert ``quantize_fp8(w[e], (128, 128))``).
+        expert_offsets: int32 [E + 1]; num_rows: int32 [1] (device; segments clamped to it).
+        out: uint16 (bf16) [C, N]; rows of no expert are left as they are.
+        errors, tensor, rank: NaN/Inf written are recorded in the error word (as ``wgrad``).
+        stages: ring slices (>= 2; 4: 160 KiB of shared memory with the staging).
+
+    Deterministic: one block owns a tile, slices promoted in ascending K.
+    """
+    a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
+    A_rows, K = a.shape
+    if K % 128 or K == 0:
+        raise ValueError(f"a: K={K} (its columns) must be a positive multiple of 128")
+    a_scale = as_device_array(a_scale, "a_scale", dtype=np.float32, shape=(A_rows, K // 128))
+    w = as_device_array(w, "w", dtype=np.uint8, ndim=3)
+    E, N = w.shape[0], w.shape[1]
+    if w.shape[2] != K:
+        raise ValueError(f"w: expected K={K} columns (a's), got shape {tuple(w.shape)}")
+    if N % 128 or N == 0:
+        raise ValueError(f"w: N={N} (its rows per expert) must be a positive multiple of 128")
+    w_scale = as_device_array(w_scale, "w_scale", dtype=np.float32,
+                              shape=(E, N // 128, K // 128))
+    C = A_rows
+    if a_index is not None:
+        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
+        C = a_index.shape[0]
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
+    if not isinstance(stages, (int, np.integer)) or stages < 2:
+        raise ValueError(f"stages={stages!r}: must be an int >= 2")
+    if sm90_fp8.smem_bytes(int(stages)) > 227 * 1024:
+        raise ValueError(f"stages={stages}: {sm90_fp8.smem_bytes(int(stages))} bytes of shared "
+                         "memory, over 227 KiB")
+    if device_address(out) % 16:
+        raise ValueError("out: must be 16-byte aligned (16-byte stores)")
+    launch_fp8_gemm(a, a_scale, a_index, w, w_scale, off, nr, out, stages=int(stages),
+                    stream=stream, errors=errors, tensor=tensor, rank=rank)

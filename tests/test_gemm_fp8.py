@@ -1,0 +1,165 @@
+"""The FP8 grouped GEMM (``mok_core.gemm.fp8_gemm``, ``sm90_fp8``: wgmma e4m3, 1 x 128 and
+128 x 128 scales, the FP32 promotion per 128 of K) vs float64 of the dequantised operands
+(``mok_core.quantize_reference.grouped_gemm_fp8_reference``): on the simulator at tiny shapes
+(ragged experts, an empty one, one cut by num_rows, gathered rows with padding), unchanged on a
+Hopper GPU, plus a real shape there with its TFLOP/s."""
+import numpy as np
+import pytest
+
+from helpers import gpu_ms, to_dev
+from mok_core import errors as err
+from mok_core.cuda_compat import SIM, to_host
+from mok_core.gemm import fp8_gemm
+from mok_core.quantize_reference import grouped_gemm_fp8_reference, quantize_fp8_reference
+
+POISON16 = 0x7FC1                   # a bf16 NaN the GEMM never writes
+
+
+def _hopper():
+    if not SIM:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the FP8 GEMM needs sm_90")
+
+
+def problem(seed, counts, K, N, *, gather, cut=0, a_rows=None, scale=1.0):
+    """Host inputs: quantised a [A_rows, K] / w [E, N, K] with their scales, the expert
+    offsets of ``counts`` rows each, num_rows = the total minus ``cut``; gathered: a_index
+    picks random rows of a, the last 7 rows of every non-empty expert padding (-1)."""
+    rng = np.random.default_rng(seed)
+    C = int(sum(counts))
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    a_rows = a_rows or (C if not gather else max(C // 2, 1))
+    x = rng.standard_normal((a_rows, K)).astype(np.float32) * scale
+    x[:, :128] *= 8.0                         # the scale blocks differ
+    a, a_scale = quantize_fp8_reference(x, (1, 128))
+    ws = [quantize_fp8_reference(rng.standard_normal((N, K)).astype(np.float32)
+                                 * (1 + e), (128, 128)) for e in range(len(counts))]
+    w = np.stack([q for q, _ in ws])
+    w_scale = np.stack([s for _, s in ws]).astype(np.float32)
+    a_index = None
+    if gather:
+        a_index = rng.integers(0, a_rows, C).astype(np.int32)
+        for e, n in enumerate(counts):
+            if n:
+                a_index[off[e + 1] - min(7, n):off[e + 1]] = -1
+    nr = np.array([C - cut], np.int32)
+    return a, a_scale.astype(np.float32), a_index, w, w_scale, off, nr
+
+
+def run(args, stages=4, errors=None):
+    a, a_scale, a_index, w, w_scale, off, nr = args
+    out = to_dev(np.full((len(a_index) if a_index is not None else a.shape[0], w.shape[1]),
+                         POISON16, np.uint16))
+    fp8_gemm(to_dev(a), to_dev(a_scale), None if a_index is None else to_dev(a_index),
+             to_dev(w), to_dev(w_scale), to_dev(off), to_dev(nr), out, stages=stages,
+             errors=errors)
+    return to_host(out)
+
+
+def f64(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+CASES = {
+    # direct rows: 150 = a full and a partial row tile, an empty expert, the last cut by 20
+    "direct": dict(counts=[150, 0, 40, 96], K=256, N=128, gather=False, cut=20),
+    # gathered rows with padding, two column tiles, three K slices, an expert past num_rows
+    "gathered": dict(counts=[64, 130, 0, 32], K=384, N=256, gather=True, cut=32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
+    """Within rel-L1 5e-3 of float64 of the dequantised operands (the bf16 output rounding is
+    most of it), each row within bf16 rounding plus the tensor cores' narrower sum; rows of no
+    expert untouched; padding rows zero; a rerun bit for bit."""
+    _hopper()
+    c = CASES[case]
+    args = problem(len(case), c["counts"], c["K"], c["N"], gather=c["gather"], cut=c["cut"])
+    got = run(args)
+    want = grouped_gemm_fp8_reference(*args)
+    written = ~np.isnan(want[:, 0])
+    assert (got[~written] == POISON16).all(), "rows of no expert must be left as they were"
+    g, r = f64(got[written]), want[written]
+    assert np.isfinite(g).all()
+    rel = np.abs(g - r).sum() / np.abs(r).sum()
+    assert rel < 5e-3, rel
+    scale = np.abs(r).max(axis=1, keepdims=True) + 1e-30
+    assert (np.abs(g - r) <= 8e-3 * np.abs(r) + 2e-3 * scale).all()
+    a_index = args[2]
+    if a_index is not None:
+        pad = np.flatnonzero((a_index < 0) & written)
+        assert len(pad) and (got[pad] == 0).all(), "padding rows must be zeros"
+    np.testing.assert_array_equal(run(args), got)                 # deterministic
+
+
+def test_fp8_gemm_reports_non_finite_and_checks_inputs():
+    """An Inf scale reaches the error word (count, row, expert); bad inputs raise naming the
+    tensor."""
+    _hopper()
+    args = list(problem(3, [40, 64], 128, 128, gather=False))
+    w_scale = args[4].copy()
+    w_scale[1, 0, 0] = np.inf
+    args[4] = w_scale
+    words = to_dev(err.initial_error_word())
+    run(args, errors=words)
+    w = to_host(words)
+    t = err.NF_HIDDEN
+    assert w[err.FLAGS] & err.ERR_NON_FINITE
+    assert w[err.NONFINITE + 2 * t] == 64 * 128                    # expert 1: every value
+    assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == 40        # its first row
+    assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 1
+    a, a_scale, _, w8, ws, off, nr = problem(3, [40, 64], 128, 128, gather=False)
+    out = to_dev(np.zeros((104, 128), np.uint16))
+    with pytest.raises(ValueError, match=r"a: K=100 \(its columns\) must be a positive "
+                                         r"multiple of 128"):
+        fp8_gemm(to_dev(a[:, :100]), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+                 to_dev(off), to_dev(nr), out)
+    with pytest.raises(ValueError, match=r"w_scale: expected shape \(2, 1, 1\)"):
+        fp8_gemm(to_dev(a), to_dev(a_scale), None, to_dev(w8), to_dev(ws[:, :, :0]),
+                 to_dev(off), to_dev(nr), out)
+    with pytest.raises(TypeError, match="a: expected dtype uint8"):
+        fp8_gemm(to_dev(a.astype(np.uint16)), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+                 to_dev(off), to_dev(nr), out)
+
+
+def _e4m3_bytes(rng, shape):
+    """Random e4m3 bytes, every finite value alike (the two NaN codes moved down one)."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    return np.where((b & 0x7F) == 0x7F, b - 1, b).astype(np.uint8)
+
+
+@pytest.mark.skipif(SIM, reason="a real shape: GPU only")
+def test_fp8_gemm_real_shape(capsys):
+    """kimi-k2.7's routed gate|up at 8192 tokens/rank of EP 8 (48 local experts, ~1365 rows
+    each, K = 7168, N = 2I = 4096): 16 rows of each of 4 experts vs float64 of the dequantised
+    operands, and the TFLOP/s printed."""
+    from mok_core.quantize_reference import dequantize_fp8
+    _hopper()
+    E, K, N, per = 48, 7168, 4096, 1365
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(E * per, np.ones(E) / E)
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    C = int(off[-1])
+    a = _e4m3_bytes(rng, (C, K))
+    w = _e4m3_bytes(rng, (E, N, K))
+    a_scale = np.exp2(rng.uniform(-10, -6, (C, K // 128))).astype(np.float32)
+    w_scale = np.exp2(rng.uniform(-10, -6, (E, N // 128, K // 128))).astype(np.float32)
+    out = to_dev(np.zeros((C, N), np.uint16))
+    dev = [to_dev(v) for v in (a, a_scale, w, w_scale, off, np.array([C], np.int32))]
+
+    def call():
+        fp8_gemm(dev[0], dev[1], None, dev[2], dev[3], dev[4], dev[5], out)
+    call()
+    got = to_host(out)
+    for e in (0, 17, 30, E - 1):
+        rows = off[e] + rng.choice(counts[e], 16, replace=False)
+        want = dequantize_fp8(a[rows], a_scale[rows]) @ \
+            dequantize_fp8(w[e], w_scale[e], (128, 128)).T
+        g = f64(got[rows])
+        assert np.abs(g - want).sum() / np.abs(want).sum() < 5e-3, e
+    ms = gpu_ms(call, 10, 2)
+    with capsys.disabled():
+        print(f"\n[fp8 gemm: rows={C} K={K} N={N} E={E}] {ms:.3f} ms = "
+              f"{2.0 * C * K * N / ms / 1e9:.0f} TFLOP/s")
