@@ -132,8 +132,8 @@ for s in "$@"; do
     gpu-quant) step gpu-quant $PYT tests/test_quantize.py ;;
     gpu-fp8) step gpu-fp8 $PYT -s tests/test_gemm_fp8.py tests/test_quantize.py \
          tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
-         step ptx-fp8 $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
-         tests/ptx/test_ptx_wgrad.py ;;
+         step ptx-sm90a $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
+         tests/ptx/test_ptx_wgrad.py tests/ptx/test_ptx_gemm.py tests/ptx/test_ptx_backward.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \

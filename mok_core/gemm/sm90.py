@@ -124,6 +124,16 @@ def smem_bytes(bn, stages, bm):
 
 
 @kjit(device=True, inline="always")
+def warpgroup_fragment(tid):
+    """Thread ``tid`` of a block of warpgroups: (its warpgroup g, its lane, the first of the two
+    tile rows its wgmma fragment holds -- that and the row 8 below, in g's rows [64g, 64g + 64)
+    -- and its first column: 8j + that (+1) for group j)."""
+    wg = tid // 128
+    lane = tid % 32
+    return wg, lane, wg * 64 + ((tid % 128) // 32) * 16 + lane // 4, 2 * (lane % 4)
+
+
+@kjit(device=True, inline="always")
 def wait_phase(smem, bar, parity):
     """Until the mbarrier at ``bar`` completed the phase of ``parity``. Bounded: only a bug in
     the kernel itself can make it time out, and then it traps (a launch failure, not a hang)."""
@@ -330,10 +340,7 @@ def _make_kernel(lay, swiglu_epilogue, push, gather, b_kn, tile_start, load_stag
                route_rank, route_token, route_slot, peers, k, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        wg = tid // 128
-        lane = tid % 32
-        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
-        frag_col = 2 * (lane % 4)
+        wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
         num_experts = offsets.shape[0] - 1
         n_tiles = n_out // (bn // 2 if swiglu_epilogue else bn)
         ktiles = K // BK

@@ -68,7 +68,7 @@ from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_ze
                           fence_proxy_async, promote_fp8, shared_addr, wgmma_commit,
                           wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_wait)
 from .epilogue import make_coalesced_epilogue
-from .sm90 import _DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table
+from .sm90 import _DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, warpgroup_fragment
 
 BM = 128                      # tile rows: 2 warpgroups of 64
 BN = 128                      # tile columns: one 128-wide scale block of W
@@ -153,10 +153,7 @@ def make_fp8_gemm(stages, gather):
                nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        wg = tid // 128
-        lane = tid % 32
-        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
-        frag_col = 2 * (lane % 4)
+        wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
         num_experts = offsets.shape[0] - 1
         rows_cap = min(int64(num_rows[0]), int64(out.shape[0]) * 2 // N)
         tile_table(smem, offsets, num_experts, BM, rows_cap)

@@ -93,7 +93,8 @@ from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_ze
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import make_coalesced_epilogue, report_warp
 from .sm80_wgrad import launch_with
-from .sm90 import _DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch
+from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch,
+                   warpgroup_fragment)
 
 _WGMMA_TATB = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb,
                256: wgmma_m64n256k16_bf16_tatb}
@@ -302,10 +303,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
                nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        wg = tid // 128
-        lane = tid % 32
-        frag_row = wg * 64 + ((tid % 128) // 32) * 16 + lane // 4   # (+8): this thread's rows
-        frag_col = 2 * (lane % 4)
+        wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
         num_experts = offsets.shape[0] - 1
         m_tiles = M // bm
         tiles_per_expert = m_tiles * (N // bn)

@@ -591,16 +591,11 @@ def f32_zeros(typingctx, n):
     return ret(n), codegen
 
 
-def _wgmma_bf16(n, trans_b=False, trans_a=False):
-    """wgmma m64nNk16, bf16 x bf16 -> f32 from shared memory; B K-major (``trans_b`` False:
-    the ``imm-trans-b`` immediate 0) or MN-major (True: immediate 1, B stored as [k][n] rows
-    with n contiguous -- the weights as stored, read by ``dgrad``); A K-major, or with
-    ``trans_a`` MN-major too (``imm-trans-a`` = 1, A stored as [k][m] rows with m contiguous:
-    both operands of the weight gradient, whose reduction runs over the rows they are stored
-    in)."""
+def _wgmma_impl(n, shape_types, immediates):
+    """The intrinsic maker of one wgmma: ``acc`` (n/2 float32) += A . B from two shared-memory
+    descriptors, ``wgmma.mma_async.sync.aligned.m64n{n}{shape_types}`` with scale-d 1
+    (accumulate: fresh tiles start at 0) and the instruction's trailing ``immediates``."""
     nacc = n // 2
-    tb = 1 if trans_b else 0
-    ta = 1 if trans_a else 0
 
     def impl(typingctx, acc, smem, desc_a, desc_b):
         if not (_f32_tuple(acc) and acc.count == nacc and _is_1d(smem)
@@ -612,16 +607,27 @@ def _wgmma_bf16(n, trans_b=False, trans_a=False):
             da = context.cast(builder, args[2], sig.args[2], types.int64)
             db = context.cast(builder, args[3], sig.args[3], types.int64)
             regs = ",".join(f"${i}" for i in range(nacc))
-            one = ir.Constant(_i32, 1)          # scale-d: accumulate (fresh tiles start at 0)
-            # immediates: scale-a, scale-b (1: no negation), trans-a, trans-b
+            one = ir.Constant(_i32, 1)
             text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
-                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
-                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1, {ta}, {tb}; }}")
+                    f"wgmma.mma_async.sync.aligned.m64n{n}{shape_types} "
+                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, {immediates}; }}")
             outs, ties = _acc_constraints(nacc)
             res = _asm(builder, ir.LiteralStructType([_f32] * nacc), vals + [da, db, one], text,
                        f"{outs},{ties},l,l,r,~{{memory}}", True)
             return _tuple(context, builder, sig, res, nacc)
         return acc(acc, smem, desc_a, desc_b), codegen
+    return impl
+
+
+def _wgmma_bf16(n, trans_b=False, trans_a=False):
+    """wgmma m64nNk16, bf16 x bf16 -> f32 from shared memory; B K-major (``trans_b`` False:
+    the ``imm-trans-b`` immediate 0) or MN-major (True: immediate 1, B stored as [k][n] rows
+    with n contiguous -- the weights as stored, read by ``dgrad``); A K-major, or with
+    ``trans_a`` MN-major too (``imm-trans-a`` = 1, A stored as [k][m] rows with m contiguous:
+    both operands of the weight gradient, whose reduction runs over the rows they are stored
+    in)."""
+    # immediates: scale-a, scale-b (1: no negation), trans-a, trans-b
+    impl = _wgmma_impl(n, "k16.f32.bf16.bf16", f"1, 1, {int(trans_a)}, {int(trans_b)}")
     if trans_a:
         return _named(impl, f"wgmma_m64n{n}k16_bf16_tatb",
                       f"``wgmma_m64n{n}k16_bf16_tb`` with A MN-major too (``imm-trans-a`` = 1): "
@@ -657,28 +663,7 @@ wgmma_m64n256k16_bf16_tatb = _wgmma_bf16(256, trans_b=True, trans_a=True)
 def _wgmma_e4m3(n):
     """wgmma m64nNk32, e4m3 x e4m3 -> f32 from shared memory, both operands K-major (8-bit
     types have no transpose immediates): 32 bytes of k a step."""
-    nacc = n // 2
-
-    def impl(typingctx, acc, smem, desc_a, desc_b):
-        if not (_f32_tuple(acc) and acc.count == nacc and _is_1d(smem)
-                and isinstance(desc_a, types.Integer) and isinstance(desc_b, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            vals = [builder.extract_value(args[0], i) for i in range(nacc)]
-            da = context.cast(builder, args[2], sig.args[2], types.int64)
-            db = context.cast(builder, args[3], sig.args[3], types.int64)
-            regs = ",".join(f"${i}" for i in range(nacc))
-            one = ir.Constant(_i32, 1)          # scale-d: accumulate (fresh tiles start at 0)
-            # immediates: scale-a, scale-b (1: no negation); no transposes for e4m3
-            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
-                    f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-                    f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, 1, 1; }}")
-            outs, ties = _acc_constraints(nacc)
-            res = _asm(builder, ir.LiteralStructType([_f32] * nacc), vals + [da, db, one], text,
-                       f"{outs},{ties},l,l,r,~{{memory}}", True)
-            return _tuple(context, builder, sig, res, nacc)
-        return acc(acc, smem, desc_a, desc_b), codegen
+    impl = _wgmma_impl(n, "k32.f32.e4m3.e4m3", "1, 1")     # scale-a, scale-b
     return _named(impl, f"wgmma_m64n{n}k32_e4m3",
                   f"acc += A(64x32) . B(32x{n}), e4m3 (FP8) operands, FP32 accumulator, one "
                   "warpgroup; both K-major, 128-byte swizzle (a 128-byte row holds 128 of k: "

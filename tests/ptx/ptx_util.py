@@ -15,6 +15,15 @@ def compile_sm90(kernel, sig):
     return ptx
 
 
+def compile_sm90a(kernel, sig):
+    """PTX of a kjit kernel for the arch-specific sm_90a target (wgmma), its launch bounds
+    included as its launch builds it."""
+    opts = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"), **opts)
+    assert ".target sm_90a" in ptx
+    return ptx
+
+
 def count(ptx, pattern):
     return len(re.findall(pattern, ptx))
 

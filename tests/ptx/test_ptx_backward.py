@@ -77,19 +77,15 @@ def test_layer_wgmma_dgrad_lowers_unserialised(use):
     imm-trans-b 1, both weight maps acquired, TMA boxes, the plain staged epilogue with its
     NaN/Inf check, no local memory anywhere -- and ptxas (where it reads numba's PTX) keeps
     the wgmmas unserialised (C7518) without spills."""
-    from numba import cuda
-
     from mok_core.gemm.sm90 import make_wgmma_gemm
-    from ptx_util import assemble_sm90a
+    from ptx_util import assemble_sm90a, compile_sm90a
     from test_ptx_gemm import NF_CHECK, TMA, WG_SIG
     (g,) = _layer_dgrad_gemms()
     gather = use == "d_hidden"
     kern = make_wgmma_gemm(g.bn, g.stages, False, gather, gather, push=False, bm=g.bm,
                            max_registers=g.max_registers, blocks_per_sm=g.blocks_per_sm,
                            b_kn=True)
-    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kern.py_func, WG_SIG, cc=(9, 0, "a"), **opts)
-    assert ".target sm_90a" in ptx
+    ptx = compile_sm90a(kern, WG_SIG)
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{g.bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1

@@ -5,7 +5,7 @@ unserialised (C7518) without spills (where the local ptxas reads numba's PTX).""
 import pytest
 from numba import float32, int32, int64, uint16, uint32
 
-from ptx_util import assemble_sm90a, count
+from ptx_util import assemble_sm90a, compile_sm90a, count
 
 SIG = (uint16[::1], float32[::1], int32[::1], uint16[::1], float32[::1], int32[::1],
        int32[::1], uint32[::1], int64, int64, int32[::1], int32, int32)
@@ -15,13 +15,8 @@ NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
 
 @pytest.mark.parametrize("gather", [False, True], ids=["direct", "gathered"])
 def test_fp8_gemm_lowers_unserialised(gather):
-    from numba import cuda
-
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
-    kern = make_fp8_gemm(4, gather)
-    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kern.py_func, SIG, cc=(9, 0, "a"), **opts)
-    assert ".target sm_90a" in ptx
+    ptx = compile_sm90a(make_fp8_gemm(4, gather), SIG)
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned [1-9]") == 0

@@ -7,7 +7,7 @@ import pytest
 from numba import float32, int32, int64, types, uint16, uint32, uint64
 
 from mok_core.gemm.sm80 import make_grouped_gemm
-from ptx_util import assemble_sm90a, compile_sm90, count, require_ptxas
+from ptx_util import assemble_sm90a, compile_sm90, compile_sm90a, count, require_ptxas
 
 # out, then ``pre``: the saved gate / up pre-activations (a placeholder without SAVE_PRE)
 _BASE = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
@@ -33,14 +33,9 @@ ST_F32X2 = r"st(\.global)?\.v2\.f32"     # the saved pre-activations' 8-byte sto
 def _wgmma_ptx(bn, stages, swiglu, push=False, bm=128, **kw):
     """PTX of the wgmma kernel (gate/up: gathered A; down: padding index) as the launch
     builds it (its launch bounds included)."""
-    from numba import cuda
-
     from mok_core.gemm.sm90 import make_wgmma_gemm
     kern = make_wgmma_gemm(bn, stages, swiglu, swiglu, True, push=push, bm=bm, **kw)
-    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"),
-                              **opts)
-    return kern, ptx
+    return kern, compile_sm90a(kern, PUSH_SIG if push else WG_SIG)
 
 
 @pytest.mark.parametrize("tile", [(128, 128, 32, 2, 4, 4), (128, 128, 64, 2, 4, 3),
@@ -165,12 +160,9 @@ def test_wgmma_dgrad_lowers_unserialised(bn, gather, push):
     acquired (w0 below K0, w1 above), TMA boxes on the full barriers, the staged plain
     epilogue with its NaN/Inf check (or the push), nothing in local memory in the K loop --
     and ptxas keeps the wgmmas unserialised (C7518)."""
-    from numba import cuda
-
     from mok_core.gemm.sm90 import make_wgmma_gemm
     kern = make_wgmma_gemm(bn, 4, False, gather, gather, push=push, bm=128, b_kn=True)
-    ptx, _ = cuda.compile_ptx(kern.py_func, PUSH_SIG if push else WG_SIG, cc=(9, 0, "a"))
-    assert ".target sm_90a" in ptx
+    ptx = compile_sm90a(kern, PUSH_SIG if push else WG_SIG)
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 0, 1;") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1

@@ -8,7 +8,7 @@ import pytest
 from numba import float32, int32, int64, uint16, uint32
 
 from mok_core.gemm.sm80_wgrad import make_wgrad_gemm
-from ptx_util import compile_sm90, count
+from ptx_util import compile_sm90, compile_sm90a, count
 
 
 def wgrad_sig(out):
@@ -55,15 +55,10 @@ def test_wgrad_lowers_without_local_memory(tile, kind):
 
 def _wgmma_wgrad_ptx(bm, bn, stages, kind):
     """PTX of the wgmma wgrad as ``sm90_wgrad._kernel`` builds it (launch bounds included)."""
-    from numba import cuda
-
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
-    opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kern.py_func, wgrad_sig(float32 if out_f32 else uint32),
-                              cc=(9, 0, "a"), **opts)
-    return ptx
+    return compile_sm90a(kern, wgrad_sig(float32 if out_f32 else uint32))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
