@@ -1,6 +1,7 @@
 """FP8 (e4m3) block quantization of bf16 tensors, as DeepSeek-V3's recipe scales them on Hopper.
 
     data, scales = quantize_fp8(x, block=(1, 128), scale="fp32", transpose=False)
+    data, scales = quantize_expert_weights(w, scale="fp32", transpose=False)   # [E, R, C]
 
 x [R, C] bf16 (uint16 bits) -> ``data`` uint8 e4m3 bytes in the *output layout* [R, C], or
 [C, R] with ``transpose`` (the operand a GEMM wants with the other dimension contiguous: the
@@ -265,4 +266,36 @@ def mxfp8_to_blockwise(data, scales, block=(128, 128), scale: str = "fp32", *,
     return quantize_fp8(bf16, block, scale, transpose, stream=stream)
 
 
-__all__ = ["dequantize_mx_kernel", "mxfp8_to_blockwise", "quantize_fp8", "quantize_kernel"]
+def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, out=None,
+                            scales=None, stream=0, errors=None, tensor: int = err.NF_X,
+                            rank: int = 0):
+    """Expert weights bf16 (uint16 bits) [E, R, C] -> e4m3 [E, R, C] (``transpose``: each
+    expert's transpose, [E, C, R]) with one scale per 128 x 128 block of that layout ([E, R /
+    128, C / 128] or [E, C / 128, R / 128]) -- what ``mok_core.gemm.fp8_gemm`` takes, made once
+    per optimizer step: the forward reads the weights as stored, the dgrads reduce over their
+    other side and take the transposed copies (docs/design.md, FP8). R and C multiples of 128.
+    As stored: one launch over [E R, C] (a 128-row block never spans two experts); transposed:
+    one launch per expert. ``out`` / ``scales``: the caller's buffers, else allocated here."""
+    w = as_device_array(w, "w", dtype=np.uint16, ndim=3)
+    E, R, C = w.shape
+    if R % 128 or C % 128:
+        raise ValueError(f"w: shape [{E}, {R}, {C}] -- each expert's rows and columns must be "
+                         "multiples of 128 (128 x 128 blocks)")
+    rows, cols = (C, R) if transpose else (R, C)
+    dtype = np.float32 if scale == "fp32" else np.uint8
+    out = device_empty((E, rows, cols), np.uint8, stream) if out is None else \
+        as_device_array(out, "out", dtype=np.uint8, shape=(E, rows, cols))
+    scales = device_empty((E, rows // 128, cols // 128), dtype, stream) if scales is None \
+        else as_device_array(scales, "scales", dtype=dtype, shape=(E, rows // 128, cols // 128))
+    kw = dict(stream=stream, errors=errors, tensor=tensor, rank=rank)
+    if not transpose:
+        quantize_fp8(w.reshape(E * R, C), (128, 128), scale, out=out.reshape(E * R, C),
+                     scales=scales.reshape(E * R // 128, C // 128), **kw)
+    else:
+        for e in range(E):
+            quantize_fp8(w[e], (128, 128), scale, True, out=out[e], scales=scales[e], **kw)
+    return out, scales
+
+
+__all__ = ["dequantize_mx_kernel", "mxfp8_to_blockwise", "quantize_expert_weights",
+           "quantize_fp8", "quantize_kernel"]

@@ -9,7 +9,7 @@ import pytest
 from helpers import to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, device_full, to_host
-from mok_core.quantize import quantize_fp8
+from mok_core.quantize import quantize_expert_weights, quantize_fp8
 from mok_core.quantize_reference import (dequantize_fp8, dequantize_mxfp8, e4m3_bits,
                                          e4m3_values, quantize_fp8_reference)
 
@@ -47,6 +47,26 @@ def test_quantize_matches_reference(block, scale, transpose):
     deq = dequantize_fp8(want_data, want_scales, block, scale)
     s = dequantize_fp8(np.full(want_data.shape, 0x38, np.uint8), want_scales, block, scale)
     assert np.all(np.abs(deq - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * s)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_expert_weights(transpose):
+    """``quantize_expert_weights``: every expert bit for bit its own ``quantize_fp8_reference``
+    with 128 x 128 blocks, as stored (one launch over all experts: blocks never span two) or
+    each expert transposed."""
+    E, rows, cols = 3, 128, 256
+    w = np.stack([inputs(10 + e, rows, cols) for e in range(E)])
+    w[1] = bf16_bits(np.full((rows, cols), 1e-3) * np.arange(cols))   # scales differ by expert
+    data, scales = quantize_expert_weights(to_dev(w), transpose=transpose)
+    data, scales = to_host(data), to_host(scales)
+    assert data.shape == ((E, cols, rows) if transpose else (E, rows, cols))
+    for e in range(E):
+        want_data, want_scales = quantize_fp8_reference(
+            w[e].view(ml_dtypes.bfloat16).astype(np.float32), (128, 128), "fp32", transpose)
+        np.testing.assert_array_equal(data[e], want_data)
+        np.testing.assert_array_equal(scales[e], want_scales)
+    with pytest.raises(ValueError, match=r"w: shape \[3, 100, 256\] -- each expert's rows"):
+        quantize_expert_weights(to_dev(w[:, :100]))
 
 
 def test_reference_rounding_equals_ml_dtypes():
