@@ -15,6 +15,7 @@ that device pointers have).
 from __future__ import annotations
 
 import threading
+from _thread import allocate_lock as _allocate_lock
 
 import numpy as np
 
@@ -26,58 +27,75 @@ class _Aborted(RuntimeError):
 
 
 class _Barrier:
-    """Reusable barrier whose party count shrinks as threads finish."""
+    """Reusable barrier whose party count shrinks as threads finish.
+
+    Each waiter sleeps on a lock of its own that the last arrival releases, so the woken
+    threads go on without queueing for a shared lock again (a ``threading.Condition`` makes
+    each of them re-acquire its lock in turn)."""
 
     def __init__(self, parties: int):
-        self.cond = threading.Condition()
+        self.mutex = threading.Lock()
         self.parties = parties
-        self.waiting = 0
-        self.generation = 0
+        self.sleepers = []                # [lock, aborted] of each waiting thread
         self.aborted = False
 
     def wait(self):
-        with self.cond:
+        with self.mutex:
             if self.aborted:
                 raise _Aborted("block aborted")
-            gen = self.generation
-            self.waiting += 1
-            if self.waiting >= self.parties:
-                self._trip()
-            else:
-                while gen == self.generation and not self.aborted:
-                    self.cond.wait()
-            if self.aborted:
-                raise _Aborted("block aborted")
+            if len(self.sleepers) + 1 >= self.parties:
+                self._trip(False)
+                return
+            me = [_allocate_lock(), False]
+            me[0].acquire()
+            self.sleepers.append(me)
+        me[0].acquire()                   # until the last arrival (or an abort) releases it
+        if me[1]:
+            raise _Aborted("block aborted")
 
     def leave(self):
-        with self.cond:
+        with self.mutex:
             self.parties -= 1
-            if self.parties > 0 and self.waiting >= self.parties:
-                self._trip()
+            if self.parties > 0 and len(self.sleepers) >= self.parties:
+                self._trip(False)
 
     def abort(self):
-        with self.cond:
+        with self.mutex:
             self.aborted = True
-            self.cond.notify_all()
+            self._trip(True)
 
-    def _trip(self):
-        self.waiting = 0
-        self.generation += 1
-        self.cond.notify_all()
+    def _trip(self, aborted):
+        sleepers, self.sleepers = self.sleepers, []
+        for me in sleepers:
+            me[1] = aborted
+            me[0].release()
 
 
 class _WarpExchange:
-    """Per-warp rendezvous: every lane deposits a value, all see all 32 values."""
+    """Per-warp rendezvous: every lane deposits a value, all see all 32 values.
+
+    Two sets of slots (and results), used by turns: a lane's n-th exchange or collective
+    writes set n % 2, and it can reach its (n + 2)-th only past the barrier of the (n + 1)-th,
+    which every lane enters after it has read the n-th -- so one barrier per exchange (two per
+    collective) is enough, none is needed to guard the slots against the next call."""
 
     def __init__(self):
         self.barrier = _Barrier(32)
-        self.slots = [None] * 32
+        self.slots = ([None] * 32, [None] * 32)
+        self.results = [None, None]
+        self.turn = [0] * 32                  # each lane's count of exchanges and collectives
 
 
 def _my_warp():
     """(this simulated thread's warp rendezvous, its lane)."""
     thread = threading.current_thread()
     return thread._manager._warps[thread.thread_id // 32], thread.thread_id % 32
+
+
+def _my_turn(warp, lane):
+    turn = warp.turn[lane] & 1
+    warp.turn[lane] += 1
+    return turn
 
 
 def warp_exchange(value):
@@ -87,11 +105,10 @@ def warp_exchange(value):
     Only for Python twins of warp-collective intrinsics under the simulator.
     """
     warp, lane = _my_warp()
-    warp.slots[lane] = value
+    slots = warp.slots[_my_turn(warp, lane)]
+    slots[lane] = value
     warp.barrier.wait()
-    values = list(warp.slots)
-    warp.barrier.wait()          # nobody overwrites a slot before every lane has read
-    return values
+    return list(slots)
 
 
 def warp_barrier():
@@ -103,14 +120,13 @@ def warp_collective(value, compute):
     """Deposit ``value``; one lane runs ``compute(list of 32 values)`` and every lane gets its
     result (for twins whose per-warp work should be done once, not 32 times)."""
     warp, lane = _my_warp()
-    warp.slots[lane] = value
+    turn = _my_turn(warp, lane)
+    warp.slots[turn][lane] = value
     warp.barrier.wait()
     if lane == 0:
-        warp.result = compute(list(warp.slots))
+        warp.results[turn] = compute(list(warp.slots[turn]))
     warp.barrier.wait()
-    result = warp.result
-    warp.barrier.wait()          # nobody starts the next collective before all have read
-    return result
+    return warp.results[turn]
 
 
 def install() -> None:
@@ -171,4 +187,38 @@ def install() -> None:
         return copy_in_out(self, retr, stream)
 
     simargs.InOut.to_device = to_device
+
+    # numba's simulator swaps its fake ``cuda`` module into a device function's module globals
+    # around every call (an import, two lock rounds and a context manager: most of what a small
+    # device function costs). It runs one kernel at a time, so swap each module in once per
+    # launch, at its first device call, and swap them all back when the launch ends.
+    from numba.cuda.simulator import kernelapi
+    kernel_call = simkernel.FakeCUDAKernel.__call__
+    held = {}                 # id(module globals) -> its entered swap, for the running launch
+    held_lock = threading.Lock()
+
+    def call(self, *args):
+        context = simkernel._kernel_context
+        if context is None:
+            if self._device:                      # a device function called from the host
+                return kernel_call(self, *args)
+            try:                                  # a launch
+                return kernel_call(self, *args)
+            finally:
+                with held_lock:
+                    swaps = list(held.values())
+                    held.clear()
+                for swap in reversed(swaps):
+                    swap.__exit__(None, None, None)
+        fn = self.fn
+        key = id(fn.__globals__)
+        if key not in held:
+            with held_lock:
+                if key not in held:
+                    swap = kernelapi.swapped_cuda_module(fn, context)
+                    swap.__enter__()
+                    held[key] = swap
+        return fn(*args)
+
+    simkernel.FakeCUDAKernel.__call__ = call
     _installed = True

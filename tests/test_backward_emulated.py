@@ -33,13 +33,25 @@ def shape_for(R, shared=32):
                       num_experts=max(4, 2 * R), topk=3, ep_size=R)
 
 
-def run_fwd_bwd(lws, inp, d_out, ids=None, grads=None, accumulate=False):
-    """Forward then backward on every emulated rank; per rank ``Grads`` as host arrays."""
+def run_forward(lws, inp, ids=None):
+    """The forward on every emulated rank (its context stays in the layers)."""
     ids = inp["ids"] if ids is None else ids
-    R, E_l = len(lws), lws[0].shape.experts_per_rank
-    W = [rank_weights(inp, r, E_l) for r in range(R)]
+    W = [rank_weights(inp, r, lws[0].shape.experts_per_rank) for r in range(len(lws))]
     run_steps(lws, [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]),
                                 to_dev(inp["w"][r]), W[r])[0] for r, lw in enumerate(lws)])
+
+
+def run_fwd_bwd(lws, inp, d_out, ids=None, grads=None, accumulate=False):
+    """Forward then backward on every emulated rank; per rank ``Grads`` as host arrays."""
+    run_forward(lws, inp, ids)
+    return run_backward(lws, inp, d_out, grads, accumulate)
+
+
+def run_backward(lws, inp, d_out, grads=None, accumulate=False):
+    """The backward of the layers' last forward on every emulated rank; per rank ``Grads`` as
+    host arrays (the context is left as it was: a second backward may follow)."""
+    R, E_l = len(lws), lws[0].shape.experts_per_rank
+    W = [rank_weights(inp, r, E_l) for r in range(R)]
     phases, outs = [], []
     for r, lw in enumerate(lws):
         p, G = backward_phases(lw, lw.context(), to_dev(u16(d_out[r])), to_dev(inp["w"][r]),
@@ -104,19 +116,46 @@ def inputs(R, T, seed, shared=32, masked=0.2, skew=0.3, limit=None):
     return shape, inp, d_out
 
 
-@pytest.mark.parametrize("R,limit", [(1, None), (2, 1.0), (4, None)])
-def test_backward_matches_float64(R, limit):
-    T = 16
+def context_bits(lws):
+    """Every rank's forward context as bytes: the gather index, x_recv, the shared and routed
+    hidden and the saved FP32 gate / up pre-activations (held in the gradient workspace)."""
+    out = []
+    for lw in lws:
+        ctx = lw.context()
+        g = lw.grad
+        assert all(a is b for a, b in zip(ctx.pre + ctx.pre_shared,
+                                          (g.gate, g.up, g.gate_s, g.up_s)))
+        out.append([to_host(a).copy().view(np.uint8) for a in (
+            ctx.gather_index, ctx.x_recv, ctx.hidden, ctx.hidden_shared, *ctx.pre,
+            *ctx.pre_shared)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """R = 2 with the SwiGLU clamp: one forward + backward on emulated layers, shared by the
+    float64 check and the recompute test (which runs these layers on) -> (shape, inp, d_out,
+    layers, per-rank Grads, the context's bits after the backward)."""
+    R, T, limit = 2, 16, 1.0
     shape, inp, d_out = inputs(R, T, seed=10 + R, limit=limit)
     lws = emulated_layers(shape, T, CFG, SIM_GEMM, swiglu_limit=limit)
     got = run_fwd_bwd(lws, inp, d_out)
+    return shape, inp, d_out, lws, got, context_bits(lws)
+
+
+# R = 1 is test_accumulate_twice_is_twice_once's float64 check (and test_torch_adapter's, with
+# the layer's own bf16 gradients); the bitwise rerun is test_recompute_forward_context_bit_equal;
+# R = 3: every rank pulls d_out from, and pushes d_x rows home to, two peers
+@pytest.mark.parametrize("R,limit", [(2, 1.0), (3, None)])
+def test_backward_matches_float64(R, limit, request):
+    T = 16
+    if R == 2:
+        _, inp, d_out, _, got, _ = request.getfixturevalue("two_ranks")
+    else:
+        shape, inp, d_out = inputs(R, T, seed=10 + R, limit=limit)
+        lws = emulated_layers(shape, T, CFG, SIM_GEMM, swiglu_limit=limit)
+        got = run_fwd_bwd(lws, inp, d_out)
     check_grads(got, inp, d_out, inp["ids"], limit)
-    if R == 2:                                    # bitwise repeatable (once: the simulator is slow)
-        again = run_fwd_bwd(lws, inp, d_out)
-        for a, b in zip(got, again):
-            for x, y in zip(a, b):
-                if x is not None:
-                    np.testing.assert_array_equal(x, y)
 
 
 def test_skew_masked_rank_and_empty_expert():
@@ -143,8 +182,9 @@ def test_skew_masked_rank_and_empty_expert():
 
 
 def test_accumulate_twice_is_twice_once():
-    """float32 caller-owned gradients: accumulate over two identical micro-batches equals two
-    times one, bit for bit (each step adds the same FP32 values in the same order)."""
+    """float32 caller-owned gradients: accumulate over two identical micro-batches (the
+    backward of one forward, twice) equals two times one, bit for bit (each step adds the same
+    FP32 values in the same order)."""
     R, T = 1, 16
     shape, inp, d_out = inputs(R, T, seed=5)
     lws = emulated_layers(shape, T, CFG, SIM_GEMM)
@@ -156,7 +196,7 @@ def test_accumulate_twice_is_twice_once():
                       *(to_dev(np.zeros(s, np.float32)) for s in shapes)) for _ in range(R)]
     acc = buffers()
     once = run_fwd_bwd(lws, inp, d_out, grads=acc, accumulate=True)      # into zeros
-    twice = run_fwd_bwd(lws, inp, d_out, grads=acc, accumulate=True)
+    twice = run_backward(lws, inp, d_out, grads=acc, accumulate=True)
     for a, b in zip(once, twice):
         for x, y in zip(a[2:], b[2:]):
             np.testing.assert_array_equal(np.float32(2) * x, y)
@@ -278,35 +318,22 @@ def test_sampled_grad_reference_equals_numpy(limit):
                                atol=1e-9)
 
 
-def test_recompute_forward_context_bit_equal():
-    """Forward, then another step with other tokens clobbers the context; the recomputed one
-    -- the saved FP32 gate / up pre-activations included -- is bit for bit the saved one, and
-    so is the backward taken from it."""
+def test_recompute_forward_context_bit_equal(two_ranks):
+    """Forward + backward, then another step with other tokens clobbers the context; the
+    recomputed one -- the saved FP32 gate / up pre-activations included -- is bit for bit the
+    saved one, and so is the backward taken from it (a bitwise rerun of the backward)."""
     from mok_comm.functional import recompute_phases
-    R, T = 2, 16
-    shape, inp, d_out = inputs(R, T, seed=8)
-    lws = emulated_layers(shape, T, CFG, SIM_GEMM)
-    want = run_fwd_bwd(lws, inp, d_out)
-
-    def ctx_bits():
-        out = []
-        for lw in lws:
-            ctx = lw.context()
-            g = lw.grad
-            assert all(a is b for a, b in zip(ctx.pre + ctx.pre_shared,
-                                              (g.gate, g.up, g.gate_s, g.up_s)))
-            out.append([to_host(a).copy().view(np.uint8) for a in (
-                ctx.gather_index, ctx.x_recv, ctx.hidden, ctx.hidden_shared, *ctx.pre,
-                *ctx.pre_shared)])
-        return out
-    saved = ctx_bits()                               # (the backward leaves the context be)
+    shape, inp, d_out, lws, want, saved = two_ranks
+    R = len(lws)
     other = bf16_round(np.random.default_rng(9).standard_normal(inp["x"].shape))
     W = [rank_weights(inp, r, shape.experts_per_rank) for r in range(R)]
     run_steps(lws, [step_phases(lw, to_dev(u16(other[r])), to_dev(inp["ids"][r]),
                                 to_dev(inp["w"][r]), W[r])[0] for r, lw in enumerate(lws)])
+    assert any(not np.array_equal(x, y) for a, b in zip(saved, context_bits(lws))
+               for x, y in zip(a, b))                     # the other step did clobber it
     run_steps(lws, [recompute_phases(lw, to_dev(u16(inp["x"][r])), to_dev(inp["ids"][r]),
                                      to_dev(inp["w"][r]), W[r]) for r, lw in enumerate(lws)])
-    for a, b in zip(saved, ctx_bits()):
+    for a, b in zip(saved, context_bits(lws)):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
     phases = [backward_phases(lw, lw.context(), to_dev(u16(d_out[r])), to_dev(inp["w"][r]),
@@ -323,17 +350,17 @@ def test_recompute_forward_context_bit_equal():
 
 def test_non_finite_d_out_reported_then_clean():
     """A NaN in d_out is reported by the next call (the tensor, the rank, the first token),
-    and the next clean backward passes (flags per step)."""
+    and the next clean backward (of the same forward) passes (flags per step)."""
     from mok_core.errors import MoKError
     R, T = 1, 16
     shape, inp, d_out = inputs(R, T, seed=4, shared=0)
     lws = emulated_layers(shape, T, CFG, SIM_GEMM)
     bad = d_out.copy()
     bad[0, 5, 3] = np.nan
-    run_fwd_bwd(lws, inp, d_out)                            # clean
+    run_forward(lws, inp)
     with pytest.raises(MoKError, match=r"d_out has 1 NaN/Inf value, first at token 5"):
-        run_fwd_bwd(lws, inp, bad)
-    run_fwd_bwd(lws, inp, d_out)                            # clean again: nothing raised
+        run_backward(lws, inp, bad)
+    run_backward(lws, inp, d_out)                           # clean: nothing raised
 
 
 def test_peer_that_never_arrives_in_the_backward_times_out():

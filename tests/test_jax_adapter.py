@@ -55,7 +55,10 @@ def _bits(a):
     return np.asarray(a).view(np.uint16)
 
 
-@pytest.mark.parametrize("limit", [None, 1.0])
+# limit None only: the clamp through the JAX layer is test_grad_matches_backward_and_reference's
+# (limit 1.0, weights scaled so it bites: gradients bit for bit mok_comm's, float64 within 1e-2)
+# and test_forward_without_shared_expert's (a NumPy-scalar limit, forward against float64)
+@pytest.mark.parametrize("limit", [None])
 def test_forward_matches_reference_and_functional(limit):
     inp, args = _inputs(1, limit)
     layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM, swiglu_limit=limit)
@@ -76,8 +79,8 @@ def test_forward_matches_reference_and_functional(limit):
     # ... again under jit, and eagerly (outside jit) -- deterministic; the outputs kept alive,
     # so each call writes a buffer of its own
     again = step(*args)
-    eager = [layer(*args) for _ in range(2)]
-    for o in (again, *eager):
+    eager = layer(*args)
+    for o in (again, eager):
         np.testing.assert_array_equal(_bits(o), _bits(out))
     # one buffer callback per layer and token count: JAX compiles an eager call once
     assert layer._call(T) is layer._call(T)

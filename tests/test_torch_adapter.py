@@ -52,35 +52,41 @@ def layer_weights(shape=SHAPE):
                              *synthetic.local_expert_weights(shape, 0, DEV))
 
 
-@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
-def test_forward_ep1(id_dtype):
+@pytest.fixture(scope="module")
+def ep1():
+    """One EP = 1 layer and its forward, shared by the forward check and both backward cases
+    (the backward leaves the context be) -> (layer, (x, ids, w), weights, out, ctx)."""
     T = 40
     x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV, masked=0.1, skew=0.5)
     W = layer_weights()
     layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
-    out, ctx = layer.forward(x, ids.to(id_dtype), w, W)
+    out, ctx = layer.forward(x, ids, w, W)
     layer.check()
+    return layer, (x, ids, w), W, out, ctx
+
+
+def test_forward_ep1(ep1):
+    layer, (x, ids, w), W, out, ctx = ep1
+    T = x.shape[0]
     assert out.dtype == torch.bfloat16 and out.shape == (T, 64)
     want = full_reference(SHAPE, x, ids, w, weights=(W[:3], W[3:]))
     got = np64(out)
     assert np.isfinite(got).all()
     assert np.abs(got - want).sum() / np.abs(want).sum() < 5e-3
-    assert torch.equal(layer(x, ids, w, W), out)
+    assert ids.dtype == torch.int64
+    assert torch.equal(layer(x, ids.int(), w, W), out)            # int32 ids: the same bits
     assert ctx.hidden is layer.hidden
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_backward_ep1(accumulate):
+def test_backward_ep1(ep1, accumulate):
     """``layer.backward``: fresh bf16 gradients (or the caller's float32 ones, accumulated),
     each of the 8 within 0.005 of float64."""
     from mok_testing.sampled import grad_errors
-    T = 40
-    x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV, masked=0.1, skew=0.5)
+    layer, (x, ids, w), W, _, ctx = ep1
+    T = x.shape[0]
     d_out = torch.randn(T, 64, generator=torch.Generator(DEV).manual_seed(5),
                         device=DEV).bfloat16()
-    W = layer_weights()
-    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
-    out, ctx = layer.forward(x, ids, w, W)
     grads = None
     if accumulate:
         grads = mok_torch.Grads(torch.empty_like(x), torch.empty_like(w),

@@ -86,10 +86,18 @@ def test_block_matches_float64():
     assert grads["router.weight"].abs().sum() > 0               # through the router weights
 
 
-def test_compile_fullgraph_equals_eager():
-    blk = block(seed=3)
-    x, d_out = tokens(12, seed=4), tokens(12, seed=5)
-    y, grads = run(blk, x, d_out)
+@pytest.fixture(scope="module")
+def plain():
+    """One block and a plain eager step's output and gradients (x included), shared by the
+    torch.compile and the micro-batch / checkpoint tests -> (blk, x, d_out, y, grads)."""
+    blk = block(seed=6)
+    x, d = tokens(10, seed=7), tokens(10, seed=9)
+    y, grads = run(blk, x, d)
+    return blk, x, d, y, grads
+
+
+def test_compile_fullgraph_equals_eager(plain):
+    blk, x, d_out, y, grads = plain
 
     def step(x):
         return blk(x)
@@ -102,13 +110,11 @@ def test_compile_fullgraph_equals_eager():
     assert_equal(dict({n: t.grad for n, t in blk.named_parameters()}, x=xc.grad), grads)
 
 
-def test_micro_batches_and_checkpoint_equal_plain_steps():
+def test_micro_batches_and_checkpoint_equal_plain_steps(plain):
     """Two micro-batches forward before either backward (the first's context is recomputed:
     the second is another tensor), and a torch.utils.checkpoint region: the gradients of plain
     steps, bit for bit."""
-    blk = block(seed=6)
-    x, d = tokens(10, seed=7), tokens(10, seed=9)
-    y_plain, plain = run(blk, x, d)
+    blk, x, d, y_plain, plain = plain
     want = {n: plain[n] + plain[n] for n in plain if n != "x"}
 
     blk.zero_grad(set_to_none=True)

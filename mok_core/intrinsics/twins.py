@@ -6,6 +6,7 @@ way it would on the GPU. ``cp.async`` is modelled as truly asynchronous: copies 
 thread and land only at ``cp_async_wait``, so a read of shared memory before the wait sees stale
 data here too. Misaligned 16-byte accesses raise (the GPU would fault).
 """
+import functools
 import threading
 import time
 
@@ -315,20 +316,30 @@ def _desc_fields(desc):
     return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4)
 
 
-def _swizzled_bf16(smem, logical):
-    """bf16 (as float64) at the logical byte addresses ``logical``, read through the 128-byte
-    swizzle the way the hardware applies it: by address, 16-byte chunk bits [6:4] XOR row
-    bits [9:7] (so a tile laid out from a 1024-byte boundary is swizzled from its first row)."""
-    raw = _raw(smem).view(np.uint8)
-    if logical.min() < 0 or logical.max() + 2 > raw.size:
-        raise ValueError("wgmma twin: operand outside shared memory")
-    phys = logical ^ (((logical >> 7) & 7) << 4)
+def _swizzle_addresses(logical):
+    """Physical byte addresses of ``logical`` ones under the 128-byte swizzle, the way the
+    hardware applies it: by address, 16-byte chunk bits [6:4] XOR row bits [9:7] (so a tile
+    laid out from a 1024-byte boundary is swizzled from its first row)."""
+    return logical ^ (((logical >> 7) & 7) << 4)
+
+
+def _bf16_at(raw, phys):
+    """bf16 (as float64) at the physical byte addresses ``phys`` of the bytes ``raw``."""
     bits = raw[phys].astype(np.uint32) | (raw[phys + 1].astype(np.uint32) << 8)
     return (bits << 16).view(np.float32).astype(np.float64)
 
 
-def _desc_operand(smem, desc, rows):
-    """bf16 [rows, 16] (as float64) that a K-major, 128-byte-swizzled descriptor points at:
+def _swizzled_bf16(smem, logical):
+    """bf16 (as float64) at the logical byte addresses ``logical``, read through the 128-byte
+    swizzle (``_swizzle_addresses``)."""
+    raw = _raw(smem).view(np.uint8)
+    if logical.min() < 0 or logical.max() + 2 > raw.size:
+        raise ValueError("wgmma twin: operand outside shared memory")
+    return _bf16_at(raw, _swizzle_addresses(logical))
+
+
+def _k_major_logical(desc, rows):
+    """Logical byte addresses [rows, 16] of a K-major, 128-byte-swizzled descriptor's operand:
     row i, k at start + (i // 8) SBO + (i % 8) 128 + 2k (the leading byte offset is unused)."""
     start, _, sbo = _desc_fields(desc)
     if (start % 1024) >= 128:
@@ -336,12 +347,12 @@ def _desc_operand(smem, desc, rows):
                          "first row")
     i = np.arange(rows)[:, None]
     k = np.arange(16)[None, :]
-    return _swizzled_bf16(smem, start + (i // 8) * sbo + (i % 8) * 128 + 2 * k)
+    return start + (i // 8) * sbo + (i % 8) * 128 + 2 * k
 
 
-def _desc_operand_mn(smem, desc, cols):
-    """bf16 [cols, 16] (n, k; as float64) that an MN-major, 128-byte-swizzled descriptor
-    points at (PTX ISA, "Canonical Layouts", MN-major 128B: ((T,8,m),(8,k)) :
+def _mn_major_logical(desc, cols):
+    """Logical byte addresses [cols, 16] (n, k) of an MN-major, 128-byte-swizzled descriptor's
+    operand (PTX ISA, "Canonical Layouts", MN-major 128B: ((T,8,m),(8,k)) :
     ((1,T,LBO),(8T,SBO)), T = 8 bf16): column n, row k at
     start + (n // 64) LBO + 2 (n % 64) + (k // 8) SBO + (k % 8) 128 -- each 64-column block a
     stack of 128-byte rows of k, blocks LBO apart, groups of 8 k-rows SBO apart. The start must
@@ -353,23 +364,53 @@ def _desc_operand_mn(smem, desc, cols):
                          "boundary")
     n = np.arange(cols)[:, None]
     k = np.arange(16)[None, :]
-    return _swizzled_bf16(smem, start + (n // 64) * lbo + 2 * (n % 64) + (k // 8) * sbo
-                          + (k % 8) * 128)
+    return start + (n // 64) * lbo + 2 * (n % 64) + (k // 8) * sbo + (k % 8) * 128
+
+
+def _desc_operand_mn(smem, desc, cols):
+    """bf16 [cols, 16] (n, k; as float64) that an MN-major, 128-byte-swizzled descriptor
+    points at (``_mn_major_logical``)."""
+    return _swizzled_bf16(smem, _mn_major_logical(desc, cols))
+
+
+@functools.lru_cache(maxsize=4096)
+def _operand_table(mn_major, desc, rows):
+    """(physical byte addresses [rows, 16], lowest, highest logical address) of a descriptor's
+    operand: the same for every thread of a warpgroup and every k step that reuses a stage, so
+    worked out once (the descriptor alone fixes them; the bytes are read at each wgmma)."""
+    logical = (_mn_major_logical if mn_major else _k_major_logical)(desc, rows)
+    return _swizzle_addresses(logical), int(logical.min()), int(logical.max())
+
+
+def _operand_rows(smem, mn_major, desc, rows, pick):
+    """bf16 (as float64) rows ``pick`` of the [rows, 16] operand a descriptor points at; the
+    whole operand must lie in shared memory."""
+    phys, lo, hi = _operand_table(mn_major, int(desc), rows)
+    raw = _raw(smem).view(np.uint8)
+    if lo < 0 or hi + 2 > raw.size:
+        raise ValueError("wgmma twin: operand outside shared memory")
+    return _bf16_at(raw, phys[pick])
+
+
+@functools.lru_cache(maxsize=64)
+def _fragment_columns(n, quad):
+    """The accumulator columns a thread holds (lane % 4 = ``quad``), in its fragment's order:
+    8-column group j, then column pair c -> [n / 4]."""
+    return (2 * quad + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]).reshape(-1)
 
 
 def _wgmma(n, trans_b=False, trans_a=False):
-    b_operand = _desc_operand_mn if trans_b else _desc_operand
-    a_operand = _desc_operand_mn if trans_a else _desc_operand
-
     def twin(acc, smem, desc_a, desc_b):
+        # Each thread multiplies only what its fragment holds: rows row and row + 8 of the
+        # warpgroup's 64 (A), its n / 4 columns (B).
         t = threading.current_thread().thread_id % 128
         row = 16 * (t // 32) + (t % 32) // 4
-        a = a_operand(smem, desc_a, 64)[[row, row + 8]]              # [2, 16]
-        b = b_operand(smem, desc_b, n)                                 # [n, 16]
-        d = a @ b.T                                                    # [2, n]
-        cols = 2 * (t % 4) + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]  # [n/8, 2]
-        frag = np.stack([d[0][cols], d[1][cols]], 1).reshape(-1)      # j, h, c order
-        return tuple(np.float32(np.float32(x) + np.float32(y)) for x, y in zip(acc, frag))
+        cols = _fragment_columns(n, t % 4)
+        a = _operand_rows(smem, trans_a, desc_a, 64, [row, row + 8])       # [2, 16]
+        b = _operand_rows(smem, trans_b, desc_b, n, cols)                  # [n / 4, 16]
+        d = a @ b.T                                                        # [2, n / 4]
+        frag = d.reshape(2, n // 8, 2).transpose(1, 0, 2).reshape(-1)      # j, h, c order
+        return tuple(np.asarray(acc, np.float32) + frag.astype(np.float32))
     twin.__name__ = f"wgmma_m64n{n}k16_bf16" + ("_tatb" if trans_a else
                                                  "_tb" if trans_b else "")
     return twin
@@ -488,11 +529,18 @@ def _mbar(smem, addr):
     return b
 
 
+# A thread whose phase is pending sleeps on its mbarrier's condition (on ``_lock``, which every
+# mbarrier update holds) until the phase completes, instead of spinning: with a block's other
+# threads polling, the one thread that arrives (the TMA producer) would get a sliver of the GIL.
+_TRY_WAIT_S = 0.05        # a try_wait's suspend time: it returns 0 after this at the latest
+
+
 def _settle(b):
     """A phase completes when all arrivals are in and no announced bytes are outstanding."""
     if b["left"] == 0 and b["tx"] == 0:
         b["phase"] += 1
         b["left"] = b["count"]
+        b["done"].notify_all()
 
 
 def mbarrier_init(smem, addr, count):
@@ -500,7 +548,8 @@ def mbarrier_init(smem, addr, count):
         raise ValueError(f"mbarrier at byte {addr}: must be 8-byte aligned")
     with _lock:
         _mbarriers[_mbar_key(smem, addr)] = {"count": int(count), "left": int(count),
-                                             "phase": 0, "tx": 0}
+                                             "phase": 0, "tx": 0,
+                                             "done": threading.Condition(_lock)}
 
 
 def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
@@ -511,17 +560,16 @@ def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
         _settle(b)
 
 
-def _phase_done(smem, addr, parity):
-    """Whether the phase of parity ``parity`` of the mbarrier at ``addr`` has completed."""
-    with _lock:
-        return (_mbar(smem, addr)["phase"] & 1) != (int(parity) & 1)
-
-
 def mbarrier_try_wait(smem, addr, parity):
-    done = _phase_done(smem, addr, parity)
-    if not done:
-        time.sleep(0)                     # let the arriving threads run
-    return np.uint32(done)
+    """Whether the phase of parity ``parity`` of the mbarrier at ``addr`` has completed; like
+    the hardware's try_wait, a thread whose phase is pending is suspended a while first (until
+    a phase of this mbarrier completes, or ``_TRY_WAIT_S``)."""
+    parity = int(parity) & 1
+    with _lock:
+        b = _mbar(smem, addr)
+        if (b["phase"] & 1) == parity:
+            b["done"].wait(_TRY_WAIT_S)
+        return np.uint32((b["phase"] & 1) != parity)
 
 
 def _bulk_bytes(arr, idx, nbytes):
