@@ -427,44 +427,47 @@ wgmma_m64n128k16_bf16_tatb = _wgmma(128, trans_b=True, trans_a=True)
 wgmma_m64n256k16_bf16_tatb = _wgmma(256, trans_b=True, trans_a=True)
 
 
-_E4M3 = None
+@functools.lru_cache(maxsize=1)
+def _e4m3_values():
+    """The 256 e4m3 values (float64; 0x7F / 0xFF NaN)."""
+    from ..quantize_reference import e4m3_values
+    return e4m3_values(np.arange(256, dtype=np.uint8))
 
 
-def _e4m3_table():
-    """The 256 e4m3 values (float64; 0x7F / 0xFF NaN), made once."""
-    global _E4M3
-    if _E4M3 is None:
-        from ..quantize_reference import e4m3_values
-        _E4M3 = e4m3_values(np.arange(256, dtype=np.uint8))
-    return _E4M3
-
-
-def _desc_operand_e4m3(smem, desc, rows):
-    """e4m3 [rows, 32] (as float64) that a K-major, 128-byte-swizzled descriptor points at:
-    row i, k at start + (i // 8) SBO + (i % 8) 128 + k (one byte each)."""
+@functools.lru_cache(maxsize=4096)
+def _e4m3_table(desc, rows):
+    """(physical byte addresses [rows, 32], lowest, highest logical address) of a K-major,
+    128-byte-swizzled e4m3 operand: row i, k at start + (i // 8) SBO + (i % 8) 128 + k --
+    ``_k_major_logical``'s rows, one byte a value (32 of k a step)."""
     start, _, sbo = _desc_fields(desc)
     if (start % 1024) >= 128:
         raise ValueError(f"wgmma twin: operand at byte {start} outside its 1024-byte atom's "
                          "first row")
-    raw = _raw(smem).view(np.uint8)
     i = np.arange(rows)[:, None]
-    k = np.arange(32)[None, :]
-    logical = start + (i // 8) * sbo + (i % 8) * 128 + k
-    if logical.min() < 0 or logical.max() + 1 > raw.size:
+    logical = start + (i // 8) * sbo + (i % 8) * 128 + np.arange(32)[None, :]
+    return _swizzle_addresses(logical), int(logical.min()), int(logical.max())
+
+
+def _e4m3_rows(smem, desc, rows, pick):
+    """e4m3 values (float64) of rows ``pick`` of the [rows, 32] operand a descriptor points at;
+    the whole operand must lie in shared memory."""
+    phys, lo, hi = _e4m3_table(int(desc), rows)
+    raw = _raw(smem).view(np.uint8)
+    if lo < 0 or hi + 1 > raw.size:
         raise ValueError("wgmma twin: operand outside shared memory")
-    return _e4m3_table()[raw[logical ^ (((logical >> 7) & 7) << 4)]]
+    return _e4m3_values()[raw[phys[pick]]]
 
 
 def _wgmma_e4m3(n):
     def twin(acc, smem, desc_a, desc_b):
         t = threading.current_thread().thread_id % 128
         row = 16 * (t // 32) + (t % 32) // 4
-        a = _desc_operand_e4m3(smem, desc_a, 64)[[row, row + 8]]     # [2, 32]
-        b = _desc_operand_e4m3(smem, desc_b, n)                        # [n, 32]
-        d = a @ b.T                                                    # [2, n], exact
-        cols = 2 * (t % 4) + np.arange(n // 8)[:, None] * 8 + np.arange(2)[None, :]
-        frag = np.stack([d[0][cols], d[1][cols]], 1).reshape(-1)
-        return tuple(np.float32(np.float32(x) + np.float32(y)) for x, y in zip(acc, frag))
+        cols = _fragment_columns(n, t % 4)
+        a = _e4m3_rows(smem, desc_a, 64, [row, row + 8])                  # [2, 32]
+        b = _e4m3_rows(smem, desc_b, n, cols)                              # [n / 4, 32]
+        d = a @ b.T                                                        # exact products
+        frag = d.reshape(2, n // 8, 2).transpose(1, 0, 2).reshape(-1)      # j, h, c order
+        return tuple(np.asarray(acc, np.float32) + frag.astype(np.float32))
     twin.__name__ = f"wgmma_m64n{n}k32_e4m3"
     return twin
 
@@ -474,9 +477,11 @@ def promote_fp8(acc, part, s_lo, s_hi):
     return tuple(np.float32(a + np.float32(p * (hi if (i // 2) % 2 else lo)))
                  for i, (a, p) in enumerate(zip(acc, part)))
 
+
 wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
 wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
 wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)
+
 
 def wgmma_fence(acc):
     return acc
