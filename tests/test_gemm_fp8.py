@@ -6,7 +6,7 @@ Hopper GPU, plus a real shape there with its TFLOP/s."""
 import numpy as np
 import pytest
 
-from helpers import gpu_ms, to_dev
+from helpers import gpu_ms, rand_bf16_bits, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.gemm import fp8_gemm
@@ -133,13 +133,16 @@ def _e4m3_bytes(rng, shape):
 @pytest.mark.skipif(SIM, reason="a real shape: GPU only")
 def test_fp8_gemm_real_shape(capsys):
     """kimi-k2.7's routed gate|up at 8192 tokens/rank of EP 8 (48 local experts, ~1365 rows
-    each, K = 7168, N = 2I = 4096): 16 rows of each of 4 experts vs float64 of the dequantised
-    operands, and the TFLOP/s printed."""
+    each padded to 128, K = 7168, N = 2I = 4096): 16 rows of each of 4 experts vs float64 of
+    the dequantised operands; then it and our BF16 GEMM on the same shape (``down``, the
+    forward's wgmma kernel, bf16 operands of the same size) timed in turns, TFLOP/s and the
+    ratio printed."""
+    from mok_core.gemm import default_gemm, down
     from mok_core.quantize_reference import dequantize_fp8
     _hopper()
     E, K, N, per = 48, 7168, 4096, 1365
     rng = np.random.default_rng(0)
-    counts = rng.multinomial(E * per, np.ones(E) / E)
+    counts = -(-rng.multinomial(E * per, np.ones(E) / E) // 128) * 128
     off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     C = int(off[-1])
     a = _e4m3_bytes(rng, (C, K))
@@ -149,9 +152,9 @@ def test_fp8_gemm_real_shape(capsys):
     out = to_dev(np.zeros((C, N), np.uint16))
     dev = [to_dev(v) for v in (a, a_scale, w, w_scale, off, np.array([C], np.int32))]
 
-    def call():
+    def fp8():
         fp8_gemm(dev[0], dev[1], None, dev[2], dev[3], dev[4], dev[5], out)
-    call()
+    fp8()
     got = to_host(out)
     for e in (0, 17, 30, E - 1):
         rows = off[e] + rng.choice(counts[e], 16, replace=False)
@@ -159,7 +162,22 @@ def test_fp8_gemm_real_shape(capsys):
             dequantize_fp8(w[e], w_scale[e], (128, 128)).T
         g = f64(got[rows])
         assert np.abs(g - want).sum() / np.abs(want).sum() < 5e-3, e
-    ms = gpu_ms(call, 10, 2)
+    del a, w, got
+    x16 = to_dev(rand_bf16_bits(rng, (C, K), -2))
+    w16 = to_dev(rand_bf16_bits(rng, (E, N, K), -6))
+    y16 = to_dev(np.zeros((C, N), np.uint16))
+    cfg = default_gemm(C / E)
+
+    def bf16():
+        down(x16, w16, dev[4], dev[5], y16, config=cfg)
+    ms = {"fp8": [], "bf16": []}
+    for _ in range(5):                                   # in turns: the same machine state
+        for name, fn in (("fp8", fp8), ("bf16", bf16)):
+            ms[name].append(gpu_ms(fn, 5, 1))
+    med = {k: float(np.median(v)) for k, v in ms.items()}
+    flop = 2.0 * C * K * N
     with capsys.disabled():
-        print(f"\n[fp8 gemm: rows={C} K={K} N={N} E={E}] {ms:.3f} ms = "
-              f"{2.0 * C * K * N / ms / 1e9:.0f} TFLOP/s")
+        print(f"\n[fp8 gemm: rows={C} K={K} N={N} E={E}] fp8 {med['fp8']:.3f} ms = "
+              f"{flop / med['fp8'] / 1e9:.0f} TFLOP/s, bf16 ({cfg.bm}x{cfg.bn}) "
+              f"{med['bf16']:.3f} ms = {flop / med['bf16'] / 1e9:.0f} TFLOP/s "
+              f"(fp8 x{med['bf16'] / med['fp8']:.2f})")
