@@ -27,7 +27,9 @@ expert are not written.
                A and of B (rows 32 apart: one swizzle per thread); A rows gathered through
                a_index, padding rows and rows past the expert zero-filled without a read
     MMA      = per slice, per warpgroup: 4 x wgmma m64n128k32 e4m3 (both descriptors K-major,
-               + 32 bytes a k32 step) into a fresh FP32 fragment, commit, wait(0), then the
+               + 32 bytes a k32 step; the first with scale-d 0: the fragment starts fresh
+               without an instruction but the wgmma writing it) into an FP32 fragment,
+               commit, wait(0), then the
                promotion (``promote_fp8``): acc += part * (a_scale[row, kb] * w_scale[e, nb,
                kb]), the thread's two rows each with its own scale. The tensor cores' running
                sum keeps fewer bits than FP32: one slice (128 of K) is all it holds
@@ -37,7 +39,7 @@ expert are not written.
 Order, every thread (the whole contract of one step j of the stream, slice kb of a tile):
 
     prologue:  the tile table (thread 0), __syncthreads; stream slices 0 .. PREFETCH - 1
-    per tile:  its rows' scale rows (a_index), acc = 0, then per slice:
+    per tile:  its rows' scale rows (a_index), acc = 0, then per slice (``mma_slice``):
     1. cp.async.wait(PREFETCH - 1) -> my chunks of slice j landed; fence.proxy.async;
        __syncthreads -> everyone's landed; every warp is past slice j - 1's wgmmas (waited in
        its step) and past the previous tile's epilogue reads of the staging
@@ -66,7 +68,8 @@ from numba import cuda, float32, int64, uint16
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                           fence_proxy_async, promote_fp8, shared_addr, wgmma_commit,
-                          wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_wait)
+                          wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_m64n128k32_e4m3_fresh,
+                          wgmma_wait)
 from .epilogue import make_coalesced_epilogue
 from .sm90 import _DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, warpgroup_fragment
 
@@ -87,13 +90,18 @@ def smem_bytes(stages):
     return _TABLE_BYTES + 1024 + stages * STAGE_BYTES + BM * (2 * BN + 16)
 
 
-def make_fp8_gemm(stages, gather):
-    """Build one specialisation (compile-time STAGES >= 2 and whether A is gathered)."""
-    assert stages >= 2
-    prefetch = stages - 1
-    in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
-    epilogue = make_coalesced_epilogue(BN)
-    mma = wgmma_m64n128k32_e4m3
+def make_stream(gather):
+    """The slice stream's device functions (module header), shared by every FP8 kernel body:
+
+    ``tile_of(smem, offsets, E, t, n_tiles, rows_cap)`` -> (expert, first row, first column,
+    end of the expert's rows) of tile t;
+    ``load_next(smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets, E,
+    rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)``: the stream's next slice (slice
+    lk of tile lt; none past the block's last tile) into ring stage lst, one cp.async group
+    either way; returns the cursor (lt, lk, le, lrow0, lend, lcol0) moved on by one;
+    ``scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)`` -> the promotion's two
+    factors of slice kb (a_scale row x the tile's w_scale; 0 for a row of no source);
+    ``scale_row(a_index, r, row_end)`` -> the a_scale row of output row r (-1: none)."""
 
     @kjit(device=True, inline="always")
     def load_slice(smem, st, kb, row0, row_end, col0, e, a, a_index, w, K, N, dst0, ld_row,
@@ -117,7 +125,6 @@ def make_fp8_gemm(stages, gather):
 
     @kjit(device=True, inline="always")
     def tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap):
-        """Tile t -> (expert, first row, first column, end of the expert's rows)."""
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, BM,
                                                   rows_cap)
         return e, row0, nt * BN, row_end
@@ -125,8 +132,6 @@ def make_fp8_gemm(stages, gather):
     @kjit(device=True, inline="always")
     def load_next(smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
                   num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk):
-        """The stream's next slice (slice lk of tile lt; none past the block's last tile) into
-        stage lst, one cp.async group either way; returns the cursor moved on by one."""
         if lt < total:
             load_slice(smem, lst, lk, lrow0, lend, lcol0, le, a, a_index, w, K, N, dst0,
                        ld_row, ld_chunk)
@@ -141,12 +146,46 @@ def make_fp8_gemm(stages, gather):
         return lt, lk, le, lrow0, lend, lcol0
 
     @kjit(device=True, inline="always")
+    def scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles):
+        s_w = w_scale[w_at + kb]
+        s_lo = float32(0.0)
+        s_hi = float32(0.0)
+        if src_lo >= 0:
+            s_lo = a_scale[src_lo * ktiles + kb] * s_w
+        if src_hi >= 0:
+            s_hi = a_scale[src_hi * ktiles + kb] * s_w
+        return s_lo, s_hi
+
+    @kjit(device=True, inline="always")
     def scale_row(a_index, r, row_end):
-        """The a_scale row of output row r (-1: none, a padding row or past the expert)."""
         src = -1
         if r < row_end:
             src = a_index[r] if gather else r
         return src
+
+    return tile_of, load_next, scales, scale_row
+
+
+@kjit(device=True, inline="always")
+def mma_slice(part, smem, da, db):
+    """One K slice into a fresh fragment: wgmma.fence, the first k32 step with scale-d 0 (so
+    only wgmmas ever write the fragment: C7518), 3 more accumulating, commit."""
+    part = wgmma_fence(part)
+    part = wgmma_m64n128k32_e4m3_fresh(part, smem, da, db)
+    part = wgmma_m64n128k32_e4m3(part, smem, da + _K32, db + _K32)
+    part = wgmma_m64n128k32_e4m3(part, smem, da + 2 * _K32, db + 2 * _K32)
+    part = wgmma_m64n128k32_e4m3(part, smem, da + 3 * _K32, db + 3 * _K32)
+    wgmma_commit()
+    return part
+
+
+def make_fp8_gemm(stages, gather):
+    """Build one specialisation (compile-time STAGES >= 2 and whether A is gathered)."""
+    assert stages >= 2
+    prefetch = stages - 1
+    in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
+    epilogue = make_coalesced_epilogue(BN)
+    tile_of, load_next, scales, scale_row = make_stream(gather)
 
     @kjit(launch_bounds=(THREADS, 1))
     def kernel(a, a_scale, a_index, w, w_scale, offsets, num_rows, out, K, N, errors,
@@ -188,6 +227,7 @@ def make_fp8_gemm(stages, gather):
                 num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)
         cst = 0                                # ring stages of the slice computed / loaded
         lst = prefetch
+        part = f32_zeros(NACC)                 # (its input is never read: scale-d 0 first)
         while t < total:
             e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap)
             src_lo = scale_row(a_index, row0 + frag_row, row_end)
@@ -200,19 +240,8 @@ def make_fp8_gemm(stages, gather):
                 fence_proxy_async()
                 cuda.syncthreads()
                 soff = (cst * STAGE_BYTES) >> 4
-                part = wgmma_fence(f32_zeros(NACC))
-                part = mma(part, smem, desc_a0 + soff, desc_b0 + soff)
-                part = mma(part, smem, desc_a0 + soff + _K32, desc_b0 + soff + _K32)
-                part = mma(part, smem, desc_a0 + soff + 2 * _K32, desc_b0 + soff + 2 * _K32)
-                part = mma(part, smem, desc_a0 + soff + 3 * _K32, desc_b0 + soff + 3 * _K32)
-                wgmma_commit()
-                s_w = w_scale[w_at + kb]
-                s_lo = float32(0.0)
-                s_hi = float32(0.0)
-                if src_lo >= 0:
-                    s_lo = a_scale[src_lo * ktiles + kb] * s_w
-                if src_hi >= 0:
-                    s_hi = a_scale[src_hi * ktiles + kb] * s_w
+                part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
+                s_lo, s_hi = scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
                 lt, lk, le, lrow0, lend, lcol0 = load_next(
                     smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
                     num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)

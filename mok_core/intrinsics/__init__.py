@@ -18,7 +18,8 @@
     wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
                   transposed, the weights as stored for dgrad) and ``_tatb`` (A and B
                   MN-major: both operands stored k-major, the weight gradients),
-                  wgmma_m64n{64,128,256}k32_e4m3 (FP8, both K-major), promote_fp8 (a
+                  wgmma_m64n{64,128,256}k32_e4m3 (FP8, both K-major; m64n128k32_e4m3_fresh:
+                  scale-d 0, the accumulator's input ignored), promote_fp8 (a
                   slice's FP8 fragment, scaled per row, into the FP32 sum),
                   wgmma_fence, wgmma_commit,
                   wgmma_wait,
@@ -49,7 +50,8 @@ __all__ = [
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16",
     "wgmma_m64n64k16_bf16_tb", "wgmma_m64n128k16_bf16_tb", "wgmma_m64n256k16_bf16_tb",
     "wgmma_m64n64k16_bf16_tatb", "wgmma_m64n128k16_bf16_tatb", "wgmma_m64n256k16_bf16_tatb",
-    "wgmma_m64n64k32_e4m3", "wgmma_m64n128k32_e4m3", "wgmma_m64n256k32_e4m3", "promote_fp8",
+    "wgmma_m64n64k32_e4m3", "wgmma_m64n128k32_e4m3", "wgmma_m64n256k32_e4m3",
+    "wgmma_m64n128k32_e4m3_fresh", "promote_fp8",
     "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",

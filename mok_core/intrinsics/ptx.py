@@ -591,10 +591,12 @@ def f32_zeros(typingctx, n):
     return ret(n), codegen
 
 
-def _wgmma_impl(n, shape_types, immediates):
+def _wgmma_impl(n, shape_types, immediates, scale_d=1):
     """The intrinsic maker of one wgmma: ``acc`` (n/2 float32) += A . B from two shared-memory
     descriptors, ``wgmma.mma_async.sync.aligned.m64n{n}{shape_types}`` with scale-d 1
-    (accumulate: fresh tiles start at 0) and the instruction's trailing ``immediates``."""
+    (accumulate: fresh tiles start at 0) -- or with ``scale_d`` 0, acc = A . B (its input
+    ignored: no instruction but the wgmma writes the registers) -- and the instruction's
+    trailing ``immediates``."""
     nacc = n // 2
 
     def impl(typingctx, acc, smem, desc_a, desc_b):
@@ -607,7 +609,7 @@ def _wgmma_impl(n, shape_types, immediates):
             da = context.cast(builder, args[2], sig.args[2], types.int64)
             db = context.cast(builder, args[3], sig.args[3], types.int64)
             regs = ",".join(f"${i}" for i in range(nacc))
-            one = ir.Constant(_i32, 1)
+            one = ir.Constant(_i32, scale_d)
             text = (f"{{ .reg .pred p; setp.ne.b32 p, ${2 * nacc + 2}, 0; "
                     f"wgmma.mma_async.sync.aligned.m64n{n}{shape_types} "
                     f"{{{regs}}}, ${2 * nacc}, ${2 * nacc + 1}, p, {immediates}; }}")
@@ -695,6 +697,15 @@ def promote_fp8(typingctx, acc, part, s_lo, s_hi):
         return context.make_tuple(builder, sig.return_type, out)
     return acc(acc, part, s_lo, s_hi), codegen
 
+def _wgmma_e4m3_fresh(n):
+    impl = _wgmma_impl(n, "k32.f32.e4m3.e4m3", "1, 1", scale_d=0)
+    return _named(impl, f"wgmma_m64n{n}k32_e4m3_fresh",
+                  f"``wgmma_m64n{n}k32_e4m3`` with scale-d 0: acc = A . B, the accumulator's "
+                  "input ignored -- a K slice's first step in the FP8 GEMM, whose fragment "
+                  "starts fresh each slice, so no instruction but a wgmma ever writes it.")
+
+
+wgmma_m64n128k32_e4m3_fresh = _wgmma_e4m3_fresh(128)
 wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
 wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
 wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)

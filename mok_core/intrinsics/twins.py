@@ -458,7 +458,7 @@ def _e4m3_rows(smem, desc, rows, pick):
     return _e4m3_values()[raw[phys[pick]]]
 
 
-def _wgmma_e4m3(n):
+def _wgmma_e4m3(n, fresh=False):
     def twin(acc, smem, desc_a, desc_b):
         t = threading.current_thread().thread_id % 128
         row = 16 * (t // 32) + (t % 32) // 4
@@ -467,8 +467,10 @@ def _wgmma_e4m3(n):
         b = _e4m3_rows(smem, desc_b, n, cols)                              # [n / 4, 32]
         d = a @ b.T                                                        # exact products
         frag = d.reshape(2, n // 8, 2).transpose(1, 0, 2).reshape(-1)      # j, h, c order
+        if fresh:                                                          # scale-d 0
+            return tuple(frag.astype(np.float32))
         return tuple(np.asarray(acc, np.float32) + frag.astype(np.float32))
-    twin.__name__ = f"wgmma_m64n{n}k32_e4m3"
+    twin.__name__ = f"wgmma_m64n{n}k32_e4m3" + ("_fresh" if fresh else "")
     return twin
 
 
@@ -478,6 +480,7 @@ def promote_fp8(acc, part, s_lo, s_hi):
                  for i, (a, p) in enumerate(zip(acc, part)))
 
 
+wgmma_m64n128k32_e4m3_fresh = _wgmma_e4m3(128, fresh=True)
 wgmma_m64n64k32_e4m3 = _wgmma_e4m3(64)
 wgmma_m64n128k32_e4m3 = _wgmma_e4m3(128)
 wgmma_m64n256k32_e4m3 = _wgmma_e4m3(256)
