@@ -16,7 +16,8 @@
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
-#        sm_90a PTX checks with this host's ptxas: C7518 and spills)
+#        sm_90a PTX checks with this host's ptxas: C7518 and spills) probe-fp8 (the FP8 GEMM
+#        with the promotion overlapped: ptxas, bits, times vs the production kernel)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
@@ -134,6 +135,7 @@ for s in "$@"; do
          tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
          step ptx-sm90a $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
          tests/ptx/test_ptx_wgrad.py tests/ptx/test_ptx_gemm.py tests/ptx/test_ptx_backward.py ;;
+    probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_overlap.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
