@@ -9,8 +9,9 @@ import pytest
 from helpers import gpu_ms, rand_bf16_bits, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
-from mok_core.gemm import fp8_gemm
+from mok_core.gemm import fp8_gate_up_swiglu, fp8_gemm
 from mok_core.quantize_reference import grouped_gemm_fp8_reference, quantize_fp8_reference
+from mok_core.reference import swiglu
 
 POISON16 = 0x7FC1                   # a bf16 NaN the GEMM never writes
 
@@ -94,6 +95,33 @@ def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
     np.testing.assert_array_equal(run(args), got)                 # deterministic
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_fp8_gate_up_swiglu_matches_float64(limit):
+    """The SwiGLU epilogue: h = SwiGLU(A W_gate^T, A W_up^T) (clamped at ``limit``), gate and
+    up promoted each with its own weight's scales, within rel-L1 5e-3 of float64 of the
+    dequantised operands; padding rows zero, rows of no expert untouched."""
+    _hopper()
+    counts, K, I = [64, 130, 0, 32], 256, 256
+    a, a_scale, a_index, w_gate, s_gate, off, nr = problem(9, counts, K, I, gather=True, cut=32)
+    _, _, _, w_up, s_up, _, _ = problem(10, counts, K, I, gather=True, cut=32)
+    C = len(a_index)
+    h = to_dev(np.full((C, I), POISON16, np.uint16))
+    fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(a_index), to_dev(w_gate),
+                       to_dev(s_gate), to_dev(w_up), to_dev(s_up), to_dev(off), to_dev(nr), h,
+                       swiglu_limit=limit)
+    got = to_host(h)
+    g = grouped_gemm_fp8_reference(a, a_scale, a_index, w_gate, s_gate, off, nr)
+    u = grouped_gemm_fp8_reference(a, a_scale, a_index, w_up, s_up, off, nr)
+    written = ~np.isnan(g[:, 0])
+    assert (got[~written] == POISON16).all()
+    want = swiglu(g[written], u[written], limit)
+    got_w = f64(got[written])
+    assert np.isfinite(got_w).all()
+    assert np.abs(got_w - want).sum() / np.abs(want).sum() < 5e-3
+    pad = np.flatnonzero((a_index < 0) & written)
+    assert len(pad) and (got[pad] == 0).all()
+
+
 def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     """An Inf scale reaches the error word (count, row, expert); bad inputs raise naming the
     tensor."""
@@ -122,6 +150,9 @@ def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     with pytest.raises(TypeError, match="a: expected dtype uint8"):
         fp8_gemm(to_dev(a.astype(np.uint16)), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
                  to_dev(off), to_dev(nr), out)
+    with pytest.raises(ValueError, match=r"w_up: expected shape \(2, 128, 128\) \(as w_gate\)"):
+        fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+                           to_dev(w8[:1]), to_dev(ws[:1]), to_dev(off), to_dev(nr), out)
 
 
 def _e4m3_bytes(rng, shape):

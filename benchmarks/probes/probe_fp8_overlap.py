@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def make_overlap_kernel(stages, gather):
-    from numba import int64, uint16
+    from numba import float32, int64, uint16
 
     from mok_core.cuda_compat import kjit
     from mok_core.gemm.epilogue import make_coalesced_epilogue
@@ -46,6 +46,7 @@ def make_overlap_kernel(stages, gather):
     @kjit(launch_bounds=(THREADS, 1))
     def kernel(a, a_scale, a_index, w, w_scale, offsets, num_rows, out, K, N, errors,
                nf_tensor, nf_rank):
+        limit = float32(0.0)                 # (plain epilogue: unused)
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
@@ -78,7 +79,7 @@ def make_overlap_kernel(stages, gather):
         for s in range(prefetch):
             lt, lk, le, lrow0, lend, lcol0 = load_next(
                 smem, s, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
-                num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)
+                num_experts, rows_cap, a, a_index, w, w, K, N, dst0, ld_row, ld_chunk)
         cst = 0
         lst = prefetch
         part_a = f32_zeros(NACC)
@@ -95,14 +96,13 @@ def make_overlap_kernel(stages, gather):
             cuda.syncthreads()
             part_a = mma_slice(part_a, smem, desc_a0 + ((cst * STAGE_BYTES) >> 4),
                                desc_b0 + ((cst * STAGE_BYTES) >> 4))
-            sa_lo, sa_hi = scales(a_scale, w_scale, src_lo, src_hi, w_at, 0, ktiles)
+            sa = scales(a_scale, w_scale, w_scale, src_lo, src_hi, w_at, 0, ktiles)
             lt, lk, le, lrow0, lend, lcol0 = load_next(
                 smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
-                num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)
+                num_experts, rows_cap, a, a_index, w, w, K, N, dst0, ld_row, ld_chunk)
             cst = 0 if cst == stages - 1 else cst + 1
             lst = 0 if lst == stages - 1 else lst + 1
-            sb_lo = sa_lo
-            sb_hi = sa_hi
+            sb = sa
             kb = int64(1)
             while True:
                 run_b = warp_all(kb < ktiles) != 0          # a vote: C7518 (sm90's header)
@@ -112,17 +112,17 @@ def make_overlap_kernel(stages, gather):
                     cuda.syncthreads()
                     part_b = mma_slice(part_b, smem, desc_a0 + ((cst * STAGE_BYTES) >> 4),
                                        desc_b0 + ((cst * STAGE_BYTES) >> 4))
-                    sb_lo, sb_hi = scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
+                    sb = scales(a_scale, w_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
                     lt, lk, le, lrow0, lend, lcol0 = load_next(
                         smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles,
-                        offsets, num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row,
+                        offsets, num_experts, rows_cap, a, a_index, w, w, K, N, dst0, ld_row,
                         ld_chunk)
                     cst = 0 if cst == stages - 1 else cst + 1
                     lst = 0 if lst == stages - 1 else lst + 1
                     part_a = wgmma_wait(part_a, 1)          # slice kb - 1 retired
                 else:
                     part_a = wgmma_wait(part_a, 0)
-                acc = promote_fp8(acc, part_a, sa_lo, sa_hi)
+                acc = promote_fp8(acc, part_a, sa[0], sa[1], sa[2], sa[3])
                 if not run_b:
                     break
                 kb += 1
@@ -133,22 +133,22 @@ def make_overlap_kernel(stages, gather):
                     cuda.syncthreads()
                     part_a = mma_slice(part_a, smem, desc_a0 + ((cst * STAGE_BYTES) >> 4),
                                        desc_b0 + ((cst * STAGE_BYTES) >> 4))
-                    sa_lo, sa_hi = scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
+                    sa = scales(a_scale, w_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
                     lt, lk, le, lrow0, lend, lcol0 = load_next(
                         smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles,
-                        offsets, num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row,
+                        offsets, num_experts, rows_cap, a, a_index, w, w, K, N, dst0, ld_row,
                         ld_chunk)
                     cst = 0 if cst == stages - 1 else cst + 1
                     lst = 0 if lst == stages - 1 else lst + 1
                     part_b = wgmma_wait(part_b, 1)
                 else:
                     part_b = wgmma_wait(part_b, 0)
-                acc = promote_fp8(acc, part_b, sb_lo, sb_hi)
+                acc = promote_fp8(acc, part_b, sb[0], sb[1], sb[2], sb[3])
                 if not run_a:
                     break
                 kb += 1
             epilogue(smem, acc, out, row0, row0, col0, e, N, row_end - row0, staging, lane,
-                     frag_row, frag_col, errors, nf_tensor, nf_rank)
+                     frag_row, frag_col, limit, errors, nf_tensor, nf_rank)
             t += cuda.gridDim.x
         cp_async_wait(0)
 
@@ -166,7 +166,7 @@ def _ptxas_report(kern, gather):
 
     from numba import float32, int32, int64, uint16, uint32
     sig = (uint16[::1], float32[::1], int32[::1], uint16[::1], float32[::1], int32[::1],
-           int32[::1], uint32[::1], int64, int64, int32[::1], int32, int32)
+           int32[::1], uint32[::1], int64, int64, int32[::1], int32, int32)   # (its own)
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a"), launch_bounds=(256, 1))
     exe = shutil.which("ptxas")
     try:

@@ -15,7 +15,8 @@ for every row r of expert e's segment [off[e], off[e+1]), and the backward's wei
 whose reduction runs over each expert's rows; and the FP8 forward GEMM (in progress, issue 23)
 
     fp8_gemm:       out[r]    = A[r] W_e^T, A and W_e e4m3 with 1 x 128 / 128 x 128 scales
-                    (bf16 out; Hopper only, ``sm90_fp8``).
+                    (bf16 out; Hopper only, ``sm90_fp8``); ``fp8_gate_up_swiglu`` the same
+                    with gate_up_swiglu's epilogue.
 
 ``dgrad`` is the backward's data gradient
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
@@ -57,7 +58,7 @@ from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMM
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
            "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad", "fp8_gemm",
-           "launch_fp8_gemm"]
+           "fp8_gate_up_swiglu", "launch_fp8_gemm"]
 
 
 _SCRATCH = {}
@@ -522,11 +523,58 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
 
 
 def launch_fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *,
-                    stages=4, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """``fp8_gemm`` without the checks (arguments as there)."""
+                    w_up=None, w_up_scale=None, swiglu_limit=None, stages=4, stream=0,
+                    errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``fp8_gemm`` / ``fp8_gate_up_swiglu`` (``w`` = W_gate with ``w_up``) without the
+    checks (arguments as there)."""
     sm90_fp8.launch_fp8(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out,
+                        w1=w_up, w1_scale=w_up_scale, swiglu_limit=swiglu_limit,
                         stages=stages, stream=stream, errors=_error_word(errors),
                         tensor=tensor, rank=rank)
+
+
+def _fp8_operands(a, a_scale, a_index, weights, expert_offsets, num_rows, out, stages):
+    """Checked views (errors name the tensor): ``weights`` ((w, name), (w_scale, name)) pairs
+    of the same shape, ``out`` (array, name) -> (a, a_scale, a_index, [(w, w_scale), ...],
+    off, nr, out)."""
+    a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
+    A_rows, K = a.shape
+    if K % 128 or K == 0:
+        raise ValueError(f"a: K={K} (its columns) must be a positive multiple of 128")
+    a_scale = as_device_array(a_scale, "a_scale", dtype=np.float32, shape=(A_rows, K // 128))
+    checked = []
+    for (w, w_name), (w_scale, s_name) in weights:
+        w = as_device_array(w, w_name, dtype=np.uint8, ndim=3)
+        E, N = w.shape[0], w.shape[1]
+        if w.shape[2] != K:
+            raise ValueError(f"{w_name}: expected K={K} columns (a's), got shape "
+                             f"{tuple(w.shape)}")
+        if N % 128 or N == 0:
+            raise ValueError(f"{w_name}: N={N} (its rows per expert) must be a positive "
+                             "multiple of 128")
+        if checked and tuple(w.shape) != tuple(checked[0][0].shape):
+            raise ValueError(f"{w_name}: expected shape {tuple(checked[0][0].shape)} (as "
+                             f"{weights[0][0][1]}), got {tuple(w.shape)}")
+        w_scale = as_device_array(w_scale, s_name, dtype=np.float32,
+                                  shape=(E, N // 128, K // 128))
+        checked.append((w, w_scale))
+    E, N = checked[0][0].shape[0], checked[0][0].shape[1]
+    C = A_rows
+    if a_index is not None:
+        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
+        C = a_index.shape[0]
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    out, out_name = out
+    out = as_device_array(out, out_name, dtype=np.uint16, shape=(C, N))
+    if device_address(out) % 16:
+        raise ValueError(f"{out_name}: must be 16-byte aligned (16-byte stores)")
+    if not isinstance(stages, (int, np.integer)) or stages < 2:
+        raise ValueError(f"stages={stages!r}: must be an int >= 2")
+    if sm90_fp8.smem_bytes(int(stages)) > 227 * 1024:
+        raise ValueError(f"stages={stages}: {sm90_fp8.smem_bytes(int(stages))} bytes of shared "
+                         "memory, over 227 KiB")
+    return a, a_scale, a_index, checked, off, nr, out
 
 
 def fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *, stages=4,
@@ -543,7 +591,7 @@ def fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *, 
             (``mok_core.quantize.quantize_fp8(x, (1, 128))``).
         a_index: int32 [C] or None (C = A_rows).
         w: uint8 (e4m3) [E, N, K], N a multiple of 128; w_scale: float32 [E, N / 128, K / 128]
-            (each expert ``quantize_fp8(w[e], (128, 128))``).
+            (``mok_core.quantize.quantize_expert_weights``).
         expert_offsets: int32 [E + 1]; num_rows: int32 [1] (device; segments clamped to it).
         out: uint16 (bf16) [C, N]; rows of no expert are left as they are.
         errors, tensor, rank: NaN/Inf written are recorded in the error word (as ``wgrad``).
@@ -551,32 +599,27 @@ def fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *, 
 
     Deterministic: one block owns a tile, slices promoted in ascending K.
     """
-    a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
-    A_rows, K = a.shape
-    if K % 128 or K == 0:
-        raise ValueError(f"a: K={K} (its columns) must be a positive multiple of 128")
-    a_scale = as_device_array(a_scale, "a_scale", dtype=np.float32, shape=(A_rows, K // 128))
-    w = as_device_array(w, "w", dtype=np.uint8, ndim=3)
-    E, N = w.shape[0], w.shape[1]
-    if w.shape[2] != K:
-        raise ValueError(f"w: expected K={K} columns (a's), got shape {tuple(w.shape)}")
-    if N % 128 or N == 0:
-        raise ValueError(f"w: N={N} (its rows per expert) must be a positive multiple of 128")
-    w_scale = as_device_array(w_scale, "w_scale", dtype=np.float32,
-                              shape=(E, N // 128, K // 128))
-    C = A_rows
-    if a_index is not None:
-        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
-        C = a_index.shape[0]
-    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
-    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
-    out = as_device_array(out, "out", dtype=np.uint16, shape=(C, N))
-    if not isinstance(stages, (int, np.integer)) or stages < 2:
-        raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    if sm90_fp8.smem_bytes(int(stages)) > 227 * 1024:
-        raise ValueError(f"stages={stages}: {sm90_fp8.smem_bytes(int(stages))} bytes of shared "
-                         "memory, over 227 KiB")
-    if device_address(out) % 16:
-        raise ValueError("out: must be 16-byte aligned (16-byte stores)")
+    a, a_scale, a_index, ((w, w_scale),), off, nr, out = _fp8_operands(
+        a, a_scale, a_index, [((w, "w"), (w_scale, "w_scale"))], expert_offsets, num_rows,
+        (out, "out"), stages)
     launch_fp8_gemm(a, a_scale, a_index, w, w_scale, off, nr, out, stages=int(stages),
                     stream=stream, errors=errors, tensor=tensor, rank=rank)
+
+
+def fp8_gate_up_swiglu(a, a_scale, a_index, w_gate, w_gate_scale, w_up, w_up_scale,
+                       expert_offsets, num_rows, hidden, *, swiglu_limit=None, stages=4,
+                       stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``gate_up_swiglu`` in FP8 (Hopper; ``sm90_fp8``): hidden[r] = SwiGLU(A[ra(r)]
+    W_gate[e]^T, A[ra(r)] W_up[e]^T), bf16, operands as in ``fp8_gemm`` (w_gate, w_up: uint8
+    [E, I, K] each with float32 [E, I / 128, K / 128] scales; hidden [C, I]); the gate and up
+    sums promoted and clamped (``swiglu_limit``) exactly as the bf16 kernels' epilogue does.
+    """
+    if swiglu_limit is not None and not (float(swiglu_limit) > 0):
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be > 0 (or None)")
+    a, a_scale, a_index, ((wg, sg), (wu, su)), off, nr, hidden = _fp8_operands(
+        a, a_scale, a_index, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
+                              ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
+        expert_offsets, num_rows, (hidden, "hidden"), stages)
+    launch_fp8_gemm(a, a_scale, a_index, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
+                    swiglu_limit=swiglu_limit, stages=int(stages), stream=stream,
+                    errors=errors, tensor=tensor, rank=rank)

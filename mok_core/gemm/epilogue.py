@@ -234,22 +234,24 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
     return stage_and_send, stride
 
 
-def make_coalesced_epilogue(bn):
+def make_coalesced_epilogue(bn, swiglu_epilogue=False):
     """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-    errors, nf_tensor, nf_rank)``: the finished tile, plain bf16, staged at the shared byte
-    address ``epi0`` (row stride BN * 2 + 16) and stored coalesced (module header) to rows
-    grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16 columns), columns n0 ..; NaN/Inf
-    reported as D_e's rows m0 + i."""
-    stride = bn * 2 + 16
-    cpr = bn // 8                           # 16-byte chunks per output row
+    limit, errors, nf_tensor, nf_rank)``: the finished tile, bf16 -- plain, or (SWIGLU) the
+    BN/2 hidden columns of its gate and up halves (``limit``: the clamp) -- staged at the shared
+    byte address ``epi0`` (row stride: the row's bytes + 16) and stored coalesced (module
+    header) to rows grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16 columns), columns
+    n0 ..; NaN/Inf reported as D_e's rows m0 + i."""
+    cols = bn // 2 if swiglu_epilogue else bn
+    stride = cols * 2 + 16
+    cpr = cols // 8                         # 16-byte chunks per output row
     chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
-    stage_tile = make_stage_tile(False)
+    stage_tile = make_stage_tile(swiglu_epilogue)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-                 errors, nf_tensor, nf_rank):
+                 limit, errors, nf_tensor, nf_rank):
         bad = stage_tile(acc, (uint32(0), uint32(0)),
-                         (smem, frag_row, frag_col, float32(0.0), epi0, stride))
+                         (smem, frag_row, frag_col, limit, epi0, stride))
         syncwarp()
         rel = epi0 - shared_addr(smem)
         row0 = frag_row - lane // 4         # the warp's first row
@@ -265,7 +267,7 @@ def make_coalesced_epilogue(bn):
             srow = row0 + lane % 16
             n = 0
             if lane < 16:
-                n = bf16_nonfinite_count(smem, rel + srow * stride, bn)
+                n = bf16_nonfinite_count(smem, rel + srow * stride, cols)
             report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
 
     return epilogue

@@ -59,6 +59,7 @@ Determinism: one block owns a tile, slices promoted in ascending K, no atomics o
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -90,24 +91,30 @@ def smem_bytes(stages):
     return _TABLE_BYTES + 1024 + stages * STAGE_BYTES + BM * (2 * BN + 16)
 
 
-def make_stream(gather):
-    """The slice stream's device functions (module header), shared by every FP8 kernel body:
+def make_stream(gather, swiglu_epilogue=False):
+    """The slice stream's device functions (module header), shared by every FP8 kernel body
+    (``col0``: a tile's first weight row -- its first output column, or with SWIGLU its first
+    hidden column, whose gate rows are w0's and up rows w1's; ``N`` the weights' rows):
 
-    ``tile_of(smem, offsets, E, t, n_tiles, rows_cap)`` -> (expert, first row, first column,
-    end of the expert's rows) of tile t;
+    ``tile_of(smem, offsets, E, t, n_tiles, rows_cap)`` -> (expert, first row, col0, end of
+    the expert's rows) of tile t;
     ``load_next(smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets, E,
-    rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)``: the stream's next slice (slice
-    lk of tile lt; none past the block's last tile) into ring stage lst, one cp.async group
-    either way; returns the cursor (lt, lk, le, lrow0, lend, lcol0) moved on by one;
-    ``scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)`` -> the promotion's two
-    factors of slice kb (a_scale row x the tile's w_scale; 0 for a row of no source);
+    rows_cap, a, a_index, w0, w1, K, N, dst0, ld_row, ld_chunk)``: the stream's next slice
+    (slice lk of tile lt; none past the block's last tile) into ring stage lst, one cp.async
+    group either way; returns the cursor (lt, lk, le, lrow0, lend, lcol0) moved on by one;
+    ``scales(a_scale, w0_scale, w1_scale, src_lo, src_hi, w_at, kb, ktiles)`` -> the
+    promotion's four factors of slice kb (``promote_fp8``: a_scale's row x w0's scale for the
+    tile's first half of columns, x w1's for the second; 0 for a row of no source);
     ``scale_row(a_index, r, row_end)`` -> the a_scale row of output row r (-1: none)."""
+    col_step = BN // 2 if swiglu_epilogue else BN
 
     @kjit(device=True, inline="always")
-    def load_slice(smem, st, kb, row0, row_end, col0, e, a, a_index, w, K, N, dst0, ld_row,
-                   ld_chunk):
+    def load_slice(smem, st, kb, row0, row_end, col0, e, a, a_index, w0, w1, K, N, dst0,
+                   ld_row, ld_chunk):
         """This thread's chunks of slice kb of the tile (row0, col0) of expert e into ring
-        stage st (a and w as uint16 views: element offsets are byte offsets / 2)."""
+        stage st (a and w as uint16 views: element offsets are byte offsets / 2). B's rows
+        32 i + ld_row: w0's rows col0 + ..., or with SWIGLU rows 0-63 w0's (gate) and 64-127
+        w1's (up), rows col0 + ... of each."""
         base = dst0 + st * STAGE_BYTES
         kbyte = kb * BK + ld_chunk * 16
         for i in range(4):
@@ -119,21 +126,24 @@ def make_stream(gather):
             cp_async_16_at(smem, base + i * 32 * ROW_BYTES, a, (max(src, 0) * K + kbyte) >> 1,
                            nbytes)
         for i in range(4):
-            n = col0 + ld_row + 32 * i
-            cp_async_16_at(smem, base + (BM + 32 * i) * ROW_BYTES, w,
-                           ((e * N + n) * K + kbyte) >> 1, 16)
+            if swiglu_epilogue and i >= 2:
+                cp_async_16_at(smem, base + (BM + 32 * i) * ROW_BYTES, w1,
+                               ((e * N + col0 + ld_row + 32 * (i - 2)) * K + kbyte) >> 1, 16)
+            else:
+                cp_async_16_at(smem, base + (BM + 32 * i) * ROW_BYTES, w0,
+                               ((e * N + col0 + ld_row + 32 * i) * K + kbyte) >> 1, 16)
 
     @kjit(device=True, inline="always")
     def tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap):
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, BM,
                                                   rows_cap)
-        return e, row0, nt * BN, row_end
+        return e, row0, nt * col_step, row_end
 
     @kjit(device=True, inline="always")
     def load_next(smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
-                  num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk):
+                  num_experts, rows_cap, a, a_index, w0, w1, K, N, dst0, ld_row, ld_chunk):
         if lt < total:
-            load_slice(smem, lst, lk, lrow0, lend, lcol0, le, a, a_index, w, K, N, dst0,
+            load_slice(smem, lst, lk, lrow0, lend, lcol0, le, a, a_index, w0, w1, K, N, dst0,
                        ld_row, ld_chunk)
             lk += 1
             if lk >= ktiles:
@@ -146,15 +156,22 @@ def make_stream(gather):
         return lt, lk, le, lrow0, lend, lcol0
 
     @kjit(device=True, inline="always")
-    def scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles):
-        s_w = w_scale[w_at + kb]
-        s_lo = float32(0.0)
-        s_hi = float32(0.0)
+    def scales(a_scale, w0_scale, w1_scale, src_lo, src_hi, w_at, kb, ktiles):
+        s0 = w0_scale[w_at + kb]
+        s1 = w1_scale[w_at + kb]
+        f0 = float32(0.0)                   # a row of no source: 0, even with a NaN / Inf
+        f1 = float32(0.0)                   # weight scale (its values are not the GEMM's)
+        f2 = float32(0.0)
+        f3 = float32(0.0)
         if src_lo >= 0:
-            s_lo = a_scale[src_lo * ktiles + kb] * s_w
+            a_lo = a_scale[src_lo * ktiles + kb]
+            f0 = a_lo * s0
+            f2 = a_lo * s1
         if src_hi >= 0:
-            s_hi = a_scale[src_hi * ktiles + kb] * s_w
-        return s_lo, s_hi
+            a_hi = a_scale[src_hi * ktiles + kb]
+            f1 = a_hi * s0
+            f3 = a_hi * s1
+        return f0, f1, f2, f3
 
     @kjit(device=True, inline="always")
     def scale_row(a_index, r, row_end):
@@ -179,17 +196,19 @@ def mma_slice(part, smem, da, db):
     return part
 
 
-def make_fp8_gemm(stages, gather):
-    """Build one specialisation (compile-time STAGES >= 2 and whether A is gathered)."""
+def make_fp8_gemm(stages, gather, swiglu_epilogue=False):
+    """Build one specialisation (compile-time STAGES >= 2, whether A is gathered, and the
+    SwiGLU epilogue: w0 / w1 = W_gate / W_up, out = h)."""
     assert stages >= 2
     prefetch = stages - 1
     in_flight = prefetch - 1                # cp.async groups allowed pending at step 1
-    epilogue = make_coalesced_epilogue(BN)
-    tile_of, load_next, scales, scale_row = make_stream(gather)
+    epilogue = make_coalesced_epilogue(BN, swiglu_epilogue)
+    tile_of, load_next, scales, scale_row = make_stream(gather, swiglu_epilogue)
+    col_step = BN // 2 if swiglu_epilogue else BN
 
     @kjit(launch_bounds=(THREADS, 1))
-    def kernel(a, a_scale, a_index, w, w_scale, offsets, num_rows, out, K, N, errors,
-               nf_tensor, nf_rank):
+    def kernel(a, a_scale, a_index, w0, w0_scale, w1, w1_scale, offsets, num_rows, out, K, N,
+               limit, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
@@ -197,7 +216,7 @@ def make_fp8_gemm(stages, gather):
         rows_cap = min(int64(num_rows[0]), int64(out.shape[0]) * 2 // N)
         tile_table(smem, offsets, num_experts, BM, rows_cap)
         cuda.syncthreads()
-        n_tiles = N // BN
+        n_tiles = N // col_step
         ktiles = K // BK
         nb = N // SCALE_BLOCK
         total = int64(smem[num_experts]) * n_tiles
@@ -224,7 +243,7 @@ def make_fp8_gemm(stages, gather):
         for s in range(prefetch):
             lt, lk, le, lrow0, lend, lcol0 = load_next(
                 smem, s, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
-                num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)
+                num_experts, rows_cap, a, a_index, w0, w1, K, N, dst0, ld_row, ld_chunk)
         cst = 0                                # ring stages of the slice computed / loaded
         lst = prefetch
         part = f32_zeros(NACC)                 # (its input is never read: scale-d 0 first)
@@ -241,19 +260,20 @@ def make_fp8_gemm(stages, gather):
                 cuda.syncthreads()
                 soff = (cst * STAGE_BYTES) >> 4
                 part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
-                s_lo, s_hi = scales(a_scale, w_scale, src_lo, src_hi, w_at, kb, ktiles)
+                f0, f1, f2, f3 = scales(a_scale, w0_scale, w1_scale, src_lo, src_hi, w_at, kb,
+                                        ktiles)
                 lt, lk, le, lrow0, lend, lcol0 = load_next(
                     smem, lst, lt, lk, le, lrow0, lend, lcol0, total, n_tiles, ktiles, offsets,
-                    num_experts, rows_cap, a, a_index, w, K, N, dst0, ld_row, ld_chunk)
+                    num_experts, rows_cap, a, a_index, w0, w1, K, N, dst0, ld_row, ld_chunk)
                 part = wgmma_wait(part, 0)
-                acc = promote_fp8(acc, part, s_lo, s_hi)
+                acc = promote_fp8(acc, part, f0, f1, f2, f3)
                 cst = 0 if cst == stages - 1 else cst + 1
                 lst = 0 if lst == stages - 1 else lst + 1
                 kb += 1
                 if kb >= ktiles:
                     break
             epilogue(smem, acc, out, row0, row0, col0, e, N, row_end - row0, staging, lane,
-                     frag_row, frag_col, errors, nf_tensor, nf_rank)
+                     frag_row, frag_col, limit, errors, nf_tensor, nf_rank)
             t += cuda.gridDim.x
         cp_async_wait(0)                       # (the stream's empty tail groups)
 
@@ -263,28 +283,33 @@ def make_fp8_gemm(stages, gather):
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, gather):
+def _kernel(stages, gather, swiglu_epilogue):
     if not SIM and cuda.get_current_device().compute_capability != (9, 0):
         cc = cuda.get_current_device().compute_capability
         raise ValueError(f"the FP8 GEMM needs a Hopper GPU (sm_90: wgmma e4m3); this device "
                          f"is sm_{cc[0]}{cc[1]}")
-    return make_fp8_gemm(stages, gather)
+    return make_fp8_gemm(stages, gather, swiglu_epilogue)
 
 
-def launch_fp8(a, a_scale, a_index, w, w_scale, offsets, num_rows, out, *, stages, stream,
-               errors, tensor, rank):
+def launch_fp8(a, a_scale, a_index, w0, w0_scale, offsets, num_rows, out, *, w1=None,
+               w1_scale=None, swiglu_limit=None, stages, stream, errors, tensor, rank):
     """Persistent launch on trusted device views: ``a`` uint8 [A_rows, K], ``a_scale``
-    float32 [A_rows, K / 128], ``a_index`` int32 [C] or None, ``w`` uint8 [E, N, K],
-    ``w_scale`` float32 [E, N / 128, K / 128], ``offsets`` int32 [E + 1], ``num_rows`` int32
-    [1], ``out`` uint16 (bf16) [C, N], 16-byte aligned; K a multiple of 128, N of 128."""
+    float32 [A_rows, K / 128], ``a_index`` int32 [C] or None, ``w0`` uint8 [E, N, K],
+    ``w0_scale`` float32 [E, N / 128, K / 128], ``offsets`` int32 [E + 1], ``num_rows`` int32
+    [1], ``out`` uint16 (bf16) [C, N], 16-byte aligned; K a multiple of 128, N of 128. With
+    ``w1`` / ``w1_scale`` (W_up, as w0 = W_gate): the SwiGLU epilogue, out = h [C, N],
+    ``swiglu_limit`` its clamp (None: none)."""
     K = a.shape[1]
-    E, N = w.shape[0], w.shape[1]
+    E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0]
-    kern = _kernel(stages, a_index is not None)
-    tiles = (rows // BM + E) * (N // BN)            # an upper bound on the tiles
+    swiglu = w1 is not None
+    kern = _kernel(stages, a_index is not None, swiglu)
+    tiles = (rows // BM + E) * (N // (BN // 2 if swiglu else BN))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
+    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+    w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
     launch(kern, grid, THREADS, stream, kern.smem_bytes, flat_view(a, np.uint16),
            flat_view(a_scale), num_rows if a_index is None else a_index,   # (a placeholder)
-           flat_view(w, np.uint16), flat_view(w_scale), offsets, num_rows,
-           flat_view(out, np.uint32), np.int64(K), np.int64(N), errors, np.int32(tensor),
-           np.int32(rank))
+           flat_view(w0, np.uint16), flat_view(w0_scale), flat_view(w1, np.uint16),
+           flat_view(w1_scale), offsets, num_rows, flat_view(out, np.uint32), np.int64(K),
+           np.int64(N), np.float32(limit), errors, np.int32(tensor), np.int32(rank))

@@ -676,26 +676,28 @@ def _wgmma_e4m3(n):
 
 
 @intrinsic
-def promote_fp8(typingctx, acc, part, s_lo, s_hi):
+def promote_fp8(typingctx, acc, part, s_lo, s_hi, s_lo2, s_hi2):
     """The FP8 promotion of one K slice: ``acc[i] + part[i] * s`` for every element of two
     equal float32 UniTuples (wgmma fragments), ``s`` = ``s_lo`` for the fragment's upper row
-    (elements 4j, 4j + 1) and ``s_hi`` for the row 8 below (4j + 2, 4j + 3); one rounded
-    multiply and one rounded add each (no FMA contraction: the twin's bits)."""
-    if not (_f32_tuple(acc) and acc == part and isinstance(s_lo, types.Float)
-            and isinstance(s_hi, types.Float)):
+    (elements 4j, 4j + 1) and ``s_hi`` for the row 8 below (4j + 2, 4j + 3) in the first half
+    of the columns (the first n/2 elements), ``s_lo2`` / ``s_hi2`` in the second half (SwiGLU
+    tiles: gate columns, then up columns, each with its weight's scale); one rounded multiply
+    and one rounded add each (no FMA contraction: the twin's bits)."""
+    if not (_f32_tuple(acc) and acc == part
+            and all(isinstance(f, types.Float) for f in (s_lo, s_hi, s_lo2, s_hi2))):
         return None
     n = acc.count
 
     def codegen(context, builder, sig, args):
-        lo = context.cast(builder, args[2], sig.args[2], types.float32)
-        hi = context.cast(builder, args[3], sig.args[3], types.float32)
+        f = [context.cast(builder, args[2 + j], sig.args[2 + j], types.float32)
+             for j in range(4)]
         out = []
         for i in range(n):
             p = builder.extract_value(args[1], i)
-            prod = builder.fmul(p, hi if (i // 2) % 2 else lo)
+            prod = builder.fmul(p, f[2 * (i >= n // 2) + (i // 2) % 2])
             out.append(builder.fadd(builder.extract_value(args[0], i), prod))
         return context.make_tuple(builder, sig.return_type, out)
-    return acc(acc, part, s_lo, s_hi), codegen
+    return acc(acc, part, s_lo, s_hi, s_lo2, s_hi2), codegen
 
 def _wgmma_e4m3_fresh(n):
     impl = _wgmma_impl(n, "k32.f32.e4m3.e4m3", "1, 1", scale_d=0)

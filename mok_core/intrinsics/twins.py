@@ -474,9 +474,10 @@ def _wgmma_e4m3(n, fresh=False):
     return twin
 
 
-def promote_fp8(acc, part, s_lo, s_hi):
-    lo, hi = np.float32(s_lo), np.float32(s_hi)
-    return tuple(np.float32(a + np.float32(p * (hi if (i // 2) % 2 else lo)))
+def promote_fp8(acc, part, s_lo, s_hi, s_lo2, s_hi2):
+    f = [np.float32(v) for v in (s_lo, s_hi, s_lo2, s_hi2)]
+    n = len(acc)
+    return tuple(np.float32(a + np.float32(p * f[2 * (i >= n // 2) + (i // 2) % 2]))
                  for i, (a, p) in enumerate(zip(acc, part)))
 
 

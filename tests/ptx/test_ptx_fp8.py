@@ -7,23 +7,27 @@ from numba import float32, int32, int64, uint16, uint32
 
 from ptx_util import assemble_sm90a, compile_sm90a, count
 
-SIG = (uint16[::1], float32[::1], int32[::1], uint16[::1], float32[::1], int32[::1],
-       int32[::1], uint32[::1], int64, int64, int32[::1], int32, int32)
+SIG = (uint16[::1], float32[::1], int32[::1], uint16[::1], float32[::1], uint16[::1],
+       float32[::1], int32[::1], int32[::1], uint32[::1], int64, int64, float32, int32[::1],
+       int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["direct", "gathered"])
-def test_fp8_gemm_lowers_unserialised(gather):
+@pytest.mark.parametrize("gather,swiglu", [(False, False), (True, True)],
+                         ids=["direct", "gathered-swiglu"])
+def test_fp8_gemm_lowers_unserialised(gather, swiglu):
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
-    ptx = compile_sm90a(make_fp8_gemm(4, gather), SIG)
+    ptx = compile_sm90a(make_fp8_gemm(4, gather, swiglu), SIG)
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned [1-9]") == 0
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
     assert count(ptx, r"cp\.async\.bulk") == 0                           # no TMA, no bulk
     assert 1 <= count(ptx, r"st\.(global\.)?v4\.u32") <= 8               # coalesced rows
-    assert count(ptx, r"fma\.rn\.bf16x2") == 32                          # one fold per pair
+    assert count(ptx, r"fma\.rn\.bf16x2") == (16 if swiglu else 32)      # one fold per pair
+    if swiglu:
+        assert count(ptx, r"ex2\.approx") == 32 and count(ptx, r"rcp\.approx") == 32
     for p in NF_CHECK:
         assert count(ptx, p) >= 1, p
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the FP8 GEMM"
