@@ -8,6 +8,11 @@ landing on this rank's experts), uniform and skewed routing:
   grouped_mm  torch._grouped_mm gate/up (one [2I] GEMM) -> silu(g)*u -> grouped_mm down, on the
               unpadded rows (offsets rounded to 16 rows, which grouped_mm needs)
   cublas      dense bf16 matmuls of the same FLOPs (the ceiling)
+  fp8         (``--precision bf16,fp8``) fp8_gate_up_swiglu + h quantised (1 x 128) + fp8_gemm
+              down, on x and the weights quantised beforehand (x: the dispatch's job, fused
+              on arrival in the layer; weights: once per optimizer step); a row of its own
+              (``precision`` "fp8", ``ratio_vs_bf16`` = our bf16 time / this, the same turns;
+              ``quantize_x_ms`` what x's quantisation costs alone; ``rel_l1_vs_bf16`` of y)
 TFLOP/s counts real routed rows only: 6 * rows * H * I.
 Each side is timed as a CUDA-graph replay (device time, as inside the layer's captured step),
 ours and grouped_mm in turns (iteration i runs both: a drift of the machine hits both alike;
@@ -207,7 +212,44 @@ def best_ms(graph, eager):
     return eager if graph != graph else min(graph, eager)
 
 
-def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
+def fp8_steps(d):
+    """(quantize_x, gate_up, quantize_h, down, y) of the FP8 routed FFN over ``ffn_inputs``
+    (weights quantised here, once; buffers allocated here so the steps can be captured)."""
+    import torch
+
+    from mok_core.gemm import fp8_gate_up_swiglu, fp8_gemm
+    from mok_core.quantize import quantize_expert_weights, quantize_fp8
+    u16, u8, f32 = torch.uint16, torch.uint8, torch.float32
+    rows, C, H, I = d["rows"], d["C"], d["shape"].hidden, d["shape"].intermediate
+    dev = d["x"].device
+    wg8, sg = quantize_expert_weights(d["wg"].view(u16))
+    wu8, su = quantize_expert_weights(d["wu"].view(u16))
+    wd8, sd = quantize_expert_weights(d["wd"].view(u16))
+    x8 = torch.empty(rows, H, device=dev, dtype=u8)
+    sx = torch.empty(rows, H // 128, device=dev, dtype=f32)
+    h8 = torch.empty(C, I, device=dev, dtype=u8)
+    sh = torch.empty(C, I // 128, device=dev, dtype=f32)
+    y = torch.empty(C, H, device=dev, dtype=torch.bfloat16)
+
+    def quantize_x():
+        quantize_fp8(d["x"].view(u16), (1, 128), out=x8, scales=sx, stream=numba_stream())
+
+    def gate_up():
+        fp8_gate_up_swiglu(x8, sx, d["index"], wg8, sg, wu8, su, d["off"], d["num_rows"],
+                           d["hidden"].view(u16), stream=numba_stream())
+
+    def quantize_h():
+        quantize_fp8(d["hidden"].view(u16), (1, 128), out=h8, scales=sh, stream=numba_stream())
+
+    def down_():
+        fp8_gemm(h8, sh, None, wd8, sd, d["off"], d["num_rows"], y.view(u16),
+                 stream=numba_stream())
+    return quantize_x, gate_up, quantize_h, down_, y
+
+
+def run_case(preset_name, T, skew, gemm_cfg, iters, rng, precisions=("bf16",)):
+    """[the bf16 row] or, with "fp8" in ``precisions``, [bf16 row, fp8 row] (module
+    docstring)."""
     import torch
 
     cfg_gu, cfg_dn = gemm_pair(gemm_cfg)
@@ -246,6 +288,22 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
 
     # ours and grouped_mm (and our two GEMMs alone: what the sweep timed) in turns
     steps = {"ours": ours, "grouped": grouped, "gate_up": gate_up, "down": down_}
+    if "fp8" in precisions:
+        ours()
+        y_bf16 = d["y"].float().clone()
+        q_x, f_gu, q_h, f_dn, y8 = fp8_steps(d)
+        q_x()
+
+        def fp8():
+            f_gu()
+            q_h()
+            f_dn()
+        fp8()
+        torch.cuda.synchronize()
+        real = d["index"] >= 0
+        fp8_l1 = float((y8.float() - y_bf16)[real].abs().sum() / y_bf16[real].abs().sum())
+        steps.update(fp8=fp8, fp8_gate_up=f_gu, fp8_quantize_h=q_h, fp8_down=f_dn,
+                     quantize_x=q_x)
     try:
         grouped()
     except Exception as exc:                                    # keep the run going
@@ -266,9 +324,23 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng):
            "ours_eager_ms": e_ours, "grouped_mm_eager_ms": e_gmm,
            "ours_gate_up_ms": best_ms(*t["gate_up"]), "ours_down_ms": best_ms(*t["down"]),
            "gpu": gpu_name(), "gemm": str(cfg_gu), "gemm_down": str(cfg_dn)}
+    out = [dict(row, precision="bf16")]
+    if "fp8" in precisions:
+        t8 = best_ms(*t["fp8"])
+        out.append({"preset": preset_name, "tokens_per_rank": T, "routing": skew,
+                    "rows": rows, "padded_rows": C, "precision": "fp8", "ours_ms": t8,
+                    "ours_graph_ms": t["fp8"][0], "ours_tflops": flops / t8 / 1e9,
+                    "ratio_vs_bf16": row["ours_ms"] / t8,
+                    "ratio_vs_grouped_mm": row["grouped_mm_ms"] / t8,
+                    "ours_gate_up_ms": best_ms(*t["fp8_gate_up"]),
+                    "quantize_h_ms": best_ms(*t["fp8_quantize_h"]),
+                    "ours_down_ms": best_ms(*t["fp8_down"]),
+                    "quantize_x_ms": best_ms(*t["quantize_x"]),
+                    "rel_l1_vs_bf16": fp8_l1, "gpu": gpu_name(),
+                    "gemm": "sm90_fp8 128x128", "gemm_down": "sm90_fp8 128x128"})
     del d, wg, wu, wd, x16, w_gu
     torch.cuda.empty_cache()
-    return row
+    return out
 
 
 def main(argv=None):
@@ -285,6 +357,8 @@ def main(argv=None):
     ap.add_argument("--sweep-all", action="store_true",
                     help="with --sweep: sweep every preset and T; each case then runs with "
                          "the fastest gate_up and the fastest down tiles of its (preset, T)")
+    ap.add_argument("--precision", default="bf16",
+                    help="bf16 or bf16,fp8 (the FP8 routed FFN in the same turns)")
     ap.add_argument("--out", default="benchmarks/results/bench_ffn.json")
     args = ap.parse_args(argv)
     from mok_core.gemm import GemmConfig, default_gemm
@@ -312,12 +386,19 @@ def main(argv=None):
             pick = tiles.get((p, T), tiles.get(("kimi-k2.7", T), cfg))
             for skew in args.routing.split(","):
                 progress(f"ffn {p} T={T} {skew}")
-                rows.append(run_case(p, T, skew, pick, args.iters, rng))
+                case = run_case(p, T, skew, pick, args.iters, rng,
+                                tuple(args.precision.split(",")))
+                rows += case
                 write_json(args.out, rows)               # keep what we have if time runs out
-                r = rows[-1]
+                r = case[0]
                 progress(f"  ours {r['ours_ms']:.3f} ms ({r['ours_tflops']:.0f} TF/s)  "
                          f"grouped_mm {r['grouped_mm_ms']:.3f} ms  ratio "
                          f"{r['ratio_vs_grouped_mm']:.2f}")
+                for r in case[1:]:
+                    progress(f"  fp8 {r['ours_ms']:.3f} ms ({r['ours_tflops']:.0f} TF/s)  "
+                             f"x{r['ratio_vs_bf16']:.2f} vs bf16, rel-L1 "
+                             f"{r['rel_l1_vs_bf16']:.1e} (quantize x {r['quantize_x_ms']:.3f} "
+                             "ms apart)")
     write_json(args.out, rows)
     print(table(rows, ["preset", "tokens_per_rank", "routing", "rows", "ours_ms",
                        "grouped_mm_ms", "cublas_ms", "ours_tflops", "ratio_vs_grouped_mm"]))

@@ -18,6 +18,7 @@
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills) probe-fp8 (the FP8 GEMM
 #        with the promotion overlapped: ptxas, bits, times vs the production kernel)
+#        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
@@ -135,6 +136,10 @@ for s in "$@"; do
          tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
          step ptx-sm90a $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
          tests/ptx/test_ptx_wgrad.py tests/ptx/test_ptx_gemm.py tests/ptx/test_ptx_backward.py ;;
+    bench-ffn-fp8) step bench-ffn-fp8 python3 benchmarks/bench_ffn.py \
+         --presets "${FFN_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
+         --tokens "${FFN_TOKENS:-8192}" --routing uniform --precision bf16,fp8 \
+         --out "$OUT/bench_ffn_fp8.json" ;;
     probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_overlap.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \

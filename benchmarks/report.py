@@ -72,7 +72,7 @@ def readme_block(tokens=4096):
     the routed expert FFN against torch._grouped_mm, + the dispatch / combine line and setup."""
     layer = [r for r in load("bench_layer") if r["tokens_per_rank"] == tokens]
     ffn = {(r["preset"], r["routing"]): r for r in load("bench_ffn")
-           if r["tokens_per_rank"] == tokens}
+           if r["tokens_per_rank"] == tokens and r.get("precision", "bf16") == "bf16"}
     comm = [r for r in load("bench_comm") if r["tokens_per_rank"] == tokens]
     rows, stale = [], False
     for r in layer:
@@ -121,7 +121,17 @@ def all_tables():
           ms(r["floor_ms"]), ms(r.get("floor_hbm_ms")),
           f"{r['step_over_roofline']:.2f}" if r.get("step_over_roofline") else "-",
           f"{r['ours_rel_l1']:.1e}"] for r in layer]))
-    ffn = load("bench_ffn")
+    ffn = [r for r in load("bench_ffn") if r.get("precision", "bf16") == "bf16"]
+    fp8 = [r for r in load("bench_ffn") if r.get("precision") == "fp8"]
+    if fp8:
+        out.append("### Expert FFN in FP8 (bench_ffn.json, precision fp8)\n" + table(
+            ["preset", "T/rank", "routing", "fp8 ms", "gate_up + quantize h + down ms",
+             "TFLOP/s", "vs bf16", "rel-L1 vs bf16", "quantize x ms"],
+            [[r["preset"], r["tokens_per_rank"], r["routing"], ms(r["ours_ms"]),
+              f"{ms(r['ours_gate_up_ms'])} + {ms(r['quantize_h_ms'])} + "
+              f"{ms(r['ours_down_ms'])}", f"{r['ours_tflops']:.0f}",
+              f"**{x(r['ratio_vs_bf16'])}**", f"{r['rel_l1_vs_bf16']:.1e}",
+              ms(r["quantize_x_ms"])] for r in fp8]))
     out.append("### Expert FFN (bench_ffn.json)\n" + table(
         ["preset", "T/rank", "routing", "tiles gate_up / down", "ours ms", "gate_up + down ms",
          "grouped_mm ms", "ours TFLOP/s", "cuBLAS dense TFLOP/s", "ratio"],
