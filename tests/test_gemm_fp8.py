@@ -122,6 +122,36 @@ def test_fp8_gate_up_swiglu_matches_float64(limit):
     assert len(pad) and (got[pad] == 0).all()
 
 
+def test_fp8_dgrad_on_transposed_weight_copies():
+    """The dgrads' recipe (docs/design.md, FP8): d_x = [d_gate | d_up] [W_gate; W_up] reduces
+    over 2I, so it is ``fp8_gemm`` with A = [d_gate | d_up] quantised 1 x 128 along 2I and
+    W = ``quantize_expert_weights`` of [W_gate; W_up] ([E, 2I, H]) transposed ([E, H, 2I]);
+    within rel-L1 5e-3 of float64 of the dequantised operands, i.e. of the product the
+    weights as stored define (each quantised block of W^T is a transposed 128 x 128 block)."""
+    from helpers import rand_bf16_bits
+    from mok_core.quantize import quantize_expert_weights
+    from mok_core.quantize_reference import dequantize_fp8
+    _hopper()
+    rng = np.random.default_rng(11)
+    counts, H, I = [64, 0, 96], 128, 128
+    E, C = len(counts), sum(counts)
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    w_gu = rand_bf16_bits(rng, (E, 2 * I, H), -3)                 # [W_gate; W_up] as stored
+    wt, wt_scale = quantize_expert_weights(to_dev(w_gu), transpose=True)
+    wt, wt_scale = to_host(wt), to_host(wt_scale)
+    assert wt.shape == (E, H, 2 * I)
+    d_gu, d_scale = quantize_fp8_reference(rng.standard_normal((C, 2 * I)), (1, 128))
+    d_x = run((d_gu, d_scale.astype(np.float32), None, wt, wt_scale, off,
+               np.array([C], np.int32)))
+    want = grouped_gemm_fp8_reference(d_gu, d_scale, None, wt, wt_scale, off, [C])
+    g = f64(d_x)
+    assert np.abs(g - want).sum() / np.abs(want).sum() < 5e-3
+    # the same product from the weights as stored: W^T's blocks hold W's values
+    W = np.stack([dequantize_fp8(wt[e], wt_scale[e], (128, 128)).T for e in range(E)])
+    gu = (w_gu.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    assert np.abs(W - gu).max() <= 2.0 ** -4 * np.abs(gu).max()   # half an e4m3 step
+
+
 def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     """An Inf scale reaches the error word (count, row, expert); bad inputs raise naming the
     tensor."""
