@@ -125,3 +125,18 @@ def grouped_gemm_fp8_reference(a, a_scale, a_index, w, w_scale, offsets, num_row
         X = np.where(src[:, None] >= 0, A[np.maximum(src, 0)], 0.0)
         out[lo:hi] = X @ dequantize_fp8(w[e], w_scale[e], block=(128, 128)).T
     return out
+
+
+def grouped_wgrad_fp8_reference(a, a_scale, b, b_scale, offsets, num_rows):
+    """float64 [E, M, N] of ``mok_core.gemm.fp8_wgrad``: for each expert, the sum over its rows
+    r in [offsets[e], min(offsets[e + 1], num_rows)) of A[m, r] B[n, r], A dequantised with
+    1 x 128 scales along r, B with 128 x 128."""
+    A = dequantize_fp8(a, a_scale)
+    B = dequantize_fp8(b, b_scale, block=(128, 128))
+    E = len(offsets) - 1
+    nr = int(np.asarray(num_rows).reshape(-1)[0])
+    out = np.zeros((E, A.shape[0], B.shape[0]))
+    for e in range(E):
+        lo, hi = min(int(offsets[e]), nr), min(int(offsets[e + 1]), nr)
+        out[e] = A[:, lo:hi] @ B[:, lo:hi].T
+    return out

@@ -16,7 +16,8 @@ whose reduction runs over each expert's rows; and the FP8 forward GEMM (in progr
 
     fp8_gemm:       out[r]    = A[r] W_e^T, A and W_e e4m3 with 1 x 128 / 128 x 128 scales
                     (bf16 out; Hopper only, ``sm90_fp8``); ``fp8_gate_up_swiglu`` the same
-                    with gate_up_swiglu's epilogue.
+                    with gate_up_swiglu's epilogue; ``fp8_wgrad`` the weight gradient from
+                    operands transposed and quantised along the rows (``sm90_fp8_wgrad``).
 
 ``dgrad`` is the backward's data gradient
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
@@ -51,14 +52,14 @@ from numba import cuda
 from .. import errors as err
 from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
 from . import sm80, sm90
-from . import sm80_wgrad, sm90_fp8, sm90_wgrad
+from . import sm80_wgrad, sm90_fp8, sm90_fp8_wgrad, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
            "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad", "fp8_gemm",
-           "fp8_gate_up_swiglu", "launch_fp8_gemm"]
+           "fp8_gate_up_swiglu", "fp8_wgrad", "launch_fp8_gemm"]
 
 
 _SCRATCH = {}
@@ -623,3 +624,41 @@ def fp8_gate_up_swiglu(a, a_scale, a_index, w_gate, w_gate_scale, w_up, w_up_sca
     launch_fp8_gemm(a, a_scale, a_index, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
                     swiglu_limit=swiglu_limit, stages=int(stages), stream=stream,
                     errors=errors, tensor=tensor, rank=rank)
+
+
+def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=4, stream=0,
+              errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``wgrad`` in FP8 (Hopper; ``sm90_fp8_wgrad``, read its header): out[e, m, n] =
+    bf16(sum over expert e's rows r of A[m, r] B[n, r]), from the two operands transposed and
+    quantised along the rows -- ``a`` uint8 [M, R] with float32 scales [M, R / 128]
+    (``quantize_fp8(x, (1, 128), transpose=True)``), ``b`` uint8 [N, R] with [N / 128, R / 128]
+    (``quantize_fp8(y, (128, 128), transpose=True)``); M and N multiples of 128, R of 128.
+    ``expert_offsets`` int32 [E + 1] (multiples of 128: device values, a precondition),
+    ``num_rows`` int32 [1] (a multiple of 16), ``out`` uint16 (bf16) [E, M, N]: every tile is
+    written (an expert of no rows gets zeros). Rows from an expert's last to its segment's end
+    must be zero in both operands (the padded layout's are)."""
+    a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
+    b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
+    M, R = a.shape
+    N = b.shape[0]
+    for name, n, what in (("a", M, "rows (M)"), ("b", N, "rows (N)"), ("a", R, "columns (R)")):
+        if n % 128 or n == 0:
+            raise ValueError(f"{name}: {what} = {n} must be a positive multiple of 128")
+    if b.shape[1] != R:
+        raise ValueError(f"b: expected R={R} columns (a's), got shape {tuple(b.shape)}")
+    a_scale = as_device_array(a_scale, "a_scale", dtype=np.float32, shape=(M, R // 128))
+    b_scale = as_device_array(b_scale, "b_scale", dtype=np.float32, shape=(N // 128, R // 128))
+    off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, ndim=1)
+    E = off.shape[0] - 1
+    if E < 1:
+        raise ValueError(f"expert_offsets: expected [E + 1] with E >= 1, got {tuple(off.shape)}")
+    nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
+    out = as_device_array(out, "out", dtype=np.uint16, shape=(E, M, N))
+    if device_address(out) % 16:
+        raise ValueError("out: must be 16-byte aligned (16-byte stores)")
+    if not isinstance(stages, (int, np.integer)) or stages < 2 or \
+            sm90_fp8_wgrad.smem_bytes(int(stages)) > 227 * 1024:
+        raise ValueError(f"stages={stages!r}: an int >= 2 whose ring fits in 227 KiB")
+    sm90_fp8_wgrad.launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out, stages=int(stages),
+                                    stream=stream, errors=_error_word(errors), tensor=tensor,
+                                    rank=rank)

@@ -282,12 +282,17 @@ def make_fp8_gemm(stages, gather, swiglu_epilogue=False):
     return kernel
 
 
-@lru_cache(maxsize=None)
-def _kernel(stages, gather, swiglu_epilogue):
+def require_hopper():
+    """ValueError off Hopper (the simulator runs the twins anywhere)."""
     if not SIM and cuda.get_current_device().compute_capability != (9, 0):
         cc = cuda.get_current_device().compute_capability
-        raise ValueError(f"the FP8 GEMM needs a Hopper GPU (sm_90: wgmma e4m3); this device "
+        raise ValueError(f"the FP8 GEMMs need a Hopper GPU (sm_90: wgmma e4m3); this device "
                          f"is sm_{cc[0]}{cc[1]}")
+
+
+@lru_cache(maxsize=None)
+def _kernel(stages, gather, swiglu_epilogue):
+    require_hopper()
     return make_fp8_gemm(stages, gather, swiglu_epilogue)
 
 

@@ -34,3 +34,21 @@ def test_fp8_gemm_lowers_unserialised(gather, swiglu):
     report = assemble_sm90a(ptx)
     assert "C7518" not in report and "serialized" not in report, report[-600:]
     assert " 0 bytes spill stores, 0 bytes spill loads" in report, report[-600:]
+
+
+def test_fp8_wgrad_lowers_unserialised():
+    """``sm90_fp8_wgrad``: the same slice (4 e4m3 wgmmas, waited to zero, promoted), both
+    operands by cp.async, the coalesced epilogue, no local memory; ptxas: no C7518, no spills."""
+    from mok_core.gemm.sm90_fp8_wgrad import make_fp8_wgrad
+    sig = (uint16[::1], float32[::1], uint16[::1], float32[::1], int32[::1], int32[::1],
+           uint32[::1], int64, int64, int64, int32[::1], int32, int32)
+    ptx = compile_sm90a(make_fp8_wgrad(4), sig)
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
+    assert count(ptx, r"cp\.async\.bulk") == 0
+    assert count(ptx, r"fma\.rn\.bf16x2") == 32
+    assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the FP8 wgrad"
+    report = assemble_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+    assert " 0 bytes spill stores, 0 bytes spill loads" in report, report[-600:]
