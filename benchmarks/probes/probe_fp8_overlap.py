@@ -32,9 +32,9 @@ def make_overlap_kernel(stages, gather):
 
     from mok_core.cuda_compat import kjit
     from mok_core.gemm.epilogue import make_coalesced_epilogue
-    from mok_core.gemm.sm90 import _DESC_HIGH, _TABLE_BYTES, tile_table, warpgroup_fragment
-    from mok_core.gemm.sm90_fp8 import (BM, BN, NACC, ROW_BYTES, SCALE_BLOCK, STAGE_BYTES,
-                                        THREADS, BK, make_stream, mma_slice, smem_bytes)
+    from mok_core.gemm.sm90 import _TABLE_BYTES, tile_table, warpgroup_fragment
+    from mok_core.gemm.sm90_fp8 import (BM, BN, NACC, SCALE_BLOCK, STAGE_BYTES, THREADS, BK,
+                                        make_stream, mma_slice, ring_layout, smem_bytes)
     from mok_core.intrinsics import (cp_async_wait, f32_zeros, fence_proxy_async, promote_fp8,
                                      shared_addr, warp_all, wgmma_wait)
     assert stages >= 3
@@ -58,15 +58,8 @@ def make_overlap_kernel(stages, gather):
         ktiles = K // BK
         nb = N // SCALE_BLOCK
         total = int64(smem[num_experts]) * n_tiles
-        sbase = shared_addr(smem)
-        ring0 = sbase + _TABLE_BYTES
-        ring = ring0 + (1024 - ring0 % 1024) % 1024
-        staging = ring + stages * STAGE_BYTES
-        ld_row = tid // 8
-        ld_chunk = tid % 8
-        dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
-        desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
-        desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+        staging, ld_row, ld_chunk, dst0, desc_a0, desc_b0 = ring_layout(
+            smem, shared_addr(smem) + _TABLE_BYTES, tid, wg, stages)
         t = int64(cuda.blockIdx.x)
         lt = t
         lk = int64(0)

@@ -184,6 +184,22 @@ def make_stream(gather, swiglu_epilogue=False):
 
 
 @kjit(device=True, inline="always")
+def ring_layout(smem, area, tid, wg, stages):
+    """Where a block's FP8 ring lies (from the first 1024-byte boundary at or after the shared
+    byte address ``area``) and this thread's part in it: (staging -- the output tile's, after
+    the ring --, its loader row and 16-byte chunk, the shared address its chunks of stage 0
+    land at -- chunk c of row r at chunk c ^ (r % 8) --, and its warpgroup's A and B
+    descriptors of stage 0)."""
+    ring = area + (1024 - area % 1024) % 1024
+    ld_row = tid // 8
+    ld_chunk = tid % 8
+    dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
+    desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
+    desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+    return ring + stages * STAGE_BYTES, ld_row, ld_chunk, dst0, desc_a0, desc_b0
+
+
+@kjit(device=True, inline="always")
 def mma_slice(part, smem, da, db):
     """One K slice into a fresh fragment: wgmma.fence, the first k32 step with scale-d 0 (so
     only wgmmas ever write the fragment: C7518), 3 more accumulating, commit."""
@@ -221,15 +237,8 @@ def make_fp8_gemm(stages, gather, swiglu_epilogue=False):
         nb = N // SCALE_BLOCK
         total = int64(smem[num_experts]) * n_tiles
 
-        sbase = shared_addr(smem)
-        ring0 = sbase + _TABLE_BYTES
-        ring = ring0 + (1024 - ring0 % 1024) % 1024
-        staging = ring + stages * STAGE_BYTES
-        ld_row = tid // 8
-        ld_chunk = tid % 8
-        dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
-        desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
-        desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+        staging, ld_row, ld_chunk, dst0, desc_a0, desc_b0 = ring_layout(
+            smem, shared_addr(smem) + _TABLE_BYTES, tid, wg, stages)
 
         t = int64(cuda.blockIdx.x)
         lt = t

@@ -40,9 +40,9 @@ from ..cuda_compat import flat_view, kjit, launch, multiprocessor_count
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                           fence_proxy_async, promote_fp8, shared_addr, wgmma_wait)
 from .epilogue import make_coalesced_epilogue
-from .sm90 import _DESC_HIGH, warpgroup_fragment
+from .sm90 import warpgroup_fragment
 from .sm90_fp8 import (BK, BM, BN, NACC, ROW_BYTES, STAGE_BYTES, THREADS, mma_slice,
-                       require_hopper)
+                       require_hopper, ring_layout)
 
 
 def smem_bytes(stages):
@@ -104,14 +104,8 @@ def make_fp8_wgrad(stages):
         tiles_per_expert = m_tiles * (N // BN)
         total = num_experts * tiles_per_expert
         kb_all = R // BK                         # scale blocks per operand row
-        sbase = shared_addr(smem)
-        ring = sbase + (1024 - sbase % 1024) % 1024
-        staging = ring + stages * STAGE_BYTES
-        ld_row = tid // 8
-        ld_chunk = tid % 8
-        dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
-        desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
-        desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+        staging, ld_row, ld_chunk, dst0, desc_a0, desc_b0 = ring_layout(
+            smem, shared_addr(smem), tid, wg, stages)
 
         t = int64(cuda.blockIdx.x)
         lt = t
