@@ -9,12 +9,12 @@ landing on this rank's experts), uniform and skewed routing:
               unpadded rows (offsets rounded to 16 rows, which grouped_mm needs)
   cublas      dense bf16 matmuls of the same FLOPs (the ceiling)
   fp8         (``--precision bf16,fp8``) fp8_gate_up_swiglu + h quantised (1 x 128) + fp8_gemm
-              down, on x and the weights quantised beforehand (x: the dispatch's job, fused
-              on arrival in the layer; weights: once per optimizer step); a row of its own
-              (``precision`` "fp8", ``ratio_vs_bf16`` = our bf16 time / this, the same turns;
-              ``quantize_x_ms`` what x's quantisation costs alone, and the ratio with it
-              added, ``ratio_vs_bf16_with_quantize_x``, until it is fused into the dispatch;
-              ``rel_l1_vs_bf16`` of y)
+              down, on x and the weights quantised beforehand (x gathered into expert order
+              and quantised in one pass, ``quantize_fp8(index=)``: in the layer, on arrival;
+              weights: once per optimizer step); a row of its own (``precision`` "fp8",
+              ``ratio_vs_bf16`` = our bf16 time / this, the same turns; ``quantize_x_ms`` what
+              x's pass costs alone, and the ratio with it added,
+              ``ratio_vs_bf16_with_quantize_x``; ``rel_l1_vs_bf16`` of y)
 TFLOP/s counts real routed rows only: 6 * rows * H * I.
 Each side is timed as a CUDA-graph replay (device time, as inside the layer's captured step),
 ours and grouped_mm in turns (iteration i runs both: a drift of the machine hits both alike;
@@ -222,29 +222,30 @@ def fp8_steps(d):
     from mok_core.gemm import fp8_gate_up_swiglu, fp8_gemm
     from mok_core.quantize import quantize_expert_weights, quantize_fp8
     u16, u8, f32 = torch.uint16, torch.uint8, torch.float32
-    rows, C, H, I = d["rows"], d["C"], d["shape"].hidden, d["shape"].intermediate
+    C, H, I = d["C"], d["shape"].hidden, d["shape"].intermediate
     dev = d["x"].device
     wg8, sg = quantize_expert_weights(d["wg"].view(u16))
     wu8, su = quantize_expert_weights(d["wu"].view(u16))
     wd8, sd = quantize_expert_weights(d["wd"].view(u16))
-    x8 = torch.empty(rows, H, device=dev, dtype=u8)
-    sx = torch.empty(rows, H // 128, device=dev, dtype=f32)
+    x8 = torch.empty(C, H, device=dev, dtype=u8)
+    sx = torch.empty(C, H // 128, device=dev, dtype=f32)
     h8 = torch.empty(C, I, device=dev, dtype=u8)
     sh = torch.empty(C, I // 128, device=dev, dtype=f32)
     y = torch.empty(C, H, device=dev, dtype=torch.bfloat16)
 
     def quantize_x():
-        quantize_fp8(d["x"].view(u16), (1, 128), out=x8, scales=sx, stream=numba_stream())
+        quantize_fp8(d["x"].view(u16), (1, 128), out=x8, scales=sx, index=d["index"],
+                     stream=numba_stream())
 
     def gate_up():
-        fp8_gate_up_swiglu(x8, sx, d["index"], wg8, sg, wu8, su, d["off"], d["num_rows"],
+        fp8_gate_up_swiglu(x8, sx, wg8, sg, wu8, su, d["off"], d["num_rows"],
                            d["hidden"].view(u16), stream=numba_stream())
 
     def quantize_h():
         quantize_fp8(d["hidden"].view(u16), (1, 128), out=h8, scales=sh, stream=numba_stream())
 
     def down_():
-        fp8_gemm(h8, sh, None, wd8, sd, d["off"], d["num_rows"], y.view(u16),
+        fp8_gemm(h8, sh, wd8, sd, d["off"], d["num_rows"], y.view(u16),
                  stream=numba_stream())
     return quantize_x, gate_up, quantize_h, down_, y
 

@@ -16,8 +16,8 @@
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
-#        sm_90a PTX checks with this host's ptxas: C7518 and spills) probe-fp8 (the FP8 GEMM
-#        with the promotion overlapped: ptxas, bits, times vs the production kernel)
+#        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
+#        ring depth, 3 / 4 / 5 stages, vs our bf16 GEMM in turns: probe_fp8_stages)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
@@ -134,13 +134,13 @@ for s in "$@"; do
     gpu-quant) step gpu-quant $PYT tests/test_quantize.py ;;
     gpu-fp8) step gpu-fp8 $PYT -s tests/test_gemm_fp8.py tests/test_quantize.py \
          tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
-         step ptx-sm90a $PYT tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
-         tests/ptx/test_ptx_wgrad.py tests/ptx/test_ptx_gemm.py tests/ptx/test_ptx_backward.py ;;
+         step ptx-sm90a $PYT ${PTX_TESTS:-tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \
+         tests/ptx/test_ptx_wgrad.py tests/ptx/test_ptx_gemm.py tests/ptx/test_ptx_backward.py} ;;
     bench-ffn-fp8) step bench-ffn-fp8 python3 benchmarks/bench_ffn.py \
          --presets "${FFN_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${FFN_TOKENS:-8192}" --routing uniform --precision bf16,fp8 \
          --out "$OUT/bench_ffn_fp8.json" ;;
-    probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_overlap.py ;;
+    probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_stages.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \

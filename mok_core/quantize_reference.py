@@ -109,21 +109,17 @@ __all__ = ["E4M3_MAX", "block_scales", "dequantize_fp8", "dequantize_mxfp8", "e4
            "e4m3_values", "quantize_fp8_reference"]
 
 
-def grouped_gemm_fp8_reference(a, a_scale, a_index, w, w_scale, offsets, num_rows):
-    """float64 [C, N] of ``mok_core.gemm.fp8_gemm``: each expert's rows (gathered through
-    ``a_index``, -1 a zero row; segments clamped to ``num_rows``) times its weights, both
-    dequantised (1 x 128 and 128 x 128 fp32 scales); NaN in rows of no expert (not written)."""
+def grouped_gemm_fp8_reference(a, a_scale, w, w_scale, offsets, num_rows):
+    """float64 [C, N] of ``mok_core.gemm.fp8_gemm``: each expert's rows (segments clamped to
+    ``num_rows``) times its weights, both dequantised (1 x 128 and 128 x 128 fp32 scales); NaN
+    in rows of no expert (not written)."""
     A = dequantize_fp8(a, a_scale)
     E, N, _ = w.shape
-    C = A.shape[0] if a_index is None else len(a_index)
-    out = np.full((C, N), np.nan)
+    out = np.full((A.shape[0], N), np.nan)
     nr = int(np.asarray(num_rows).reshape(-1)[0])
     for e in range(E):
         lo, hi = min(int(offsets[e]), nr), min(int(offsets[e + 1]), nr)
-        rows = np.arange(lo, hi)
-        src = rows if a_index is None else np.asarray(a_index)[rows]
-        X = np.where(src[:, None] >= 0, A[np.maximum(src, 0)], 0.0)
-        out[lo:hi] = X @ dequantize_fp8(w[e], w_scale[e], block=(128, 128)).T
+        out[lo:hi] = A[lo:hi] @ dequantize_fp8(w[e], w_scale[e], block=(128, 128)).T
     return out
 
 

@@ -1,8 +1,8 @@
 """The FP8 grouped GEMM (``mok_core.gemm.fp8_gemm``, ``sm90_fp8``: wgmma e4m3, 1 x 128 and
 128 x 128 scales, the FP32 promotion per 128 of K) vs float64 of the dequantised operands
 (``mok_core.quantize_reference.grouped_gemm_fp8_reference``): on the simulator at tiny shapes
-(ragged experts, an empty one, one cut by num_rows, gathered rows with padding), unchanged on a
-Hopper GPU, plus a real shape there with its TFLOP/s."""
+(ragged experts, an empty one, one cut by num_rows, rows gathered by the quantizer with zero
+padding rows), unchanged on a Hopper GPU, plus a real shape there with its TFLOP/s."""
 import numpy as np
 import pytest
 
@@ -24,38 +24,38 @@ def _hopper():
             pytest.skip("the FP8 GEMM needs sm_90")
 
 
-def problem(seed, counts, K, N, *, gather, cut=0, a_rows=None, scale=1.0):
-    """Host inputs: quantised a [A_rows, K] / w [E, N, K] with their scales, the expert
-    offsets of ``counts`` rows each, num_rows = the total minus ``cut``; gathered: a_index
-    picks random rows of a, the last 7 rows of every non-empty expert padding (-1)."""
+def problem(seed, counts, K, N, *, gather, cut=0, scale=1.0):
+    """Host inputs: quantised a [C, K] / w [E, N, K] with their scales, the expert offsets of
+    ``counts`` rows each, num_rows = the total minus ``cut``; gathered: a's rows are random
+    rows of a smaller source (what ``quantize_fp8(..., index=)`` writes), the last 7 rows of
+    every non-empty expert padding (zero rows, scale 1)."""
     rng = np.random.default_rng(seed)
     C = int(sum(counts))
     off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    a_rows = a_rows or (C if not gather else max(C // 2, 1))
-    x = rng.standard_normal((a_rows, K)).astype(np.float32) * scale
+    src_rows = C if not gather else max(C // 2, 1)
+    x = rng.standard_normal((src_rows, K)).astype(np.float32) * scale
     x[:, :128] *= 8.0                         # the scale blocks differ
+    if gather:
+        index = rng.integers(0, src_rows, C)
+        for e, n in enumerate(counts):
+            if n:
+                index[off[e + 1] - min(7, n):off[e + 1]] = -1
+        x = np.where(index[:, None] >= 0, x[np.maximum(index, 0)], 0.0).astype(np.float32)
     a, a_scale = quantize_fp8_reference(x, (1, 128))
     ws = [quantize_fp8_reference(rng.standard_normal((N, K)).astype(np.float32)
                                  * (1 + e), (128, 128)) for e in range(len(counts))]
     w = np.stack([q for q, _ in ws])
     w_scale = np.stack([s for _, s in ws]).astype(np.float32)
-    a_index = None
-    if gather:
-        a_index = rng.integers(0, a_rows, C).astype(np.int32)
-        for e, n in enumerate(counts):
-            if n:
-                a_index[off[e + 1] - min(7, n):off[e + 1]] = -1
     nr = np.array([C - cut], np.int32)
-    return a, a_scale.astype(np.float32), a_index, w, w_scale, off, nr
+    pad = np.flatnonzero(~x.any(axis=1))
+    return (a, a_scale.astype(np.float32), w, w_scale, off, nr), pad
 
 
-def run(args, stages=4, errors=None):
-    a, a_scale, a_index, w, w_scale, off, nr = args
-    out = to_dev(np.full((len(a_index) if a_index is not None else a.shape[0], w.shape[1]),
-                         POISON16, np.uint16))
-    fp8_gemm(to_dev(a), to_dev(a_scale), None if a_index is None else to_dev(a_index),
-             to_dev(w), to_dev(w_scale), to_dev(off), to_dev(nr), out, stages=stages,
-             errors=errors)
+def run(args, stages=4, errors=None, bn=128):
+    a, a_scale, w, w_scale, off, nr = args
+    out = to_dev(np.full((a.shape[0], w.shape[1]), POISON16, np.uint16))
+    fp8_gemm(to_dev(a), to_dev(a_scale), to_dev(w), to_dev(w_scale), to_dev(off), to_dev(nr),
+             out, stages=stages, bn=bn, errors=errors)
     return to_host(out)
 
 
@@ -65,9 +65,12 @@ def f64(bits):
 
 CASES = {
     # direct rows: 150 = a full and a partial row tile, an empty expert, the last cut by 20
-    "direct": dict(counts=[150, 0, 40, 96], K=256, N=128, gather=False, cut=20),
+    # (2 stages: the ring wraps within a tile, every stage refilled several times)
+    "direct": dict(counts=[150, 0, 40, 96], K=256, N=128, gather=False, cut=20, stages=2),
     # gathered rows with padding, two column tiles, three K slices, an expert past num_rows
-    "gathered": dict(counts=[64, 130, 0, 32], K=384, N=256, gather=True, cut=32),
+    "gathered": dict(counts=[64, 130, 0, 32], K=384, N=256, gather=True, cut=32, stages=4),
+    # 256-column tiles: two halves a slice, each with its own weight scale block
+    "wide": dict(counts=[100, 0, 60], K=256, N=256, gather=True, cut=8, stages=3, bn=256),
 }
 
 
@@ -78,8 +81,9 @@ def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
     expert untouched; padding rows zero; a rerun bit for bit."""
     _hopper()
     c = CASES[case]
-    args = problem(len(case), c["counts"], c["K"], c["N"], gather=c["gather"], cut=c["cut"])
-    got = run(args)
+    args, pad = problem(len(case), c["counts"], c["K"], c["N"], gather=c["gather"],
+                        cut=c["cut"])
+    got = run(args, stages=c["stages"], bn=c.get("bn", 128))
     want = grouped_gemm_fp8_reference(*args)
     written = ~np.isnan(want[:, 0])
     assert (got[~written] == POISON16).all(), "rows of no expert must be left as they were"
@@ -89,37 +93,38 @@ def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
     assert rel < 5e-3, rel
     scale = np.abs(r).max(axis=1, keepdims=True) + 1e-30
     assert (np.abs(g - r) <= 8e-3 * np.abs(r) + 2e-3 * scale).all()
-    a_index = args[2]
-    if a_index is not None:
-        pad = np.flatnonzero((a_index < 0) & written)
+    if c["gather"]:
+        pad = pad[written[pad]]
         assert len(pad) and (got[pad] == 0).all(), "padding rows must be zeros"
-    np.testing.assert_array_equal(run(args), got)                 # deterministic
+    np.testing.assert_array_equal(run(args, stages=c["stages"], bn=c.get("bn", 128)),
+                                  got)                                  # deterministic
 
 
-@pytest.mark.parametrize("limit", [None, 0.5])
-def test_fp8_gate_up_swiglu_matches_float64(limit):
+@pytest.mark.parametrize("limit,bn", [(None, 128), (0.5, 256)])
+def test_fp8_gate_up_swiglu_matches_float64(limit, bn):
     """The SwiGLU epilogue: h = SwiGLU(A W_gate^T, A W_up^T) (clamped at ``limit``), gate and
-    up promoted each with its own weight's scales, within rel-L1 5e-3 of float64 of the
-    dequantised operands; padding rows zero, rows of no expert untouched."""
+    up promoted each with its own weight's scales (tiles of 64 + 64 or 128 + 128 columns),
+    within rel-L1 5e-3 of float64 of the dequantised operands; padding rows zero, rows of no
+    expert untouched."""
     _hopper()
     counts, K, I = [64, 130, 0, 32], 256, 256
-    a, a_scale, a_index, w_gate, s_gate, off, nr = problem(9, counts, K, I, gather=True, cut=32)
-    _, _, _, w_up, s_up, _, _ = problem(10, counts, K, I, gather=True, cut=32)
-    C = len(a_index)
+    (a, a_scale, w_gate, s_gate, off, nr), pad = problem(9, counts, K, I, gather=True, cut=32)
+    (_, _, w_up, s_up, _, _), _ = problem(10, counts, K, I, gather=True, cut=32)
+    C = a.shape[0]
     h = to_dev(np.full((C, I), POISON16, np.uint16))
-    fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(a_index), to_dev(w_gate),
-                       to_dev(s_gate), to_dev(w_up), to_dev(s_up), to_dev(off), to_dev(nr), h,
-                       swiglu_limit=limit)
+    fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(w_gate), to_dev(s_gate),
+                       to_dev(w_up), to_dev(s_up), to_dev(off), to_dev(nr), h,
+                       swiglu_limit=limit, stages=3, bn=bn)
     got = to_host(h)
-    g = grouped_gemm_fp8_reference(a, a_scale, a_index, w_gate, s_gate, off, nr)
-    u = grouped_gemm_fp8_reference(a, a_scale, a_index, w_up, s_up, off, nr)
+    g = grouped_gemm_fp8_reference(a, a_scale, w_gate, s_gate, off, nr)
+    u = grouped_gemm_fp8_reference(a, a_scale, w_up, s_up, off, nr)
     written = ~np.isnan(g[:, 0])
     assert (got[~written] == POISON16).all()
     want = swiglu(g[written], u[written], limit)
     got_w = f64(got[written])
     assert np.isfinite(got_w).all()
     assert np.abs(got_w - want).sum() / np.abs(want).sum() < 5e-3
-    pad = np.flatnonzero((a_index < 0) & written)
+    pad = pad[written[pad]]
     assert len(pad) and (got[pad] == 0).all()
 
 
@@ -142,9 +147,8 @@ def test_fp8_dgrad_on_transposed_weight_copies():
     wt, wt_scale = to_host(wt), to_host(wt_scale)
     assert wt.shape == (E, H, 2 * I)
     d_gu, d_scale = quantize_fp8_reference(rng.standard_normal((C, 2 * I)), (1, 128))
-    d_x = run((d_gu, d_scale.astype(np.float32), None, wt, wt_scale, off,
-               np.array([C], np.int32)))
-    want = grouped_gemm_fp8_reference(d_gu, d_scale, None, wt, wt_scale, off, [C])
+    d_x = run((d_gu, d_scale.astype(np.float32), wt, wt_scale, off, np.array([C], np.int32)))
+    want = grouped_gemm_fp8_reference(d_gu, d_scale, wt, wt_scale, off, [C])
     g = f64(d_x)
     assert np.abs(g - want).sum() / np.abs(want).sum() < 5e-3
     # the same product from the weights as stored: W^T's blocks hold W's values
@@ -196,10 +200,10 @@ def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     """An Inf scale reaches the error word (count, row, expert); bad inputs raise naming the
     tensor."""
     _hopper()
-    args = list(problem(3, [40, 64], 128, 128, gather=False))
-    w_scale = args[4].copy()
+    args = list(problem(3, [40, 64], 128, 128, gather=False)[0])
+    w_scale = args[3].copy()
     w_scale[1, 0, 0] = np.inf
-    args[4] = w_scale
+    args[3] = w_scale
     words = to_dev(err.initial_error_word())
     run(args, errors=words)
     w = to_host(words)
@@ -208,20 +212,20 @@ def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     assert w[err.NONFINITE + 2 * t] == 64 * 128                    # expert 1: every value
     assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == 40        # its first row
     assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 1
-    a, a_scale, _, w8, ws, off, nr = problem(3, [40, 64], 128, 128, gather=False)
+    (a, a_scale, w8, ws, off, nr), _ = problem(3, [40, 64], 128, 128, gather=False)
     out = to_dev(np.zeros((104, 128), np.uint16))
     with pytest.raises(ValueError, match=r"a: K=100 \(its columns\) must be a positive "
                                          r"multiple of 128"):
-        fp8_gemm(to_dev(a[:, :100]), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+        fp8_gemm(to_dev(a[:, :100]), to_dev(a_scale), to_dev(w8), to_dev(ws),
                  to_dev(off), to_dev(nr), out)
     with pytest.raises(ValueError, match=r"w_scale: expected shape \(2, 1, 1\)"):
-        fp8_gemm(to_dev(a), to_dev(a_scale), None, to_dev(w8), to_dev(ws[:, :, :0]),
+        fp8_gemm(to_dev(a), to_dev(a_scale), to_dev(w8), to_dev(ws[:, :, :0]),
                  to_dev(off), to_dev(nr), out)
     with pytest.raises(TypeError, match="a: expected dtype uint8"):
-        fp8_gemm(to_dev(a.astype(np.uint16)), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+        fp8_gemm(to_dev(a.astype(np.uint16)), to_dev(a_scale), to_dev(w8), to_dev(ws),
                  to_dev(off), to_dev(nr), out)
     with pytest.raises(ValueError, match=r"w_up: expected shape \(2, 128, 128\) \(as w_gate\)"):
-        fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), None, to_dev(w8), to_dev(ws),
+        fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(w8), to_dev(ws),
                            to_dev(w8[:1]), to_dev(ws[:1]), to_dev(off), to_dev(nr), out)
 
 
@@ -254,7 +258,7 @@ def test_fp8_gemm_real_shape(capsys):
     dev = [to_dev(v) for v in (a, a_scale, w, w_scale, off, np.array([C], np.int32))]
 
     def fp8():
-        fp8_gemm(dev[0], dev[1], None, dev[2], dev[3], dev[4], dev[5], out)
+        fp8_gemm(dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], out)
     fp8()
     got = to_host(out)
     for e in (0, 17, 30, E - 1):

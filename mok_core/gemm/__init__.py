@@ -63,6 +63,17 @@ __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SY
 
 
 _SCRATCH = {}
+# The FP8 GEMM's tile width and ring depth when the caller leaves them (None): 256 columns
+# where they divide N, with the 3 slices that fit beside its staging, else 128 and 4 slices
+# (docs/perf.md, FP8).
+FP8_TILES = {256: 3, 128: 4}
+
+
+def _fp8_tile(N, swiglu, bn, stages):
+    """The (bn, stages) a call runs: the caller's, or the defaults above for N."""
+    if bn is None:
+        bn = 256 if N % (128 if swiglu else 256) == 0 else 128
+    return bn, FP8_TILES.get(bn, 4) if stages is None else stages
 
 
 def _error_word(errors):
@@ -523,21 +534,21 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
                          f"(at most {(1 << 16) * 64 - 1} rows per launch)")
 
 
-def launch_fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *,
-                    w_up=None, w_up_scale=None, swiglu_limit=None, stages=4, stream=0,
+def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_up=None,
+                    w_up_scale=None, swiglu_limit=None, stages=None, bn=None, stream=0,
                     errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``fp8_gemm`` / ``fp8_gate_up_swiglu`` (``w`` = W_gate with ``w_up``) without the
     checks (arguments as there)."""
-    sm90_fp8.launch_fp8(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out,
-                        w1=w_up, w1_scale=w_up_scale, swiglu_limit=swiglu_limit,
-                        stages=stages, stream=stream, errors=_error_word(errors),
-                        tensor=tensor, rank=rank)
+    bn, stages = _fp8_tile(w.shape[1], w_up is not None, bn, stages)
+    sm90_fp8.launch_fp8(a, a_scale, w, w_scale, expert_offsets, num_rows, out, w1=w_up,
+                        w1_scale=w_up_scale, swiglu_limit=swiglu_limit, stages=stages, bn=bn,
+                        stream=stream, errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
-def _fp8_operands(a, a_scale, a_index, weights, expert_offsets, num_rows, out, stages):
+def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn):
     """Checked views (errors name the tensor): ``weights`` ((w, name), (w_scale, name)) pairs
-    of the same shape, ``out`` (array, name) -> (a, a_scale, a_index, [(w, w_scale), ...],
-    off, nr, out)."""
+    of the same shape, ``out`` (array, name) -> (a, a_scale, [(w, w_scale), ...], off, nr,
+    out)."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     A_rows, K = a.shape
     if K % 128 or K == 0:
@@ -561,68 +572,79 @@ def _fp8_operands(a, a_scale, a_index, weights, expert_offsets, num_rows, out, s
         checked.append((w, w_scale))
     E, N = checked[0][0].shape[0], checked[0][0].shape[1]
     C = A_rows
-    if a_index is not None:
-        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
-        C = a_index.shape[0]
+    if device_address(a) % 16:
+        raise ValueError("a: must be 16-byte aligned (TMA loads)")
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out, out_name = out
     out = as_device_array(out, out_name, dtype=np.uint16, shape=(C, N))
     if device_address(out) % 16:
         raise ValueError(f"{out_name}: must be 16-byte aligned (16-byte stores)")
+    swiglu = len(weights) == 2
+    bn, stages = _fp8_tile(N, swiglu, bn, stages)
+    if bn not in (128, 256) or N % (bn // 2 if swiglu else bn):
+        raise ValueError(f"bn={bn!r}: the tile width must be 128 or 256 and divide N={N} "
+                         f"({'twice ' if swiglu else ''}the output columns)")
     if not isinstance(stages, (int, np.integer)) or stages < 2:
         raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    if sm90_fp8.smem_bytes(int(stages)) > 227 * 1024:
-        raise ValueError(f"stages={stages}: {sm90_fp8.smem_bytes(int(stages))} bytes of shared "
-                         "memory, over 227 KiB")
-    return a, a_scale, a_index, checked, off, nr, out
+    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu)
+    if need > 227 * 1024:
+        raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
+                         "227 KiB")
+    return a, a_scale, checked, off, nr, out, bn, int(stages)
 
 
-def fp8_gemm(a, a_scale, a_index, w, w_scale, expert_offsets, num_rows, out, *, stages=4,
+def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, stages=None, bn=None,
              stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """FP8 grouped GEMM (Hopper; ``sm90_fp8``): for the rows r of each expert e,
 
-        out[r] = bf16( A[ra(r)] W_e^T ),  A = a x a_scale (1 x 128),  W_e = w[e] x w_scale[e]
-        (128 x 128 blocks), ra(r) = a_index[r] (-1: a zero row) or r
+        out[r] = bf16( A[r] W_e^T ),  A = a x a_scale (1 x 128),  W_e = w[e] x w_scale[e]
+        (128 x 128 blocks)
 
     FP32 accumulation promoted from the tensor cores every 128 of K.
 
     Arguments:
-        a: uint8 (e4m3) [A_rows, K], K a multiple of 128; a_scale: float32 [A_rows, K / 128]
-            (``mok_core.quantize.quantize_fp8(x, (1, 128))``).
-        a_index: int32 [C] or None (C = A_rows).
+        a: uint8 (e4m3) [C, K], K a multiple of 128, 16-byte aligned; a_scale: float32
+            [C, K / 128] (``mok_core.quantize.quantize_fp8(x, (1, 128))``, whose ``index=``
+            gathers rows into expert order on the way).
         w: uint8 (e4m3) [E, N, K], N a multiple of 128; w_scale: float32 [E, N / 128, K / 128]
             (``mok_core.quantize.quantize_expert_weights``).
         expert_offsets: int32 [E + 1]; num_rows: int32 [1] (device; segments clamped to it).
         out: uint16 (bf16) [C, N]; rows of no expert are left as they are.
         errors, tensor, rank: NaN/Inf written are recorded in the error word (as ``wgrad``).
-        stages: ring slices (>= 2; 4: 160 KiB of shared memory with the staging).
+        stages, bn: ring slices (32 KiB each at bn = 128, 48 KiB at 256) and the tile's width
+            (128 or 256 columns, dividing N); the ring and the output staging must fit in
+            227 KiB of shared memory. None: 256 where it divides N, with 3 slices, else 128
+            with 4.
 
-    Deterministic: one block owns a tile, slices promoted in ascending K.
+    The TMA tensor maps of ``a`` and ``w`` are built at the first call for their addresses:
+    make it outside a CUDA-graph capture. Deterministic: one block owns a tile, slices
+    promoted in ascending K.
     """
-    a, a_scale, a_index, ((w, w_scale),), off, nr, out = _fp8_operands(
-        a, a_scale, a_index, [((w, "w"), (w_scale, "w_scale"))], expert_offsets, num_rows,
-        (out, "out"), stages)
-    launch_fp8_gemm(a, a_scale, a_index, w, w_scale, off, nr, out, stages=int(stages),
+    a, a_scale, ((w, w_scale),), off, nr, out, bn, stages = _fp8_operands(
+        a, a_scale, [((w, "w"), (w_scale, "w_scale"))], expert_offsets, num_rows,
+        (out, "out"), stages, bn)
+    launch_fp8_gemm(a, a_scale, w, w_scale, off, nr, out, stages=stages, bn=bn,
                     stream=stream, errors=errors, tensor=tensor, rank=rank)
 
 
-def fp8_gate_up_swiglu(a, a_scale, a_index, w_gate, w_gate_scale, w_up, w_up_scale,
-                       expert_offsets, num_rows, hidden, *, swiglu_limit=None, stages=4,
+def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, expert_offsets,
+                       num_rows, hidden, *, swiglu_limit=None, stages=None, bn=None,
                        stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """``gate_up_swiglu`` in FP8 (Hopper; ``sm90_fp8``): hidden[r] = SwiGLU(A[ra(r)]
-    W_gate[e]^T, A[ra(r)] W_up[e]^T), bf16, operands as in ``fp8_gemm`` (w_gate, w_up: uint8
-    [E, I, K] each with float32 [E, I / 128, K / 128] scales; hidden [C, I]); the gate and up
-    sums promoted and clamped (``swiglu_limit``) exactly as the bf16 kernels' epilogue does.
+    """``gate_up_swiglu`` in FP8 (Hopper; ``sm90_fp8``): hidden[r] = SwiGLU(A[r] W_gate[e]^T,
+    A[r] W_up[e]^T), bf16, operands as in ``fp8_gemm`` (w_gate, w_up: uint8 [E, I, K] each
+    with float32 [E, I / 128, K / 128] scales; hidden [C, I]); the gate and up sums promoted
+    and clamped (``swiglu_limit``) exactly as the bf16 kernels' epilogue does; a tile of
+    ``bn`` columns is bn / 2 gate and bn / 2 up columns.
     """
     if swiglu_limit is not None and not (float(swiglu_limit) > 0):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be > 0 (or None)")
-    a, a_scale, a_index, ((wg, sg), (wu, su)), off, nr, hidden = _fp8_operands(
-        a, a_scale, a_index, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
-                              ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
-        expert_offsets, num_rows, (hidden, "hidden"), stages)
-    launch_fp8_gemm(a, a_scale, a_index, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
-                    swiglu_limit=swiglu_limit, stages=int(stages), stream=stream,
+    a, a_scale, ((wg, sg), (wu, su)), off, nr, hidden, bn, stages = _fp8_operands(
+        a, a_scale, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
+                     ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
+        expert_offsets, num_rows, (hidden, "hidden"), stages, bn)
+    launch_fp8_gemm(a, a_scale, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
+                    swiglu_limit=swiglu_limit, stages=stages, bn=bn, stream=stream,
                     errors=errors, tensor=tensor, rank=rank)
 
 

@@ -794,6 +794,21 @@ def _mbarrier_wait(name, op, doc):
     return _named(impl, name, doc)
 
 
+@intrinsic
+def mbarrier_arrive(typingctx, smem, addr):
+    """One arrival on the mbarrier at ``addr`` (release: this thread's prior shared-memory
+    reads -- e.g. a retired wgmma's operands -- are done before the phase can complete)."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        _asm(builder, ir.VoidType(), [a],
+             "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", "r,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr), codegen
+
+
 mbarrier_try_wait = _mbarrier_wait(
     "mbarrier_try_wait", "mbarrier.try_wait.parity",
     "1 once the phase of parity ``parity`` has completed (acquire), else 0 after a bounded "
@@ -848,6 +863,32 @@ def bulk_store(typingctx, gmem, gidx, smem, saddr, nbytes):
 bulk_commit = _statement(
     "bulk_commit", "cp.async.bulk.commit_group;",
     "Close this thread's bulk stores issued so far into one group.")
+
+
+def _setmaxnreg(op):
+    def impl(typingctx, regs):
+        if not isinstance(regs, types.IntegerLiteral):
+            return None
+        n = int(regs.literal_value)
+        if not (24 <= n <= 256 and n % 8 == 0):
+            raise ValueError(f"setmaxnreg: {n} registers, must be a multiple of 8 in 24..256")
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], f"setmaxnreg.{op}.sync.aligned.u32 {n};",
+                 "~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(regs), codegen
+    return impl
+
+
+setmaxnreg_inc = _named(_setmaxnreg("inc"), "setmaxnreg_inc",
+                        "Raise this warpgroup's registers per thread to ``regs`` (a literal; "
+                        "every thread of the warpgroup, converged): a warp-specialised "
+                        "kernel's compute warpgroups take what its producer gives back.")
+setmaxnreg_dec = _named(_setmaxnreg("dec"), "setmaxnreg_dec",
+                        "Lower this warpgroup's registers per thread to ``regs`` (a literal; "
+                        "every thread of the warpgroup, converged): a producer warpgroup "
+                        "that only issues copies gives its registers to the compute ones.")
 
 
 @intrinsic

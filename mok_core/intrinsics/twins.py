@@ -569,6 +569,21 @@ def mbarrier_arrive_expect_tx(smem, addr, tx_bytes):
         _settle(b)
 
 
+def setmaxnreg_inc(regs):
+    pass
+
+
+def setmaxnreg_dec(regs):
+    pass
+
+
+def mbarrier_arrive(smem, addr):
+    with _lock:
+        b = _mbar(smem, addr)
+        b["left"] -= 1
+        _settle(b)
+
+
 def mbarrier_try_wait(smem, addr, parity):
     """Whether the phase of parity ``parity`` of the mbarrier at ``addr`` has completed; like
     the hardware's try_wait, a thread whose phase is pending is suspended a while first (until

@@ -1,33 +1,41 @@
 """The FP8 grouped GEMM (``sm90_fp8``) compiles for sm_90a as its header says: 4 e4m3 wgmmas
-per K slice, waited to zero before the promotion, the operands' rows by cp.async (no TMA), the
-coalesced epilogue with its NaN/Inf check, no local memory -- and ptxas keeps the wgmmas
-unserialised (C7518) without spills (where the local ptxas reads numba's PTX)."""
+per K slice and 128 columns, waited to zero before each promotion, the operands by TMA (2 + 2
+boxes a slice and 128 columns, from one producer thread; full / empty mbarriers, no
+cp.async), the coalesced epilogue with its
+NaN/Inf check, no local memory -- and ptxas keeps the wgmmas unserialised (C7518) without
+spills (where the local ptxas reads numba's PTX)."""
 import pytest
-from numba import float32, int32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32, uint64
 
 from ptx_util import assemble_sm90a, compile_sm90a, count
 
-SIG = (uint16[::1], float32[::1], int32[::1], uint16[::1], float32[::1], uint16[::1],
-       float32[::1], int32[::1], int32[::1], uint32[::1], int64, int64, float32, int32[::1],
-       int32, int32)
+SIG = (float32[::1], float32[::1], float32[::1], uint64[::1], int32[::1], int32[::1],
+       uint32[::1], int64, int64, float32, int32[::1], int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
 
-@pytest.mark.parametrize("gather,swiglu", [(False, False), (True, True)],
-                         ids=["direct", "gathered-swiglu"])
-def test_fp8_gemm_lowers_unserialised(gather, swiglu):
+@pytest.mark.parametrize("swiglu,bn", [(False, 128), (True, 128), (False, 256), (True, 256)],
+                         ids=["plain", "swiglu", "plain-256", "swiglu-256"])
+def test_fp8_gemm_lowers_unserialised(swiglu, bn):
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
-    ptx = compile_sm90a(make_fp8_gemm(4, gather, swiglu), SIG)
-    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
-    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
+    halves = bn // 128
+    ptx = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn), SIG)
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") \
+        == 4 * halves
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == halves   # one per half
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned [1-9]") == 0
-    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
-    assert count(ptx, r"cp\.async\.bulk") == 0                           # no TMA, no bulk
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 2 + 2 * halves   # the slice's boxes
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") == 0
+    assert count(ptx, r"mbarrier\.arrive\.shared") == 1                    # empty[s]
+    assert count(ptx, r"mbarrier\.arrive\.expect_tx") == 1                 # full[s]
+    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32 48;") == 1       # the producer
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32 232;") == 1      # the compute WGs
     assert 1 <= count(ptx, r"st\.(global\.)?v4\.u32") <= 8               # coalesced rows
-    assert count(ptx, r"fma\.rn\.bf16x2") == (16 if swiglu else 32)      # one fold per pair
+    pairs = (16 if swiglu else 32) * halves                             # one fold per pair
+    assert count(ptx, r"fma\.rn\.bf16x2") == pairs
     if swiglu:
-        assert count(ptx, r"ex2\.approx") == 32 and count(ptx, r"rcp\.approx") == 32
+        assert count(ptx, r"ex2\.approx") == 2 * pairs == count(ptx, r"rcp\.approx")
     for p in NF_CHECK:
         assert count(ptx, p) >= 1, p
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the FP8 GEMM"
