@@ -13,35 +13,68 @@ exponent byte (the MX convention). The rounding is exactly ``mok_core.quantize_r
 (its docstring states it): s = amax / 448 (IEEE), q = e4m3(v / s) (IEEE quotient, then
 ``cvt.rn.satfinite``), so the GPU, the simulator and the reference agree to the bit.
 
-Kernel contract (``quantize_kernel``): grid (C / 128, ceil(R / 128)), 256 threads = 8 warps; a
-block owns the 128 x 128 input tile at (row 128 by, column 128 bx). It stages the tile in
-shared memory as bf16 (rows past R read as zero), two bf16 loads per thread per step
-(coalesced). A 128 x 128 block's amax is the maximum over the CTA (a warp reduction, then one
-shared word per warp; max is exact and order-free, so deterministic). Then warp w quantizes
-output lines 16w .. 16w + 15 of the tile -- a line is an input row, or an input column with
-``transpose`` -- lane l taking elements 4l .. 4l + 3: a (1, 128) line's amax comes from a
-warp reduction (``redux.sync`` on the float bits), every lane forms the same scale, packs its
-four e4m3 bytes into one word and stores it (128 contiguous bytes per warp and line); lane 0
-stores the scale.
-NaN/Inf in the input is counted into the error word (``record_non_finite``: count, first row)
-as tensor ``tensor``; that block's scale is then meaningless (its values are NaN or 448-
-saturated). No atomics on the data path, nothing waits, no host sync.
+Kernel contracts. ``quantize_rows_kernel`` -- ``block=(1, 128)`` without ``transpose``: the
+activations, optionally gathered (``index``) -- streams: no shared memory, nothing staged, no
+barrier. Its items are (output row, 128-column group) pairs, item i = row G + group with G =
+C / 128, so item i's scale is scales[i] and its bytes are output words 32 i .. 32 i + 31.
+Grid: ``_ROW_BLOCKS_PER_SM`` blocks per SM (fewer when the work is small), 256 threads = 8
+warps; each warp walks the items by a grid stride, ``_ROW_ITEMS`` per pass, and issues a pass's
+loads before it quantizes the previous pass (software pipelining: a streaming kernel runs at
+the bytes it has in flight, and a warp that waited for its loads before every pass would idle
+the memory system while it computes). A warp owns an item: lane l reads the 8 bytes of bf16
+columns 4l .. 4l + 3 of the source row (two words in one load; 256 contiguous bytes per warp),
+the item's amax is a warp reduction (``redux.sync`` on the bits: exact and order-free, so
+deterministic), every lane forms the same scale, divides its four values by it and stores
+their e4m3 bytes as one word; lane 0 stores the scale. The divisions are the IEEE quotients
+without a divide instruction (``_fast_quotient``: the product with 1 / s corrected by an fma,
+three instructions where a division takes a dozen; ``fdiv_rn`` for NaN/Inf and tiny scales).
+The source row is the output row, or index[row] (< 0: no read, a zero row, scale 1). NaN/Inf
+cost the data path one vote per pass; a warp that saw one reports each item's count once
+(``warp_sum``) with the item's output row as its first row.
+
+``quantize_kernel`` -- (128, 128) blocks and transposed outputs: grid (C / 128, ceil(R / 128)),
+256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by, column 128 bx). It
+stages the tile in shared memory as bf16 (rows past R read as zero), two bf16 loads per thread
+per step (coalesced), so a transposed line (an input column) is read from shared memory. A
+128 x 128 block's amax is the maximum over the CTA (a warp reduction, then one shared word per
+warp; max is exact and order-free, so deterministic). Then warp w quantizes output lines 16w ..
+16w + 15 of the tile -- a line is an input row, or an input column with ``transpose`` -- lane l
+taking elements 4l .. 4l + 3: a (1, 128) line's amax comes from a warp reduction, every lane
+forms the same scale, packs its four e4m3 bytes into one word and stores it (128 contiguous
+bytes per warp and line); lane 0 stores the scale.
+
+Both: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
+scale; a NaN quantises to the NaN byte, an Inf saturates to +-448) and are counted into the
+error word (``record_non_finite``: count, smallest row) as tensor ``tensor``. No atomics on
+the data path, nothing waits, no host sync. With the caller's ``out`` and ``scales`` a launch
+allocates nothing (the scale argument a mode leaves unused is a view of one of them), so it
+can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import errors as err
-from .cuda_compat import as_device_array, device_empty, flat_view, kjit, launch
+from .cuda_compat import (SIM, as_device_array, device_address, device_empty, flat_view, kjit,
+                          launch, multiprocessor_count)
 from .errors_record import record_non_finite
-from .intrinsics import f32_as_u32, fdiv_rn, pack_e4m3x4, u32_as_f32, warp_min
+from .intrinsics import (f32_as_u32, fdiv_rn, fmul_rn, pack_e4m3x4, u32_as_f32, warp_all,
+                         warp_min, warp_sum)
 from .quantize_reference import E4M3_MAX
 
 THREADS = 256
 _PITCH = 130          # shared row pitch in bf16: 65 words, so a column walk spreads over banks
+_ROW_ITEMS = 4        # items a warp of quantize_rows_kernel has in flight per pass
+_ROW_BLOCKS_PER_SM = 8  # more than are resident at once (the grid stride does not need them
+                        # resident): the fastest of 2 .. 8 per SM on an H200
+_BF16_ABS = 0x7FFF
+_BF16_INF = 0x7F80    # |bits| >= this: Inf or NaN
+_FAST_SCALE = 2.0 ** -60   # scales from here up: _fast_quotient (see there) ...
+_FAST_AMAX = 2.0 ** -50    # ... and amax from here up for the scale itself
+_INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))    # RN(1 / 448)
 
 
 @kjit(device=True, inline="always")
@@ -62,6 +95,12 @@ def _scale(amax, ue8m0):
     s = float32(1.0)
     if amax > float32(0.0):
         s = fdiv_rn(amax, float32(E4M3_MAX))
+    return _stored_scale(s, ue8m0)
+
+
+@kjit(device=True, inline="always")
+def _stored_scale(s, ue8m0):
+    """``_scale`` of the IEEE quotient s = amax / 448 (1 for amax = 0)."""
     if not ue8m0:
         return s, s, int32(0)
     bits = f32_as_u32(s)
@@ -172,12 +211,211 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
             fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
 
 
+if SIM:
+    def _ffma_rn(a, b, c):
+        """a b + c rounded once to float32 (``fma.rn.f32``). a b is exact in float64; the sum
+        is exact as float64 plus TwoSum's error term e, and rounding the float64 sum to float32
+        goes wrong only at a float32 midpoint, where e says which way the exact value lies."""
+        p = np.float64(np.float32(a)) * np.float64(np.float32(b))
+        c = np.float64(np.float32(c))
+        t = p + c
+        f = np.float32(t)
+        if not np.isfinite(t):
+            return f
+        z = t - p
+        e = (p - (t - z)) + (c - z)
+        if e != 0:
+            g = np.nextafter(f, np.float32(np.inf if t > np.float64(f) else -np.inf))
+            if t != np.float64(f) and (np.float64(f) + np.float64(g)) / 2 == t:
+                return g if (e > 0) == (np.float64(g) > t) else f
+        return f
+else:
+    @kjit(device=True, inline="always")
+    def _ffma_rn(a, b, c):
+        return cuda.fma(a, b, c)
+
+
+@kjit(device=True, inline="always")
+def _fast_quotient(v, s, r):
+    """RN(v / s) in float32, as ``fdiv_rn``, for r = RN(1 / s), v finite and s >=
+    ``_FAST_SCALE``, in three instructions instead of a division's dozen: q = RN(v r) is within
+    an ulp of v / s, the remainder t = q s - v is exact under an fma, and RN(q - t r) is then
+    RN(v / s) (Markstein's theorem); where v / s is too small for t to be exact, both round to
+    an e4m3 zero of v's sign. t is q s - v, not v - q s, so that v = -0 gives -0."""
+    q = fmul_rn(v, r)
+    return _ffma_rn(-_ffma_rn(q, s, -v), r, q)
+
+
+@kjit(device=True, inline="always")
+def _row_scale(amax, ue8m0):
+    """``_scale`` with amax / 448 as ``_fast_quotient`` (448 and 1 / 448 are constants) where
+    the quotient is far from float32's subnormals, by division below."""
+    s = float32(1.0)
+    if amax >= float32(_FAST_AMAX):
+        s = _fast_quotient(amax, float32(E4M3_MAX), float32(_INV_E4M3_MAX))
+    elif amax > float32(0.0):
+        s = fdiv_rn(amax, float32(E4M3_MAX))
+    return _stored_scale(s, ue8m0)
+
+
+@kjit(device=True, inline="always")
+def _row_load(x64, index, gather, item, items, groups, lane):
+    """Lane ``lane``'s 8 bytes (bf16 columns 4 lane .. 4 lane + 3) of item ``item`` as two
+    words; zeros past the items or for a padding row (index < 0), which are never read.
+    Unsigned indices: numba wraps signed ones around (an add and a select per access)."""
+    w = uint64(0)
+    if item < items:
+        k = item * 32 + lane                     # the row's own: no division
+        read = True
+        if gather:
+            row = int64(uint32(item) // uint32(groups))   # items < 2**32: a 32-bit division
+            src = int64(index[uint64(row)])
+            k += (src - row) * (groups * 32)
+            read = src >= 0
+        if read:
+            w = x64[uint64(k)]
+    return uint32(w), uint32(w >> uint64(32))
+
+
+@kjit(device=True, inline="always")
+def _umax(x, y):
+    return x if x > y else y
+
+
+@kjit(device=True, inline="always")
+def _halves(a, b):
+    """A lane's four |bf16| bit patterns, uint32 (numba widens integer arithmetic to 64 bits;
+    the casts keep it 32)."""
+    m = uint32(_BF16_ABS)
+    return (uint32(a & m), uint32(uint32(a >> uint32(16)) & m), uint32(b & m),
+            uint32(uint32(b >> uint32(16)) & m))
+
+
+@kjit(device=True, inline="always")
+def _non_finite(a, b):
+    """How many of a lane's four bf16 values are NaN/Inf."""
+    h0, h1, h2, h3 = _halves(a, b)
+    inf = uint32(_BF16_INF)
+    return int32(h0 >= inf) + int32(h1 >= inf) + int32(h2 >= inf) + int32(h3 >= inf)
+
+
+@kjit(device=True, inline="always")
+def _lane_bits_max(a, b):
+    """The largest |bf16| bit pattern of a lane's four values (>= _BF16_INF: one is NaN/Inf)."""
+    h0, h1, h2, h3 = _halves(a, b)
+    return _umax(_umax(h0, h1), _umax(h2, h3))
+
+
+@kjit(device=True, inline="always")
+def _lane_max(a, b):
+    """(the largest finite |bf16| bit pattern of a lane's four values, 0 if none; whether all
+    four are finite). |bf16| bit patterns order as the values do."""
+    inf = uint32(_BF16_INF)
+    m = _lane_bits_max(a, b)
+    finite = m < inf
+    if not finite:                               # the rare path: leave NaN/Inf out
+        h0, h1, h2, h3 = _halves(a, b)
+        zero = uint32(0)
+        m = _umax(_umax(h0 if h0 < inf else zero, h1 if h1 < inf else zero),
+                  _umax(h2 if h2 < inf else zero, h3 if h3 < inf else zero))
+    return m, finite
+
+
+@kjit(device=True, inline="always")
+def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
+    """Quantize item ``item`` from every lane's two words (the whole warp calls it)."""
+    if item < items:
+        m, finite = _lane_max(a, b)
+        s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), ue8m0)
+        if lane == 0:
+            if ue8m0:
+                scales_u8[uint64(item)] = s_u8
+            else:
+                scales_f32[uint64(item)] = s_f32
+        # a lane divides by s with the fma-corrected product (module docstring); NaN/Inf (an
+        # Inf's remainder would be NaN) and tiny scales (inexact remainders) by division
+        hi = uint32(0xFFFF0000)
+        v0 = u32_as_f32(uint32(a << uint32(16)))
+        v1 = u32_as_f32(uint32(a & hi))
+        v2 = u32_as_f32(uint32(b << uint32(16)))
+        v3 = u32_as_f32(uint32(b & hi))
+        if finite and s >= float32(_FAST_SCALE):
+            r = fdiv_rn(float32(1.0), s)
+            word = pack_e4m3x4(_fast_quotient(v0, s, r), _fast_quotient(v1, s, r),
+                               _fast_quotient(v2, s, r), _fast_quotient(v3, s, r))
+        else:
+            word = pack_e4m3x4(fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
+        out32[uint64(item * 32 + lane)] = word
+
+
+@kjit(device=True, inline="always")
+def _row_report(a, b, item, groups, errors, tensor, rank, lane):
+    """An item's NaN/Inf, once per warp (the whole warp calls it)."""
+    n = warp_sum(_non_finite(a, b))
+    if n != 0 and lane == 0:
+        record_non_finite(errors, tensor, rank, n, int32(item // groups))
+
+
+@kjit
+def quantize_rows_kernel(x64, index, gather, items, groups, out32, scales_f32, scales_u8, ue8m0,
+                         errors, tensor, rank):
+    """Launch: any grid of THREADS-thread blocks (module docstring; ``quantize_fp8`` picks a few
+    per SM). Items: (output row, 128-column group), item = row * groups + group.
+
+    x64         uint64 [R*C/4]    bf16 quads, row-major (C = 128 groups)
+    index       int32 [rows]      the source row of each output row (``gather``; < 0: a zero
+                                  row), else unused
+    items       rows * groups     output rows times groups
+    out32       uint32 [items*32] e4m3 bytes [rows, C], four per word
+    scales_f32  float32 [items]   float32 scales (``ue8m0`` False), else unused
+    scales_u8   uint8 [items]     exponent bytes (``ue8m0``), else unused
+    """
+    lane = int64(cuda.threadIdx.x % 32)
+    warps = int64(cuda.gridDim.x) * (THREADS // 32)
+    i = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
+    # a pass's loads are issued before the previous pass is quantized, so a warp always has
+    # _ROW_ITEMS x 256 bytes in flight while it computes (a streaming kernel runs at the bytes
+    # in flight)
+    a0, b0 = _row_load(x64, index, gather, i, items, groups, lane)
+    a1, b1 = _row_load(x64, index, gather, i + warps, items, groups, lane)
+    a2, b2 = _row_load(x64, index, gather, i + 2 * warps, items, groups, lane)
+    a3, b3 = _row_load(x64, index, gather, i + 3 * warps, items, groups, lane)
+    while i < items:
+        n = i + _ROW_ITEMS * warps
+        c0, d0 = _row_load(x64, index, gather, n, items, groups, lane)
+        c1, d1 = _row_load(x64, index, gather, n + warps, items, groups, lane)
+        c2, d2 = _row_load(x64, index, gather, n + 2 * warps, items, groups, lane)
+        c3, d3 = _row_load(x64, index, gather, n + 3 * warps, items, groups, lane)
+        _row_store(a0, b0, i, items, out32, scales_f32, scales_u8, ue8m0, lane)
+        _row_store(a1, b1, i + warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+        _row_store(a2, b2, i + 2 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+        _row_store(a3, b3, i + 3 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+        m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
+                  _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
+        if not warp_all(m < uint32(_BF16_INF)):  # the rare path: one vote a pass
+            _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
+            _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
+            _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
+            _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+        a0, b0, a1, b1, a2, b2, a3, b3 = c0, d0, c1, d1, c2, d2, c3, d3
+        i = n
+
+
 def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False, *, out=None,
-                 scales=None, stream=0, errors=None, tensor: int = err.NF_X, rank: int = 0):
+                 scales=None, stream=0, errors=None, tensor: int = err.NF_X, rank: int = 0,
+                 index=None):
     """x uint16 (bf16 bits) [R, C] -> (data uint8 [R, C] or [C, R], scales) (module
     docstring); ``out`` / ``scales`` are the caller's buffers or allocated here. C must be a
     multiple of 128, and R too unless ``block=(1, 128)`` without ``transpose``. ``errors``
-    (int32 [ERROR_WORDS]) gets NaN/Inf counted as tensor ``tensor`` seen on ``rank``."""
+    (int32 [ERROR_WORDS]) gets NaN/Inf counted as tensor ``tensor`` seen on ``rank``.
+
+    ``index`` (int32 [R_out], ``block=(1, 128)`` without ``transpose`` only): gather on the
+    way -- output row r is x row index[r] (rows may repeat; index[r] < R is the caller's to
+    keep: the device does not check it), and index[r] < 0 gives a zero row with scale 1.0
+    (exponent byte 127 with ``"ue8m0"``: what an all-zero row quantises to), without a read.
+    data is then [R_out, C], scales [R_out, C / 128], for any R_out; a NaN/Inf's row in the
+    error word is the output row. Tokens go into expert-sorted order (padding rows -1) this
+    way in one pass."""
     from .gemm import _check_errors, _error_word
     x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
     R, C = x.shape
@@ -189,7 +427,15 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     if C % 128 or ((transpose or block[0] == 128) and R % 128):
         raise ValueError(f"x: shape [{R}, {C}] -- columns must be a multiple of 128, and rows "
                          "too for (128, 128) blocks or a transposed output")
-    rows, cols = (C, R) if transpose else (R, C)
+    rows_path = block == (1, 128) and not transpose
+    R_out = R
+    if index is not None:
+        if not rows_path:
+            raise ValueError(f"index: only with block=(1, 128) and no transpose (got "
+                             f"block={block}, transpose={bool(transpose)})")
+        index = as_device_array(index, "index", dtype=np.int32, ndim=1)
+        R_out = index.shape[0]
+    rows, cols = (C, R) if transpose else (R_out, C)
     n_scales = (rows // block[0], cols // 128)
     dtype = np.float32 if scale == "fp32" else np.uint8
     out = device_empty((rows, cols), np.uint8, stream) if out is None else \
@@ -197,14 +443,30 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     scales = device_empty(n_scales, dtype, stream) if scales is None else \
         as_device_array(scales, "scales", dtype=dtype, shape=n_scales)
     errors, tensor = _check_errors(errors, tensor)
-    if R and C:
-        dummy_f32 = scales if scale == "fp32" else device_empty((1,), np.float32, stream)
-        dummy_u8 = scales if scale == "ue8m0" else device_empty((1,), np.uint8, stream)
-        launch(quantize_kernel, (C // 128, -(-R // 128)), THREADS, stream, 0,
-               x.reshape(R * C), np.int64(R), np.int64(C), flat_view(out, np.uint32),
-               dummy_f32.reshape(dummy_f32.size), dummy_u8.reshape(dummy_u8.size),
-               scale == "ue8m0", block[0] == 128, bool(transpose), _error_word(errors),
+    if not (rows and cols):
+        return out, scales
+    ue8m0 = scale == "ue8m0"
+    word = _error_word(errors)
+    out32 = flat_view(out, np.uint32)
+    # the kernels take both scale types; the unused one is a view of memory at hand, never
+    # written (an allocation here would break CUDA-graph capture)
+    scales_f32 = flat_view(out, np.float32) if ue8m0 else flat_view(scales)
+    scales_u8 = flat_view(scales) if ue8m0 else flat_view(scales, np.uint8)
+    if rows_path:
+        if device_address(x) % 8:
+            raise ValueError("x: the row kernel reads 8-byte words: x must start 8-byte aligned")
+        groups = C // 128
+        items = rows * groups
+        grid = min(multiprocessor_count() * _ROW_BLOCKS_PER_SM,
+                   -(-items // (THREADS // 32 * _ROW_ITEMS)))
+        launch(quantize_rows_kernel, grid, THREADS, stream, 0,
+               flat_view(x, np.uint64), word if index is None else index, index is not None,
+               np.int64(items), np.int64(groups), out32, scales_f32, scales_u8, ue8m0, word,
                np.int32(tensor), np.int32(rank))
+    else:
+        launch(quantize_kernel, (C // 128, -(-R // 128)), THREADS, stream, 0,
+               flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0,
+               block[0] == 128, bool(transpose), word, np.int32(tensor), np.int32(rank))
     return out, scales
 
 
@@ -298,4 +560,4 @@ def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, 
 
 
 __all__ = ["dequantize_mx_kernel", "mxfp8_to_blockwise", "quantize_expert_weights",
-           "quantize_fp8", "quantize_kernel"]
+           "quantize_fp8", "quantize_kernel", "quantize_rows_kernel"]

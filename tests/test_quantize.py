@@ -1,19 +1,27 @@
 """FP8 block quantization (``mok_core.quantize``) bit for bit against its NumPy reference, every
-mode (1 x 128 / 128 x 128 blocks, fp32 / ue8m0 scales, transposed or not), on the CUDA simulator
-in CI and unchanged on a GPU (where ``cvt.rn.satfinite`` does the rounding); the reference's
-rounding against ``ml_dtypes``; NaN/Inf reported; bad arguments refused."""
+mode (1 x 128 / 128 x 128 blocks, fp32 / ue8m0 scales, transposed or not, gathered through an
+index), on the CUDA simulator in CI and unchanged on a GPU (where ``cvt.rn.satfinite`` does the
+rounding); the reference's rounding against ``ml_dtypes``; NaN/Inf reported; bad arguments
+refused; no allocation with the caller's buffers (CUDA-graph capture)."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from helpers import to_dev
+import mok_core.quantize as quantize_module
 from mok_core import errors as err
-from mok_core.cuda_compat import SIM, device_full, to_host
+from mok_core.cuda_compat import SIM, device_full, multiprocessor_count, to_host
 from mok_core.quantize import quantize_expert_weights, quantize_fp8
 from mok_core.quantize_reference import (dequantize_fp8, dequantize_mxfp8, e4m3_bits,
                                          e4m3_values, quantize_fp8_reference)
 
+BF16_NAN, BF16_INF, BF16_NEG_INF = 0x7FC0, 0x7F80, 0xFF80
+
 R, C = (160, 256) if SIM else (4096, 7168)          # 160: a partial row tile
+
+
+def bf16_values(bits):
+    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def bf16_bits(a):
@@ -93,6 +101,183 @@ def test_nonfinite_reported():
     assert err.INT32_MAX - words[err.NONFINITE + 2 * err.NF_D_OUT + 1] == 70
 
 
+# (rows, cols): rows not a multiple of 128, several column groups
+ROW_SHAPES = [(70, 384)] if SIM else [(5000, 384), (4097, 7168)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("scale", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("blocks_per_sm", [None, 1])
+def test_rows_kernel_matches_reference(shape, scale, blocks_per_sm, monkeypatch):
+    """``block=(1, 128)`` without ``transpose`` (``quantize_rows_kernel``) bit for bit, into the
+    caller's buffers (every byte written); with one block per SM, more items than one pass of
+    the grid covers, so warps loop (the prefetch of the next pass included)."""
+    rows, cols = shape
+    rng = np.random.default_rng(20)
+    xb = inputs(20, rows, cols)
+    xb[7] = bf16_bits(rng.standard_normal(cols) * 1e-30)     # scales below _FAST_SCALE: divided
+    xb[8] = bf16_bits(rng.standard_normal(cols) * 1e30)
+    xb[9, ::3] = bf16_bits(rng.standard_normal(cols)[::3] * 1e-39)   # bf16 subnormals
+    if blocks_per_sm is not None:
+        monkeypatch.setattr(quantize_module, "_ROW_BLOCKS_PER_SM", blocks_per_sm)
+        assert rows * cols // 128 > multiprocessor_count() * blocks_per_sm * \
+            quantize_module.THREADS // 32 * quantize_module._ROW_ITEMS
+    dtype = np.float32 if scale == "fp32" else np.uint8
+    out = to_dev(np.full((rows, cols), 0xAB, np.uint8))
+    scales = to_dev(np.full((rows, cols // 128), 77, dtype))
+    data, sc = quantize_fp8(to_dev(xb), (1, 128), scale, out=out, scales=scales)
+    want_data, want_scales = quantize_fp8_reference(bf16_values(xb), (1, 128), scale)
+    np.testing.assert_array_equal(to_host(data), want_data)
+    np.testing.assert_array_equal(to_host(sc), want_scales)
+
+
+@pytest.mark.skipif(not SIM, reason="the simulator's fma (the GPU's is the hardware's)")
+def test_simulator_fma_rounds_once():
+    """``_ffma_rn``'s simulator twin: a b + c rounded once (exact arithmetic as the judge),
+    also where rounding the float64 sum would land on a float32 midpoint (double rounding)."""
+    from fractions import Fraction
+    rng = np.random.default_rng(5)
+    n = 400
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    b = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
+        1, 30, n))).astype(np.float32)                       # cancellation: remainders
+    # a b + c a hair (2**-60) off a float32 midpoint, which the float64 sum rounds onto
+    # (ties-to-even would then go the wrong way): a b = 2**-24 (1 +- 2**-36), exactly, as
+    # 2**36 + 1 = 4097 * 16773121 and 2**36 - 1 = 262143 * 262145
+    a = np.append(a, np.float32([1 + 2.0 ** -12, -1 - 2.0 ** -12, 1 - 2.0 ** -18]))
+    b = np.append(b, np.float32([16773121 * 2.0 ** -48, 16773121 * 2.0 ** -48,
+                                 262145 * 2.0 ** -42]))
+    c = np.append(c, np.float32([1, -1, 1 + 2.0 ** -23]))
+    for x, y, z in zip(a, b, c):
+        exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        got = quantize_module._ffma_rn(x, y, z)
+        lo = np.float32(float(exact))
+        cands = [np.nextafter(lo, np.float32(-np.inf)), lo, np.nextafter(lo, np.float32(np.inf))]
+        best = min(cands, key=lambda f: (abs(Fraction(float(f)) - exact),
+                                         int(np.float32(f).view(np.uint32)) & 1))
+        assert got == best, (x, y, z, got, best)
+
+
+@pytest.mark.skipif(not SIM, reason="calls device functions on the host (the GPU's check: "
+                    "the row kernel's tests)")
+def test_fast_quotient_is_the_division():
+    """``_fast_quotient`` (v r, then one fma correction) against the IEEE division: on bf16
+    values of every size under their row's amax, the scale RN(amax / 448); and the row
+    kernel's scale (amax / 448 that way) against ``_scale``'s division for every bf16 amax."""
+    rng = np.random.default_rng(6)
+    n = 3000
+    amax = bf16_values(bf16_bits(2.0 ** rng.uniform(-50, 120, n)))
+    s = (amax / np.float32(448)).astype(np.float32)
+    v = bf16_values(bf16_bits(amax * rng.uniform(-1, 1, n) * 2.0 ** -rng.integers(0, 40, n)))
+    v[:4] = [0.0, -0.0, amax[2], -amax[3]]                    # zeros keep their sign
+    r = (np.float32(1) / s).astype(np.float32)
+    assert np.all(s >= quantize_module._FAST_SCALE)
+    for vi, si, ri in zip(v, s, r):
+        got, want = quantize_module._fast_quotient(vi, si, ri), np.float32(vi / si)
+        assert got.view(np.uint32) == want.view(np.uint32), (vi, si, got, want)
+    every_amax = bf16_values(np.arange(0, 0x7F80, dtype=np.uint16))
+    for ue8m0 in (False, True):
+        for a in every_amax:
+            assert quantize_module._row_scale(a, ue8m0) == quantize_module._scale(a, ue8m0), a
+
+
+def gather_reference(xb, index, scale):
+    """The reference on x[index] with zero rows where index < 0."""
+    rows = np.where(index[:, None] >= 0, bf16_values(xb)[np.maximum(index, 0)], 0.0)
+    return quantize_fp8_reference(rows.astype(np.float32), (1, 128), scale)
+
+
+@pytest.mark.parametrize("scale", ["fp32", "ue8m0"])
+def test_rows_kernel_gathers(scale):
+    """``index``: output row r is x row index[r] -- repeated rows, padding rows (-1: zeros,
+    scale 1.0 / exponent byte 127), as many output rows as index has (not a multiple of 128)."""
+    rng = np.random.default_rng(7)
+    R_in, cols, R_out = 40, 256, 90
+    xb = inputs(21, R_in, cols)
+    index = rng.integers(0, R_in, R_out).astype(np.int32)
+    index[rng.random(R_out) < 0.3] = -1
+    index[:4] = [-1, 5, 5, R_in - 1]                          # padding, a repeat, the last row
+    index[-1] = -7                                            # any negative: a padding row
+    data, sc = quantize_fp8(to_dev(xb), (1, 128), scale, index=to_dev(index))
+    want_data, want_scales = gather_reference(xb, index, scale)
+    assert to_host(data).shape == (R_out, cols) and to_host(sc).shape == (R_out, cols // 128)
+    np.testing.assert_array_equal(to_host(data), want_data)
+    np.testing.assert_array_equal(to_host(sc), want_scales)
+    pad = index < 0
+    assert np.all(to_host(data)[pad] == 0)
+    assert np.all(to_host(sc)[pad] == (1.0 if scale == "fp32" else 127))
+    empty, empty_scales = quantize_fp8(to_dev(xb), index=to_dev(np.zeros(0, np.int32)))
+    assert to_host(empty).shape == (0, cols) and to_host(empty_scales).shape == (0, 2)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_rows_kernel_nonfinite(gather):
+    """NaN/Inf through the row kernel: counted once each (per output row when gathered), the
+    smallest output row reported; left out of their line's amax, so the line's other values
+    are what they would be with zeros there, NaN -> the NaN byte, +-Inf -> +-448."""
+    rows, cols = 70, 384
+    xb = inputs(22, rows, cols)
+    xb[50, 200] = BF16_NAN
+    xb[20, 300] = BF16_INF
+    xb[20, 5] = BF16_NEG_INF
+    index = np.arange(rows - 1, -1, -1).astype(np.int32)      # reversed: row 50 -> output 19
+    index = np.concatenate([index, [20, -1]]).astype(np.int32)   # row 20 once more, a pad
+    errors = device_full((err.ERROR_WORDS,), 0, np.int32)
+    data, sc = quantize_fp8(to_dev(xb), errors=errors, tensor=err.NF_D_OUT, rank=3,
+                            index=to_dev(index) if gather else None)
+    words = to_host(errors)
+    assert words[err.FLAGS] & err.ERR_NON_FINITE
+    assert words[err.NAN_COUNT] == (5 if gather else 3)
+    assert words[err.NONFINITE + 2 * err.NF_D_OUT] == (5 if gather else 3)
+    assert err.INT32_MAX - words[err.NONFINITE + 2 * err.NF_D_OUT + 1] == (19 if gather else 20)
+    assert words[err.NONFINITE_RANK] == 3
+    clean = xb.copy()
+    clean[[50, 20, 20], [200, 300, 5]] = 0
+    want_data, want_scales = (gather_reference(clean, index, "fp32") if gather else
+                              quantize_fp8_reference(bf16_values(clean), (1, 128)))
+    src = index if gather else np.arange(rows)
+    for r, c, byte in ((50, 200, 0x7F), (20, 300, 0x7E), (20, 5, 0xFE)):
+        want_data[src == r, c] = byte
+    np.testing.assert_array_equal(to_host(data), want_data)
+    np.testing.assert_array_equal(to_host(sc), want_scales)
+
+
+@pytest.mark.parametrize("block,scale,transpose", [
+    ((1, 128), "fp32", False), ((1, 128), "ue8m0", False), ((128, 128), "ue8m0", False),
+    ((1, 128), "fp32", True)])
+def test_no_allocation_with_callers_buffers(monkeypatch, block, scale, transpose):
+    """With ``out``, ``scales`` and ``errors`` given, a launch allocates nothing (a CUDA graph
+    can capture it): the scale argument a mode does not use is a view of memory at hand."""
+    rows, cols = 128, 256
+    xb = inputs(23, rows, cols)
+    o_rows, o_cols = (cols, rows) if transpose else (rows, cols)
+    dtype = np.float32 if scale == "fp32" else np.uint8
+    out = to_dev(np.zeros((o_rows, o_cols), np.uint8))
+    scales = to_dev(np.zeros((o_rows // block[0], o_cols // 128), dtype))
+    errors = device_full((err.ERROR_WORDS,), 0, np.int32)
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("quantize_fp8 allocated with the caller's buffers")
+    monkeypatch.setattr(quantize_module, "device_empty", no_allocation)
+    quantize_fp8(to_dev(xb), block, scale, transpose, out=out, scales=scales, errors=errors)
+    want_data, want_scales = quantize_fp8_reference(bf16_values(xb), block, scale, transpose)
+    np.testing.assert_array_equal(to_host(out), want_data)
+    np.testing.assert_array_equal(to_host(scales), want_scales)
+
+
+def test_bad_index():
+    x = to_dev(np.zeros((128, 128), np.uint16))
+    with pytest.raises(TypeError, match="index: expected dtype int32"):
+        quantize_fp8(x, index=to_dev(np.zeros(4, np.int64)))
+    with pytest.raises(ValueError, match="index: expected 1 dimensions"):
+        quantize_fp8(x, index=to_dev(np.zeros((4, 1), np.int32)))
+    with pytest.raises(ValueError, match=r"index: only with block=\(1, 128\)"):
+        quantize_fp8(x, (128, 128), index=to_dev(np.zeros(128, np.int32)))
+    with pytest.raises(ValueError, match=r"index: only with .* no transpose"):
+        quantize_fp8(x, transpose=True, index=to_dev(np.zeros(128, np.int32)))
+
+
 def test_bad_arguments():
     x = to_dev(np.zeros((128, 200), np.uint16))
     with pytest.raises(ValueError, match=r"columns must be a multiple of 128"):
@@ -105,6 +290,9 @@ def test_bad_arguments():
         quantize_fp8(to_dev(np.zeros((100, 128), np.uint16)), transpose=True)
     with pytest.raises(TypeError, match="x: expected dtype uint16"):
         quantize_fp8(to_dev(np.zeros((128, 128), np.float32)))
+    odd = to_dev(np.zeros(128 * 128 + 4, np.uint16))[1:1 + 128 * 128].reshape(128, 128)
+    with pytest.raises(ValueError, match="x: .* 8-byte aligned"):
+        quantize_fp8(odd)
 
 
 def test_mxfp8_conversion():

@@ -1,8 +1,10 @@
 """The FP8 quantizer lowers for sm_90: e4m3 conversion by cvt.rn.satfinite, the division IEEE,
-the warp amax by redux.sync, nothing in local memory."""
-from numba import boolean, float32, int32, int64, uint8, uint16, uint32
+the warp amax by redux.sync, nothing in local memory; the row kernel streams (no shared memory),
+8 bytes a lane, divides by an fma correction of v / s's product with 1 / s and checks for NaN/Inf
+with one vote."""
+from numba import boolean, float32, int32, int64, uint8, uint16, uint32, uint64
 
-from mok_core.quantize import dequantize_mx_kernel, quantize_kernel
+from mok_core.quantize import dequantize_mx_kernel, quantize_kernel, quantize_rows_kernel
 from ptx_util import compile_sm90
 
 
@@ -14,6 +16,20 @@ def test_quantize_kernel_lowers():
     assert "div.rn.f32" in ptx
     assert "redux.sync.min.s32" in ptx
     assert ".local" not in ptx
+
+
+def test_quantize_rows_kernel_lowers():
+    sig = (uint64[::1], int32[::1], boolean, int64, int64, uint32[::1], float32[::1], uint8[::1],
+           boolean, int32[::1], int32, int32)
+    ptx = compile_sm90(quantize_rows_kernel, sig)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "div.rn.f32" in ptx                   # the scale, its reciprocal, the slow path
+    assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx       # the fast quotient
+    assert "ld.global.u64" in ptx                # 8 bytes a lane
+    assert "redux.sync.min.s32" in ptx
+    assert "vote.sync.all.pred" in ptx
+    assert ".local" not in ptx
+    assert ".shared" not in ptx
 
 
 def test_dequantize_mx_kernel_lowers():
