@@ -28,28 +28,61 @@ def count(ptx, pattern):
     return len(re.findall(pattern, ptx))
 
 
+def _tool(name):
+    """The CUDA tool ``name``: the pip toolkit's (the one that matches numba's PTX version)
+    first, else the one on PATH, else None."""
+    try:
+        import nvidia.cu13
+        cand = Path(nvidia.cu13.__path__[0]) / "bin" / name
+        if cand.exists():
+            return str(cand)
+    except ImportError:
+        pass
+    return shutil.which(name)
+
+
+def _ptxas(ptx, d):
+    exe = _tool("ptxas")
+    if exe is None:
+        pytest.skip("ptxas not installed")
+    src = Path(d) / "k.ptx"
+    src.write_text(ptx)
+    r = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+                       capture_output=True, text=True)
+    if "Unsupported .version" in r.stderr:
+        pytest.skip(f"{exe} is older than the PTX numba emits")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stderr
+
+
 def assemble_sm90a(ptx):
     """ptxas -v the PTX for sm_90a (skipped where no CUDA toolkit is installed); returns
     ptxas's report (registers, spills, performance warnings)."""
-    exe = None
-    try:                                    # the toolkit that matches numba's PTX version first
-        import nvidia.cu13
-        cand = Path(nvidia.cu13.__path__[0]) / "bin" / "ptxas"
-        exe = str(cand) if cand.exists() else None
-    except ImportError:
-        pass
-    exe = exe or shutil.which("ptxas")
-    if exe is None:
-        pytest.skip("ptxas not installed")
     with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        r = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
-                           capture_output=True, text=True)
-        if "Unsupported .version" in r.stderr:
-            pytest.skip(f"{exe} is older than the PTX numba emits")
+        return _ptxas(ptx, d)
+
+
+def sass_sm90a(ptx):
+    """(ptxas's report, the SASS text or None where nvdisasm is not installed)."""
+    with tempfile.TemporaryDirectory() as d:
+        report = _ptxas(ptx, d)
+        exe = _tool("nvdisasm")
+        if exe is None:
+            return report, None
+        r = subprocess.run([exe, "-c", str(Path(d) / "k.cubin")], capture_output=True,
+                           text=True)
         assert r.returncode == 0, r.stderr[-2000:]
-        return r.stderr
+        return report, r.stdout
+
+
+def local_memory_between(sass, first, last):
+    """SASS lines touching local memory (LDL / STL: spills) from the first line matching
+    ``first`` to the last matching ``last``."""
+    lines = sass.splitlines()
+    hits = [i for i, ln in enumerate(lines) if re.search(first, ln)]
+    ends = [i for i, ln in enumerate(lines) if re.search(last, ln)]
+    assert hits and ends, (first, last)
+    return [ln.strip() for ln in lines[hits[0]:ends[-1] + 1] if re.search(r"\b(LDL|STL)\b", ln)]
 
 
 _ptxas_skip = None
