@@ -21,7 +21,9 @@ that every weight of an expert with rows must come from HBM once per step (at sm
 expert the GEMMs stream weights): ``floor_hbm_ms`` = those bytes (this rank's experts that got
 rows, and the shared expert) / the HBM rate of a local device copy measured in this run (bytes
 read + written / time), and ``step_over_roofline`` = compiled step / max(floor_ms,
-floor_hbm_ms).
+floor_hbm_ms). ``--precision bf16,fp8`` adds the FP8 forward (``fp8_case``: its compiled step
+and ours in bf16 in turns, ``fp8_fwd_speedup_vs_bf16``; ``fp8_rel_l1`` / ``fp8_cosine``
+against the float64 bf16 reference on the sampled tokens; the FP8 backward is not built).
 """
 from __future__ import annotations
 
@@ -224,8 +226,46 @@ def graph_time(step, iters, warmup):
     return rank_max_median(time_iters(graph.replay, iters, warmup))
 
 
+def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, dev,
+             bf16_step, iters, warmup):
+    """The FP8 forward's columns (``--precision bf16,fp8``): a second layer with
+    ``MoKConfig(precision="fp8")`` on the same inputs, the routed weights quantised once
+    (``mok_torch.quantize_weights``); accuracy on the sampled tokens against the float64 bf16
+    reference (rel-L1 and cosine), then its compiled step and the bf16 one timed in turns."""
+    import dataclasses
+
+    import torch
+
+    import mok_torch
+    from benchmarks.common import time_interleaved
+    from mok_testing import synthetic
+    from mok_testing.sampled import reference_tokens
+    layer = mok_torch.Layer(shape, T, dataclasses.replace(cfg, precision="fp8"), gemm=gemm,
+                            gemm_down=gemm_down, backward=False)
+    try:
+        w8 = weights._replace(fp8=mok_torch.quantize_weights(weights))
+        out = layer(x, ids, w, w8)
+        ref = reference_tokens(x[pick], ids[pick], w[pick], shared,
+                               lambda e: synthetic.expert_weights(shape, e, dev))
+        got = out[pick].double()
+        rel = float((got - ref).abs().sum() / ref.abs().sum())
+        cos = float((got * ref).sum() / (got.norm() * ref.norm()))
+        step = layer.compile(w8)
+        if not all(torch.equal(o, out) for o in [step(x, ids, w), step(x, ids, w)]):
+            raise RuntimeError("the FP8 compiled step differs from its eager step")
+        t = time_interleaved({"bf16": bf16_step, "fp8": lambda: step(x, ids, w)}, iters, warmup)
+        t_bf16, t_fp8 = rank_max_median(t["bf16"]), rank_max_median(t["fp8"])
+        layer.check()
+        return {"fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
+                "fp8_fwd_speedup_vs_bf16": t_bf16 / t_fp8, "fp8_rel_l1": rel,
+                "fp8_cosine": cos}
+    finally:
+        torch.cuda.synchronize()
+        layer.comm.free()
+
+
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
-             graph=False, gemm_down=None, dispatch="pull", backward=True):
+             graph=False, gemm_down=None, dispatch="pull", backward=True, precisions=("bf16",)):
     import torch
     import torch.distributed as dist
 
@@ -320,6 +360,15 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         floors = torch.tensor([floor, floor_hbm], dtype=torch.float64, device="cuda")
         dist.all_reduce(floors, op=dist.ReduceOp.MAX)
         floor, floor_hbm = float(floors[0]), float(floors[1])
+        fp8 = {}
+        if "fp8" in precisions:
+            try:
+                fp8 = fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick,
+                               dev, ours_step, iters, warmup)
+            except Exception as e:                  # noqa: BLE001 - recorded in the row
+                torch.cuda.synchronize()
+                fp8 = {"fp8_note": f"{type(e).__name__}: {e}"[:300]}
+                progress(f"  fp8 failed: {fp8['fp8_note']}")
         bwd = {}
         if backward:
             try:
@@ -342,7 +391,8 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
             "ours_over_floor": t_ours / floor, "floor_hbm_ms": floor_hbm,
             "step_over_roofline": t_step / max(floor, floor_hbm), "ours_rel_l1": err_ours,
             "baseline_rel_l1": err_base, "symm_mem_rel_l1": err_symm, "gpu": gpu_name(),
-            "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps, **bwd}
+            "gemm": str(gemm), "gemm_down": str(gemm_down), "breakdown_ms": steps, **fp8,
+            **bwd}
 
 
 BASELINE_LABELS = {"torch_native": "torch native EP", "torch_symm_mem": "torch symm-mem EP"}
@@ -401,6 +451,9 @@ def main(argv=None):
                          "pull,split; split:S sets dispatch_ce_share=S)")
     ap.add_argument("--no-backward", action="store_true",
                     help="forward only (skip the backward and forward+backward columns)")
+    ap.add_argument("--precision", default="bf16",
+                    help="bf16, or bf16,fp8: also the FP8 forward (MoKConfig(precision='fp8'))"
+                         " in turns with ours in bf16: fp8_* columns")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep
@@ -437,7 +490,8 @@ def main(argv=None):
             for mode in args.dispatch.split(","):
                 rows.append(run_case(name, T, args.iters, args.warmup, rates, tiles,
                                      args.symm_mem, args.breakdown, args.graph, tiles_down,
-                                     mode, not args.no_backward))
+                                     mode, not args.no_backward,
+                                     tuple(args.precision.split(","))))
             if rank0:
                 write_json(args.out, rows)           # keep what we have if time runs out
                 r = rows[-1]

@@ -19,6 +19,7 @@
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
 #        ring depth, 3 / 4 / 5 stages, vs our bf16 GEMM in turns: probe_fp8_stages)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
+#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the layer's FP8 forward vs bf16, in turns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
@@ -126,6 +127,10 @@ for s in "$@"; do
     gpu-backward) export SUITE=gpubwd; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-backward \
          torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
          tests/gpu/test_backward_gpu.py tests/test_backward_emulated.py; rank_logs gpubwd ;;
+    bench-layer-fp8) step bench-layer-fp8 torchrun --standalone --nproc-per-node="$NGPU" \
+         benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
+         --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --no-backward \
+         --precision bf16,fp8 --out "$OUT/bench_layer_fp8.json" ;;
     bench-layer-bwd) step bench-layer-bwd torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --out "$OUT/bench_layer_bwd.json" ;;

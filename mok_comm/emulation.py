@@ -38,14 +38,15 @@ def run_phases(comm_workspaces, phase_lists, stream=0) -> None:
 
 
 def emulated_layers(shape: LayerShape, tokens_per_rank: int, config: MoKConfig, gemm=None,
-                    gemm_down=None, swiglu_limit=None, stream=0):
+                    gemm_down=None, swiglu_limit=None, backward=True, stream=0):
     """``Layer``s of ``shape.ep_size`` emulated ranks on one heap, their agreement verified."""
     from mok_core.gemm import default_gemm
     from .layer import Layer, agreement_phases
     heap = EmulatedHeap(shape.ep_size, stream)
     layers = [Layer(shape, tokens_per_rank, config, heap=heap.for_rank(r),
                     gemm=gemm or default_gemm(), gemm_down=gemm_down,
-                    swiglu_limit=swiglu_limit, verify=False, stream=stream)
+                    swiglu_limit=swiglu_limit, verify=False, backward=backward,
+                    stream=stream)
               for r in range(shape.ep_size)]
     run_phases([lay.comm for lay in layers], [agreement_phases(lay, stream) for lay in layers],
                stream)

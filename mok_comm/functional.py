@@ -26,6 +26,12 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
                   its output tiles into the step's error word                          | barrier |
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
+``MoKConfig(precision="fp8")`` (forward only): phase 2's routed gate/up first quantises the
+landed tokens 1 x 128 into expert order (``quantize_fp8(index=gather_index)``, rows below the
+schedule's num_rows), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8``; the down
+step quantises h the same way and the FP8 down GEMM writes ``y`` for the combine kernel (no
+fused push yet). Tokens travel bf16; the shared expert stays bf16.
+
 A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
 from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /
 ``up_s``): the backward differentiates the SwiGLU at them instead of recomputing them
@@ -54,12 +60,14 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array
-from mok_core.gemm import launch_down, launch_gate_up_swiglu
+from mok_core.cuda_compat import device_address
+from mok_core.gemm import _error_word, launch_down, launch_fp8_gemm, launch_gate_up_swiglu
+from mok_core.quantize import launch_quantize_rows
 from mok_core.schedule import build_schedule, token_rows
 
 from . import combine, dispatch, routing
 from .barrier import barrier
-from .layer import ForwardContext, Layer, Weights
+from .layer import FP8Weights, ForwardContext, Layer, Weights
 
 
 class StepInputs(NamedTuple):
@@ -94,17 +102,33 @@ def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInp
 
 
 def check_weights(layer: Layer, weights) -> Weights:
-    """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order); the shared
-    ones are None when the shape has no shared expert."""
+    """Checked views of ``weights`` (a ``Weights`` or a 6- or 7-sequence in its order); the
+    shared ones are None when the shape has no shared expert; ``fp8`` checked (and required)
+    with ``MoKConfig(precision="fp8")``, else None."""
     s = layer.shape
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
-    if len(weights) != 6:
-        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), got "
-                        f"{len(weights)}")
+    if len(weights) not in (6, 7):
+        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields[:6])}) and "
+                        f"optionally fp8, got {len(weights)}")
     shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
-    return Weights(*(
-        None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
-        for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))))
+    checked = [None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
+               for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))]
+    fp8 = weights[6] if len(weights) == 7 else None
+    if layer.config.precision != "fp8":
+        return Weights(*checked)
+    if fp8 is None or len(fp8) != 6:
+        raise TypeError("weights.fp8: MoKConfig(precision='fp8') needs the routed experts "
+                        "quantised, an FP8Weights (mok_comm.layer.quantize_weights)")
+    blocks = lambda r, c: (E_l, r // 128, c // 128)                          # noqa: E731
+    specs = ((np.uint8, (E_l, I, H)), (np.float32, blocks(I, H)), (np.uint8, (E_l, I, H)),
+             (np.float32, blocks(I, H)), (np.uint8, (E_l, H, I)), (np.float32, blocks(H, I)))
+    views = []
+    for a, name, (dtype, shp) in zip(fp8, FP8Weights._fields, specs):
+        v = as_device_array(a, f"weights.fp8.{name}", dtype=dtype, shape=shp)
+        if device_address(v) % 16:
+            raise ValueError(f"weights.fp8.{name}: must start 16-byte aligned (TMA loads)")
+        views.append(v)
+    return Weights(*checked, FP8Weights(*views))
 
 
 # --- the phases' launches (named, so that traces and per-launch timers read them) --------------
@@ -178,6 +202,18 @@ def pull(layer: Layer, stream):
 
 def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
+    if layer.config.precision == "fp8":
+        # the landed tokens into expert order, quantised (their NaN/Inf were counted at
+        # publish: the quantizer's own report goes to a scratch word)
+        launch_quantize_rows(layer.comm.x_recv, layer.x8, layer.x8_scale,
+                             index=layer.gather_index, num_rows=s.num_rows, stream=stream,
+                             errors=_error_word(None))
+        q = W.fp8
+        launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
+                        s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
+                        swiglu_limit=layer.swiglu_limit, stream=stream,
+                        **_nan_check(layer, err.NF_HIDDEN))
+        return
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,
                           pre=_saved_pre(layer, False), swiglu_limit=layer.swiglu_limit,
@@ -196,6 +232,14 @@ def routed_down_push(layer: Layer, W: Weights, stream):
 
 def routed_down(layer: Layer, W: Weights, stream):
     s = layer.schedule
+    if layer.config.precision == "fp8":
+        # h's NaN/Inf were counted by the gate/up epilogue that wrote it
+        launch_quantize_rows(layer.hidden, layer.h8, layer.h8_scale, num_rows=s.num_rows,
+                             stream=stream, errors=_error_word(None))
+        q = W.fp8
+        launch_fp8_gemm(layer.h8, layer.h8_scale, q.w_down, q.w_down_scale, s.expert_offsets,
+                        s.num_rows, layer.y, stream=stream, **_nan_check(layer, err.NF_Y))
+        return
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, layer.y,
                 row_index=layer.gather_index, config=layer.gemm_down, stream=stream,
                 **_nan_check(layer, err.NF_Y))

@@ -26,6 +26,9 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
+    x8, h8          uint8 [C, H], [C, I] with float32 [C, H / 128], [C, I / 128] scales:
+                                      precision "fp8" only -- the landed tokens gathered into
+                                      expert order and h, quantised 1 x 128 (the FP8 GEMMs' A)
     peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
     shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past the step's
                                       tokens), with shared_offsets [2] and shared_rows [1]:
@@ -77,7 +80,9 @@ class Weights(NamedTuple):
     """One rank's layer weights (bf16; uint16 bits or framework bf16 tensors).
 
     w_shared_gate / w_shared_up [I_s, H], w_shared_down [H, I_s] (None when I_s = 0);
-    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]: this rank's experts, in order.
+    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]: this rank's experts, in order;
+    fp8: with ``MoKConfig(precision="fp8")``, the same experts quantised (``FP8Weights``,
+    from ``quantize_weights`` once per optimizer step), what the routed GEMMs read.
     """
     w_shared_gate: object
     w_shared_up: object
@@ -85,6 +90,33 @@ class Weights(NamedTuple):
     w_gate: object
     w_up: object
     w_down: object
+    fp8: object = None
+
+
+class FP8Weights(NamedTuple):
+    """This rank's routed experts in e4m3 with one float32 scale per 128 x 128 block, as
+    stored (``mok_core.quantize.quantize_expert_weights``): w_gate / w_up uint8 [E_local, I,
+    H] with scales float32 [E_local, I / 128, H / 128]; w_down uint8 [E_local, H, I] with
+    [E_local, H / 128, I / 128]."""
+    w_gate: object
+    w_gate_scale: object
+    w_up: object
+    w_up_scale: object
+    w_down: object
+    w_down_scale: object
+
+
+def quantize_weights(weights: Weights, *, out: FP8Weights | None = None, stream=0) -> FP8Weights:
+    """The routed experts of ``weights`` (bf16, as stored) quantised for the FP8 GEMMs --
+    once per optimizer step, into ``out``'s arrays when given (else allocated here)."""
+    from mok_core.quantize import quantize_expert_weights
+    got = []
+    for i, name in enumerate(("w_gate", "w_up", "w_down")):
+        q, s = quantize_expert_weights(getattr(weights, name), stream=stream,
+                                       out=None if out is None else out[2 * i],
+                                       scales=None if out is None else out[2 * i + 1])
+        got += [q, s]
+    return FP8Weights(*got)
 
 
 class ForwardContext(NamedTuple):
@@ -258,6 +290,20 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
                      "32; pass backward=False for a forward-only layer")
 
 
+def _check_fp8(shape: LayerShape, backward: bool):
+    """What ``MoKConfig(precision="fp8")`` needs of the layer: a Hopper GPU (or the
+    simulator), H and I multiples of 128 (the scale blocks), and no backward yet."""
+    from mok_core.gemm.sm90_fp8 import require_hopper
+    for field, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate)):
+        if n % 128:
+            raise ValueError(f"LayerShape.{field}={n}: MoKConfig(precision='fp8') needs a "
+                             "multiple of 128 (one scale per 128 values)")
+    if backward:
+        raise ValueError("MoKConfig(precision='fp8') runs the forward only so far: construct "
+                         "the layer with backward=False (the FP8 backward is not built yet)")
+    require_hopper()
+
+
 def check_swiglu_limit(swiglu_limit):
     """ValueError unless ``swiglu_limit`` is None or a finite number > 0."""
     if swiglu_limit is not None and not (isinstance(swiglu_limit, numbers.Real)
@@ -320,6 +366,8 @@ class Layer:
             raise ValueError(f"LayerShape.ep_size={shape.ep_size} but the heap has "
                              f"{heap.ep_size} ranks")
         check_swiglu_limit(swiglu_limit)
+        if config.precision == "fp8":
+            _check_fp8(shape, backward)
         T = tokens_per_rank
         gemm = gemm or layer_gemm(shape, T)
         gemm_down = gemm_down or gemm
@@ -343,6 +391,12 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
+        # FP8: the landed tokens and h quantised 1 x 128, expert-sorted rows (the GEMMs' A)
+        fp8 = config.precision == "fp8"
+        self.x8 = device_empty((C, H), np.uint8, stream) if fp8 else None
+        self.x8_scale = device_empty((C, H // 128), np.float32, stream) if fp8 else None
+        self.h8 = device_empty((C, I), np.uint8, stream) if fp8 else None
+        self.h8_scale = device_empty((C, I // 128), np.float32, stream) if fp8 else None
         # the fused combine's destinations: every rank's combine rows as packed bf16 pairs
         self.peer_combine32 = tuple(flat_view(p, np.uint32) for p in self.comm.peer_combine)
         self.shared_unit = unit
@@ -393,8 +447,10 @@ class Layer:
     @property
     def fused_combine(self) -> bool:
         """The down GEMM pushes rows home from its epilogue (wgmma GEMMs with
-        ``MoKConfig.fuse_combine``); else it writes ``y`` and the combine kernel sends it."""
-        return self.config.fuse_combine and self.gemm_down.mma != "mma_sync"
+        ``MoKConfig.fuse_combine``; not the FP8 one yet); else it writes ``y`` and the
+        combine kernel sends it."""
+        return (self.config.fuse_combine and self.gemm_down.mma != "mma_sync"
+                and self.config.precision == "bf16")
 
     def __call__(self, x, topk_ids, router_weights, weights: Weights, *, out=None, stream=0):
         """One step (``mok_comm.functional.forward``); returns ``out`` uint16 [T, H]."""
@@ -421,7 +477,9 @@ class Layer:
                   "ids_table (symmetric)": self.comm.ids_table,
                   "combine_buf (symmetric)": self.comm.combine_buf, "hidden": self.hidden,
                   "y": self.y, "hidden_shared": self.hidden_shared, "y_shared": self.y_shared,
-                  "out": self.out, "gather_index": self.gather_index, "ids32": self.ids32}
+                  "out": self.out, "gather_index": self.gather_index, "ids32": self.ids32,
+                  "x8": self.x8, "x8_scale": self.x8_scale, "h8": self.h8,
+                  "h8_scale": self.h8_scale}
         if self.grad is not None:
             arrays.update(self.grad.arrays())
         sizes = {name: int(a.size) * a.dtype.itemsize for name, a in arrays.items()
@@ -439,7 +497,6 @@ def agreement_phases(layer: Layer, stream=0):
             partial(compare_fingerprints, layer.comm, layer.fingerprint_table, stream)]
 
 
-__all__ = ["BackwardBuffers", "DGRAD_GEMM", "ForwardContext", "Layer", "WGRAD_GEMM",
-           "WGRAD_WGMMA_GEMM",
-           "Weights", "agreement_phases", "backward_gemm", "check_swiglu_limit", "dgrad_gemm",
-           "layer_gemm", "wgrad_gemm"]
+__all__ = ["BackwardBuffers", "DGRAD_GEMM", "FP8Weights", "ForwardContext", "Layer",
+           "WGRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "agreement_phases", "backward_gemm",
+           "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights", "wgrad_gemm"]

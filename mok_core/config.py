@@ -101,6 +101,7 @@ def preset(name: str, ep_size: int = 1) -> LayerShape:
 
 DISPATCH_MODES = ("pull", "split")
 ERROR_MODES = ("deferred", "sync", "trap")
+PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ class MoKConfig:
             "deferred" -- the next call on the layer raises ``MoKError`` naming the step, no
             host sync; "sync" -- every step waits for its report and raises at once
             (debugging); "trap" -- the step's kernels abort the CUDA context at once.
+        precision: the routed experts' GEMMs. "bf16" (default); "fp8" -- e4m3 with
+            DeepSeek-V3's block scales (Hopper): tokens still travel bf16 and are quantised
+            once they have landed, the weights come quantised (``mok_comm.layer.FP8Weights``),
+            the shared expert stays bf16 (docs/design.md, FP8). Forward only for now.
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0
@@ -146,6 +151,7 @@ class MoKConfig:
     dispatch: str = "split"
     dispatch_ce_share: float = 1.0
     errors: str = "deferred"
+    precision: str = "bf16"
 
     def __post_init__(self):
         _require(_is_int(self.row_align) and _is_pow2(self.row_align)
@@ -168,6 +174,8 @@ class MoKConfig:
                  f"must be one of {DISPATCH_MODES}", self.dispatch)
         _require(self.errors in ERROR_MODES, "errors", f"must be one of {ERROR_MODES}",
                  self.errors)
+        _require(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}",
+                 self.precision)
         share = self.dispatch_ce_share
         _require(isinstance(share, (int, float)) and not isinstance(share, bool)
                  and 0.0 <= share <= 1.0, "dispatch_ce_share", "must be a number in [0, 1]",

@@ -357,8 +357,8 @@ def _row_report(a, b, item, groups, errors, tensor, rank, lane):
 
 
 @kjit
-def quantize_rows_kernel(x64, index, gather, items, groups, out32, scales_f32, scales_u8, ue8m0,
-                         errors, tensor, rank):
+def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out32, scales_f32,
+                         scales_u8, ue8m0, errors, tensor, rank):
     """Launch: any grid of THREADS-thread blocks (module docstring; ``quantize_fp8`` picks a few
     per SM). Items: (output row, 128-column group), item = row * groups + group.
 
@@ -366,11 +366,15 @@ def quantize_rows_kernel(x64, index, gather, items, groups, out32, scales_f32, s
     index       int32 [rows]      the source row of each output row (``gather``; < 0: a zero
                                   row), else unused
     items       rows * groups     output rows times groups
+    row_cap     int32 [1]         with ``capped``: only output rows < row_cap[0] are written
+                                  (the rows a schedule filled this step), else unused
     out32       uint32 [items*32] e4m3 bytes [rows, C], four per word
     scales_f32  float32 [items]   float32 scales (``ue8m0`` False), else unused
     scales_u8   uint8 [items]     exponent bytes (``ue8m0``), else unused
     """
     lane = int64(cuda.threadIdx.x % 32)
+    if capped:
+        items = min(items, max(int64(row_cap[0]), int64(0)) * groups)
     warps = int64(cuda.gridDim.x) * (THREADS // 32)
     i = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
     # a pass's loads are issued before the previous pass is quantized, so a warp always has
@@ -403,7 +407,7 @@ def quantize_rows_kernel(x64, index, gather, items, groups, out32, scales_f32, s
 
 def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False, *, out=None,
                  scales=None, stream=0, errors=None, tensor: int = err.NF_X, rank: int = 0,
-                 index=None):
+                 index=None, num_rows=None):
     """x uint16 (bf16 bits) [R, C] -> (data uint8 [R, C] or [C, R], scales) (module
     docstring); ``out`` / ``scales`` are the caller's buffers or allocated here. C must be a
     multiple of 128, and R too unless ``block=(1, 128)`` without ``transpose``. ``errors``
@@ -415,7 +419,9 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     (exponent byte 127 with ``"ue8m0"``: what an all-zero row quantises to), without a read.
     data is then [R_out, C], scales [R_out, C / 128], for any R_out; a NaN/Inf's row in the
     error word is the output row. Tokens go into expert-sorted order (padding rows -1) this
-    way in one pass."""
+    way in one pass. ``num_rows`` (int32 [1] on the device, the same case only): only output
+    rows below num_rows[0] are written -- the rows a schedule filled this step; the rest keep
+    what they held."""
     from .gemm import _check_errors, _error_word
     x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
     R, C = x.shape
@@ -435,6 +441,11 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
                              f"block={block}, transpose={bool(transpose)})")
         index = as_device_array(index, "index", dtype=np.int32, ndim=1)
         R_out = index.shape[0]
+    if num_rows is not None:
+        if not rows_path:
+            raise ValueError(f"num_rows: only with block=(1, 128) and no transpose (got "
+                             f"block={block}, transpose={bool(transpose)})")
+        num_rows = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     rows, cols = (C, R) if transpose else (R_out, C)
     n_scales = (rows // block[0], cols // 128)
     dtype = np.float32 if scale == "fp32" else np.uint8
@@ -455,19 +466,38 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     if rows_path:
         if device_address(x) % 8:
             raise ValueError("x: the row kernel reads 8-byte words: x must start 8-byte aligned")
-        groups = C // 128
-        items = rows * groups
-        grid = min(multiprocessor_count() * _ROW_BLOCKS_PER_SM,
-                   -(-items // (THREADS // 32 * _ROW_ITEMS)))
-        launch(quantize_rows_kernel, grid, THREADS, stream, 0,
-               flat_view(x, np.uint64), word if index is None else index, index is not None,
-               np.int64(items), np.int64(groups), out32, scales_f32, scales_u8, ue8m0, word,
-               np.int32(tensor), np.int32(rank))
+        _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
+                     word, tensor, rank)
     else:
         launch(quantize_kernel, (C // 128, -(-R // 128)), THREADS, stream, 0,
                flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0,
                block[0] == 128, bool(transpose), word, np.int32(tensor), np.int32(rank))
     return out, scales
+
+
+def _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
+                 word, tensor, rank):
+    groups = C // 128
+    items = rows * groups
+    grid = min(multiprocessor_count() * _ROW_BLOCKS_PER_SM,
+               -(-items // (THREADS // 32 * _ROW_ITEMS)))
+    launch(quantize_rows_kernel, grid, THREADS, stream, 0,
+           flat_view(x, np.uint64), word if index is None else index, index is not None,
+           np.int64(items), np.int64(groups), word if num_rows is None else num_rows,
+           num_rows is not None, out32, scales_f32, scales_u8, ue8m0, word, np.int32(tensor),
+           np.int32(rank))
+
+
+def launch_quantize_rows(x, out, scales, *, index=None, num_rows=None, stream=0, errors,
+                         tensor: int = err.NF_X, rank: int = 0):
+    """``quantize_fp8(x, (1, 128), out=out, scales=scales, index=index, num_rows=num_rows)``
+    with float32 scales, on trusted device views (the layer's buffers: no checks, nothing
+    allocated, no host work beyond the launch). ``errors``: the error word (int32
+    [ERROR_WORDS])."""
+    rows, C = out.shape
+    if rows and C:
+        _launch_rows(x, index, num_rows, flat_view(out, np.uint32), flat_view(scales),
+                     flat_view(scales, np.uint8), False, rows, C, stream, errors, tensor, rank)
 
 
 @kjit(device=True, inline="always")
@@ -559,5 +589,5 @@ def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, 
     return out, scales
 
 
-__all__ = ["dequantize_mx_kernel", "mxfp8_to_blockwise", "quantize_expert_weights",
-           "quantize_fp8", "quantize_kernel", "quantize_rows_kernel"]
+__all__ = ["dequantize_mx_kernel", "launch_quantize_rows", "mxfp8_to_blockwise",
+           "quantize_expert_weights", "quantize_fp8", "quantize_kernel", "quantize_rows_kernel"]

@@ -68,13 +68,17 @@ class CompiledStep:
         for name, t in weights.items():
             if name not in Weights._fields:
                 raise TypeError(f"set_weights: unknown weight {name!r}")
+            if name == "fp8" and len(self._weights) == 6:
+                self._weights.append(None)
             self._weights[Weights._fields.index(name)] = t
         self._prepare()
 
     def _signature(self):
+        w = self._weights
+        fp8 = tuple(w[6]) if len(w) == 7 and w[6] is not None else ()
         return tuple(None if t is None else
                      (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-                     for t in self._weights)
+                     for t in (*w[:6], *fp8))
 
     def _prepare(self) -> None:
         """Check the weights and take device views of them; drop the graph (rebuilt lazily).

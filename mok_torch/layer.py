@@ -61,22 +61,50 @@ def tensor_view(t, name, dtypes=(torch.bfloat16,), *, manual=True):
 
 
 def weight_views(layer: L.Layer, weights, *, manual=True):
-    """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none)."""
-    if len(weights) != 6:
-        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), got "
-                        f"{len(weights)}")
+    """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none; ``fp8``,
+    when given, an ``FP8Weights`` of uint8 / float32 tensors: ``quantize_weights``)."""
+    if len(weights) not in (6, 7):
+        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields[:6])}) and "
+                        f"optionally fp8, got {len(weights)}")
     shared = bool(layer.shape.shared_intermediate)
-    return Weights(*(tensor_view(w, n, manual=manual) if shared or i >= 3 else None
-                     for i, (w, n) in enumerate(zip(weights, Weights._fields))))
+    views = [tensor_view(w, n, manual=manual) if shared or i >= 3 else None
+             for i, (w, n) in enumerate(zip(weights[:6], Weights._fields))]
+    fp8 = weights[6] if len(weights) == 7 else None
+    if fp8 is not None:
+        if len(fp8) != 6:
+            raise TypeError(f"weights.fp8: expected an FP8Weights ({', '.join(L.FP8Weights._fields)})")
+        fp8 = L.FP8Weights(*(tensor_view(t, f"weights.fp8.{n}",
+                                         (torch.float32,) if n.endswith("scale") else
+                                         (torch.uint8,), manual=manual)
+                             for t, n in zip(fp8, L.FP8Weights._fields)))
+    return Weights(*views, fp8)
+
+
+def quantize_weights(weights, out: L.FP8Weights | None = None) -> L.FP8Weights:
+    """The routed experts of ``weights`` (bf16 tensors) quantised for
+    ``MoKConfig(precision="fp8")`` -- e4m3 with a float32 scale per 128 x 128 block, as torch
+    tensors (``mok_comm.layer.FP8Weights``); once per optimizer step, into ``out`` when given.
+    Pass them as ``weights._replace(fp8=...)``."""
+    routed = [tensor_view(w, n, manual=False) for w, n in zip(weights[3:6], Weights._fields[3:6])]
+    if out is None:
+        out = []
+        for w in routed:
+            E, R, C = w.shape
+            out += [torch.empty(E, R, C, dtype=torch.uint8, device=w.device),
+                    torch.empty(E, R // 128, C // 128, dtype=torch.float32, device=w.device)]
+        out = L.FP8Weights(*out)
+    L.quantize_weights(L.Weights(None, None, None, *routed), out=out, stream=current_stream())
+    return out
 
 
 def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
     """What identifies a step's inputs: address, geometry and version of each tensor -- equal
     keys mean the same memory, unmodified since, so the same values (the autograd node keeps
     its inputs alive, so their memory is not reused meanwhile)."""
+    fp8 = tuple(weights[6]) if len(weights) == 7 and weights[6] is not None else ()
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
                                          t._version)
-                 for t in (x, topk_ids, router_weights, *weights))
+                 for t in (x, topk_ids, router_weights, *weights[:6], *fp8))
 
 
 def _heap(shape: LayerShape):
@@ -186,5 +214,5 @@ class Layer(L.Layer):
         return CompiledStep(self, weights)
 
 
-__all__ = ["Grads", "Layer", "Weights", "current_stream", "inputs_key", "tensor_view",
-           "weight_views"]
+__all__ = ["Grads", "Layer", "Weights", "current_stream", "inputs_key", "quantize_weights",
+           "tensor_view", "weight_views"]

@@ -41,5 +41,39 @@ def reference_out(inp, swiglu_limit=None):
     return out.reshape(R, T, H)
 
 
+def reference_out_fp8(inp, swiglu_limit=None):
+    """float64 of what the FP8 layer computes, on all ranks' tokens -> [R, T, H]: the shared
+    expert as ``reference_out``; each route's expert on the tokens and weights quantised as
+    the layer quantises them (x 1 x 128, weights 128 x 128), h rounded to bf16 and quantised
+    1 x 128 before the down GEMM -- so only the GEMMs' own arithmetic separates the two."""
+    from mok_core.quantize_reference import dequantize_fp8, quantize_fp8_reference
+    from mok_core.reference import moe_forward_detailed, swiglu
+    R, T, H = inp["x"].shape
+    k = inp["ids"].shape[2]
+    f = lambda a: np.asarray(a).astype(np.float64)  # noqa: E731
+    x = f(inp["x"]).reshape(R * T, H)
+    ids = inp["ids"].reshape(R * T, k)
+    w = inp["w"].reshape(R * T, k).astype(np.float64)
+    shared = moe_forward_detailed(x, w, ids, f(inp["w_sg"]), f(inp["w_su"]), f(inp["w_sd"]),
+                                  f(inp["w_g"]), f(inp["w_u"]), f(inp["w_d"]),
+                                  swiglu_limit=swiglu_limit).y_shared
+
+    def q(a, block):
+        return dequantize_fp8(*quantize_fp8_reference(np.asarray(a, np.float32), block), block)
+    xq = q(x, (1, 128))
+    wg = [q(e, (128, 128)) for e in f(inp["w_g"])]
+    wu = [q(e, (128, 128)) for e in f(inp["w_u"])]
+    wd = [q(e, (128, 128)) for e in f(inp["w_d"])]
+    out = shared.copy()
+    for t in range(R * T):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0:
+                continue
+            h = bf16_round(swiglu(xq[t] @ wg[e].T, xq[t] @ wu[e].T, swiglu_limit))
+            out[t] += w[t, j] * (q(h[None], (1, 128))[0] @ wd[e].T)
+    return out.reshape(R, T, H)
+
+
 def rel_l1(got, want):
     return float(np.abs(got - want).sum() / np.abs(want).sum())

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from helpers import to_dev
-from layer_support import layer_inputs, reference_out, rel_l1
+from layer_support import layer_inputs, reference_out, reference_out_fp8, rel_l1
 from mok_comm.emulation import emulated_layers, run_phases, run_steps
 from mok_comm.functional import step_phases
 from mok_comm.heap import EmulatedHeap
-from mok_comm.layer import Layer, Weights, agreement_phases
+from mok_comm.layer import Layer, Weights, agreement_phases, quantize_weights
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
@@ -30,13 +30,14 @@ def rank_weights(inp, r, E_l):
                    to_dev(u16(inp["w_d"][sl])))
 
 
-def run_layer(lws, inp, ids=None):
+def run_layer(lws, inp, ids=None, weights=None):
     R = len(lws)
     E_l = lws[0].shape.experts_per_rank
     ids = inp["ids"] if ids is None else ids
+    weights = weights or [rank_weights(inp, r, E_l) for r in range(R)]
     outs = [to_dev(np.full(inp["x"].shape[1:], 0xFFFF, np.uint16)) for _ in range(R)]
     phases = [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]), to_dev(inp["w"][r]),
-                          rank_weights(inp, r, E_l), out=outs[r])[0]
+                          weights[r], out=outs[r])[0]
               for r, lw in enumerate(lws)]
     run_steps(lws, phases)
     for lw in lws:
@@ -63,6 +64,45 @@ def test_forward_matches_float64_reference(R, limit):
     assert rel_l1(as_f64(got), want) < 5e-3
     again = run_layer(lws, inp)                  # same workspaces, second step
     np.testing.assert_array_equal(again, got)
+
+
+def test_fp8_forward(limit=None):
+    """``MoKConfig(precision="fp8")`` at EP 2: tokens quantised on arrival into expert order,
+    the FP8 gate|up + SwiGLU and down GEMMs on weights from ``quantize_weights``, y + the
+    combine kernel -- within 5e-3 of float64 of the same quantised operands (so the kernels
+    add almost nothing), within e4m3's rounding of the bf16 layer's float64 (random operands:
+    x, W and h each carry ~2-3 % rounding), bit-equal on a second step; and the layer refuses
+    a backward, bf16-only weights, and a hidden size that is not a multiple of 128. (The
+    clamp of the FP8 SwiGLU epilogue: ``test_gemm_fp8``.)"""
+    from dataclasses import replace
+    rng = np.random.default_rng(17)
+    R, T = 2, 16
+    shape = LayerShape(hidden=256, intermediate=128, shared_intermediate=128, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T, weight_scale=3.0 if limit else 1.0)
+    cfg = replace(CFG, precision="fp8")
+    lws = emulated_layers(shape, T, cfg, GEMM, swiglu_limit=limit, backward=False)
+    assert all(lw.y is not None and lw.x8 is not None for lw in lws)
+    E_l = shape.experts_per_rank
+    weights = []
+    for r in range(R):
+        w = rank_weights(inp, r, E_l)
+        weights.append(w._replace(fp8=quantize_weights(w)))
+    got = run_layer(lws, inp, weights=weights)
+    assert np.isfinite(as_f64(got)).all()
+    assert rel_l1(as_f64(got), reference_out_fp8(inp, limit)) < 5e-3
+    bf16_ref = reference_out(inp, limit)
+    g, b = as_f64(got).ravel(), bf16_ref.ravel()
+    cosine = g @ b / np.sqrt((g @ g) * (b @ b))
+    print(f"fp8 layer vs float64 of bf16: rel-L1 {rel_l1(g, b):.4f}, cosine {cosine:.5f}")
+    assert rel_l1(g, b) < 0.06 and cosine > 0.995
+    np.testing.assert_array_equal(run_layer(lws, inp, weights=weights), got)
+    with pytest.raises(ValueError, match=r"precision='fp8'\) runs the forward only"):
+        emulated_layers(shape, T, cfg, GEMM)
+    with pytest.raises(TypeError, match="weights.fp8: MoKConfig\\(precision='fp8'\\) needs"):
+        run_layer(lws, inp)
+    with pytest.raises(ValueError, match=r"LayerShape.hidden=192: .* multiple of 128"):
+        emulated_layers(replace(shape, hidden=192), T, cfg, GEMM, backward=False)
 
 
 def test_down_gemm_with_tiles_of_its_own():

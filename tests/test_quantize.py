@@ -211,6 +211,35 @@ def test_rows_kernel_gathers(scale):
     assert to_host(empty).shape == (0, cols) and to_host(empty_scales).shape == (0, 2)
 
 
+def test_rows_kernel_stops_at_num_rows():
+    """``num_rows`` (device): rows below num_rows[0] are the gathered reference, the rest keep
+    what the buffers held; the layer's trusted launch (``launch_quantize_rows``) does the
+    same."""
+    from mok_core.quantize import launch_quantize_rows
+    rng = np.random.default_rng(8)
+    xb = inputs(22, 30, 256)
+    index = rng.integers(-1, 30, 50).astype(np.int32)
+    want_data, want_scales = gather_reference(xb, index, "fp32")
+    for trusted in (False, True):
+        out = to_dev(np.full((50, 256), 0xAB, np.uint8))
+        sc = to_dev(np.full((50, 2), -3.0, np.float32))
+        if trusted:
+            from mok_core.gemm import _error_word
+            launch_quantize_rows(to_dev(xb), out, sc, index=to_dev(index),
+                                 num_rows=to_dev(np.array([37], np.int32)),
+                                 errors=_error_word(None))
+        else:
+            quantize_fp8(to_dev(xb), out=out, scales=sc, index=to_dev(index),
+                         num_rows=to_dev(np.array([37], np.int32)))
+        got, got_s = to_host(out), to_host(sc)
+        np.testing.assert_array_equal(got[:37], want_data[:37])
+        np.testing.assert_array_equal(got_s[:37], want_scales[:37])
+        assert (got[37:] == 0xAB).all() and (got_s[37:] == -3.0).all()
+    with pytest.raises(ValueError, match=r"num_rows: only with block=\(1, 128\)"):
+        quantize_fp8(to_dev(np.zeros((128, 128), np.uint16)), (128, 128),
+                     num_rows=to_dev(np.array([1], np.int32)))
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_rows_kernel_nonfinite(gather):
     """NaN/Inf through the row kernel: counted once each (per output row when gathered), the

@@ -127,3 +127,28 @@ def test_torch_inputs_checked():
         np.testing.assert_array_equal(layer.comm.x_buf, before)        # nothing ran
     with torch.no_grad():
         assert layer(x.clone().requires_grad_(), ids, w, W).shape == (T, 64)
+
+
+def test_fp8_forward_and_compiled_step():
+    """``MoKConfig(precision="fp8")`` through torch (EP 1): the routed experts quantised by
+    ``mok_torch.quantize_weights`` and passed as ``Weights.fp8``; the output within 5e-3 of
+    float64 of the same quantised operands (``layer_support.reference_out_fp8``), the
+    compiled step bit-equal to the eager one."""
+    from dataclasses import replace
+
+    from layer_support import reference_out_fp8, rel_l1
+    shape = LayerShape(hidden=256, intermediate=128, shared_intermediate=128, num_experts=2,
+                       topk=2, ep_size=1)
+    T = 8
+    x, ids, w = synthetic.rank_inputs(shape, T, 0, DEV, masked=0.1)
+    weights = layer_weights(shape)
+    weights = weights._replace(fp8=mok_torch.quantize_weights(weights))
+    layer = mok_torch.Layer(shape, T, replace(CFG, precision="fp8"), gemm=GEMM, backward=False)
+    out = layer(x, ids, w, weights)
+    f = lambda t: t.detach().float().cpu().numpy()                        # noqa: E731
+    inp = dict(x=f(x)[None], ids=ids.cpu().numpy()[None], w=f(w)[None],
+               **{k: f(t) for k, t in zip(("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d"),
+                                          weights[:6])})
+    assert rel_l1(np64(out), reference_out_fp8(inp)[0]) < 5e-3
+    step = layer.compile(weights)
+    assert torch.equal(step(x, ids, w), out)

@@ -38,7 +38,7 @@ Coalesced epilogue (``make_coalesced_epilogue``: the weight gradients and the FP
 kernels whose tiles come faster than per-row bulk copies leave): steps 1 and 4 as above, but
 the warp reads its 16 staged rows back after the __syncwarp and stores them with 16-byte
 stores, a warp instruction covering 512 contiguous bytes; rows at or past ``rows`` (the tile's
-rows that are the expert's) are not stored. Plain generic stores: no proxy fence, and the
+rows that are the expert's) are neither stored nor checked for NaN/Inf. Plain generic stores: no proxy fence, and the
 staging may be rewritten once every lane of the warp is past its reads (the caller's next
 block barrier).
 """
@@ -262,11 +262,15 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False):
             if r < rows:
                 v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
                 st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
-        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows
-        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows.
+        # Only rows stored count: rows past the expert may hold anything (the FP8 GEMM
+        # computes them from whatever A rows follow, times a zero scale)
+        lo_bad = bad[0] if frag_row < rows else uint32(0)
+        hi_bad = bad[1] if frag_row + 8 < rows else uint32(0)
+        if warp_all(((lo_bad | hi_bad) & uint32(0x7FFF7FFF)) == 0) == 0:
             srow = row0 + lane % 16
             n = 0
-            if lane < 16:
+            if lane < 16 and srow < rows:
                 n = bf16_nonfinite_count(smem, rel + srow * stride, cols)
             report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
 

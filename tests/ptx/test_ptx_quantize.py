@@ -19,8 +19,8 @@ def test_quantize_kernel_lowers():
 
 
 def test_quantize_rows_kernel_lowers():
-    sig = (uint64[::1], int32[::1], boolean, int64, int64, uint32[::1], float32[::1], uint8[::1],
-           boolean, int32[::1], int32, int32)
+    sig = (uint64[::1], int32[::1], boolean, int64, int64, int32[::1], boolean, uint32[::1],
+           float32[::1], uint8[::1], boolean, int32[::1], int32, int32)
     ptx = compile_sm90(quantize_rows_kernel, sig)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx                   # the scale, its reciprocal, the slow path
