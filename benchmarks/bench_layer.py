@@ -243,7 +243,7 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
     layer = mok_torch.Layer(shape, T, dataclasses.replace(cfg, precision="fp8"), gemm=gemm,
                             gemm_down=gemm_down, backward=False)
     try:
-        w8 = weights._replace(fp8=mok_torch.quantize_weights(weights))
+        w8 = mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))
         out = layer(x, ids, w, w8)
         ref = reference_tokens(x[pick], ids[pick], w[pick], shared,
                                lambda e: synthetic.expert_weights(shape, e, dev))

@@ -67,7 +67,7 @@ from mok_core.schedule import build_schedule, token_rows
 
 from . import combine, dispatch, routing
 from .barrier import barrier
-from .layer import FP8Weights, ForwardContext, Layer, Weights
+from .layer import FP8Weights, ForwardContext, Layer, Weights, WeightsFP8
 
 
 class StepInputs(NamedTuple):
@@ -101,21 +101,24 @@ def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInp
                           out, "out", dtype=np.uint16, shape=(T, H)))
 
 
-def check_weights(layer: Layer, weights) -> Weights:
-    """Checked views of ``weights`` (a ``Weights`` or a 6- or 7-sequence in its order); the
-    shared ones are None when the shape has no shared expert; ``fp8`` checked (and required)
-    with ``MoKConfig(precision="fp8")``, else None."""
+def check_weights(layer: Layer, weights):
+    """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order; with
+    ``MoKConfig(precision="fp8")`` a ``WeightsFP8``, its 7th the quantised routed experts):
+    the same type back, the shared ones None when the shape has no shared expert."""
     s = layer.shape
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
-    if len(weights) not in (6, 7):
-        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields[:6])}) and "
-                        f"optionally fp8, got {len(weights)}")
+    fp8_layer = layer.config.precision == "fp8"
+    if len(weights) != (7 if fp8_layer else 6):
+        want = ("7: a WeightsFP8 (Weights' six and fp8, the routed experts quantised: "
+                "mok_comm.layer.quantize_weights)" if fp8_layer else
+                f"6 tensors ({', '.join(Weights._fields)})")
+        raise TypeError(f"weights: expected {want}, got {len(weights)}")
     shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
     checked = [None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
                for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))]
-    fp8 = weights[6] if len(weights) == 7 else None
-    if layer.config.precision != "fp8":
+    if not fp8_layer:
         return Weights(*checked)
+    fp8 = weights[6]
     if fp8 is None or len(fp8) != 6:
         raise TypeError("weights.fp8: MoKConfig(precision='fp8') needs the routed experts "
                         "quantised, an FP8Weights (mok_comm.layer.quantize_weights)")
@@ -128,7 +131,7 @@ def check_weights(layer: Layer, weights) -> Weights:
         if device_address(v) % 16:
             raise ValueError(f"weights.fp8.{name}: must start 16-byte aligned (TMA loads)")
         views.append(v)
-    return Weights(*checked, FP8Weights(*views))
+    return WeightsFP8(*checked, FP8Weights(*views))
 
 
 # --- the phases' launches (named, so that traces and per-launch timers read them) --------------

@@ -80,9 +80,7 @@ class Weights(NamedTuple):
     """One rank's layer weights (bf16; uint16 bits or framework bf16 tensors).
 
     w_shared_gate / w_shared_up [I_s, H], w_shared_down [H, I_s] (None when I_s = 0);
-    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]: this rank's experts, in order;
-    fp8: with ``MoKConfig(precision="fp8")``, the same experts quantised (``FP8Weights``,
-    from ``quantize_weights`` once per optimizer step), what the routed GEMMs read.
+    w_gate / w_up [E_local, I, H], w_down [E_local, H, I]: this rank's experts, in order.
     """
     w_shared_gate: object
     w_shared_up: object
@@ -90,7 +88,20 @@ class Weights(NamedTuple):
     w_gate: object
     w_up: object
     w_down: object
-    fp8: object = None
+
+
+class WeightsFP8(NamedTuple):
+    """A ``MoKConfig(precision="fp8")`` layer's weights: ``Weights``' six, and ``fp8``, the
+    routed experts quantised (``FP8Weights``, from ``quantize_weights`` once per optimizer
+    step), which the routed GEMMs read: ``WeightsFP8(*weights, quantize_weights(weights))``.
+    """
+    w_shared_gate: object
+    w_shared_up: object
+    w_shared_down: object
+    w_gate: object
+    w_up: object
+    w_down: object
+    fp8: object
 
 
 class FP8Weights(NamedTuple):
@@ -498,5 +509,6 @@ def agreement_phases(layer: Layer, stream=0):
 
 
 __all__ = ["BackwardBuffers", "DGRAD_GEMM", "FP8Weights", "ForwardContext", "Layer",
-           "WGRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "agreement_phases", "backward_gemm",
+           "WGRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "WeightsFP8", "agreement_phases",
+           "backward_gemm",
            "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights", "wgrad_gemm"]

@@ -140,7 +140,7 @@ class MoKConfig:
             (debugging); "trap" -- the step's kernels abort the CUDA context at once.
         precision: the routed experts' GEMMs. "bf16" (default); "fp8" -- e4m3 with
             DeepSeek-V3's block scales (Hopper): tokens still travel bf16 and are quantised
-            once they have landed, the weights come quantised (``mok_comm.layer.FP8Weights``),
+            once they have landed, the weights come quantised (``mok_comm.layer.WeightsFP8``),
             the shared expert stays bf16 (docs/design.md, FP8). Forward only for now.
     """
     minibatch_size: int = 4096

@@ -17,9 +17,9 @@ Autograd and ``torch.compile``: the step and its backward are custom ops (``mok_
                                max_tokens=4096)                         # router + experts
 """
 from .graphed import CompiledStep
-from .layer import Grads, Layer, Weights, quantize_weights
+from .layer import Grads, Layer, Weights, WeightsFP8, quantize_weights
 from .module import MoEBlock, Router
 from .op import moe, moe_backward, moe_forward, register_layer, unregister_layer
 
 __all__ = ["CompiledStep", "Grads", "Layer", "MoEBlock", "Router", "Weights", "moe", "moe_backward", "moe_forward",
-           "quantize_weights", "register_layer", "unregister_layer"]
+           "WeightsFP8", "quantize_weights", "register_layer", "unregister_layer"]

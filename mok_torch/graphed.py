@@ -45,7 +45,8 @@ import torch
 from mok_comm import functional as F
 from mok_core.cuda_compat import SIM
 
-from .layer import Layer, Weights, current_stream, inputs_key, tensor_view, weight_views
+from .layer import (Layer, WeightsFP8, current_stream, inputs_key, tensor_view,
+                    weight_views)
 
 
 class CompiledStep:
@@ -64,13 +65,13 @@ class CompiledStep:
         self._prepare()           # fail fast on bad weights
 
     def set_weights(self, **weights) -> None:
-        """Replace some weights (by name: w_shared_gate ... w_down); the next call recaptures."""
+        """Replace some weights (by name: w_shared_gate ... w_down, and fp8 for a
+        ``WeightsFP8``); the next call recaptures."""
+        fields = WeightsFP8._fields[:len(self._weights)]
         for name, t in weights.items():
-            if name not in Weights._fields:
+            if name not in fields:
                 raise TypeError(f"set_weights: unknown weight {name!r}")
-            if name == "fp8" and len(self._weights) == 6:
-                self._weights.append(None)
-            self._weights[Weights._fields.index(name)] = t
+            self._weights[fields.index(name)] = t
         self._prepare()
 
     def _signature(self):

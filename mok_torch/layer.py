@@ -23,6 +23,7 @@ from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
 
 Weights = L.Weights
+WeightsFP8 = L.WeightsFP8
 Grads = B.Grads
 
 
@@ -61,30 +62,31 @@ def tensor_view(t, name, dtypes=(torch.bfloat16,), *, manual=True):
 
 
 def weight_views(layer: L.Layer, weights, *, manual=True):
-    """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none; ``fp8``,
-    when given, an ``FP8Weights`` of uint8 / float32 tensors: ``quantize_weights``)."""
+    """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none); a
+    ``WeightsFP8`` (7: its ``fp8`` an ``FP8Weights`` of uint8 / float32 tensors,
+    ``quantize_weights``) the same way. Counts are checked by ``mok_comm.functional``."""
     if len(weights) not in (6, 7):
-        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields[:6])}) and "
-                        f"optionally fp8, got {len(weights)}")
+        raise TypeError(f"weights: expected 6 tensors ({', '.join(Weights._fields)}), or 7 "
+                        f"(WeightsFP8), got {len(weights)}")
     shared = bool(layer.shape.shared_intermediate)
     views = [tensor_view(w, n, manual=manual) if shared or i >= 3 else None
              for i, (w, n) in enumerate(zip(weights[:6], Weights._fields))]
-    fp8 = weights[6] if len(weights) == 7 else None
-    if fp8 is not None:
-        if len(fp8) != 6:
-            raise TypeError(f"weights.fp8: expected an FP8Weights ({', '.join(L.FP8Weights._fields)})")
+    if len(weights) == 6:
+        return Weights(*views)
+    fp8 = weights[6]
+    if fp8 is not None and len(fp8) == 6:
         fp8 = L.FP8Weights(*(tensor_view(t, f"weights.fp8.{n}",
                                          (torch.float32,) if n.endswith("scale") else
                                          (torch.uint8,), manual=manual)
                              for t, n in zip(fp8, L.FP8Weights._fields)))
-    return Weights(*views, fp8)
+    return L.WeightsFP8(*views, fp8)
 
 
 def quantize_weights(weights, out: L.FP8Weights | None = None) -> L.FP8Weights:
     """The routed experts of ``weights`` (bf16 tensors) quantised for
     ``MoKConfig(precision="fp8")`` -- e4m3 with a float32 scale per 128 x 128 block, as torch
     tensors (``mok_comm.layer.FP8Weights``); once per optimizer step, into ``out`` when given.
-    Pass them as ``weights._replace(fp8=...)``."""
+    The layer takes ``WeightsFP8(*weights, quantize_weights(weights))``."""
     routed = [tensor_view(w, n, manual=False) for w, n in zip(weights[3:6], Weights._fields[3:6])]
     if out is None:
         out = []
@@ -214,5 +216,5 @@ class Layer(L.Layer):
         return CompiledStep(self, weights)
 
 
-__all__ = ["Grads", "Layer", "Weights", "current_stream", "inputs_key", "quantize_weights",
-           "tensor_view", "weight_views"]
+__all__ = ["Grads", "Layer", "Weights", "WeightsFP8", "current_stream", "inputs_key",
+           "quantize_weights", "tensor_view", "weight_views"]

@@ -128,6 +128,32 @@ def test_fp8_gate_up_swiglu_matches_float64(limit, bn):
     assert len(pad) and (got[pad] == 0).all()
 
 
+def test_fp8_gate_up_quantizes_h_in_its_epilogue():
+    """``hidden8`` / ``hidden8_scale`` (256-column tiles): h quantised 1 x 128 in the SwiGLU
+    epilogue, bit for bit ``quantize_fp8`` of the h it writes (rows of the experts; a
+    NaN-free h here); the bf16 h unchanged by asking for it."""
+    from mok_core.quantize import quantize_fp8
+    _hopper()
+    counts, K, I = [64, 130, 0, 32], 256, 256
+    (a, a_scale, w_gate, s_gate, off, nr), _ = problem(13, counts, K, I, gather=True, cut=32)
+    (_, _, w_up, s_up, _, _), _ = problem(14, counts, K, I, gather=True, cut=32)
+    C = a.shape[0]
+    args = [to_dev(v) for v in (a, a_scale, w_gate, s_gate, w_up, s_up, off, nr)]
+    h = to_dev(np.full((C, I), POISON16, np.uint16))
+    h8 = to_dev(np.zeros((C, I), np.uint8))
+    h8_scale = to_dev(np.zeros((C, I // 128), np.float32))
+    fp8_gate_up_swiglu(*args, h, bn=256, hidden8=h8, hidden8_scale=h8_scale)
+    plain = to_dev(np.full((C, I), POISON16, np.uint16))
+    fp8_gate_up_swiglu(*args, plain, bn=256)
+    np.testing.assert_array_equal(to_host(h), to_host(plain))
+    rows = int(nr[0])
+    want, want_scale = quantize_fp8(to_dev(to_host(h)[:rows].copy()), (1, 128))
+    np.testing.assert_array_equal(to_host(h8)[:rows], to_host(want))
+    np.testing.assert_array_equal(to_host(h8_scale)[:rows], to_host(want_scale))
+    with pytest.raises(ValueError, match="hidden8: h is quantised in the epilogue of 256"):
+        fp8_gate_up_swiglu(*args, h, bn=128, hidden8=h8, hidden8_scale=h8_scale)
+
+
 def test_fp8_dgrad_on_transposed_weight_copies():
     """The dgrads' recipe (docs/design.md, FP8): d_x = [d_gate | d_up] [W_gate; W_up] reduces
     over 2I, so it is ``fp8_gemm`` with A = [d_gate | d_up] quantised 1 x 128 along 2I and

@@ -9,7 +9,7 @@ from layer_support import layer_inputs, reference_out, reference_out_fp8, rel_l1
 from mok_comm.emulation import emulated_layers, run_phases, run_steps
 from mok_comm.functional import step_phases
 from mok_comm.heap import EmulatedHeap
-from mok_comm.layer import Layer, Weights, agreement_phases, quantize_weights
+from mok_comm.layer import Layer, Weights, WeightsFP8, agreement_phases, quantize_weights
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
@@ -77,7 +77,7 @@ def test_fp8_forward(limit=None):
     from dataclasses import replace
     rng = np.random.default_rng(17)
     R, T = 2, 16
-    shape = LayerShape(hidden=256, intermediate=128, shared_intermediate=128, num_experts=4,
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T, weight_scale=3.0 if limit else 1.0)
     cfg = replace(CFG, precision="fp8")
@@ -87,7 +87,7 @@ def test_fp8_forward(limit=None):
     weights = []
     for r in range(R):
         w = rank_weights(inp, r, E_l)
-        weights.append(w._replace(fp8=quantize_weights(w)))
+        weights.append(WeightsFP8(*w, quantize_weights(w)))
     got = run_layer(lws, inp, weights=weights)
     assert np.isfinite(as_f64(got)).all()
     assert rel_l1(as_f64(got), reference_out_fp8(inp, limit)) < 5e-3
@@ -99,7 +99,7 @@ def test_fp8_forward(limit=None):
     np.testing.assert_array_equal(run_layer(lws, inp, weights=weights), got)
     with pytest.raises(ValueError, match=r"precision='fp8'\) runs the forward only"):
         emulated_layers(shape, T, cfg, GEMM)
-    with pytest.raises(TypeError, match="weights.fp8: MoKConfig\\(precision='fp8'\\) needs"):
+    with pytest.raises(TypeError, match="weights: expected 7: a WeightsFP8"):
         run_layer(lws, inp)
     with pytest.raises(ValueError, match=r"LayerShape.hidden=192: .* multiple of 128"):
         emulated_layers(replace(shape, hidden=192), T, cfg, GEMM, backward=False)

@@ -131,18 +131,18 @@ def test_torch_inputs_checked():
 
 def test_fp8_forward_and_compiled_step():
     """``MoKConfig(precision="fp8")`` through torch (EP 1): the routed experts quantised by
-    ``mok_torch.quantize_weights`` and passed as ``Weights.fp8``; the output within 5e-3 of
+    ``mok_torch.quantize_weights`` and passed in a ``WeightsFP8``; the output within 5e-3 of
     float64 of the same quantised operands (``layer_support.reference_out_fp8``), the
     compiled step bit-equal to the eager one."""
     from dataclasses import replace
 
     from layer_support import reference_out_fp8, rel_l1
-    shape = LayerShape(hidden=256, intermediate=128, shared_intermediate=128, num_experts=2,
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=2,
                        topk=2, ep_size=1)
     T = 8
     x, ids, w = synthetic.rank_inputs(shape, T, 0, DEV, masked=0.1)
     weights = layer_weights(shape)
-    weights = weights._replace(fp8=mok_torch.quantize_weights(weights))
+    weights = mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))
     layer = mok_torch.Layer(shape, T, replace(CFG, precision="fp8"), gemm=GEMM, backward=False)
     out = layer(x, ids, w, weights)
     f = lambda t: t.detach().float().cpu().numpy()                        # noqa: E731

@@ -234,6 +234,23 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
     return stage_and_send, stride
 
 
+@kjit(device=True, inline="always")
+def report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e, errors,
+                       nf_tensor, nf_rank):
+    """Step 4 of a coalesced epilogue: a clean tile costs one vote; else lanes 0..15 recount
+    the warp's 16 staged rows (staged from shared byte ``rel``, ``stride`` apart, ``cols``
+    bf16 each) and report. Only rows stored count: rows past the expert may hold anything (the
+    FP8 GEMM computes them from whatever A rows follow, times a zero scale)."""
+    lo_bad = bad[0] if frag_row < rows else uint32(0)
+    hi_bad = bad[1] if frag_row + 8 < rows else uint32(0)
+    if warp_all(((lo_bad | hi_bad) & uint32(0x7FFF7FFF)) == 0) == 0:
+        srow = row0 + lane % 16
+        n = 0
+        if lane < 16 and srow < rows:
+            n = bf16_nonfinite_count(smem, rel + srow * stride, cols)
+        report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
+
+
 def make_coalesced_epilogue(bn, swiglu_epilogue=False):
     """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
     limit, errors, nf_tensor, nf_rank)``: the finished tile, bf16 -- plain, or (SWIGLU) the
@@ -262,16 +279,47 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False):
             if r < rows:
                 v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
                 st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
-        # a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged rows.
-        # Only rows stored count: rows past the expert may hold anything (the FP8 GEMM
-        # computes them from whatever A rows follow, times a zero scale)
-        lo_bad = bad[0] if frag_row < rows else uint32(0)
-        hi_bad = bad[1] if frag_row + 8 < rows else uint32(0)
-        if warp_all(((lo_bad | hi_bad) & uint32(0x7FFF7FFF)) == 0) == 0:
-            srow = row0 + lane % 16
-            n = 0
-            if lane < 16 and srow < rows:
-                n = bf16_nonfinite_count(smem, rel + srow * stride, cols)
-            report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
+        report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e,
+                           errors, nf_tensor, nf_rank)
+
+    return epilogue
+
+
+def make_quantizing_epilogue(bn):
+    """SWIGLU with bn = 256 (a tile's 128 hidden columns: one 1 x 128 scale block of each row):
+    ``epilogue(smem, acc, out, q_out, q_scale, grow0, m0, n0, e, N, rows, epi0, lane,
+    frag_row, frag_col, limit, errors, nf_tensor, nf_rank)`` -- the coalesced epilogue's bf16
+    h, then h quantised to e4m3 from the staging: the warp takes its 16 staged rows one at a
+    time, lane l columns 4l .. 4l + 3 (``mok_core.quantize.quantize_warp_row``: the row's
+    finite amax a warp reduction, exact and order-free), stores its 4 bytes (``q_out``:
+    uint32 view of uint8 [C, N]) and lane 0 the row's scale (``q_scale``: float32 [C, N /
+    128]) -- bit for bit what ``quantize_fp8(h, (1, 128))`` makes of the bf16 h."""
+    from ..quantize import quantize_warp_row
+    cols = bn // 2
+    assert cols == 128, "one scale block per row and tile"
+    stride = cols * 2 + 16
+    store = make_coalesced_epilogue(bn, True)
+
+    @kjit(device=True, inline="always")
+    def epilogue(smem, acc, out, q_out, q_scale, grow0, m0, n0, e, N, rows, epi0, lane,
+                 frag_row, frag_col, limit, errors, nf_tensor, nf_rank):
+        store(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col, limit,
+              errors, nf_tensor, nf_rank)
+        row0 = frag_row - lane // 4
+        at = (epi0 - shared_addr(smem) + row0 * stride + 8 * lane) >> 1
+        dst = ((grow0 + row0) * N + n0) // 4 + lane
+        sc = (grow0 + row0) * (N // 128) + n0 // 128
+        # the warp's stored rows, a warp-uniform trip count: a loop kept rolled (unrolled,
+        # its addresses hoisted out of the tile loop spill into the K loop)
+        for _ in range(max(0, min(16, rows - row0))):
+            a = uint32(smem[at]) | (uint32(smem[at + 1]) << 16)
+            b = uint32(smem[at + 2]) | (uint32(smem[at + 3]) << 16)
+            word, s = quantize_warp_row(a, b)
+            q_out[dst] = word
+            if lane == 0:
+                q_scale[sc] = s
+            at += stride >> 1
+            dst += N // 4
+            sc += N // 128
 
     return epilogue
