@@ -90,18 +90,11 @@ class Weights(NamedTuple):
     w_down: object
 
 
-class WeightsFP8(NamedTuple):
-    """A ``MoKConfig(precision="fp8")`` layer's weights: ``Weights``' six, and ``fp8``, the
-    routed experts quantised (``FP8Weights``, from ``quantize_weights`` once per optimizer
-    step), which the routed GEMMs read: ``WeightsFP8(*weights, quantize_weights(weights))``.
-    """
-    w_shared_gate: object
-    w_shared_up: object
-    w_shared_down: object
-    w_gate: object
-    w_up: object
-    w_down: object
-    fp8: object
+WeightsFP8 = NamedTuple("WeightsFP8", [(f, object) for f in Weights._fields] + [("fp8", object)])
+WeightsFP8.__doc__ = """A ``MoKConfig(precision="fp8")`` layer's weights: ``Weights``' six, and
+``fp8``, the routed experts quantised (``FP8Weights``, from ``quantize_weights`` once per
+optimizer step), which the routed GEMMs read: ``WeightsFP8(*weights, quantize_weights(weights))``.
+"""
 
 
 class FP8Weights(NamedTuple):
