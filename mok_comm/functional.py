@@ -59,8 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core import errors as err
-from mok_core.cuda_compat import as_device_array
-from mok_core.cuda_compat import device_address
+from mok_core.cuda_compat import as_device_array, device_address
 from mok_core.gemm import _error_word, launch_down, launch_fp8_gemm, launch_gate_up_swiglu
 from mok_core.quantize import launch_quantize_rows
 from mok_core.schedule import build_schedule, token_rows
