@@ -16,27 +16,28 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                thread) so the compute ones hold 232 -- the FP32 sum, the slice's fragment
                and the addressing without spills (launch bounds alone give 168)
     tiles    = per expert ceil(rows / 128) row tiles that never cross into the next expert
-               (``sm90``'s tile table) x N / 128 column tiles (SWIGLU: N / 64, a tile pairing
-               64 gate rows of w0 with the same 64 up rows of w1), in the order (expert,
-               column tile, row tile); block b takes tiles b, b + grid, ...
+               (``sm90``'s tile table) x N / BN column tiles, BN = 128 or 256 (SWIGLU: N /
+               (BN / 2), a tile pairing BN / 2 gate rows of w0 with the same up rows of w1),
+               in the order (expert, column tile, row tile); block b takes tiles b, b + grid
     K slice  = 128 of K: one 128-byte row of e4m3 per tile row -- the 128-byte swizzle's row
                and one scale block of both operands
-    ring     = STAGES slices of [A: 128 rows x 128 B | B: 128 rows x 128 B] (32 KiB), from a
+    ring     = STAGES slices of [A: 128 rows x 128 B | B: BN rows x 128 B] (32 / 48 KiB), from a
                1024-byte boundary; 16-byte chunk c of row r at chunk c ^ (r % 8) (TMA's
                128-byte swizzle, what the descriptors say); mbarriers full[s] (1 arrival + the
                stage's bytes) and empty[s] (256 arrivals: every compute thread)
-    loads    = TMA, 4 boxes of 64 rows x 128 B per slice (A rows row0 .. row0 + 127 -- rows
+    loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
                (``tensor_map``: 128 bytes a box row, the dtype only sizes the copy)
     stream   = the producer walks the block's slices across its tiles (slice j into stage
                j % STAGES), so the next tile's slices land while this one's finish and store
-    MMA      = per slice, per warpgroup: 4 x wgmma m64n128k32 e4m3 (+ 32 bytes a k32 step; the
-               first with scale-d 0: a fresh fragment) into an FP32 fragment, commit,
-               wait(0), then the promotion (``promote_fp8``): acc += part * (a_scale[row, kb]
-               * w_scale[e, nb, kb]), each of the thread's two rows with its own scale (0 for
-               a row past the expert). The tensor cores' running sum keeps fewer bits than
-               FP32: one slice (128 of K) is all it holds
+    MMA      = per slice, per warpgroup and 128 columns: 4 x wgmma m64n128k32 e4m3 (+ 32 bytes a
+               k32 step; the first with scale-d 0: a fresh fragment) into an FP32 fragment,
+               commit, wait(0), then the promotion (``promote_fp8``) into that half's FP32
+               sum: acc += part * (a_scale[row, kb] * w_scale[e, nb, kb]), each of the
+               thread's two rows with its own scale (0 for a row past the expert). The tensor
+               cores' running sum keeps fewer bits than FP32: one slice (128 of K) is all it
+               holds
     epilogue = ``epilogue.make_coalesced_epilogue``: the bf16 tile staged apart from the ring
                (128 rows; each warp its own 16 rows), stored coalesced, NaN/Inf of the rows
                stored reported; SWIGLU at 256 columns may also quantise h 1 x 128 on the way
