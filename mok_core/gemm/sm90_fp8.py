@@ -46,12 +46,15 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
 
 Order. Producer, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
-    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], 32 KiB); 4 TMA boxes.
-Compute warpgroup, slice j:
+    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's bytes); its
+    TMA boxes.
+Compute warpgroup, slice j (BN = 128):
     1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice landed
     2. wgmma.fence; 4 wgmmas; commit
     3. the next slice's scales (global loads under the MMAs)
     4. wgmma.wait(0); arrive empty[j % STAGES] (the stage may be refilled); promote
+    (BN = 256: this slice's scales under the first half's wgmmas, wait(0), promote it; the
+    second half's 4 wgmmas, wait(0), arrive empty, promote: no registers held across slices)
     after a tile's last slice: __syncwarp, the epilogue (no block barrier: the warpgroups
     drift apart by up to a ring, which is what lets one's promotion overlap the other's
     wgmmas)
