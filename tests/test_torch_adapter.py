@@ -133,7 +133,8 @@ def test_fp8_forward_and_compiled_step():
     """``MoKConfig(precision="fp8")`` through torch (EP 1): the routed experts quantised by
     ``mok_torch.quantize_weights`` and passed in a ``WeightsFP8``; the output within 5e-3 of
     float64 of the same quantised operands (``layer_support.reference_out_fp8``), the
-    compiled step bit-equal to the eager one."""
+    compiled step bit-equal to the eager one, before and after ``set_weights`` hands it
+    re-quantised weights."""
     from dataclasses import replace
 
     from layer_support import reference_out_fp8, rel_l1
@@ -152,3 +153,9 @@ def test_fp8_forward_and_compiled_step():
     assert rel_l1(np64(out), reference_out_fp8(inp)[0]) < 5e-3
     step = layer.compile(weights)
     assert torch.equal(step(x, ids, w), out)
+    # an optimizer step: new bf16 weights, re-quantised, handed to the compiled step by name
+    w_up = (weights.w_up.float() * 1.5).bfloat16()
+    fp8 = mok_torch.quantize_weights(weights[:4] + (w_up, weights.w_down))
+    step.set_weights(w_up=w_up, fp8=fp8)
+    want = layer(x, ids, w, mok_torch.WeightsFP8(*weights[:4], w_up, weights.w_down, fp8))
+    assert not torch.equal(want, out) and torch.equal(step(x, ids, w), want)
