@@ -26,11 +26,13 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
                   its output tiles into the step's error word                          | barrier |
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
-``MoKConfig(precision="fp8")`` (forward only): phase 2's routed gate/up first quantises the
-landed tokens 1 x 128 into expert order (``quantize_fp8(index=gather_index)``, rows below the
-schedule's num_rows), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8``; the down
-step quantises h the same way and the FP8 down GEMM writes ``y`` for the combine kernel (no
-fused push yet). Tokens travel bf16; the shared expert stays bf16.
+``MoKConfig(precision="fp8")``: phase 2's routed gate/up first quantises the landed tokens
+1 x 128 into expert order (``quantize_fp8(index=gather_index)``, rows below the schedule's
+num_rows), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8`` (saving its FP32 gate
+and up as the bf16 one does); the down step quantises h the same way and the FP8 down GEMM
+writes ``y`` for the combine kernel (no fused push yet). Tokens travel bf16; the shared
+expert stays bf16; the backward (``mok_comm.backward``) runs in bf16 at the FP8 forward's
+activations (its saved g / u and h) -- the FP8 backward GEMMs are not wired in yet.
 
 A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
 from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /
@@ -213,8 +215,8 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
         q = W.fp8
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
-                        swiglu_limit=layer.swiglu_limit, stream=stream,
-                        **_nan_check(layer, err.NF_HIDDEN))
+                        swiglu_limit=layer.swiglu_limit, pre=_saved_pre(layer, False),
+                        stream=stream, **_nan_check(layer, err.NF_HIDDEN))
         return
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,

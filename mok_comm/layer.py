@@ -294,17 +294,14 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
                      "32; pass backward=False for a forward-only layer")
 
 
-def _check_fp8(shape: LayerShape, backward: bool):
+def _check_fp8(shape: LayerShape):
     """What ``MoKConfig(precision="fp8")`` needs of the layer: a Hopper GPU (or the
-    simulator), H and I multiples of 128 (the scale blocks), and no backward yet."""
+    simulator), H and I multiples of 128 (the scale blocks)."""
     from mok_core.gemm.sm90_fp8 import require_hopper
     for field, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate)):
         if n % 128:
             raise ValueError(f"LayerShape.{field}={n}: MoKConfig(precision='fp8') needs a "
                              "multiple of 128 (one scale per 128 values)")
-    if backward:
-        raise ValueError("MoKConfig(precision='fp8') runs the forward only so far: construct "
-                         "the layer with backward=False (the FP8 backward is not built yet)")
     require_hopper()
 
 
@@ -371,7 +368,7 @@ class Layer:
                              f"{heap.ep_size} ranks")
         check_swiglu_limit(swiglu_limit)
         if config.precision == "fp8":
-            _check_fp8(shape, backward)
+            _check_fp8(shape)
         T = tokens_per_rank
         gemm = gemm or layer_gemm(shape, T)
         gemm_down = gemm_down or gemm

@@ -33,10 +33,11 @@ def shape_for(R, shared=32):
                       num_experts=max(4, 2 * R), topk=3, ep_size=R)
 
 
-def run_forward(lws, inp, ids=None):
-    """The forward on every emulated rank (its context stays in the layers)."""
+def run_forward(lws, inp, ids=None, weights=None):
+    """The forward on every emulated rank (its context stays in the layers); ``weights``: one
+    per rank (default ``rank_weights``)."""
     ids = inp["ids"] if ids is None else ids
-    W = [rank_weights(inp, r, lws[0].shape.experts_per_rank) for r in range(len(lws))]
+    W = weights or [rank_weights(inp, r, lws[0].shape.experts_per_rank) for r in range(len(lws))]
     run_steps(lws, [step_phases(lw, to_dev(u16(inp["x"][r])), to_dev(ids[r]),
                                 to_dev(inp["w"][r]), W[r])[0] for r, lw in enumerate(lws)])
 
@@ -47,11 +48,11 @@ def run_fwd_bwd(lws, inp, d_out, ids=None, grads=None, accumulate=False):
     return run_backward(lws, inp, d_out, grads, accumulate)
 
 
-def run_backward(lws, inp, d_out, grads=None, accumulate=False):
+def run_backward(lws, inp, d_out, grads=None, accumulate=False, weights=None):
     """The backward of the layers' last forward on every emulated rank; per rank ``Grads`` as
     host arrays (the context is left as it was: a second backward may follow)."""
     R, E_l = len(lws), lws[0].shape.experts_per_rank
-    W = [rank_weights(inp, r, E_l) for r in range(R)]
+    W = weights or [rank_weights(inp, r, E_l) for r in range(R)]
     phases, outs = [], []
     for r, lw in enumerate(lws):
         p, G = backward_phases(lw, lw.context(), to_dev(u16(d_out[r])), to_dev(inp["w"][r]),
@@ -381,3 +382,32 @@ def test_peer_that_never_arrives_in_the_backward_times_out():
     with pytest.raises(MoKError, match=r"spin-wait timeout on rank 0: counter 'barrier' of "
                                        r"peer rank 1"):
         lws[0].check()
+
+
+def test_fp8_forward_trains_with_the_bf16_backward():
+    """``MoKConfig(precision="fp8")`` with a backward: the FP8 gate|up saves its FP32 g / u,
+    the backward runs in bf16 at the FP8 forward's activations -- all 8 gradients within
+    e4m3's rounding of the float64 reference (random operands; the FP8 forward's bits repeat:
+    ``test_layer_emulated.test_fp8_forward``)."""
+    from dataclasses import replace
+
+    from mok_comm.layer import WeightsFP8, quantize_weights
+    R, T = 2, 16
+    rng = np.random.default_rng(23)
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
+                       topk=2, ep_size=R)
+    inp = layer_inputs(rng, shape, T, masked=0.1)
+    d_out = bf16_round(rng.standard_normal((R, T, shape.hidden)))
+    lws = emulated_layers(shape, T, replace(CFG, precision="fp8"), SIM_GEMM)
+    E_l = shape.experts_per_rank
+    W = [WeightsFP8(*w, quantize_weights(w)) for w in (rank_weights(inp, r, E_l)
+                                                          for r in range(R))]
+
+    run_forward(lws, inp, weights=W)
+    got = run_backward(lws, inp, d_out, weights=W)
+    full, _ = reference(inp, d_out, inp["ids"], None)
+    print("fp8 forward, bf16 backward, rank 0 rel-L1 vs float64: "
+          f"d_x {rel_l1(f64(got[0].d_x), full.d_x.reshape(R, T, -1)[0]):.4f}, d_w_gate "
+          f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
+          f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
+    check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)

@@ -128,17 +128,24 @@ def test_fp8_gate_up_swiglu_matches_float64(limit, bn):
     assert len(pad) and (got[pad] == 0).all()
 
 
+def swiglu_problem(seed):
+    """A gate|up problem with padding rows (``problem``, gathered): (host arrays (a, a_scale,
+    w_gate, s_gate, w_up, s_up, off, nr), the same on the device, C, I)."""
+    counts, K, I = [64, 130, 0, 32], 256, 256
+    (a, a_scale, w_gate, s_gate, off, nr), _ = problem(seed, counts, K, I, gather=True, cut=32)
+    (_, _, w_up, s_up, _, _), _ = problem(seed + 1, counts, K, I, gather=True, cut=32)
+    host = (a, a_scale, w_gate, s_gate, w_up, s_up, off, nr)
+    return host, [to_dev(v) for v in host], a.shape[0], I
+
+
 def test_fp8_gate_up_quantizes_h_in_its_epilogue():
     """``hidden8`` / ``hidden8_scale`` (256-column tiles): h quantised 1 x 128 in the SwiGLU
     epilogue, bit for bit ``quantize_fp8`` of the h it writes (rows of the experts; a
     NaN-free h here); the bf16 h unchanged by asking for it."""
     from mok_core.quantize import quantize_fp8
     _hopper()
-    counts, K, I = [64, 130, 0, 32], 256, 256
-    (a, a_scale, w_gate, s_gate, off, nr), _ = problem(13, counts, K, I, gather=True, cut=32)
-    (_, _, w_up, s_up, _, _), _ = problem(14, counts, K, I, gather=True, cut=32)
-    C = a.shape[0]
-    args = [to_dev(v) for v in (a, a_scale, w_gate, s_gate, w_up, s_up, off, nr)]
+    host, args, C, I = swiglu_problem(13)
+    nr = host[-1]
     h = to_dev(np.full((C, I), POISON16, np.uint16))
     h8 = to_dev(np.zeros((C, I), np.uint8))
     h8_scale = to_dev(np.zeros((C, I // 128), np.float32))
@@ -152,6 +159,34 @@ def test_fp8_gate_up_quantizes_h_in_its_epilogue():
     np.testing.assert_array_equal(to_host(h8_scale)[:rows], to_host(want_scale))
     with pytest.raises(ValueError, match="hidden8: h is quantised in the epilogue of 256"):
         fp8_gate_up_swiglu(*args, h, bn=128, hidden8=h8, hidden8_scale=h8_scale)
+
+
+@pytest.mark.parametrize("bn,h8", [(128, False), (256, True)])
+def test_fp8_gate_up_saves_pre(bn, h8):
+    """``pre``: the FP32 gate and up values the SwiGLU read, within 5e-3 of float64 of the
+    dequantised operands, written for the experts' rows only (the rest untouched); h, and h8
+    with it, unchanged by asking for them."""
+    _hopper()
+    host, args, C, I = swiglu_problem(15)
+    a, a_scale, w_gate, s_gate, w_up, s_up, off, nr = host
+    kw = dict(bn=bn, swiglu_limit=0.5)
+    if h8:
+        kw.update(hidden8=to_dev(np.zeros((C, I), np.uint8)),
+                  hidden8_scale=to_dev(np.zeros((C, I // 128), np.float32)))
+    h = to_dev(np.full((C, I), POISON16, np.uint16))
+    pre = (to_dev(np.full((C, I), np.nan, np.float32)), to_dev(np.full((C, I), np.nan,
+                                                                        np.float32)))
+    fp8_gate_up_swiglu(*args, h, pre=pre, **kw)
+    plain = to_dev(np.full((C, I), POISON16, np.uint16))
+    fp8_gate_up_swiglu(*args, plain, **kw)
+    np.testing.assert_array_equal(to_host(h), to_host(plain))
+    g_want = grouped_gemm_fp8_reference(a, a_scale, w_gate, s_gate, off, nr)
+    u_want = grouped_gemm_fp8_reference(a, a_scale, w_up, s_up, off, nr)
+    written = ~np.isnan(g_want[:, 0])
+    for got, want in ((to_host(pre[0]), g_want), (to_host(pre[1]), u_want)):
+        assert np.isnan(got[~written]).all(), "rows of no expert must be left as they were"
+        g, r = got[written].astype(np.float64), want[written]
+        assert np.abs(g - r).sum() / np.abs(r).sum() < 5e-3
 
 
 def test_fp8_dgrad_on_transposed_weight_copies():

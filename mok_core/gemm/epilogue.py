@@ -84,14 +84,17 @@ def _stage_swiglu_group(j, bad, smem, r, col, limit, base, stride, g0, g1, g2, g
 
 
 def _stage_swiglu_save_group(j, bad, smem, r, col, limit, base, stride, gate, up, at, row8,
-                             g0, g1, g2, g3, u0, u1, u2, u3):
+                             lo_ok, hi_ok, g0, g1, g2, g3, u0, u1, u2, u3):
     """``_stage_swiglu_group`` (its body again: a group function cannot call another), and
-    the FP32 gate and up values into ``gate`` / ``up`` at element ``at`` + 8j (row r) and
-    ``at + row8`` + 8j (row r + 8)."""
-    st_v2_f32(gate, at + 8 * j, g0, g1)
-    st_v2_f32(gate, at + row8 + 8 * j, g2, g3)
-    st_v2_f32(up, at + 8 * j, u0, u1)
-    st_v2_f32(up, at + row8 + 8 * j, u2, u3)
+    the FP32 gate and up values into ``gate`` / ``up`` at element ``at`` + 8j (row r, when
+    ``lo_ok``) and ``at + row8`` + 8j (row r + 8, when ``hi_ok``: a row past the expert is the
+    next one's)."""
+    if lo_ok:
+        st_v2_f32(gate, at + 8 * j, g0, g1)
+        st_v2_f32(up, at + 8 * j, u0, u1)
+    if hi_ok:
+        st_v2_f32(gate, at + row8 + 8 * j, g2, g3)
+        st_v2_f32(up, at + row8 + 8 * j, u2, u3)
     at_s = base + 2 * (col + 8 * j)
     lo = pack_bf16x2(swiglu(g0, u0, limit), swiglu(g1, u1, limit))
     hi = pack_bf16x2(swiglu(g2, u2, limit), swiglu(g3, u3, limit))
@@ -203,7 +206,7 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
                 bad = stage_tile(acc, (uint32(0), uint32(0)),
                                  (smem, frag_row, frag_col, limit, epi0, stride, pre[0],
                                   pre[1], (row0 + frag_row) * n_out + col0 + frag_col,
-                                  8 * n_out))
+                                  8 * n_out, True, True))
             else:
                 bad = stage_tile(acc, (uint32(0), uint32(0)),
                                  (smem, frag_row, frag_col, limit, epi0, stride))
@@ -251,24 +254,33 @@ def report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row,
         report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
 
 
-def make_coalesced_epilogue(bn, swiglu_epilogue=False):
+def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False):
     """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-    limit, errors, nf_tensor, nf_rank)``: the finished tile, bf16 -- plain, or (SWIGLU) the
-    BN/2 hidden columns of its gate and up halves (``limit``: the clamp) -- staged at the shared
-    byte address ``epi0`` (row stride: the row's bytes + 16) and stored coalesced (module
-    header) to rows grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16 columns), columns
-    n0 ..; NaN/Inf reported as D_e's rows m0 + i."""
+    limit, errors, nf_tensor, nf_rank, pre)``: the finished tile, bf16 -- plain, or (SWIGLU)
+    the BN/2 hidden columns of its gate and up halves (``limit``: the clamp) -- staged at the
+    shared byte address ``epi0`` (row stride: the row's bytes + 16) and stored coalesced
+    (module header) to rows grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16
+    columns), columns n0 ..; NaN/Inf reported as D_e's rows m0 + i. ``save_pre`` (SWIGLU):
+    the FP32 gate and up values also go from the registers into ``pre`` = (gate, up) float32
+    [C * N], the same rows and columns (else ``pre`` is unused)."""
+    assert swiglu_epilogue or not save_pre
     cols = bn // 2 if swiglu_epilogue else bn
     stride = cols * 2 + 16
     cpr = cols // 8                         # 16-byte chunks per output row
     chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
-    stage_tile = make_stage_tile(swiglu_epilogue)
+    stage_tile = make_stage_tile(swiglu_epilogue, save_pre)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-                 limit, errors, nf_tensor, nf_rank):
-        bad = stage_tile(acc, (uint32(0), uint32(0)),
-                         (smem, frag_row, frag_col, limit, epi0, stride))
+                 limit, errors, nf_tensor, nf_rank, pre):
+        if save_pre:
+            bad = stage_tile(acc, (uint32(0), uint32(0)),
+                             (smem, frag_row, frag_col, limit, epi0, stride, pre[0], pre[1],
+                              (grow0 + frag_row) * N + n0 + frag_col, 8 * N, frag_row < rows,
+                              frag_row + 8 < rows))
+        else:
+            bad = stage_tile(acc, (uint32(0), uint32(0)),
+                             (smem, frag_row, frag_col, limit, epi0, stride))
         syncwarp()
         rel = epi0 - shared_addr(smem)
         row0 = frag_row - lane // 4         # the warp's first row
@@ -285,11 +297,11 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False):
     return epilogue
 
 
-def make_quantizing_epilogue(bn):
+def make_quantizing_epilogue(bn, save_pre=False):
     """SWIGLU with bn = 256 (a tile's 128 hidden columns: one 1 x 128 scale block of each row):
     ``epilogue(smem, acc, out, q_out, q_scale, grow0, m0, n0, e, N, rows, epi0, lane,
-    frag_row, frag_col, limit, errors, nf_tensor, nf_rank)`` -- the coalesced epilogue's bf16
-    h, then h quantised to e4m3 from the staging: the warp takes its 16 staged rows one at a
+    frag_row, frag_col, limit, errors, nf_tensor, nf_rank, pre)`` -- the coalesced epilogue's
+    bf16 h (and ``save_pre``'s g and u), then h quantised to e4m3 from the staging: the warp takes its 16 staged rows one at a
     time, lane l columns 4l .. 4l + 3 (``mok_core.quantize.quantize_warp_row``: the row's
     finite amax a warp reduction, exact and order-free), stores its 4 bytes (``q_out``:
     uint32 view of uint8 [C, N]) and lane 0 the row's scale (``q_scale``: float32 [C, N /
@@ -298,13 +310,13 @@ def make_quantizing_epilogue(bn):
     cols = bn // 2
     assert cols == 128, "one scale block per row and tile"
     stride = cols * 2 + 16
-    store = make_coalesced_epilogue(bn, True)
+    store = make_coalesced_epilogue(bn, True, save_pre)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, out, q_out, q_scale, grow0, m0, n0, e, N, rows, epi0, lane,
-                 frag_row, frag_col, limit, errors, nf_tensor, nf_rank):
+                 frag_row, frag_col, limit, errors, nf_tensor, nf_rank, pre):
         store(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col, limit,
-              errors, nf_tensor, nf_rank)
+              errors, nf_tensor, nf_rank, pre)
         row0 = frag_row - lane // 4
         at = (epi0 - shared_addr(smem) + row0 * stride + 8 * lane) >> 1
         dst = ((grow0 + row0) * N + n0) // 4 + lane

@@ -11,19 +11,21 @@ from numba import float32, int32, int64, uint16, uint32, uint64
 from ptx_util import assemble_sm90a, compile_sm90a, count, local_memory_between, sass_sm90a
 
 SIG = (float32[::1], float32[::1], float32[::1], uint64[::1], int32[::1], int32[::1],
-       uint32[::1], uint32[::1], float32[::1], int64, int64, float32, int32[::1], int32, int32)
+       uint32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], int64, int64,
+       float32, int32[::1], int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
 
-@pytest.mark.parametrize("swiglu,bn,quantize", [(False, 128, False), (True, 128, False),
-                                                 (False, 256, False), (True, 256, False),
-                                                 (True, 256, True)],
-                         ids=["plain", "swiglu", "plain-256", "swiglu-256", "swiglu-256-h8"])
-def test_fp8_gemm_lowers_unserialised(swiglu, bn, quantize):
+@pytest.mark.parametrize("swiglu,bn,quantize,pre", [
+    (False, 128, False, False), (True, 128, False, False), (False, 256, False, False),
+    (True, 256, False, False), (True, 256, True, False), (True, 256, True, True)],
+    ids=["plain", "swiglu", "plain-256", "swiglu-256", "swiglu-256-h8", "swiglu-256-h8-pre"])
+def test_fp8_gemm_lowers_unserialised(swiglu, bn, quantize, pre):
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
     halves = bn // 128
-    ptx = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn, quantize), SIG)
+    ptx = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn, quantize, pre), SIG)
+    assert (count(ptx, r"st\.global\.v2\.f32") > 0) == pre        # g and u, 8 bytes a pair
     if quantize:                    # h's e4m3 bytes: 4 a lane and row, IEEE quotients
         assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") >= 2
         assert count(ptx, r"div\.rn\.f32") >= 4
