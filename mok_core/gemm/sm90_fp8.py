@@ -12,7 +12,7 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
 
     block    = 384 threads: warpgroups 0 and 1 compute (warpgroup g owns tile rows [64 g,
                64 g + 64) and every column), warpgroup 2's first thread loads (the
-               producer); the producer warpgroup gives registers back (setmaxnreg: 48 per
+               producer); the producer warpgroup gives registers back (setmaxnreg: 40 per
                thread) so the compute ones hold 232 -- the FP32 sum, the slice's fragment
                and the addressing without spills (launch bounds alone give 168)
     tiles    = per expert ceil(rows / 128) row tiles that never cross into the next expert
@@ -95,8 +95,12 @@ SCALE_BLOCK = 128
 ROW_BYTES = BK
 THREADS = 2 * BM              # compute threads (the FP8 wgrad's whole block)
 GEMM_THREADS = THREADS + 128  # + the producer warpgroup
+LAUNCH_REGS = 168             # registers per thread at launch: 64 Ki / 384, rounded down to 8
 COMPUTE_REGS = 232            # registers per thread: compute warpgroups (setmaxnreg) ...
-PRODUCER_REGS = 48            # ... and the producer's (2 x 128 x 232 + 128 x 48 <= 64 Ki)
+PRODUCER_REGS = 40            # ... and the producer's: together exactly the block's launch
+# registers. setmaxnreg only moves registers within the block: asking for more (48 here: 1 Ki
+# over) faulted on a later driver (580.159) though an earlier one had granted it.
+assert 2 * 128 * COMPUTE_REGS + 128 * PRODUCER_REGS == 3 * 128 * LAUNCH_REGS
 STAGE_BYTES = (BM + BN) * ROW_BYTES
 BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
@@ -227,6 +231,11 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, quantize_out=False, save
                 j += 1
             t += cuda.gridDim.x
 
+    @kjit(device=True, inline="always")
+    def _ring(empty0):                     # the ring: past the mbarriers, 1024-byte aligned
+        area = empty0 + 8 * stages
+        return area + (1024 - area % 1024) % 1024
+
     @kjit(launch_bounds=(GEMM_THREADS, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, q_out, q_scale,
                pre_g, pre_u, K, N, limit, errors, nf_tensor, nf_rank):
@@ -243,21 +252,26 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, quantize_out=False, save
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
             fence_mbarrier_init()
         cuda.syncthreads()
-        n_tiles = N // col_step
-        ktiles = K // BK
-        nb = N // SCALE_BLOCK
-        total = int64(smem[num_experts]) * n_tiles
-        wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-        area = empty0 + 8 * stages
-        ring = area + (1024 - area % 1024) % 1024
-        staging = ring + stages * stage_bytes
+        # each side works out what it needs after its setmaxnreg: a value live across it
+        # must fit the producer's 40 registers, so ptxas would spill it
         if warp_all(tid >= THREADS):
             setmaxnreg_dec(PRODUCER_REGS)
+            n_tiles = N // col_step
+            ktiles = K // BK
+            total = int64(smem[num_experts]) * n_tiles
+            ring = _ring(empty0)
             if tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, N)
         else:
             setmaxnreg_inc(COMPUTE_REGS)
+            n_tiles = N // col_step
+            ktiles = K // BK
+            nb = N // SCALE_BLOCK
+            total = int64(smem[num_experts]) * n_tiles
+            wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
+            ring = _ring(empty0)
+            staging = ring + stages * stage_bytes
             desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
             desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
             j = int64(0)
