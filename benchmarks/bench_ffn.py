@@ -250,6 +250,13 @@ def fp8_steps(d):
     return quantize_x, gate_up, quantize_h, down_, y
 
 
+def _fp8_label(N, swiglu):
+    """The FP8 GEMM's default tile for N columns (``mok_core.gemm._fp8_tile``)."""
+    from mok_core.gemm import _fp8_tile
+    bn, stages = _fp8_tile(N // 2 if swiglu else N, swiglu, None, None)
+    return f"sm90_fp8 128x{bn} s{stages}"
+
+
 def run_case(preset_name, T, skew, gemm_cfg, iters, rng, precisions=("bf16",)):
     """[the bf16 row] or, with "fp8" in ``precisions``, [bf16 row, fp8 row] (module
     docstring)."""
@@ -342,7 +349,7 @@ def run_case(preset_name, T, skew, gemm_cfg, iters, rng, precisions=("bf16",)):
                     "ratio_vs_bf16_with_quantize_x":
                         row["ours_ms"] / (t8 + best_ms(*t["quantize_x"])),
                     "rel_l1_vs_bf16": fp8_l1, "gpu": gpu_name(),
-                    "gemm": "sm90_fp8 128x128", "gemm_down": "sm90_fp8 128x128"})
+                    "gemm": _fp8_label(2 * I, True), "gemm_down": _fp8_label(H, False)})
     del d, wg, wu, wd, x16, w_gu
     torch.cuda.empty_cache()
     return out

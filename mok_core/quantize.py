@@ -259,22 +259,6 @@ def _row_scale(amax, ue8m0):
 
 
 @kjit(device=True, inline="always")
-def quantize_warp_row(a, b):
-    """One 1 x 128 block held by a whole warp, lane l with bf16 columns 4l .. 4l + 3 in the
-    words a (columns 4l, 4l + 1) and b: (the lane's four e4m3 bytes as one word, the block's
-    float32 scale) -- bit for bit ``quantize_rows_kernel``'s (fp32 scales; its fast quotient
-    is the IEEE quotient this divides by). Every lane of the warp calls it."""
-    m, _ = _lane_max(a, b)
-    s, _, _ = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), False)
-    hi = uint32(0xFFFF0000)
-    word = pack_e4m3x4(fdiv_rn(u32_as_f32(uint32(a << uint32(16))), s),
-                       fdiv_rn(u32_as_f32(uint32(a & hi)), s),
-                       fdiv_rn(u32_as_f32(uint32(b << uint32(16))), s),
-                       fdiv_rn(u32_as_f32(uint32(b & hi)), s))
-    return word, s
-
-
-@kjit(device=True, inline="always")
 def _row_load(x64, index, gather, item, items, groups, lane):
     """Lane ``lane``'s 8 bytes (bf16 columns 4 lane .. 4 lane + 3) of item ``item`` as two
     words; zeros past the items or for a padding row (index < 0), which are never read.
@@ -606,5 +590,4 @@ def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, 
 
 
 __all__ = ["dequantize_mx_kernel", "launch_quantize_rows", "mxfp8_to_blockwise",
-           "quantize_expert_weights", "quantize_fp8", "quantize_kernel", "quantize_rows_kernel",
-           "quantize_warp_row"]
+           "quantize_expert_weights", "quantize_fp8", "quantize_kernel", "quantize_rows_kernel"]

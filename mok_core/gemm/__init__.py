@@ -535,15 +535,14 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
 
 
 def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_up=None,
-                    w_up_scale=None, swiglu_limit=None, stages=None, bn=None, hidden8=None,
-                    hidden8_scale=None, pre=None, stream=0, errors=None, tensor=err.NF_HIDDEN,
-                    rank=0):
+                    w_up_scale=None, swiglu_limit=None, stages=None, bn=None, pre=None,
+                    stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``fp8_gemm`` / ``fp8_gate_up_swiglu`` (``w`` = W_gate with ``w_up``) without the
     checks (arguments as there)."""
     bn, stages = _fp8_tile(w.shape[1], w_up is not None, bn, stages)
     sm90_fp8.launch_fp8(a, a_scale, w, w_scale, expert_offsets, num_rows, out, w1=w_up,
                         w1_scale=w_up_scale, swiglu_limit=swiglu_limit, stages=stages, bn=bn,
-                        q_out=hidden8, q_scale=hidden8_scale, pre=pre, stream=stream,
+                        pre=pre, stream=stream,
                         errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
@@ -632,16 +631,12 @@ def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, stages=No
 
 def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, expert_offsets,
                        num_rows, hidden, *, swiglu_limit=None, stages=None, bn=None,
-                       hidden8=None, hidden8_scale=None, pre=None, stream=0, errors=None,
-                       tensor=err.NF_HIDDEN, rank=0):
+                       pre=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``gate_up_swiglu`` in FP8 (Hopper; ``sm90_fp8``): hidden[r] = SwiGLU(A[r] W_gate[e]^T,
     A[r] W_up[e]^T), bf16, operands as in ``fp8_gemm`` (w_gate, w_up: uint8 [E, I, K] each
     with float32 [E, I / 128, K / 128] scales; hidden [C, I]); the gate and up sums promoted
     and clamped (``swiglu_limit``) exactly as the bf16 kernels' epilogue does; a tile of
-    ``bn`` columns is bn / 2 gate and bn / 2 up columns. ``hidden8`` uint8 [C, I] with
-    ``hidden8_scale`` float32 [C, I / 128] (both or neither; 256-column tiles): h also
-    quantised in the epilogue, bit for bit ``quantize_fp8(hidden, (1, 128))`` -- the down
-    GEMM's A without a pass over h. ``pre`` = (gate, up) float32 [C, I] each: the FP32 gate
+    ``bn`` columns is bn / 2 gate and bn / 2 up columns. ``pre`` = (gate, up) float32 [C, I] each: the FP32 gate
     and up values too, before the clamp, for the rows the GEMM writes (what the backward
     differentiates the SwiGLU at, as ``gate_up_swiglu(pre=)`` saves them).
     """
@@ -651,16 +646,6 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
         a, a_scale, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
                      ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
         expert_offsets, num_rows, (hidden, "hidden"), stages, bn)
-    if (hidden8 is None) != (hidden8_scale is None):
-        raise ValueError("hidden8 / hidden8_scale: pass both (h quantised) or neither")
-    if hidden8 is not None:
-        C, I = hidden.shape
-        if bn != 256:
-            raise ValueError(f"hidden8: h is quantised in the epilogue of 256-column tiles "
-                             f"only (bn={bn})")
-        hidden8 = as_device_array(hidden8, "hidden8", dtype=np.uint8, shape=(C, I))
-        hidden8_scale = as_device_array(hidden8_scale, "hidden8_scale", dtype=np.float32,
-                                        shape=(C, I // 128))
     if pre is not None:
         C, I = hidden.shape
         if len(pre) != 2:
@@ -668,8 +653,7 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
         pre = tuple(as_device_array(p, name, dtype=np.float32, shape=(C, I))
                     for p, name in zip(pre, ("pre[0] (gate)", "pre[1] (up)")))
     launch_fp8_gemm(a, a_scale, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
-                    swiglu_limit=swiglu_limit, stages=stages, bn=bn, hidden8=hidden8,
-                    hidden8_scale=hidden8_scale, pre=pre, stream=stream,
+                    swiglu_limit=swiglu_limit, stages=stages, bn=bn, pre=pre, stream=stream,
                     errors=errors, tensor=tensor, rank=rank)
 
 

@@ -40,9 +40,7 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                holds
     epilogue = ``epilogue.make_coalesced_epilogue``: the bf16 tile staged apart from the ring
                (128 rows; each warp its own 16 rows), stored coalesced, NaN/Inf of the rows
-               stored reported; SWIGLU at 256 columns may also quantise h 1 x 128 on the way
-               out (``make_quantizing_epilogue``: a tile's 128 hidden columns are one scale
-               block of each row)
+               stored reported
 
 Order. Producer, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
@@ -83,7 +81,7 @@ from ..intrinsics import (f32_zeros, fence_mbarrier_init, mbarrier_arrive,
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_m64n128k32_e4m3_fresh,
                           wgmma_wait)
-from .epilogue import make_coalesced_epilogue, make_quantizing_epilogue
+from .epilogue import make_coalesced_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
 from .tensor_map import MAP_ELEMS, tensor_maps
@@ -168,20 +166,17 @@ def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, row_end, w_at, w1_at, kb,
     return f0, f1, f2, f3
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, quantize_out=False, save_pre=False):
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
-    slice serves twice the columns) and ``quantize_out`` (SWIGLU at 256: h also quantised 1 x
-    128 into ``q_out`` / ``q_scale``, ``epilogue.make_quantizing_epilogue``) and ``save_pre``
+    slice serves twice the columns) and ``save_pre``
     (SWIGLU: the FP32 gate and up values also into ``pre_g`` / ``pre_u`` [C, N], the rows
     stored -- what the backward differentiates the SwiGLU at)."""
     assert stages >= 2 and bn in (128, 256)
-    assert not quantize_out or (swiglu_epilogue and bn == 256)
     assert not save_pre or swiglu_epilogue
     halves = bn // 128
-    epilogue = (make_quantizing_epilogue(bn, save_pre) if quantize_out
-                else make_coalesced_epilogue(bn, swiglu_epilogue, save_pre))
+    epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (BM + bn) * ROW_BYTES
     w_boxes = bn // BOX_ROWS // 2            # B boxes of each half (w0's, then w1's or w0's)
@@ -237,8 +232,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, quantize_out=False, save
         return area + (1024 - area % 1024) % 1024
 
     @kjit(launch_bounds=(GEMM_THREADS, 1))
-    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, q_out, q_scale,
-               pre_g, pre_u, K, N, limit, errors, nf_tensor, nf_rank):
+    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u, K, N, limit, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
@@ -319,11 +313,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, quantize_out=False, save
                     if kb >= ktiles:
                         break
                 syncwarp()                     # every lane past its reads of the staging
-                if quantize_out:
-                    epilogue(smem, acc0 + acc1, out, q_out, q_scale, row0, row0, col0, e, N,
-                             row_end - row0, staging, lane, frag_row, frag_col, limit, errors,
-                             nf_tensor, nf_rank, (pre_g, pre_u))
-                elif halves == 2:
+                if halves == 2:
                     epilogue(smem, acc0 + acc1, out, row0, row0, col0, e, N, row_end - row0,
                              staging, lane, frag_row, frag_col, limit, errors, nf_tensor,
                              nf_rank, (pre_g, pre_u))
@@ -347,30 +337,27 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, quantize_out, save_pre):
+def _kernel(stages, swiglu_epilogue, bn, save_pre):
     require_hopper()
-    return make_fp8_gemm(stages, swiglu_epilogue, bn, quantize_out, save_pre)
+    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
-               swiglu_limit=None, stages, bn=BN, q_out=None, q_scale=None, pre=None, stream,
-               errors, tensor, rank):
+               swiglu_limit=None, stages, bn=BN, pre=None, stream, errors,
+               tensor, rank):
     """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32
     [C, K / 128], ``w0`` uint8 [E, N, K], ``w0_scale`` float32 [E, N / 128, K / 128],
     ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out`` uint16 (bf16) [C, N], 16-byte
     aligned; K a multiple of 128, N of 128. With ``w1`` / ``w1_scale`` (W_up, as w0 = W_gate):
     the SwiGLU epilogue, out = h [C, N], ``swiglu_limit`` its clamp (None: none); with
-    ``q_out`` uint8 [C, N] / ``q_scale`` float32 [C, N / 128] (bn = 256) h quantised too;
-    with ``pre`` = (gate, up) float32 [C, N] each, the FP32 gate and up values saved. The
-    tensor
+    ``pre`` = (gate, up) float32 [C, N] each, the FP32 gate and up values saved. The tensor
     maps of a, w0 and w1 are built on the first call for their addresses (not inside a
     CUDA-graph capture: ``tensor_map``)."""
     K = a.shape[1]
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0]
     swiglu = w1 is not None
-    quantize = q_out is not None
-    kern = _kernel(stages, swiglu, bn, quantize, pre is not None)
+    kern = _kernel(stages, swiglu, bn, pre is not None)
     tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
@@ -380,8 +367,7 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
                         flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
-           flat_view(out, np.uint32), flat_view(q_out if quantize else out, np.uint32),
-           flat_view(q_scale) if quantize else flat_view(w0_scale),
+           flat_view(out, np.uint32),
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),
            np.int64(K), np.int64(N),
            np.float32(limit), errors, np.int32(tensor), np.int32(rank))
