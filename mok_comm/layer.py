@@ -26,9 +26,10 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
-    x8, h8          uint8 [C, H], [C, I] with float32 [C, H / 128], [C, I / 128] scales:
-                                      precision "fp8" only -- the landed tokens gathered into
-                                      expert order and h, quantised 1 x 128 (the FP8 GEMMs' A)
+    x8, h8          uint8 [R*T, H], [C, I] with float32 [R*T, H / 128], [C, I / 128]
+                                      scales: precision "fp8" only -- the token staging
+                                      (x_recv's rows, each once) and h, quantised 1 x 128 (the
+                                      FP8 GEMMs' A: x8's rows gathered by the GEMM)
     peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
     shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past the step's
                                       tokens), with shared_offsets [2] and shared_rows [1]:
@@ -392,10 +393,11 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
-        # FP8: the landed tokens and h quantised 1 x 128, expert-sorted rows (the GEMMs' A)
+        # FP8: the token staging (each token once) and h quantised 1 x 128 (the GEMMs' A)
         fp8 = config.precision == "fp8"
-        self.x8 = device_empty((C, H), np.uint8, stream) if fp8 else None
-        self.x8_scale = device_empty((C, H // 128), np.float32, stream) if fp8 else None
+        R_T = self.comm.x_recv.shape[0]
+        self.x8 = device_empty((R_T, H), np.uint8, stream) if fp8 else None
+        self.x8_scale = device_empty((R_T, H // 128), np.float32, stream) if fp8 else None
         self.h8 = device_empty((C, I), np.uint8, stream) if fp8 else None
         self.h8_scale = device_empty((C, I // 128), np.float32, stream) if fp8 else None
         # the fused combine's destinations: every rank's combine rows as packed bf16 pairs
@@ -447,11 +449,10 @@ class Layer:
 
     @property
     def fused_combine(self) -> bool:
-        """The down GEMM pushes rows home from its epilogue (wgmma GEMMs with
-        ``MoKConfig.fuse_combine``; not the FP8 one yet); else it writes ``y`` and the
-        combine kernel sends it."""
-        return (self.config.fuse_combine and self.gemm_down.mma != "mma_sync"
-                and self.config.precision == "bf16")
+        """The down GEMM pushes rows home from its epilogue (wgmma and FP8 GEMMs with
+        ``MoKConfig.fuse_combine``); else it writes ``y`` and the combine kernel sends it."""
+        return self.config.fuse_combine and (self.gemm_down.mma != "mma_sync"
+                                             or self.config.precision == "fp8")
 
     def __call__(self, x, topk_ids, router_weights, weights: Weights, *, out=None, stream=0):
         """One step (``mok_comm.functional.forward``); returns ``out`` uint16 [T, H]."""

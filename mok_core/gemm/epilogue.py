@@ -37,10 +37,11 @@ barrier, and the block's last stores must be waited (``bulk_wait``) before it ex
 Coalesced epilogue (``make_coalesced_epilogue``: the weight gradients and the FP8 GEMM, short-K
 kernels whose tiles come faster than per-row bulk copies leave): steps 1 and 4 as above, but
 the warp reads its 16 staged rows back after the __syncwarp and stores them with 16-byte
-stores, a warp instruction covering 512 contiguous bytes; rows at or past ``rows`` (the tile's
-rows that are the expert's) are neither stored nor checked for NaN/Inf. Plain generic stores: no proxy fence, and the
-staging may be rewritten once every lane of the warp is past its reads (the caller's next
-block barrier).
+stores, a warp instruction covering 512 contiguous bytes (or, ``push``, 16-byte stores into
+the source ranks' combine rows over NVLink, as the staged epilogue's bulk copies); rows at or
+past ``rows`` (the tile's rows that are the expert's) are neither stored nor checked for
+NaN/Inf. Plain generic stores: no proxy fence, and the staging may be rewritten once every
+lane of the warp is past its reads (the caller's next block barrier).
 """
 from numba import cuda, float32, uint32
 
@@ -254,16 +255,21 @@ def report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row,
         report_warp(errors, nf_tensor, nf_rank, n, m0 + srow, e)
 
 
-def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False):
+def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=False):
     """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-    limit, errors, nf_tensor, nf_rank, pre)``: the finished tile, bf16 -- plain, or (SWIGLU)
+    limit, errors, nf_tensor, nf_rank, pre, route)``: the finished tile, bf16 -- plain, or (SWIGLU)
     the BN/2 hidden columns of its gate and up halves (``limit``: the clamp) -- staged at the
     shared byte address ``epi0`` (row stride: the row's bytes + 16) and stored coalesced
     (module header) to rows grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16
     columns), columns n0 ..; NaN/Inf reported as D_e's rows m0 + i. ``save_pre`` (SWIGLU):
     the FP32 gate and up values also go from the registers into ``pre`` = (gate, up) float32
-    [C * N], the same rows and columns (else ``pre`` is unused)."""
+    [C * N], the same rows and columns (else ``pre`` is unused). ``push`` (the down GEMM
+    fused with the combine): row grow goes to its source rank's combine row instead, ``route``
+    = (rank, token, slot, peers, k): peers[rank[grow]] (uint32 views, N bf16 columns) row
+    token[grow] * k + slot[grow]; a row of rank < 0 (padding) is not sent (else ``route`` is
+    unused)."""
     assert swiglu_epilogue or not save_pre
+    assert not (push and swiglu_epilogue)
     cols = bn // 2 if swiglu_epilogue else bn
     stride = cols * 2 + 16
     cpr = cols // 8                         # 16-byte chunks per output row
@@ -272,7 +278,7 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False):
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-                 limit, errors, nf_tensor, nf_rank, pre):
+                 limit, errors, nf_tensor, nf_rank, pre, route):
         if save_pre:
             bad = stage_tile(acc, (uint32(0), uint32(0)),
                              (smem, frag_row, frag_col, limit, epi0, stride, pre[0], pre[1],
@@ -290,7 +296,16 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False):
             col = c % cpr
             if r < rows:
                 v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
-                st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
+                if push:
+                    grow = grow0 + r
+                    rank = route[0][grow]
+                    if rank >= 0:
+                        # tuple_pick: ``peers[rank]`` would lower to a switch (C7518)
+                        st_v4(tuple_pick(route[3], rank),
+                              ((route[1][grow] * route[4] + route[2][grow]) * N + n0
+                               + col * 8) >> 1, v0, v1, v2, v3)
+                else:
+                    st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
         report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e,
                            errors, nf_tensor, nf_rank)
 

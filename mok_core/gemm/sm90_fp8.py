@@ -7,14 +7,15 @@ For the rows r of each expert e, offsets[e] <= r < offsets[e + 1] (clamped to nu
     W_e[n, k] = w[e, n, k] * w_scale[e, n // 128, k // 128]      (128 x 128 blocks)
 
 with a and w e4m3 bytes, both K-major (the layout ``mok_core.quantize.quantize_fp8`` writes,
-untransposed; rows gathered into expert order by the quantizer, ``index=``), the scales
+untransposed), the scales
 float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not written.
 
     block    = 384 threads: warpgroups 0 and 1 compute (warpgroup g owns tile rows [64 g,
-               64 g + 64) and every column), warpgroup 2's first thread loads (the
-               producer); the producer warpgroup gives registers back (setmaxnreg: 40 per
-               thread) so the compute ones hold 232 -- the FP32 sum, the slice's fragment
-               and the addressing without spills (launch bounds alone give 168)
+               64 g + 64) and every column), warpgroup 2 loads (the producer: its first
+               thread, or all 128 with GATHER); the producer warpgroup gives registers back
+               (setmaxnreg: 40 per thread) so the compute ones hold 232 -- the FP32 sum, the
+               slice's fragment and the addressing without spills (launch bounds alone give
+               168); the two add up to the block's 168 a thread at launch, as they must
     tiles    = per expert ceil(rows / 128) row tiles that never cross into the next expert
                (``sm90``'s tile table) x N / BN column tiles, BN = 128 or 256 (SWIGLU: N /
                (BN / 2), a tile pairing BN / 2 gate rows of w0 with the same up rows of w1),
@@ -24,18 +25,26 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
     ring     = STAGES slices of [A: 128 rows x 128 B | B: BN rows x 128 B] (32 / 48 KiB), from a
                1024-byte boundary; 16-byte chunk c of row r at chunk c ^ (r % 8) (TMA's
                128-byte swizzle, what the descriptors say); mbarriers full[s] (1 arrival + the
-               stage's bytes) and empty[s] (256 arrivals: every compute thread)
+               stage's TMA bytes; GATHER: + 128 cp.async arrivals) and empty[s] (256
+               arrivals: every compute thread)
     loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
-               (``tensor_map``: 128 bytes a box row, the dtype only sizes the copy)
+               (``tensor_map``: 128 bytes a box row, the dtype only sizes the copy).
+               GATHER (``a_index``: tile row r's A row is a_src row a_index[r], < 0 a zero
+               row): B's boxes by TMA as above, A by cp.async -- producer thread p copies
+               16-byte chunk p % 8 of tile rows p / 8 + 16 i (i < 8) into its swizzled place,
+               zero-filled for a padding row or one past the expert, then
+               ``cp.async.mbarrier.arrive.noinc`` on full[s]; the compute warpgroups fence
+               the proxies (``fence.proxy.async``) before their wgmmas read it
     stream   = the producer walks the block's slices across its tiles (slice j into stage
                j % STAGES), so the next tile's slices land while this one's finish and store
     MMA      = per slice, per warpgroup and 128 columns: 4 x wgmma m64n128k32 e4m3 (+ 32 bytes a
                k32 step; the first with scale-d 0: a fresh fragment) into an FP32 fragment,
                commit, wait(0), then the promotion (``promote_fp8``) into that half's FP32
                sum: acc += part * (a_scale[row, kb] * w_scale[e, nb, kb]), each of the
-               thread's two rows with its own scale (0 for a row past the expert). The tensor
+               thread's two rows with its own scale (its A row's: a_index[row] with GATHER;
+               0 for a row past the expert or a gathered padding row). The tensor
                cores' running sum keeps fewer bits than FP32: one slice (128 of K) is all it
                holds
     epilogue = ``epilogue.make_coalesced_epilogue``: the bf16 tile staged apart from the ring
@@ -44,8 +53,8 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
 
 Order. Producer, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
-    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's bytes); its
-    TMA boxes.
+    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's TMA bytes); its
+    TMA boxes (GATHER, every producer thread: its 8 cp.asyncs, then their arrival).
 Compute warpgroup, slice j (BN = 128):
     1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice landed
     2. wgmma.fence; 4 wgmmas; commit
@@ -58,7 +67,8 @@ Compute warpgroup, slice j (BN = 128):
     wgmmas)
 No block barrier after the prologue (tile table, mbarrier init). Waits are bounded (a trap,
 not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
-for them on full[s] before the block can end.
+for them on full[s] before the block can end (a gathering producer thread waits for its own
+cp.asyncs before it exits).
 
 C7518: the role test is a warp vote (``warp_all``); no branch around a wgmma tests anything
 but block-uniform values, and the K loop runs at least once (K >= 128), testing its exit at
@@ -75,7 +85,9 @@ import numpy as np
 from numba import cuda, float32, int64, uint16
 
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
-from ..intrinsics import (f32_zeros, fence_mbarrier_init, mbarrier_arrive,
+from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
+                          cp_async_wait, f32_zeros,
+                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
                           mbarrier_arrive_expect_tx, mbarrier_init, promote_fp8,
                           setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
@@ -102,6 +114,8 @@ assert 2 * 128 * COMPUTE_REGS + 128 * PRODUCER_REGS == 3 * 128 * LAUNCH_REGS
 STAGE_BYTES = (BM + BN) * ROW_BYTES
 BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
+A_BYTES = BM * ROW_BYTES      # a stage's A slice
+PRODUCERS = 128               # the producer warpgroup's threads
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
@@ -144,10 +158,11 @@ def mma_slice(part, smem, da, db):
 
 
 @kjit(device=True, inline="always")
-def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, row_end, w_at, w1_at, kb, ktiles):
+def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at, w1_at, kb, ktiles):
     """The promotion's four factors of slice kb (``promote_fp8``): a_scale's rows lo and hi
-    x w0's scale block at ``w_at`` (the tile's first half of columns) and x w1's at ``w1_at``
-    (the second); 0 for a row past the expert (its values are not the GEMM's; nor is a NaN /
+    (the thread's two rows' A rows, ``_a_row``) x w0's scale block at ``w_at`` (the tile's
+    first half of columns) and x w1's at ``w1_at`` (the second); 0 for a row of no A row --
+    past the expert, or a gathered padding row (its values are not the GEMM's; nor is a NaN /
     Inf scale there)."""
     s0 = w0_scale[w_at + kb]
     s1 = w1_scale[w1_at + kb]
@@ -155,28 +170,43 @@ def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, row_end, w_at, w1_at, kb,
     f1 = float32(0.0)
     f2 = float32(0.0)
     f3 = float32(0.0)
-    if lo < row_end:
+    if lo >= 0:
         a_lo = a_scale[lo * ktiles + kb]
         f0 = a_lo * s0
         f2 = a_lo * s1
-    if hi < row_end:
+    if hi >= 0:
         a_hi = a_scale[hi * ktiles + kb]
         f1 = a_hi * s0
         f3 = a_hi * s1
     return f0, f1, f2, f3
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
+@kjit(device=True, inline="always")
+def _a_row(a_index, gather, r, row_end):
+    """Row r's A row: r itself, or a_index[r] (``gather``; < 0: a padding row), -1 for none
+    (r at or past the expert's end)."""
+    src = int64(-1)
+    if r < row_end:
+        src = int64(a_index[r]) if gather else r
+    return src
+
+
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=False,
+                  push=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
     slice serves twice the columns) and ``save_pre``
     (SWIGLU: the FP32 gate and up values also into ``pre_g`` / ``pre_u`` [C, N], the rows
-    stored -- what the backward differentiates the SwiGLU at)."""
+    stored -- what the backward differentiates the SwiGLU at) and ``gather`` (A's rows
+    ``a_index[r]`` of ``a_src``, copied by the producer warpgroup's cp.asyncs) and ``push``
+    (not SWIGLU: row r goes to its source rank's combine row, the route's
+    ``epilogue.make_coalesced_epilogue``, instead of ``out``)."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
     halves = bn // 128
-    epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre)
+    full_arrivals = 1 + (PRODUCERS if gather else 0)   # (+ the cp.async arrivals)
+    epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (BM + bn) * ROW_BYTES
     w_boxes = bn // BOX_ROWS // 2            # B boxes of each half (w0's, then w1's or w0's)
@@ -227,22 +257,70 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
             t += cuda.gridDim.x
 
     @kjit(device=True, inline="always")
+    def produce_gathered(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
+                         total, n_tiles, ktiles, N, K, p, a_src, a_index):
+        """``gather``: the producer warpgroup's stream (module header). Thread p copies 16-byte
+        chunk p % 8 of the slice's rows p / 8 + 16 i (i < 8) from A row ``a_index[row]``
+        (zero-filled for a padding row or one past the expert), then arrives on full[s] once
+        they land; thread 0 also announces and loads B's boxes by TMA."""
+        if p == 0:
+            tensormap_acquire(tmaps, MAP_ELEMS)
+            tensormap_acquire(tmaps, 2 * MAP_ELEMS)
+        second = 2 * MAP_ELEMS if swiglu_epilogue else MAP_ELEMS
+        r0 = p // 8
+        chunk = p % 8
+        at = r0 * ROW_BYTES + (chunk ^ (r0 % 8)) * 16   # the swizzle's chunk: r % 8 == r0 % 8
+        row_words = K // 4
+        j = int64(0)
+        t = int64(cuda.blockIdx.x)
+        while t < total:
+            e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap)
+            w_row = e * N + col0
+            w_row2 = w_row if swiglu_epilogue else w_row + w_boxes * BOX_ROWS
+            for kb in range(ktiles):
+                st = j % stages
+                if j >= stages:
+                    wait_phase(smem, empty0 + 8 * st, ((j // stages) - 1) & 1)
+                bar = full0 + 8 * st
+                dst = ring + st * stage_bytes
+                if p == 0:
+                    kx = kb * (BK // 2)
+                    mbarrier_arrive_expect_tx(smem, bar, stage_bytes - A_BYTES)
+                    for i in range(w_boxes):
+                        tma_load_2d(smem, dst + (2 + i) * BOX_BYTES, tmaps, MAP_ELEMS, kx,
+                                    w_row + i * BOX_ROWS, bar)
+                        tma_load_2d(smem, dst + (2 + w_boxes + i) * BOX_BYTES, tmaps, second,
+                                    kx, w_row2 + i * BOX_ROWS, bar)
+                for i in range(8):
+                    src = _a_row(a_index, True, row0 + r0 + 16 * i, row_end)
+                    cp_async_16_at(smem, dst + at + 16 * i * ROW_BYTES, a_src,
+                                   max(src, int64(0)) * row_words + kb * 32 + chunk * 4,
+                                   16 if src >= 0 else 0)
+                cp_async_mbarrier_arrive(smem, bar)
+                j += 1
+            t += cuda.gridDim.x
+        cp_async_commit()                      # no exit with copies of this thread in flight
+        cp_async_wait(0)
+
+    @kjit(device=True, inline="always")
     def _ring(empty0):                     # the ring: past the mbarriers, 1024-byte aligned
         area = empty0 + 8 * stages
         return area + (1024 - area % 1024) % 1024
 
     @kjit(launch_bounds=(GEMM_THREADS, 1))
-    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u, K, N, limit, errors, nf_tensor, nf_rank):
+    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
+               a_src, a_index, route_rank, route_token, route_slot, peers, k, C, K, N, limit,
+               errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
-        rows_cap = min(int64(num_rows[0]), int64(out.shape[0]) * 2 // N)
+        rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
         tile_table(smem, offsets, num_experts, BM, rows_cap)
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, 1)
+                mbarrier_init(smem, full0 + 8 * s, full_arrivals)
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
             fence_mbarrier_init()
         cuda.syncthreads()
@@ -250,15 +328,21 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
         # must fit the producer's 40 registers, so ptxas would spill it
         if warp_all(tid >= THREADS):
             setmaxnreg_dec(PRODUCER_REGS)
+            rows_cap = min(int64(num_rows[0]), C)
             n_tiles = N // col_step
             ktiles = K // BK
             total = int64(smem[num_experts]) * n_tiles
             ring = _ring(empty0)
-            if tid == THREADS:
+            if gather:
+                produce_gathered(smem, ring, full0, empty0, tmaps, offsets, num_experts,
+                                 rows_cap, total, n_tiles, ktiles, N, K, tid - THREADS, a_src,
+                                 a_index)
+            elif tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, N)
         else:
             setmaxnreg_inc(COMPUTE_REGS)
+            rows_cap = min(int64(num_rows[0]), C)
             n_tiles = N // col_step
             ktiles = K // BK
             nb = N // SCALE_BLOCK
@@ -274,25 +358,29 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
             while t < total:
                 e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles,
                                                  rows_cap)
-                lo = row0 + frag_row
+                lo = _a_row(a_index, gather, row0 + frag_row, row_end)
+                hi = _a_row(a_index, gather, row0 + frag_row + 8, row_end)
                 w_at = (e * nb + col0 // SCALE_BLOCK) * ktiles
                 w1_at = w_at + w1_blocks * ktiles
-                f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, lo + 8,
-                                               row_end, w_at, w1_at, 0, ktiles)
+                f0 = f1 = f2 = f3 = float32(0.0)
+                if halves == 1:                # slice 0's scales (256: each slice's own)
+                    f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at,
+                                                   w1_at, 0, ktiles)
                 acc0 = f32_zeros(NACC)
                 acc1 = f32_zeros(NACC)
                 kb = int64(0)
                 while True:
                     st = j % stages
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
+                    if gather:
+                        fence_proxy_async()    # A's cp.async bytes, to the wgmmas' proxy
                     soff = (st * stage_bytes) >> 4
                     part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
                     if halves == 2:
                         # this slice's scales, under its first half's MMAs: no registers
                         # held across slices (the two sums and the fragment fill them)
-                        f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo,
-                                                       lo + 8, row_end, w_at, w1_at, kb,
-                                                       ktiles)
+                        f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
+                                                       w_at, w1_at, kb, ktiles)
                         part = wgmma_wait(part, 0)
                         acc0 = promote_fp8(acc0, part, f0, f1, f0, f1)
                         part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff + half_b)
@@ -301,9 +389,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
                         acc1 = promote_fp8(acc1, part, f2, f3, f2, f3)
                     else:
                         # the next slice's scales, under this one's MMAs
-                        g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo,
-                                                       lo + 8, row_end, w_at, w1_at,
-                                                       min(kb + 1, ktiles - 1), ktiles)
+                        g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
+                                                       w_at, w1_at, min(kb + 1, ktiles - 1),
+                                                       ktiles)
                         part = wgmma_wait(part, 0)
                         mbarrier_arrive(smem, empty0 + 8 * st)
                         acc0 = promote_fp8(acc0, part, f0, f1, f2, f3)
@@ -316,11 +404,12 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False):
                 if halves == 2:
                     epilogue(smem, acc0 + acc1, out, row0, row0, col0, e, N, row_end - row0,
                              staging, lane, frag_row, frag_col, limit, errors, nf_tensor,
-                             nf_rank, (pre_g, pre_u))
+                             nf_rank, (pre_g, pre_u),
+                             (route_rank, route_token, route_slot, peers, k))
                 else:
                     epilogue(smem, acc0, out, row0, row0, col0, e, N, row_end - row0, staging,
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
-                             (pre_g, pre_u))
+                             (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 t += cuda.gridDim.x
 
     kernel.threads = GEMM_THREADS
@@ -337,37 +426,45 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, save_pre):
+def _kernel(stages, swiglu_epilogue, bn, save_pre, gather, push):
     require_hopper()
-    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre)
+    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, gather, push)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
-               swiglu_limit=None, stages, bn=BN, pre=None, stream, errors,
-               tensor, rank):
-    """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32
-    [C, K / 128], ``w0`` uint8 [E, N, K], ``w0_scale`` float32 [E, N / 128, K / 128],
-    ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out`` uint16 (bf16) [C, N], 16-byte
-    aligned; K a multiple of 128, N of 128. With ``w1`` / ``w1_scale`` (W_up, as w0 = W_gate):
-    the SwiGLU epilogue, out = h [C, N], ``swiglu_limit`` its clamp (None: none); with
-    ``pre`` = (gate, up) float32 [C, N] each, the FP32 gate and up values saved. The tensor
-    maps of a, w0 and w1 are built on the first call for their addresses (not inside a
-    CUDA-graph capture: ``tensor_map``)."""
+               swiglu_limit=None, stages, bn=BN, pre=None, a_index=None, route=None, rows=None,
+               stream, errors, tensor, rank):
+    """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32 [C, K
+    / 128] -- or, with ``a_index`` int32 [C], any [R, K] and [R, K / 128]: row r's A row is
+    a_index[r] (< 0: a zero row), copied by cp.async --, ``w0`` uint8 [E, N, K], ``w0_scale``
+    float32 [E, N / 128, K / 128], ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out``
+    uint16 (bf16) [C, N], 16-byte aligned; K a multiple of 128, N of 128. With ``w1`` /
+    ``w1_scale`` (W_up, as w0 = W_gate): the SwiGLU epilogue, out = h [C, N], ``swiglu_limit``
+    its clamp (None: none); with ``pre`` = (gate, up) float32 [C, N] each, the FP32 gate and up
+    values saved; with ``route`` = (rank, token, slot, peers, k) (not SwiGLU) the rows go to
+    their source ranks' combine rows (``epilogue.make_coalesced_epilogue``'s push; ``out`` is
+    then not written, ``rows`` = C). The tensor maps of a, w0 and w1 are built on the first
+    call for their addresses (not inside a CUDA-graph capture: ``tensor_map``)."""
     K = a.shape[1]
     E, N = w0.shape[0], w0.shape[1]
-    rows = out.shape[0]
+    rows = out.shape[0] if rows is None else rows
     swiglu = w1 is not None
-    kern = _kernel(stages, swiglu, bn, pre is not None)
+    gather = a_index is not None
+    kern = _kernel(stages, swiglu, bn, pre is not None, gather, route is not None)
+    if route is None:
+        route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
     tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
-    maps = tensor_maps([flat_view(a, np.uint16).reshape(a.shape[0], K // 2),
-                        flat_view(w0, np.uint16).reshape(E * N, K // 2),
-                        flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
+    w0_rows = flat_view(w0, np.uint16).reshape(E * N, K // 2)
+    a_rows = w0_rows if gather else flat_view(a, np.uint16).reshape(a.shape[0], K // 2)
+    maps = tensor_maps([a_rows, w0_rows, flat_view(w1, np.uint16).reshape(E * N, K // 2)],
+                       BOX_ROWS, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
            flat_view(out, np.uint32),
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),
+           flat_view(a, np.uint32), a_index if gather else offsets, *route, np.int64(rows),
            np.int64(K), np.int64(N),
            np.float32(limit), errors, np.int32(tensor), np.int32(rank))

@@ -155,7 +155,7 @@ def make_fp8_wgrad(stages):
                 if kb >= slices:
                     break
             epilogue(smem, acc, out, e * M + m0, m0, n0, e, N, BM, staging, lane, frag_row,
-                     frag_col, float32(0.0), errors, nf_tensor, nf_rank, None)
+                     frag_col, float32(0.0), errors, nf_tensor, nf_rank, None, None)
             t += cuda.gridDim.x
         cp_async_wait(0)
 

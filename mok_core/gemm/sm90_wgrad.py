@@ -200,16 +200,16 @@ def _plain_layout(count):
 
 def _make_epilogues(bm, bn, out_f32, accumulate):
     """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-    limit, errors, nf_tensor, nf_rank, pre)`` (``limit``, ``pre`` unused): the finished tile
-    (output rows grow0 + i of ``out`` for tile rows i, columns n0 ..; D_e's rows m0 + i)
-    written and checked; bf16:
-    ``epilogue.make_coalesced_epilogue``, staged at the shared byte address ``epi0``."""
+    limit, errors, nf_tensor, nf_rank, pre, route)`` (``limit``, ``pre``, ``route`` unused):
+    the finished tile (output rows grow0 + i of ``out`` for tile rows i, columns n0 ..; D_e's
+    rows m0 + i) written and checked; bf16: ``epilogue.make_coalesced_epilogue``, staged at
+    the shared byte address ``epi0``."""
     store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
     epilogue_bf16 = make_coalesced_epilogue(bn)
 
     @kjit(device=True, inline="always")
     def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
-                     frag_col, limit, errors, nf_tensor, nf_rank, pre):
+                     frag_col, limit, errors, nf_tensor, nf_rank, pre, route):
         at = (grow0 + frag_row) * N + n0 + frag_col
         y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
         # a clean tile costs one vote; else each lane recounts what it wrote, by row
@@ -383,7 +383,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
                 rows = M - m_split
                 first = m_split
             epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, bm, staging, lane,
-                     frag_row, frag_col, float32(0.0), errors, nf_tensor, nf_rank, None)
+                     frag_row, frag_col, float32(0.0), errors, nf_tensor, nf_rank, None, None)
             t += cuda.gridDim.x
         cp_async_wait(0)                       # (the stream's empty tail groups)
 
