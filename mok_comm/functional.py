@@ -26,13 +26,12 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
                   its output tiles into the step's error word                          | barrier |
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
-``MoKConfig(precision="fp8")``: phase 2's routed gate/up first quantises the token staging
-1 x 128, each token once (every row of ``x_recv``: rows no expert here needs are quantised
-too, cheaper than finding them), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8``,
-its A rows gathered through ``gather_index`` by the GEMM (saving its FP32 gate and up as the
-bf16 one does); the down step quantises h the same way and the FP8 down GEMM pushes each
-row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes ``y`` for
-the combine kernel). Tokens travel bf16; the shared
+``MoKConfig(precision="fp8")``: phase 2's routed gate/up first quantises the landed tokens
+1 x 128 into expert order (``quantize_fp8(index=gather_index)``, rows below the schedule's
+num_rows), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8`` (saving its FP32 gate
+and up as the bf16 one does); the down step quantises h the same way and the FP8 down GEMM
+pushes each row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes
+``y`` for the combine kernel). Tokens travel bf16; the shared
 expert stays bf16; the backward (``mok_comm.backward``) runs in bf16 at the FP8 forward's
 activations (its saved g / u and h) -- the FP8 backward GEMMs are not wired in yet.
 
@@ -209,17 +208,16 @@ def pull(layer: Layer, stream):
 def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
     if layer.config.precision == "fp8":
-        # the token staging quantised, each token once (x's NaN/Inf were counted at
-        # publish, and rows of tokens not pulled hold anything: the quantizer's own report
-        # goes to a scratch word); the GEMM gathers its rows
-        launch_quantize_rows(layer.comm.x_recv, layer.x8, layer.x8_scale, stream=stream,
+        # the landed tokens into expert order, quantised (their NaN/Inf were counted at
+        # publish: the quantizer's own report goes to a scratch word)
+        launch_quantize_rows(layer.comm.x_recv, layer.x8, layer.x8_scale,
+                             index=layer.gather_index, num_rows=s.num_rows, stream=stream,
                              errors=_error_word(None))
         q = W.fp8
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
                         swiglu_limit=layer.swiglu_limit, pre=_saved_pre(layer, False),
-                        a_index=layer.gather_index, stream=stream,
-                        **_nan_check(layer, err.NF_HIDDEN))
+                        stream=stream, **_nan_check(layer, err.NF_HIDDEN))
         return
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,

@@ -24,12 +24,11 @@ def _hopper():
             pytest.skip("the FP8 GEMM needs sm_90")
 
 
-def problem(seed, counts, K, N, *, gather, cut=0, scale=1.0, source=False):
+def problem(seed, counts, K, N, *, gather, cut=0, scale=1.0):
     """Host inputs: quantised a [C, K] / w [E, N, K] with their scales, the expert offsets of
     ``counts`` rows each, num_rows = the total minus ``cut``; gathered: a's rows are random
     rows of a smaller source (what ``quantize_fp8(..., index=)`` writes), the last 7 rows of
-    every non-empty expert padding (zero rows, scale 1). ``source`` (gathered): also that
-    source quantised and the index, (a_src, a_src_scale, index), a third return value."""
+    every non-empty expert padding (zero rows, scale 1)."""
     rng = np.random.default_rng(seed)
     C = int(sum(counts))
     off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
@@ -41,7 +40,6 @@ def problem(seed, counts, K, N, *, gather, cut=0, scale=1.0, source=False):
         for e, n in enumerate(counts):
             if n:
                 index[off[e + 1] - min(7, n):off[e + 1]] = -1
-        src = quantize_fp8_reference(x, (1, 128)) + (index.astype(np.int32),)
         x = np.where(index[:, None] >= 0, x[np.maximum(index, 0)], 0.0).astype(np.float32)
     a, a_scale = quantize_fp8_reference(x, (1, 128))
     ws = [quantize_fp8_reference(rng.standard_normal((N, K)).astype(np.float32)
@@ -50,10 +48,7 @@ def problem(seed, counts, K, N, *, gather, cut=0, scale=1.0, source=False):
     w_scale = np.stack([s for _, s in ws]).astype(np.float32)
     nr = np.array([C - cut], np.int32)
     pad = np.flatnonzero(~x.any(axis=1))
-    args = (a, a_scale.astype(np.float32), w, w_scale, off, nr)
-    if source:
-        return args, pad, (src[0], src[1].astype(np.float32), src[2])
-    return args, pad
+    return (a, a_scale.astype(np.float32), w, w_scale, off, nr), pad
 
 
 def run(args, stages=4, errors=None, bn=128):
@@ -103,38 +98,6 @@ def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
         assert len(pad) and (got[pad] == 0).all(), "padding rows must be zeros"
     np.testing.assert_array_equal(run(args, stages=c["stages"], bn=c.get("bn", 128)),
                                   got)                                  # deterministic
-
-
-@pytest.mark.parametrize("swiglu,bn", [(False, 128), (True, 256)])
-def test_fp8_gemm_gathers_a_rows(swiglu, bn):
-    """``a_index=``: the producer warpgroup copies row r's A row a_index[r] (zero-filled for
-    -1) by cp.async and reads its scale through the index -- bit for bit the same GEMM on the
-    rows gathered beforehand (``quantize_fp8(index=)``'s output); rows of no expert
-    untouched."""
-    _hopper()
-    counts, K, N = [64, 130, 0, 32], 384, 256
-    args, _, (a_src, s_src, index) = problem(21, counts, K, N, gather=True, cut=32,
-                                             source=True)
-    a, a_scale, w, w_scale, off, nr = args
-    dev = [to_dev(v) for v in args]
-    C = a.shape[0]
-    if swiglu:
-        (_, _, w_up, s_up, _, _), _ = problem(22, counts, K, N, gather=True, cut=32)
-        up = (to_dev(w_up), to_dev(s_up))
-
-        def gemm(a_, s_, out, **kw):
-            fp8_gate_up_swiglu(a_, s_, dev[2], dev[3], *up, dev[4], dev[5], out, bn=bn,
-                               stages=3, swiglu_limit=0.5, **kw)
-    else:
-        def gemm(a_, s_, out, **kw):
-            fp8_gemm(a_, s_, dev[2], dev[3], dev[4], dev[5], out, bn=bn, stages=2, **kw)
-    want = to_dev(np.full((C, N), POISON16, np.uint16))
-    gemm(dev[0], dev[1], want)
-    got = to_dev(np.full((C, N), POISON16, np.uint16))
-    gemm(to_dev(a_src), to_dev(s_src), got, a_index=to_dev(index))
-    want = to_host(want)
-    assert (want != POISON16).any() and (want == POISON16).any()
-    np.testing.assert_array_equal(to_host(got), want)
 
 
 @pytest.mark.parametrize("limit,bn", [(None, 128), (0.5, 256)])

@@ -67,12 +67,12 @@ def test_forward_matches_float64_reference(R, limit):
 
 
 def test_fp8_forward(limit=None):
-    """``MoKConfig(precision="fp8")`` at EP 2: the token staging quantised (each token once),
-    the FP8 gate|up + SwiGLU GEMM gathering its rows and the down GEMM pushing them home (the
-    fused combine), on weights from ``quantize_weights`` -- within 5e-3 of float64 of the same quantised operands (so the kernels
-    add almost nothing), within e4m3's rounding of the bf16 layer's float64 (random operands:
-    x, W and h each carry ~2-3 % rounding), bit-equal on a second step; and the layer refuses
-    bf16-only weights and a hidden size that is not a multiple of 128. (The
+    """``MoKConfig(precision="fp8")`` at EP 2: tokens quantised on arrival into expert order,
+    the FP8 gate|up + SwiGLU GEMM and the down GEMM pushing rows home (the fused combine), on
+    weights from ``quantize_weights`` -- within 5e-3 of float64 of the same quantised operands
+    (so the kernels add almost nothing), within e4m3's rounding of the bf16 layer's float64
+    (random operands: x, W and h each carry ~2-3 % rounding), bit-equal on a second step; and
+    the layer refuses bf16-only weights and a hidden size that is not a multiple of 128. (The
     clamp of the FP8 SwiGLU epilogue: ``test_gemm_fp8``.)"""
     from dataclasses import replace
     rng = np.random.default_rng(17)

@@ -536,8 +536,7 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
 
 def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_up=None,
                     w_up_scale=None, swiglu_limit=None, stages=None, bn=None, pre=None,
-                    a_index=None, push=None, stream=0, errors=None, tensor=err.NF_HIDDEN,
-                    rank=0):
+                    push=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``fp8_gemm`` / ``fp8_gate_up_swiglu`` (``w`` = W_gate with ``w_up``) without the
     checks (arguments as there); ``push`` = (src_rank, src_token, src_slot, peers, k) as
     ``launch_down``'s (``out`` None): rows go home into the peers' combine rows."""
@@ -549,14 +548,14 @@ def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_
         rows, out = src_rank.shape[0], peers[0]        # (out: a placeholder, not written)
     sm90_fp8.launch_fp8(a, a_scale, w, w_scale, expert_offsets, num_rows, out, w1=w_up,
                         w1_scale=w_up_scale, swiglu_limit=swiglu_limit, stages=stages, bn=bn,
-                        pre=pre, a_index=a_index, route=route, rows=rows, stream=stream,
+                        pre=pre, route=route, rows=rows, stream=stream,
                         errors=_error_word(errors), tensor=tensor, rank=rank)
 
 
-def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn, a_index):
+def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn):
     """Checked views (errors name the tensor): ``weights`` ((w, name), (w_scale, name)) pairs
     of the same shape, ``out`` (array, name) -> (a, a_scale, [(w, w_scale), ...], off, nr,
-    out, bn, stages, a_index); out's rows are a's, or a_index's with it."""
+    out, bn, stages)."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     A_rows, K = a.shape
     if K % 128 or K == 0:
@@ -580,11 +579,8 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
         checked.append((w, w_scale))
     E, N = checked[0][0].shape[0], checked[0][0].shape[1]
     C = A_rows
-    if a_index is not None:
-        a_index = as_device_array(a_index, "a_index", dtype=np.int32, ndim=1)
-        C = a_index.shape[0]
     if device_address(a) % 16:
-        raise ValueError("a: must be 16-byte aligned (TMA / 16-byte cp.async loads)")
+        raise ValueError("a: must be 16-byte aligned (TMA loads)")
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out, out_name = out
@@ -602,11 +598,11 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
     if need > 227 * 1024:
         raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
                          "227 KiB")
-    return a, a_scale, checked, off, nr, out, bn, int(stages), a_index
+    return a, a_scale, checked, off, nr, out, bn, int(stages)
 
 
-def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, a_index=None,
-             stages=None, bn=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, stages=None, bn=None,
+             stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """FP8 grouped GEMM (Hopper; ``sm90_fp8``): for the rows r of each expert e,
 
         out[r] = bf16( A[r] W_e^T ),  A = a x a_scale (1 x 128),  W_e = w[e] x w_scale[e]
@@ -616,11 +612,8 @@ def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, a_index=N
 
     Arguments:
         a: uint8 (e4m3) [C, K], K a multiple of 128, 16-byte aligned; a_scale: float32
-            [C, K / 128] (``mok_core.quantize.quantize_fp8(x, (1, 128))``).
-        a_index: int32 [C], or None: row r of A is a's row a_index[r] (< 0: a zero row; in
-            range is the caller's to keep), a [R, K] and a_scale [R, K / 128] for any R --
-            tokens quantised once each, gathered into expert order by the GEMM's producer
-            warpgroup (cp.async) rather than by a pass of their own.
+            [C, K / 128] (``mok_core.quantize.quantize_fp8(x, (1, 128))``, whose ``index=``
+            gathers rows into expert order on the way).
         w: uint8 (e4m3) [E, N, K], N a multiple of 128; w_scale: float32 [E, N / 128, K / 128]
             (``mok_core.quantize.quantize_expert_weights``).
         expert_offsets: int32 [E + 1]; num_rows: int32 [1] (device; segments clamped to it).
@@ -631,20 +624,20 @@ def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, a_index=N
             227 KiB of shared memory. None: 256 where it divides N, with 3 slices, else 128
             with 4.
 
-    The TMA tensor maps of ``a`` (unless gathered) and ``w`` are built at the first call for
-    their addresses: make it outside a CUDA-graph capture. Deterministic: one block owns a
-    tile, slices promoted in ascending K.
+    The TMA tensor maps of ``a`` and ``w`` are built at the first call for their addresses:
+    make it outside a CUDA-graph capture. Deterministic: one block owns a tile, slices
+    promoted in ascending K.
     """
-    a, a_scale, ((w, w_scale),), off, nr, out, bn, stages, a_index = _fp8_operands(
+    a, a_scale, ((w, w_scale),), off, nr, out, bn, stages = _fp8_operands(
         a, a_scale, [((w, "w"), (w_scale, "w_scale"))], expert_offsets, num_rows,
-        (out, "out"), stages, bn, a_index)
+        (out, "out"), stages, bn)
     launch_fp8_gemm(a, a_scale, w, w_scale, off, nr, out, stages=stages, bn=bn,
-                    a_index=a_index, stream=stream, errors=errors, tensor=tensor, rank=rank)
+                    stream=stream, errors=errors, tensor=tensor, rank=rank)
 
 
 def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, expert_offsets,
-                       num_rows, hidden, *, a_index=None, swiglu_limit=None, stages=None,
-                       bn=None, pre=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+                       num_rows, hidden, *, swiglu_limit=None, stages=None, bn=None,
+                       pre=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``gate_up_swiglu`` in FP8 (Hopper; ``sm90_fp8``): hidden[r] = SwiGLU(A[r] W_gate[e]^T,
     A[r] W_up[e]^T), bf16, operands as in ``fp8_gemm`` (w_gate, w_up: uint8 [E, I, K] each with
     float32 [E, I / 128, K / 128] scales; hidden [C, I]); the gate and up sums promoted and
@@ -655,10 +648,10 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
     """
     if swiglu_limit is not None and not (float(swiglu_limit) > 0):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be > 0 (or None)")
-    a, a_scale, ((wg, sg), (wu, su)), off, nr, hidden, bn, stages, a_index = _fp8_operands(
+    a, a_scale, ((wg, sg), (wu, su)), off, nr, hidden, bn, stages = _fp8_operands(
         a, a_scale, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
                      ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
-        expert_offsets, num_rows, (hidden, "hidden"), stages, bn, a_index)
+        expert_offsets, num_rows, (hidden, "hidden"), stages, bn)
     if pre is not None:
         C, I = hidden.shape
         if len(pre) != 2:
@@ -666,8 +659,7 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
         pre = tuple(as_device_array(p, name, dtype=np.float32, shape=(C, I))
                     for p, name in zip(pre, ("pre[0] (gate)", "pre[1] (up)")))
     launch_fp8_gemm(a, a_scale, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
-                    swiglu_limit=swiglu_limit, stages=stages, bn=bn, pre=pre, a_index=a_index,
-                    stream=stream,
+                    swiglu_limit=swiglu_limit, stages=stages, bn=bn, pre=pre, stream=stream,
                     errors=errors, tensor=tensor, rank=rank)
 
 

@@ -11,11 +11,11 @@ untransposed), the scales
 float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not written.
 
     block    = 384 threads: warpgroups 0 and 1 compute (warpgroup g owns tile rows [64 g,
-               64 g + 64) and every column), warpgroup 2 loads (the producer: its first
-               thread, or all 128 with GATHER); the producer warpgroup gives registers back
-               (setmaxnreg: 40 per thread) so the compute ones hold 232 -- the FP32 sum, the
-               slice's fragment and the addressing without spills (launch bounds alone give
-               168); the two add up to the block's 168 a thread at launch, as they must
+               64 g + 64) and every column), warpgroup 2's first thread loads (the
+               producer); the producer warpgroup gives registers back (setmaxnreg: 40 per
+               thread) so the compute ones hold 232 -- the FP32 sum, the slice's fragment
+               and the addressing (launch bounds alone give 168); the two add up to the
+               block's 168 a thread at launch, as they must
     tiles    = per expert ceil(rows / 128) row tiles that never cross into the next expert
                (``sm90``'s tile table) x N / BN column tiles, BN = 128 or 256 (SWIGLU: N /
                (BN / 2), a tile pairing BN / 2 gate rows of w0 with the same up rows of w1),
@@ -25,26 +25,18 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
     ring     = STAGES slices of [A: 128 rows x 128 B | B: BN rows x 128 B] (32 / 48 KiB), from a
                1024-byte boundary; 16-byte chunk c of row r at chunk c ^ (r % 8) (TMA's
                128-byte swizzle, what the descriptors say); mbarriers full[s] (1 arrival + the
-               stage's TMA bytes; GATHER: + 128 cp.async arrivals) and empty[s] (256
-               arrivals: every compute thread)
+               stage's bytes) and empty[s] (256 arrivals: every compute thread)
     loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
-               (``tensor_map``: 128 bytes a box row, the dtype only sizes the copy).
-               GATHER (``a_index``: tile row r's A row is a_src row a_index[r], < 0 a zero
-               row): B's boxes by TMA as above, A by cp.async -- producer thread p copies
-               16-byte chunk p % 8 of tile rows p / 8 + 16 i (i < 8) into its swizzled place,
-               zero-filled for a padding row or one past the expert, then
-               ``cp.async.mbarrier.arrive.noinc`` on full[s]; the compute warpgroups fence
-               the proxies (``fence.proxy.async``) before their wgmmas read it
+               (``tensor_map``: 128 bytes a box row, the dtype only sizes the copy)
     stream   = the producer walks the block's slices across its tiles (slice j into stage
                j % STAGES), so the next tile's slices land while this one's finish and store
     MMA      = per slice, per warpgroup and 128 columns: 4 x wgmma m64n128k32 e4m3 (+ 32 bytes a
                k32 step; the first with scale-d 0: a fresh fragment) into an FP32 fragment,
                commit, wait(0), then the promotion (``promote_fp8``) into that half's FP32
                sum: acc += part * (a_scale[row, kb] * w_scale[e, nb, kb]), each of the
-               thread's two rows with its own scale (its A row's: a_index[row] with GATHER;
-               0 for a row past the expert or a gathered padding row). The tensor
+               thread's two rows with its own scale (0 for a row past the expert). The tensor
                cores' running sum keeps fewer bits than FP32: one slice (128 of K) is all it
                holds
     epilogue = ``epilogue.make_coalesced_epilogue``: the bf16 tile staged apart from the ring
@@ -53,8 +45,8 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
 
 Order. Producer, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
-    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's TMA bytes); its
-    TMA boxes (GATHER, every producer thread: its 8 cp.asyncs, then their arrival).
+    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's bytes); its
+    TMA boxes.
 Compute warpgroup, slice j (BN = 128):
     1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice landed
     2. wgmma.fence; 4 wgmmas; commit
@@ -67,8 +59,7 @@ Compute warpgroup, slice j (BN = 128):
     wgmmas)
 No block barrier after the prologue (tile table, mbarrier init). Waits are bounded (a trap,
 not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
-for them on full[s] before the block can end (a gathering producer thread waits for its own
-cp.asyncs before it exits).
+for them on full[s] before the block can end.
 
 C7518: the role test is a warp vote (``warp_all``); no branch around a wgmma tests anything
 but block-uniform values, and the K loop runs at least once (K >= 128), testing its exit at
@@ -85,9 +76,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint16
 
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
-from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
-                          cp_async_wait, f32_zeros,
-                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
+from ..intrinsics import (f32_zeros, fence_mbarrier_init, mbarrier_arrive,
                           mbarrier_arrive_expect_tx, mbarrier_init, promote_fp8,
                           setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
@@ -114,8 +103,6 @@ assert 2 * 128 * COMPUTE_REGS + 128 * PRODUCER_REGS == 3 * 128 * LAUNCH_REGS
 STAGE_BYTES = (BM + BN) * ROW_BYTES
 BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
-A_BYTES = BM * ROW_BYTES      # a stage's A slice
-PRODUCERS = 128               # the producer warpgroup's threads
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
@@ -160,10 +147,9 @@ def mma_slice(part, smem, da, db):
 @kjit(device=True, inline="always")
 def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at, w1_at, kb, ktiles):
     """The promotion's four factors of slice kb (``promote_fp8``): a_scale's rows lo and hi
-    (the thread's two rows' A rows, ``_a_row``) x w0's scale block at ``w_at`` (the tile's
-    first half of columns) and x w1's at ``w1_at`` (the second); 0 for a row of no A row --
-    past the expert, or a gathered padding row (its values are not the GEMM's; nor is a NaN /
-    Inf scale there)."""
+    (the thread's two rows, ``_a_row``) x w0's scale block at ``w_at`` (the tile's first half
+    of columns) and x w1's at ``w1_at`` (the second); 0 for a row of -1, past the expert (its
+    values are not the GEMM's; nor is a NaN / Inf scale there)."""
     s0 = w0_scale[w_at + kb]
     s1 = w1_scale[w1_at + kb]
     f0 = float32(0.0)
@@ -182,30 +168,23 @@ def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at, w1_at, kb, ktiles):
 
 
 @kjit(device=True, inline="always")
-def _a_row(a_index, gather, r, row_end):
-    """Row r's A row: r itself, or a_index[r] (``gather``; < 0: a padding row), -1 for none
-    (r at or past the expert's end)."""
-    src = int64(-1)
-    if r < row_end:
-        src = int64(a_index[r]) if gather else r
-    return src
+def _a_row(r, row_end):
+    """Row r, or -1 at or past the expert's end (``_slice_scales``: factor 0)."""
+    return r if r < row_end else int64(-1)
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=False,
-                  push=False):
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
     slice serves twice the columns) and ``save_pre``
     (SWIGLU: the FP32 gate and up values also into ``pre_g`` / ``pre_u`` [C, N], the rows
-    stored -- what the backward differentiates the SwiGLU at) and ``gather`` (A's rows
-    ``a_index[r]`` of ``a_src``, copied by the producer warpgroup's cp.asyncs) and ``push``
+    stored -- what the backward differentiates the SwiGLU at) and ``push``
     (not SWIGLU: row r goes to its source rank's combine row, the route's
     ``epilogue.make_coalesced_epilogue``, instead of ``out``)."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
     halves = bn // 128
-    full_arrivals = 1 + (PRODUCERS if gather else 0)   # (+ the cp.async arrivals)
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (BM + bn) * ROW_BYTES
@@ -257,59 +236,13 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=F
             t += cuda.gridDim.x
 
     @kjit(device=True, inline="always")
-    def produce_gathered(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
-                         total, n_tiles, ktiles, N, K, p, a_src, a_index):
-        """``gather``: the producer warpgroup's stream (module header). Thread p copies 16-byte
-        chunk p % 8 of the slice's rows p / 8 + 16 i (i < 8) from A row ``a_index[row]``
-        (zero-filled for a padding row or one past the expert), then arrives on full[s] once
-        they land; thread 0 also announces and loads B's boxes by TMA."""
-        if p == 0:
-            tensormap_acquire(tmaps, MAP_ELEMS)
-            tensormap_acquire(tmaps, 2 * MAP_ELEMS)
-        second = 2 * MAP_ELEMS if swiglu_epilogue else MAP_ELEMS
-        r0 = p // 8
-        chunk = p % 8
-        at = r0 * ROW_BYTES + (chunk ^ (r0 % 8)) * 16   # the swizzle's chunk: r % 8 == r0 % 8
-        row_words = K // 4
-        j = int64(0)
-        t = int64(cuda.blockIdx.x)
-        while t < total:
-            e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap)
-            w_row = e * N + col0
-            w_row2 = w_row if swiglu_epilogue else w_row + w_boxes * BOX_ROWS
-            for kb in range(ktiles):
-                st = j % stages
-                if j >= stages:
-                    wait_phase(smem, empty0 + 8 * st, ((j // stages) - 1) & 1)
-                bar = full0 + 8 * st
-                dst = ring + st * stage_bytes
-                if p == 0:
-                    kx = kb * (BK // 2)
-                    mbarrier_arrive_expect_tx(smem, bar, stage_bytes - A_BYTES)
-                    for i in range(w_boxes):
-                        tma_load_2d(smem, dst + (2 + i) * BOX_BYTES, tmaps, MAP_ELEMS, kx,
-                                    w_row + i * BOX_ROWS, bar)
-                        tma_load_2d(smem, dst + (2 + w_boxes + i) * BOX_BYTES, tmaps, second,
-                                    kx, w_row2 + i * BOX_ROWS, bar)
-                for i in range(8):
-                    src = _a_row(a_index, True, row0 + r0 + 16 * i, row_end)
-                    cp_async_16_at(smem, dst + at + 16 * i * ROW_BYTES, a_src,
-                                   max(src, int64(0)) * row_words + kb * 32 + chunk * 4,
-                                   16 if src >= 0 else 0)
-                cp_async_mbarrier_arrive(smem, bar)
-                j += 1
-            t += cuda.gridDim.x
-        cp_async_commit()                      # no exit with copies of this thread in flight
-        cp_async_wait(0)
-
-    @kjit(device=True, inline="always")
     def _ring(empty0):                     # the ring: past the mbarriers, 1024-byte aligned
         area = empty0 + 8 * stages
         return area + (1024 - area % 1024) % 1024
 
     @kjit(launch_bounds=(GEMM_THREADS, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
-               a_src, a_index, route_rank, route_token, route_slot, peers, k, C, K, N, limit,
+               route_rank, route_token, route_slot, peers, k, C, K, N, limit,
                errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
@@ -320,7 +253,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=F
         tile_table(smem, offsets, num_experts, BM, rows_cap)
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, full_arrivals)
+                mbarrier_init(smem, full0 + 8 * s, 1)
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
             fence_mbarrier_init()
         cuda.syncthreads()
@@ -328,21 +261,15 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=F
         # must fit the producer's 40 registers, so ptxas would spill it
         if warp_all(tid >= THREADS):
             setmaxnreg_dec(PRODUCER_REGS)
-            rows_cap = min(int64(num_rows[0]), C)
             n_tiles = N // col_step
             ktiles = K // BK
             total = int64(smem[num_experts]) * n_tiles
             ring = _ring(empty0)
-            if gather:
-                produce_gathered(smem, ring, full0, empty0, tmaps, offsets, num_experts,
-                                 rows_cap, total, n_tiles, ktiles, N, K, tid - THREADS, a_src,
-                                 a_index)
-            elif tid == THREADS:
+            if tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, N)
         else:
             setmaxnreg_inc(COMPUTE_REGS)
-            rows_cap = min(int64(num_rows[0]), C)
             n_tiles = N // col_step
             ktiles = K // BK
             nb = N // SCALE_BLOCK
@@ -358,8 +285,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=F
             while t < total:
                 e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles,
                                                  rows_cap)
-                lo = _a_row(a_index, gather, row0 + frag_row, row_end)
-                hi = _a_row(a_index, gather, row0 + frag_row + 8, row_end)
+                lo = _a_row(row0 + frag_row, row_end)
+                hi = _a_row(row0 + frag_row + 8, row_end)
                 w_at = (e * nb + col0 // SCALE_BLOCK) * ktiles
                 w1_at = w_at + w1_blocks * ktiles
                 f0 = f1 = f2 = f3 = float32(0.0)
@@ -372,8 +299,6 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, gather=F
                 while True:
                     st = j % stages
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
-                    if gather:
-                        fence_proxy_async()    # A's cp.async bytes, to the wgmmas' proxy
                     soff = (st * stage_bytes) >> 4
                     part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
                     if halves == 2:
@@ -426,17 +351,16 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, save_pre, gather, push):
+def _kernel(stages, swiglu_epilogue, bn, save_pre, push):
     require_hopper()
-    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, gather, push)
+    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
-               swiglu_limit=None, stages, bn=BN, pre=None, a_index=None, route=None, rows=None,
+               swiglu_limit=None, stages, bn=BN, pre=None, route=None, rows=None,
                stream, errors, tensor, rank):
     """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32 [C, K
-    / 128] -- or, with ``a_index`` int32 [C], any [R, K] and [R, K / 128]: row r's A row is
-    a_index[r] (< 0: a zero row), copied by cp.async --, ``w0`` uint8 [E, N, K], ``w0_scale``
+    / 128], ``w0`` uint8 [E, N, K], ``w0_scale``
     float32 [E, N / 128, K / 128], ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out``
     uint16 (bf16) [C, N], 16-byte aligned; K a multiple of 128, N of 128. With ``w1`` /
     ``w1_scale`` (W_up, as w0 = W_gate): the SwiGLU epilogue, out = h [C, N], ``swiglu_limit``
@@ -449,22 +373,20 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0] if rows is None else rows
     swiglu = w1 is not None
-    gather = a_index is not None
-    kern = _kernel(stages, swiglu, bn, pre is not None, gather, route is not None)
+    kern = _kernel(stages, swiglu, bn, pre is not None, route is not None)
     if route is None:
         route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
     tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
-    w0_rows = flat_view(w0, np.uint16).reshape(E * N, K // 2)
-    a_rows = w0_rows if gather else flat_view(a, np.uint16).reshape(a.shape[0], K // 2)
-    maps = tensor_maps([a_rows, w0_rows, flat_view(w1, np.uint16).reshape(E * N, K // 2)],
-                       BOX_ROWS, stream)
+    maps = tensor_maps([flat_view(a, np.uint16).reshape(a.shape[0], K // 2),
+                        flat_view(w0, np.uint16).reshape(E * N, K // 2),
+                        flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
            flat_view(out, np.uint32),
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),
-           flat_view(a, np.uint32), a_index if gather else offsets, *route, np.int64(rows),
+           *route, np.int64(rows),
            np.int64(K), np.int64(N),
            np.float32(limit), errors, np.int32(tensor), np.int32(rank))

@@ -26,8 +26,7 @@
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
                   tuple_groups (a per-group function over the accumulator, unrolled: constant
                   indices, no local-memory copy), tuple_fold (the same with a carried value)
-    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, trap,
-                  cp_async_mbarrier_arrive (an arrival once this thread's cp.asyncs land)
+    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, trap
     registers:    setmaxnreg_inc, setmaxnreg_dec (a warpgroup's registers per thread, moved
                   between warpgroups of a warp-specialised kernel)
     bulk copies:  mbarrier_arrive_expect_tx, bulk_store, bulk_commit, bulk_wait (shared ->
@@ -58,7 +57,7 @@ __all__ = [
     "wgmma_fence",
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",
-    "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "cp_async_mbarrier_arrive", "trap",
+    "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "trap",
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32",

@@ -824,22 +824,6 @@ trap = _statement(
 # ---- bulk async copies (the copy engine inside the SM: no per-lane requests) -----------------
 
 @intrinsic
-def cp_async_mbarrier_arrive(typingctx, smem, addr):
-    """One arrival on the mbarrier at ``addr`` once every cp.async this thread issued so far
-    has landed (``.noinc``: it counts against the mbarrier's expected arrivals, as an
-    ``mbarrier_arrive`` does) -- a cp.async producer's completion signal."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        _asm(builder, ir.VoidType(), [a],
-             "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr), codegen
-
-
-@intrinsic
 def mbarrier_arrive_expect_tx(typingctx, smem, addr, tx_bytes):
     """One arrival that also announces ``tx_bytes`` of bulk copies the phase must wait for."""
     if not (_is_1d(smem) and isinstance(addr, types.Integer)

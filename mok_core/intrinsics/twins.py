@@ -584,14 +584,6 @@ def mbarrier_arrive(smem, addr):
         _settle(b)
 
 
-def cp_async_mbarrier_arrive(smem, addr):
-    """This thread's cp.async copies land now (its open group too), then one arrival."""
-    groups = _groups("cp_async")
-    groups.append([])
-    _land(groups, 0)
-    mbarrier_arrive(smem, addr)
-
-
 def mbarrier_try_wait(smem, addr, parity):
     """Whether the phase of parity ``parity`` of the mbarrier at ``addr`` has completed; like
     the hardware's try_wait, a thread whose phase is pending is suspended a while first (until

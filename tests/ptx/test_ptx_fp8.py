@@ -1,8 +1,7 @@
 """The FP8 grouped GEMM (``sm90_fp8``) compiles for sm_90a as its header says: 4 e4m3 wgmmas
 per K slice and 128 columns, waited to zero before each promotion, the operands by TMA (2 + 2
-boxes a slice and 128 columns, from one producer thread; full / empty mbarriers; gathered A:
-8 cp.asyncs a producer thread and their mbarrier arrival), setmaxnreg 232 / 40, the
-coalesced epilogue with its NaN/Inf check (or its push home), no local memory in the PTX --
+boxes a slice and 128 columns, from one producer thread; full / empty mbarriers, no
+cp.async), setmaxnreg 232 / 40, the coalesced epilogue with its NaN/Inf check (or its push home), no local memory in the PTX --
 and ptxas keeps the wgmmas unserialised (C7518), with no local memory in the K loop (where
 nvdisasm shows the SASS). Needs a ptxas that reads numba's PTX (the ``nvidia-cuda-nvcc`` wheel
 of the test extra)."""
@@ -14,36 +13,30 @@ from ptx_util import assemble_sm90a, compile_sm90a, count, local_memory_between,
 def sig(peers=1):
     """The FP8 GEMM kernel's argument types, ``peers`` ranks in the push route."""
     return (float32[::1], float32[::1], float32[::1], uint64[::1], int32[::1], int32[::1],
-            uint32[::1], float32[::1], float32[::1], uint32[::1], int32[::1], int32[::1],
-            int32[::1], int32[::1], types.UniTuple(uint32[::1], peers), int64, int64, int64,
+            uint32[::1], float32[::1], float32[::1], int32[::1], int32[::1], int32[::1],
+            types.UniTuple(uint32[::1], peers), int64, int64, int64,
             int64, float32, int32[::1], int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
 
-@pytest.mark.parametrize("swiglu,bn,pre,gather,push", [
-    (False, 128, False, False, False), (True, 128, False, False, False),
-    (False, 256, False, False, False), (True, 256, False, False, False),
-    (True, 256, True, False, False), (False, 128, False, True, False),
-    (True, 256, True, True, False), (False, 256, False, False, True)],
-    ids=["plain", "swiglu", "plain-256", "swiglu-256", "swiglu-256-pre", "plain-gather",
-         "swiglu-256-pre-gather", "plain-256-push"])
-def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, gather, push):
+@pytest.mark.parametrize("swiglu,bn,pre,push", [
+    (False, 128, False, False), (True, 128, False, False), (False, 256, False, False),
+    (True, 256, False, False), (True, 256, True, False), (False, 256, False, True)],
+    ids=["plain", "swiglu", "plain-256", "swiglu-256", "swiglu-256-pre", "plain-256-push"])
+def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, push):
     from mok_core.gemm import sm90_fp8
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
     halves = bn // 128
-    ptx = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn, pre, gather, push),
+    ptx = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn, pre, push),
                         sig(2 if push else 1))
     assert (count(ptx, r"st\.global\.v2\.f32") > 0) == pre        # g and u, 8 bytes a pair
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") \
         == 4 * halves
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == halves   # one per half
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned [1-9]") == 0
-    # the slice's boxes: A's 2 (unless gathered) and B's; gathered A: 8 cp.asyncs a thread
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == (0 if gather else 2) + 2 * halves
-    assert count(ptx, r"cp\.async\.cg\.shared\.global") == (8 if gather else 0)
-    assert count(ptx, r"cp\.async\.mbarrier\.arrive\.noinc") == (1 if gather else 0)
-    assert count(ptx, r"fence\.proxy\.async") == (1 if gather else 0)
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 2 + 2 * halves   # the slice's boxes
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") == 0
     report, sass = sass_sm90a(ptx)
     assert count(ptx, r"mbarrier\.arrive\.shared") == 1                    # empty[s]
     assert count(ptx, r"mbarrier\.arrive\.expect_tx") == 1                 # full[s]
@@ -64,9 +57,8 @@ def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, gather, push):
         pytest.skip("nvdisasm not installed: where the kernel's spills are")
     # ptxas keeps a few values in local memory -- the expert count across the setmaxnreg
     # (each side reloads it once); at 256 columns (two FP32 sums of 64 and a fragment of 64
-    # fill the 232 registers) loop invariants for the epilogue; gathered, the producer's
-    # 40 registers do not hold its 8 rows' addresses (reloaded from L1 a slice) -- but none
-    # between the first wgmma and the last wait of the K loop
+    # fill the 232 registers) loop invariants for the epilogue -- but none between the first
+    # wgmma and the last wait of the K loop
     inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
     assert not inside, inside
     if bn == 128:                   # the compute side: that one reload
