@@ -63,7 +63,8 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array, device_address
-from mok_core.gemm import _error_word, launch_down, launch_fp8_gemm, launch_gate_up_swiglu
+from mok_core.errors_kernels import scratch_error_word
+from mok_core.gemm import launch_down, launch_fp8_gemm, launch_gate_up_swiglu
 from mok_core.quantize import launch_quantize_rows
 from mok_core.schedule import build_schedule, token_rows
 
@@ -212,7 +213,7 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
         # publish: the quantizer's own report goes to a scratch word)
         launch_quantize_rows(layer.comm.x_recv, layer.x8, layer.x8_scale,
                              index=layer.gather_index, num_rows=s.num_rows, stream=stream,
-                             errors=_error_word(None))
+                             errors=scratch_error_word())
         q = W.fp8
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
@@ -247,7 +248,7 @@ def _quantize_hidden(layer: Layer, stream):
     the gate/up epilogue that wrote it: the quantizer's report goes to a scratch word)."""
     launch_quantize_rows(layer.hidden, layer.h8, layer.h8_scale,
                          num_rows=layer.schedule.num_rows, stream=stream,
-                         errors=_error_word(None))
+                         errors=scratch_error_word())
 
 
 def routed_down(layer: Layer, W: Weights, stream):

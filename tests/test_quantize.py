@@ -224,10 +224,10 @@ def test_rows_kernel_stops_at_num_rows():
         out = to_dev(np.full((50, 256), 0xAB, np.uint8))
         sc = to_dev(np.full((50, 2), -3.0, np.float32))
         if trusted:
-            from mok_core.gemm import _error_word
+            from mok_core.errors_kernels import scratch_error_word
             launch_quantize_rows(to_dev(xb), out, sc, index=to_dev(index),
                                  num_rows=to_dev(np.array([37], np.int32)),
-                                 errors=_error_word(None))
+                                 errors=scratch_error_word())
         else:
             quantize_fp8(to_dev(xb), out=out, scales=sc, index=to_dev(index),
                          num_rows=to_dev(np.array([37], np.int32)))

@@ -47,10 +47,9 @@ import math
 
 import numpy as np
 
-from numba import cuda
-
 from .. import errors as err
-from ..cuda_compat import SIM, as_device_array, device_address, device_full, flat_view
+from ..cuda_compat import as_device_array, device_address, flat_view
+from ..errors_kernels import scratch_error_word
 from . import sm80, sm90
 from . import sm80_wgrad, sm90_fp8, sm90_fp8_wgrad, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
@@ -62,7 +61,6 @@ __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SY
            "fp8_gate_up_swiglu", "fp8_wgrad", "launch_fp8_gemm"]
 
 
-_SCRATCH = {}
 # The FP8 GEMM's tile width and ring depth when the caller leaves them (None): 256 columns
 # where they divide N, with the 3 slices that fit beside its staging, else 128 and 4 slices
 # (docs/perf.md, FP8).
@@ -79,12 +77,7 @@ def _fp8_tile(N, swiglu, bn, stages):
 def _error_word(errors):
     """``errors``, or (None) this device's scratch word that nobody reads: the kernels always
     check, so there is one production path."""
-    if errors is not None:
-        return errors
-    key = 0 if SIM else cuda.get_current_device().id
-    if key not in _SCRATCH:
-        _SCRATCH[key] = device_full((err.ERROR_WORDS,), 0, np.int32)
-    return _SCRATCH[key]
+    return scratch_error_word() if errors is None else errors
 
 
 def launch_gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *,

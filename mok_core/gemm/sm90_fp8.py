@@ -116,18 +116,33 @@ def smem_bytes(stages, bn=BN, swiglu_epilogue=False):
 
 
 @kjit(device=True, inline="always")
+def ring_start(area):
+    """The ring's first byte: the first 1024-byte boundary at or after the shared byte address
+    ``area`` (the 128-byte swizzle repeats every 8 rows of 128 bytes: descriptors with base
+    offset 0 need that alignment)."""
+    return area + (1024 - area % 1024) % 1024
+
+
+@kjit(device=True, inline="always")
+def stage0_descriptors(ring, wg):
+    """Stage 0's wgmma descriptors for warpgroup ``wg``: its 64 A rows and B (after A's
+    128 rows); a stage s is ``(s * stage bytes) >> 4`` further on."""
+    return (int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4),
+            int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4))
+
+
+@kjit(device=True, inline="always")
 def ring_layout(smem, area, tid, wg, stages):
     """Where a block's FP8 ring lies (from the first 1024-byte boundary at or after the shared
     byte address ``area``) and this thread's part in it: (staging -- the output tile's, after
     the ring --, its loader row and 16-byte chunk, the shared address its chunks of stage 0
     land at -- chunk c of row r at chunk c ^ (r % 8) --, and its warpgroup's A and B
     descriptors of stage 0)."""
-    ring = area + (1024 - area % 1024) % 1024
+    ring = ring_start(area)
     ld_row = tid // 8
     ld_chunk = tid % 8
     dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
-    desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
-    desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+    desc_a0, desc_b0 = stage0_descriptors(ring, wg)
     return ring + stages * STAGE_BYTES, ld_row, ld_chunk, dst0, desc_a0, desc_b0
 
 
@@ -235,11 +250,6 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 j += 1
             t += cuda.gridDim.x
 
-    @kjit(device=True, inline="always")
-    def _ring(empty0):                     # the ring: past the mbarriers, 1024-byte aligned
-        area = empty0 + 8 * stages
-        return area + (1024 - area % 1024) % 1024
-
     @kjit(launch_bounds=(GEMM_THREADS, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
                route_rank, route_token, route_slot, peers, k, C, K, N, limit,
@@ -264,7 +274,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             n_tiles = N // col_step
             ktiles = K // BK
             total = int64(smem[num_experts]) * n_tiles
-            ring = _ring(empty0)
+            ring = ring_start(empty0 + 8 * stages)          # past the mbarriers
             if tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, N)
@@ -275,10 +285,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             nb = N // SCALE_BLOCK
             total = int64(smem[num_experts]) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            ring = _ring(empty0)
+            ring = ring_start(empty0 + 8 * stages)
             staging = ring + stages * stage_bytes
-            desc_a0 = int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4)
-            desc_b0 = int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4)
+            desc_a0, desc_b0 = stage0_descriptors(ring, wg)
             j = int64(0)
             t = int64(cuda.blockIdx.x)
             part = f32_zeros(NACC)             # (its input is never read: scale-d 0 first)
