@@ -121,9 +121,9 @@ class MoKConfig:
             M tile spans two experts. Power of two.
         spin_timeout_cycles: bound on any spin-wait in a kernel (SM clock cycles); when it
             expires the kernel records (rank, counter, expected, seen) and exits.
-        fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma GEMMs)
-            instead of writing y and running the combine kernel after it; same bits. The
-            mma.sync GEMM always combines separately.
+        fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma and FP8
+            GEMMs) instead of writing y and running the combine kernel after it; same bits.
+            The mma.sync GEMM always combines separately.
         dispatch: how tokens reach the experts' ranks. "split" (default) -- the copy engine
             pulls each peer's first ``dispatch_ce_share`` of tokens (needed or not) on a side
             stream while the shared expert FFN runs on the SMs, then the SMs pull the needed

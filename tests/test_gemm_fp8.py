@@ -6,10 +6,10 @@ padding rows), unchanged on a Hopper GPU, plus a real shape there with its TFLOP
 import numpy as np
 import pytest
 
-from helpers import gpu_ms, rand_bf16_bits, to_dev
+from helpers import gpu_ms, push_route, rand_bf16_bits, to_dev
 from mok_core import errors as err
 from mok_core.cuda_compat import SIM, to_host
-from mok_core.gemm import fp8_gate_up_swiglu, fp8_gemm, fp8_wgrad
+from mok_core.gemm import fp8_gate_up_swiglu, fp8_gemm, fp8_wgrad, launch_fp8_gemm
 from mok_core.quantize_reference import (grouped_gemm_fp8_reference,
                                          grouped_wgrad_fp8_reference, quantize_fp8_reference)
 from mok_core.reference import swiglu
@@ -98,6 +98,32 @@ def test_fp8_gemm_matches_float64_of_the_dequantised_operands(case):
         assert len(pad) and (got[pad] == 0).all(), "padding rows must be zeros"
     np.testing.assert_array_equal(run(args, stages=c["stages"], bn=c.get("bn", 128)),
                                   got)                                  # deterministic
+
+
+@pytest.mark.parametrize("N,bn", [(384, 128), (512, 256)])
+def test_fp8_down_push_equals_gemm_then_scatter(N, bn):
+    """``launch_fp8_gemm(push=)`` -- the FP8 down GEMM with the combine fused -- writes each
+    real row's bits to its source rank's combine row token * k + slot and nothing else (every
+    column tile: n0 > 0 too; padding rows of rank -1 not sent)."""
+    _hopper()
+    rng = np.random.default_rng(31)
+    counts, R, T, k = [150, 0, 40, 96], 2, 64, 4
+    args, pad = problem(33, counts, 256, N, gather=True, cut=20)
+    a, a_scale, w, w_scale, off, nr = args
+    C = a.shape[0]
+    y = run(args, stages=3, bn=bn)
+    real = np.setdiff1d(np.flatnonzero(y[:, 0] != POISON16), pad)
+    src_rank, src_token, src_slot = push_route(rng, real, C, R, T, k)
+    peers = tuple(to_dev(np.full(T * k * N // 2, 0xDEADBEEF, np.uint32)) for _ in range(R))
+    launch_fp8_gemm(to_dev(a), to_dev(a_scale), to_dev(w), to_dev(w_scale), to_dev(off),
+                    to_dev(nr), None, stages=3, bn=bn,
+                    push=(to_dev(src_rank), to_dev(src_token), to_dev(src_slot), peers, k))
+    want = np.full((R, T * k, N), 0xBEEF, np.uint16)
+    want.view(np.uint32)[...] = 0xDEADBEEF
+    want[src_rank[real], src_token[real] * k + src_slot[real]] = y[real]
+    got = np.stack([to_host(p).view(np.uint16).reshape(T * k, N) for p in peers])
+    assert len(real) > 100 and (np.diff(off) > 0).sum() == 3
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("limit,bn", [(None, 128), (0.5, 256)])

@@ -368,16 +368,16 @@ def _kernel(stages, swiglu_epilogue, bn, save_pre, push):
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
                swiglu_limit=None, stages, bn=BN, pre=None, route=None, rows=None,
                stream, errors, tensor, rank):
-    """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32 [C, K
-    / 128], ``w0`` uint8 [E, N, K], ``w0_scale``
-    float32 [E, N / 128, K / 128], ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out``
-    uint16 (bf16) [C, N], 16-byte aligned; K a multiple of 128, N of 128. With ``w1`` /
-    ``w1_scale`` (W_up, as w0 = W_gate): the SwiGLU epilogue, out = h [C, N], ``swiglu_limit``
-    its clamp (None: none); with ``pre`` = (gate, up) float32 [C, N] each, the FP32 gate and up
-    values saved; with ``route`` = (rank, token, slot, peers, k) (not SwiGLU) the rows go to
-    their source ranks' combine rows (``epilogue.make_coalesced_epilogue``'s push; ``out`` is
-    then not written, ``rows`` = C). The tensor maps of a, w0 and w1 are built on the first
-    call for their addresses (not inside a CUDA-graph capture: ``tensor_map``)."""
+    """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32
+    [C, K / 128], ``w0`` uint8 [E, N, K], ``w0_scale`` float32 [E, N / 128, K / 128],
+    ``offsets`` int32 [E + 1], ``num_rows`` int32 [1], ``out`` uint16 (bf16) [C, N], 16-byte
+    aligned; K a multiple of 128, N of 128. With ``w1`` / ``w1_scale`` (W_up, as w0 = W_gate):
+    the SwiGLU epilogue, out = h [C, N], ``swiglu_limit`` its clamp (None: none); with ``pre``
+    = (gate, up) float32 [C, N] each, the FP32 gate and up values saved; with ``route`` =
+    (rank, token, slot, peers, k) (not SwiGLU) the rows go to their source ranks' combine rows
+    (``epilogue.make_coalesced_epilogue``'s push; ``out`` is then not written, ``rows`` = C).
+    The tensor maps of a, w0 and w1 are built on the first call for their addresses (not
+    inside a CUDA-graph capture: ``tensor_map``)."""
     K = a.shape[1]
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0] if rows is None else rows

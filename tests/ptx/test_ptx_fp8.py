@@ -1,14 +1,15 @@
 """The FP8 grouped GEMM (``sm90_fp8``) compiles for sm_90a as its header says: 4 e4m3 wgmmas
 per K slice and 128 columns, waited to zero before each promotion, the operands by TMA (2 + 2
 boxes a slice and 128 columns, from one producer thread; full / empty mbarriers, no
-cp.async), setmaxnreg 232 / 40, the coalesced epilogue with its NaN/Inf check (or its push home), no local memory in the PTX --
-and ptxas keeps the wgmmas unserialised (C7518), with no local memory in the K loop (where
-nvdisasm shows the SASS). Needs a ptxas that reads numba's PTX (the ``nvidia-cuda-nvcc`` wheel
-of the test extra)."""
+cp.async), setmaxnreg 232 / 40, the coalesced epilogue with its NaN/Inf check (or its push
+home), no local memory in the PTX -- and ptxas keeps the wgmmas unserialised (C7518), with no
+local memory in the K loop (where nvdisasm shows the SASS). Needs a ptxas that reads numba's
+PTX (the ``nvidia-cuda-nvcc`` wheel of the test extra)."""
 import pytest
 from numba import float32, int32, int64, types, uint16, uint32, uint64
 
 from ptx_util import assemble_sm90a, compile_sm90a, count, local_memory_between, sass_sm90a
+
 
 def sig(peers=1):
     """The FP8 GEMM kernel's argument types, ``peers`` ranks in the push route."""
