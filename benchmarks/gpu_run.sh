@@ -18,6 +18,8 @@
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
 #        ring depth, 3 / 4 / 5 stages, vs our bf16 GEMM in turns: probe_fp8_stages)
+#        probe-quant (the row quantizer direct / gathering / a prefetching candidate, in turns:
+#        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the layer's FP8 forward vs bf16, in turns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
@@ -146,6 +148,7 @@ for s in "$@"; do
          --tokens "${FFN_TOKENS:-8192}" --routing uniform --precision bf16,fp8 \
          --out "$OUT/bench_ffn_fp8.json" ;;
     probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_stages.py ;;
+    probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
