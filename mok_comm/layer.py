@@ -499,5 +499,5 @@ def agreement_phases(layer: Layer, stream=0):
 
 __all__ = ["BackwardBuffers", "DGRAD_GEMM", "FP8Weights", "ForwardContext", "Layer",
            "WGRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "WeightsFP8", "agreement_phases",
-           "backward_gemm",
-           "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights", "wgrad_gemm"]
+           "backward_gemm", "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights",
+           "wgrad_gemm"]

@@ -356,6 +356,25 @@ def _row_report(a, b, item, groups, errors, tensor, rank, lane):
         record_non_finite(errors, tensor, rank, n, int32(item // groups))
 
 
+@kjit(device=True, inline="always")
+def row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, scales_f32,
+             scales_u8, ue8m0, errors, tensor, rank, lane):
+    """One pass of ``quantize_rows_kernel`` (the whole warp calls it): items i + j warps,
+    j < 4, quantized from their loaded words (a_j, b_j) and stored; their NaN/Inf reported
+    (the rare path: one vote a pass)."""
+    _row_store(a0, b0, i, items, out32, scales_f32, scales_u8, ue8m0, lane)
+    _row_store(a1, b1, i + warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+    _row_store(a2, b2, i + 2 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+    _row_store(a3, b3, i + 3 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
+    m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
+              _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
+    if not warp_all(m < uint32(_BF16_INF)):
+        _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
+        _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
+        _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
+        _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+
+
 @kjit
 def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out32, scales_f32,
                          scales_u8, ue8m0, errors, tensor, rank):
@@ -390,17 +409,8 @@ def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out
         c1, d1 = _row_load(x64, index, gather, n + warps, items, groups, lane)
         c2, d2 = _row_load(x64, index, gather, n + 2 * warps, items, groups, lane)
         c3, d3 = _row_load(x64, index, gather, n + 3 * warps, items, groups, lane)
-        _row_store(a0, b0, i, items, out32, scales_f32, scales_u8, ue8m0, lane)
-        _row_store(a1, b1, i + warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
-        _row_store(a2, b2, i + 2 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
-        _row_store(a3, b3, i + 3 * warps, items, out32, scales_f32, scales_u8, ue8m0, lane)
-        m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
-                  _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
-        if not warp_all(m < uint32(_BF16_INF)):  # the rare path: one vote a pass
-            _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
-            _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
-            _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
-            _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+        row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, scales_f32,
+                 scales_u8, ue8m0, errors, tensor, rank, lane)
         a0, b0, a1, b1, a2, b2, a3, b3 = c0, d0, c1, d1, c2, d2, c3, d3
         i = n
 

@@ -26,9 +26,8 @@ import numpy as np  # noqa: E402
 from numba import cuda, int64, uint32, uint64  # noqa: E402
 
 from mok_core.cuda_compat import flat_view, kjit, launch, multiprocessor_count  # noqa: E402
-from mok_core.intrinsics import warp_all  # noqa: E402
-from mok_core.quantize import (_BF16_INF, _ROW_BLOCKS_PER_SM, _ROW_ITEMS, THREADS,  # noqa: E402
-                               _lane_bits_max, _row_report, _row_store, _umax)
+from mok_core.quantize import (_ROW_BLOCKS_PER_SM, _ROW_ITEMS, THREADS,  # noqa: E402
+                               row_pass)
 
 
 @kjit(device=True, inline="always")
@@ -80,17 +79,8 @@ def prefetch_kernel(x64, index, items, groups, out32, scales_f32, scales_u8, err
         s1 = _source(index, n + step + warps, items, groups)
         s2 = _source(index, n + step + 2 * warps, items, groups)
         s3 = _source(index, n + step + 3 * warps, items, groups)
-        _row_store(a0, b0, i, items, out32, scales_f32, scales_u8, False, lane)
-        _row_store(a1, b1, i + warps, items, out32, scales_f32, scales_u8, False, lane)
-        _row_store(a2, b2, i + 2 * warps, items, out32, scales_f32, scales_u8, False, lane)
-        _row_store(a3, b3, i + 3 * warps, items, out32, scales_f32, scales_u8, False, lane)
-        m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
-                  _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
-        if not warp_all(m < uint32(_BF16_INF)):
-            _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
-            _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
-            _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
-            _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+        row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, scales_f32,
+                 scales_u8, False, errors, tensor, rank, lane)
         a0, b0, a1, b1, a2, b2, a3, b3 = c0, d0, c1, d1, c2, d2, c3, d3
         i = n
 

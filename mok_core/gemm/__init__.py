@@ -196,19 +196,8 @@ def gate_up_swiglu(x, a_index, w_gate, w_up, expert_offsets, num_rows, hidden, *
     C = a_index.shape[0]
     hidden = as_device_array(hidden, "hidden", dtype=np.uint16, shape=(C, I))
     _check_staged_out(config, hidden, "hidden")
-    if pre is not None:
-        if len(pre) != 2:
-            raise TypeError(f"pre: expected (gate, up), got {len(pre)} tensors")
-        names = ("pre[0] (gate)", "pre[1] (up)")
-        pre = tuple(as_device_array(a, n, dtype=np.float32, shape=(C, I))
-                    for a, n in zip(pre, names))
-        for a, n in zip(pre, names):
-            if device_address(a) % 8:
-                raise ValueError(f"{n}: written by 8-byte stores, which need an 8-byte "
-                                 f"aligned start (this one is {device_address(a) % 8} bytes "
-                                 "past)")
-    if swiglu_limit is not None and not float(swiglu_limit) > 0:
-        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
+    pre = _checked_pre(pre, C, I)
+    _check_swiglu_limit(swiglu_limit)
     _check_dims(config, E=E, C=C, K=H, N=I, n_tile=config.bn // 2, name_k="hidden size H",
                 name_n="intermediate I")
     errors, tensor = _check_errors(errors, tensor)
@@ -448,6 +437,28 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
                  tensor=tensor, rank=int(rank))
 
 
+def _checked_pre(pre, C, I):
+    """The gate|up GEMMs' ``pre`` = (gate, up), float32 [C, I] each, checked (None stays
+    None): their epilogues write it with 8-byte stores."""
+    if pre is None:
+        return None
+    if len(pre) != 2:
+        raise TypeError(f"pre: expected (gate, up), got {len(pre)} tensors")
+    names = ("pre[0] (gate)", "pre[1] (up)")
+    pre = tuple(as_device_array(a, n, dtype=np.float32, shape=(C, I))
+                for a, n in zip(pre, names))
+    for a, n in zip(pre, names):
+        if device_address(a) % 8:
+            raise ValueError(f"{n}: written by 8-byte stores, which need an 8-byte aligned "
+                             f"start (this one is {device_address(a) % 8} bytes past)")
+    return pre
+
+
+def _check_swiglu_limit(swiglu_limit):
+    if swiglu_limit is not None and not float(swiglu_limit) > 0:
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or > 0")
+
+
 def _check_errors(errors, tensor):
     if errors is not None:
         errors = as_device_array(errors, "errors", dtype=np.int32, shape=(err.ERROR_WORDS,))
@@ -639,18 +650,12 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
     FP32 gate and up values too, before the clamp, for the rows the GEMM writes (what the
     backward differentiates the SwiGLU at, as ``gate_up_swiglu(pre=)`` saves them).
     """
-    if swiglu_limit is not None and not (float(swiglu_limit) > 0):
-        raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be > 0 (or None)")
+    _check_swiglu_limit(swiglu_limit)
     a, a_scale, ((wg, sg), (wu, su)), off, nr, hidden, bn, stages = _fp8_operands(
         a, a_scale, [((w_gate, "w_gate"), (w_gate_scale, "w_gate_scale")),
                      ((w_up, "w_up"), (w_up_scale, "w_up_scale"))],
         expert_offsets, num_rows, (hidden, "hidden"), stages, bn)
-    if pre is not None:
-        C, I = hidden.shape
-        if len(pre) != 2:
-            raise TypeError("pre: expected (gate, up), two float32 [C, I] arrays")
-        pre = tuple(as_device_array(p, name, dtype=np.float32, shape=(C, I))
-                    for p, name in zip(pre, ("pre[0] (gate)", "pre[1] (up)")))
+    pre = _checked_pre(pre, *hidden.shape)
     launch_fp8_gemm(a, a_scale, wg, sg, off, nr, hidden, w_up=wu, w_up_scale=su,
                     swiglu_limit=swiglu_limit, stages=stages, bn=bn, pre=pre, stream=stream,
                     errors=errors, tensor=tensor, rank=rank)
