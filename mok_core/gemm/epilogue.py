@@ -43,7 +43,7 @@ past ``rows`` (the tile's rows that are the expert's) are neither stored nor che
 NaN/Inf. Plain generic stores: no proxy fence, and the staging may be rewritten once every
 lane of the warp is past its reads (the caller's next block barrier).
 """
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
 from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
@@ -274,6 +274,8 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     stride = cols * 2 + 16
     cpr = cols // 8                         # 16-byte chunks per output row
     chunks = 16 * cpr // 32                 # per lane, of its warp's 16 rows
+    RPI = 32 // cpr                         # rows a warp instruction covers
+    assert 32 % cpr == 0
     stage_tile = make_stage_tile(swiglu_epilogue, save_pre)
 
     @kjit(device=True, inline="always")
@@ -290,14 +292,21 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
         syncwarp()
         rel = epi0 - shared_addr(smem)
         row0 = frag_row - lane // 4         # the warp's first row
-        for i in range(chunks):             # chunk c = lane + 32 i of the warp's 16 rows
-            c = lane + 32 * i
-            r = row0 + c // cpr
-            col = c % cpr
+        # Chunk i of a lane: row r0 + i * RPI, 16-byte column ``col`` (cpr divides 32), so
+        # every address is a per-lane base plus a constant or loop-invariant step: the
+        # divisions, modulos and 64-bit products per chunk were most of the epilogue's
+        # instructions, and the short-K kernels are issue-bound (docs/perf.md).
+        col = lane % cpr
+        r0 = row0 + lane // cpr
+        s_at = (rel + r0 * stride + col * 16) >> 1
+        g_at = uint64((grow0 + r0) * N + n0 + col * 8) >> uint64(1)
+        g_step = uint64(RPI * N) >> uint64(1)
+        for i in range(chunks):
+            r = r0 + i * RPI
             if r < rows:
-                v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + col * 16) >> 1)
+                v0, v1, v2, v3 = ld_v4(smem, s_at + i * (RPI * stride // 2))
                 if push:
-                    grow = grow0 + r
+                    grow = uint64(grow0 + r)
                     rank = route[0][grow]
                     if rank >= 0:
                         # tuple_pick: ``peers[rank]`` would lower to a switch (C7518)
@@ -305,7 +314,7 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
                               ((route[1][grow] * route[4] + route[2][grow]) * N + n0
                                + col * 8) >> 1, v0, v1, v2, v3)
                 else:
-                    st_v4(out, ((grow0 + r) * N + n0 + col * 8) >> 1, v0, v1, v2, v3)
+                    st_v4(out, g_at + uint64(i) * g_step, v0, v1, v2, v3)
         report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e,
                            errors, nf_tensor, nf_rank)
 

@@ -36,9 +36,11 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                64 / (threads / (BM/8)) apart (A: 4 chunks per slice; B: 4 BN / BM), a pass of
                rows a multiple of 8 apart so every chunk of a thread has one swizzle. Source
                row r of a slice: index[r] (gathered operand) or r; rows at or past hi, and
-               padding rows (index -1), are zero-filled without a read (cp.async src-size 0).
-               No TMA: rows past an expert's end (or NaN rows past num_rows) must read as
-               zeros on the direct side too
+               padding rows (index -1), are zero-filled without a read (cp.async's
+               ignore-src). No TMA: rows past an expert's end (or NaN rows past num_rows)
+               must read as zeros on the direct side too. With K this short the kernel is
+               issue-bound, so a chunk costs a 32-bit row test, an unsigned index load and
+               one wide multiply-add (``chunk_offset``), and the tile map 32-bit divisions
     MMA      = per slice, per warpgroup: 4 x wgmma m64nBNk16 ``_tatb`` from two MN-major
                descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between the
                64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
@@ -84,7 +86,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, int64, uint16
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from ..cuda_compat import kjit
 from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
@@ -131,25 +133,43 @@ def _make_loader(bm, bn, stages, gather_a, gather_b):
     stage_bytes = (bm + bn) * ROW_BYTES
 
     @kjit(device=True, inline="always")
+    def chunk_offset(index, gather, row0, r, i, step, left, cols, col0):
+        """(element offset, bytes) of chunk i: row r = ``r`` + i * step of the operand
+        (through ``index`` when ``gather``) at column col0 -- (col0, 0) past the expert or
+        on padding (zero-filled, no read). ``row0``: r's offset when not gathered."""
+        ok = i * step < left
+        if gather:
+            src = int32(-1)                  # (int32: an int64 -1 widens every test)
+            if ok:
+                src = index[uint64(r + i * step)]
+            live = src >= 0
+            return (uint64(uint32(src) if live else uint32(0)) * uint64(uint32(cols))
+                    + uint64(col0)), (16 if live else 0)
+        off = row0 + uint64(i * step) * uint64(uint32(cols))
+        return (off if ok else uint64(col0)), (16 if ok else 0)
+
+    @kjit(device=True, inline="always")
     def load_slice(smem, st, r0, hi, a, a_index, b, b_index, M, N, a_dst, b_dst, a_src0,
                    b_src0, a_k, b_k):
+        # The integer work per chunk, not the chunk's bytes, sets the K loop's issue rate
+        # (docs/perf.md): a 32-bit row test against the rows left, unsigned index loads (numba
+        # wraps a signed index around), element offsets as a per-slice base plus a
+        # loop-invariant stride (uint64 throughout: numba types uint64 op int64 as float64).
         base = st * stage_bytes
+        ra = r0 + a_k
+        left_a = int32(hi - ra)
+        row_a = uint64(ra) * uint64(uint32(M)) + uint64(a_src0)
         for i in range(n_a):
-            r = r0 + a_k + i * step_a
-            src = -1
-            if r < hi:
-                src = a_index[r] if gather_a else r
-            nbytes = 16 if src >= 0 else 0
-            cp_async_16_at(smem, a_dst + base + i * step_a * ROW_BYTES, a,
-                           max(src, 0) * M + a_src0, nbytes)
+            off, nbytes = chunk_offset(a_index, gather_a, row_a, ra, i, step_a, left_a, M,
+                                       a_src0)
+            cp_async_16_at(smem, a_dst + base + i * step_a * ROW_BYTES, a, off, nbytes)
+        rb = r0 + b_k
+        left_b = int32(hi - rb)
+        row_b = uint64(rb) * uint64(uint32(N)) + uint64(b_src0)
         for i in range(n_b):
-            r = r0 + b_k + i * step_b
-            src = -1
-            if r < hi:
-                src = b_index[r] if gather_b else r
-            nbytes = 16 if src >= 0 else 0
-            cp_async_16_at(smem, b_dst + base + i * step_b * ROW_BYTES, b,
-                           max(src, 0) * N + b_src0, nbytes)
+            off, nbytes = chunk_offset(b_index, gather_b, row_b, rb, i, step_b, left_b, N,
+                                       b_src0)
+            cp_async_16_at(smem, b_dst + base + i * step_b * ROW_BYTES, b, off, nbytes)
 
     return load_slice
 
@@ -269,13 +289,17 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
 
     @kjit(device=True, inline="always")
     def tile_of(t, tiles_per_expert, m_tiles, offsets, num_rows):
-        """Tile t -> (expert, m0, n0, lo, hi, ktiles)."""
-        e = t // tiles_per_expert
-        local = t - e * tiles_per_expert
-        m0 = (local % m_tiles) * bm
-        n0 = (local // m_tiles) * bn
-        hi = int64(min(offsets[e + 1], num_rows[0]))
-        lo = int64(min(offsets[e], hi))
+        """Tile t -> (expert, m0, n0, lo, hi, ktiles). 32-bit unsigned divisions: int64 ones
+        are calls of ~70 instructions each, three per tile here and three in ``load_next``."""
+        tu = uint32(t)
+        eu = tu // uint32(tiles_per_expert)
+        local = tu - eu * uint32(tiles_per_expert)
+        mt = local // uint32(m_tiles)
+        m0 = int64(local - mt * uint32(m_tiles)) * bm
+        n0 = int64(mt) * bn
+        e = int64(eu)
+        hi = int64(min(offsets[eu + 1], num_rows[0]))
+        lo = int64(min(offsets[eu], hi))
         ktiles = max((hi - lo + (BK - 1)) // BK, 1)
         return e, m0, n0, lo, hi, ktiles
 

@@ -450,7 +450,10 @@ ldmatrix_x4_trans_at = _ldmatrix_x4(
 
 @intrinsic
 def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
-    """``cp_async_16`` to a shared byte address from ``shared_addr`` (+ offset)."""
+    """16 bytes from ``gmem[gidx:]`` to a shared byte address from ``shared_addr`` (+ offset),
+    asynchronously (``cp_async_commit`` / ``cp_async_wait`` groups); ``src_bytes`` 16, or 0:
+    16 zeros and no read. The zero case is cp.async's ignore-src predicate, not a source size:
+    ptxas turns a run-time source size into address arithmetic around every copy."""
     if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
             and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
         return None
@@ -459,8 +462,8 @@ def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
         s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
         gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
         n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
-                "cp.async.cg.shared.global [$0], [g], 16, $2; }")
+        text = ("{ .reg .u64 g; .reg .pred z; cvta.to.global.u64 g, $1; setp.eq.u32 z, $2, 0; "
+                "cp.async.cg.shared.global [$0], [g], 16, z; }")
         _asm(builder, ir.VoidType(), [s32, gptr, n], text, "r,l,r,~{memory}", True)
         return context.get_dummy_value()
     return types.void(smem, saddr, gmem, gidx, src_bytes), codegen

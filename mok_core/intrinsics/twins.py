@@ -251,6 +251,7 @@ def ldmatrix_x4_trans_at(smem, addr):
 
 
 def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
+    assert src_bytes in (0, 16), src_bytes
     _cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
 
 

@@ -1,0 +1,179 @@
+"""Where the routed weight gradients' time goes: the wgmma wgrad with one part left out, in turns.
+
+    python benchmarks/probes/probe_wgrad_parts.py --presets qwen3.5-397b,glm-5.2 --tokens 4096
+
+One GPU, EP 1 (``mok_torch.Layer`` on a local heap). After one forward and backward, the
+layer's own routed operands (d_gu and the gathered x for gate/up; the gathered d_out and w h
+for down) go through ``sm90_wgrad`` kernels built with one part replaced (module globals
+patched while the factory runs):
+
+    prod       the layer's kernel
+    no-store   the epilogue stages and reads back its rows but stores nothing
+    no-epi     no epilogue at all (the wgmmas still run: they have side effects)
+    no-mma     the K loop loads but multiplies nothing (zeros staged and stored)
+    no-load    the K loop multiplies whatever the ring holds: no cp.async issued
+
+Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
+differences say what overlaps and what does not (H200.md: time variants that leave a stage
+out). A probe: it prints, it writes nothing; every variant but prod writes wrong gradients.
+"""
+from __future__ import annotations
+
+import argparse
+from functools import lru_cache
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load")
+
+
+def _patched_factories(variant):
+    """{name: replacement} of ``sm90_wgrad``'s part factories for ``variant``."""
+    from numba import uint32
+
+    from mok_core.cuda_compat import kjit
+    from mok_core.gemm import epilogue as epi
+    from mok_core.gemm import sm90_wgrad as W
+    from mok_core.intrinsics import ld_v4, shared_addr, st_v4, syncwarp
+
+    if variant == "no-load":
+        def make_loader(*args):
+            @kjit(device=True, inline="always")
+            def load_slice(smem, st, r0, hi, a, a_index, b, b_index, M, N, a_dst, b_dst,
+                           a_src0, b_src0, a_k, b_k):
+                pass
+            return load_slice
+        return {"_make_loader": make_loader}
+    if variant == "no-mma":
+        def make_mma(bn):
+            @kjit(device=True, inline="always")
+            def mma_slice(acc, smem, da, db):
+                return acc
+            return mma_slice
+        return {"_make_mma_slice": make_mma}
+    if variant == "no-epi":
+        def make_epi(bm, bn, out_f32, accumulate):
+            @kjit(device=True, inline="always")
+            def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
+                         frag_col, limit, errors, nf_tensor, nf_rank, pre, route):
+                pass
+            return epilogue
+        return {"_make_epilogues": make_epi}
+    if variant == "no-store":
+        def make_epi(bm, bn, out_f32, accumulate):
+            stride = bn * 2 + 16
+            cpr = bn // 8
+            chunks = 16 * cpr // 32
+            stage_tile = epi.make_stage_tile(False)
+
+            @kjit(device=True, inline="always")
+            def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
+                         frag_col, limit, errors, nf_tensor, nf_rank, pre, route):
+                bad = stage_tile(acc, (uint32(0), uint32(0)),
+                                 (smem, frag_row, frag_col, limit, epi0, stride))
+                syncwarp()
+                rel = epi0 - shared_addr(smem)
+                row0 = frag_row - lane // 4
+                x = bad[0] | bad[1]
+                for i in range(chunks):
+                    c = lane + 32 * i
+                    r = row0 + c // cpr
+                    v0, v1, v2, v3 = ld_v4(smem, (rel + r * stride + (c % cpr) * 16) >> 1)
+                    x ^= v0 ^ v1 ^ v2 ^ v3
+                if x == uint32(0x9E3779B9):         # never in practice: keeps the loads
+                    st_v4(out, (grow0 * N + n0) >> 1, x, x, x, x)
+            return epilogue
+        return {"_make_epilogues": make_epi}
+    assert variant == "prod"
+    return {}
+
+
+@lru_cache(maxsize=None)
+def build(variant, cfg, gather_a, gather_b):
+    """The wgmma wgrad kernel of ``cfg`` (bf16 output, no accumulate) with ``variant``."""
+    from mok_core.gemm import sm90_wgrad as W
+    patches = _patched_factories(variant)
+    saved = {k: getattr(W, k) for k in patches}
+    try:
+        for k, v in patches.items():
+            setattr(W, k, v)
+        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, False, False,
+                                  max_registers=cfg.max_registers,
+                                  blocks_per_sm=cfg.blocks_per_sm)
+    finally:
+        for k, v in saved.items():
+            setattr(W, k, v)
+
+
+def probe(preset_name, T, iters, variants):
+    import torch
+
+    import mok_torch
+    from benchmarks.common import numba_stream
+    from mok_comm import backward as B
+    from mok_core import errors as err
+    from mok_core.config import MoKConfig, preset
+    from mok_core.gemm.sm80_wgrad import launch_with
+    from mok_testing import synthetic
+    from mok_torch.layer import tensor_view
+
+    shape, dev = preset(preset_name, 1), "cuda"
+    x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
+    Wt = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
+                           *synthetic.local_expert_weights(shape, 0, dev))
+    d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
+    layer = mok_torch.Layer(shape, T, MoKConfig())
+    ctx = layer.forward(x, ids, w, Wt)[1]
+    grads = layer.backward(ctx, d_out, w, Wt)
+    torch.cuda.synchronize()
+    G = B.Grads(*(None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
+                  for g, n in zip(grads, B.Grads._fields)))
+    o = B._rows(layer, False)
+    cfg, s = layer.wgrad_gemm, numba_stream()
+    I, H = shape.intermediate, shape.hidden
+    # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
+    gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I,
+              2 * G.d_w_gate.size * 2),
+             ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H,
+              G.d_w_down.size * 2)]
+    print(f"{preset_name} T={T} EP 1, wgrad {cfg}")
+    for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
+        kernels = {v: build(v, cfg, ai is not None, bi is not None) for v in variants}
+        calls = {v: (lambda k=k: launch_with(lambda *_: k, cfg, s, a, ai, b, bi, o.offsets,
+                                             o.rows, o0, o1, a.shape[1], b.shape[1], m_split,
+                                             accumulate=False, errors=layer.comm.errors,
+                                             tensor=err.NF_WEIGHT_GRADS, rank=0))
+                 for v, k in kernels.items()}
+        times = {v: [] for v in variants}
+        for it in range(iters + 2):
+            for v in variants:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                calls[v]()
+                ev[1].record()
+                torch.cuda.synchronize()
+                if it >= 2:
+                    times[v].append(ev[0].elapsed_time(ev[1]))
+        for v in variants:
+            ms = statistics.median(times[v])
+            print(f"  {name:8s} {v:9s} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s of output")
+    # the variants wrote wrong gradients and no error word is owed: drop the layer's flags
+    torch.cuda.synchronize()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="qwen3.5-397b,glm-5.2")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    for p in args.presets.split(","):
+        probe(p, args.tokens, args.iters, args.variants.split(","))
+
+
+if __name__ == "__main__":
+    main()
