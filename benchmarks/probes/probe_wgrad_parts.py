@@ -129,16 +129,16 @@ def probe(preset_name, T, iters, variants):
     ctx = layer.forward(x, ids, w, Wt)[1]
     grads = layer.backward(ctx, d_out, w, Wt)
     torch.cuda.synchronize()
-    G = B.Grads(*(None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
-                  for g, n in zip(grads, B.Grads._fields)))
+    G = B.check_grads(layer, B.Grads(*(
+        None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
+        for g, n in zip(grads, B.Grads._fields))), False, T)       # device arrays
     o = B._rows(layer, False)
     cfg, s = layer.wgrad_gemm, numba_stream()
     I, H = shape.intermediate, shape.hidden
     # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
-    gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I,
-              2 * G.d_w_gate.size * 2),
-             ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H,
-              G.d_w_down.size * 2)]
+    wbytes = shape.experts_per_rank * I * H * 2          # one expert weight tensor, bf16
+    gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
+             ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
     print(f"{preset_name} T={T} EP 1, wgrad {cfg}")
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
         kernels = {v: build(v, cfg, ai is not None, bi is not None) for v in variants}
