@@ -13,6 +13,8 @@ TFLOP/s next to the mma.sync kernel's printed (not asserted).
 
 GPU check: ``NUMBA_ENABLE_CUDASIM=0 python -m pytest -q -s tests/test_gemm_wgrad.py``.
 """
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -363,13 +365,34 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     dev = {name: None if v is None else cuda.to_device(v) for name, v in
            (("a", a), ("ai", a_index), ("b", b), ("bi", b_index), ("off", off),
             ("nr", np.array([off[-1]], np.int32)))}
-    out0 = device_full((E, m_split, N), POISON16, np.uint16)       # (4.3 GB for gate/up)
-    out1 = out0 if m_split == M else device_full((E, M - m_split, N), POISON16, np.uint16)
-    word = cuda.to_device(err.initial_error_word())
-    wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"], dev["off"], dev["nr"], out0, out1, m_split,
-          config=cfg, errors=word)
-    cuda.synchronize()
-    np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
+    cfg3 = replace(cfg, stages=3)          # the ring a stage shallower
+    for c in (cfg, cfg3):                  # each into freshly poisoned outputs
+        out0 = out1 = None
+        out0 = device_full((E, m_split, N), POISON16, np.uint16)   # (4.3 GB for gate/up)
+        out1 = out0 if m_split == M else device_full((E, M - m_split, N), POISON16, np.uint16)
+        word = cuda.to_device(err.initial_error_word())
+        wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"], dev["off"], dev["nr"], out0, out1,
+              m_split, config=c, errors=word)
+        cuda.synchronize()
+        np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
+        _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E)
+    flop = 2.0 * counts.sum() * M * N
+    gbytes = 2.0 * E * M * N / 1e9                          # the bf16 output written
+
+    def timed(c):              # the trusted entry: no host checks in what is timed
+        return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
+                                           dev["off"], dev["nr"], out0, out1, m_split,
+                                           config=c), 10, 1)
+    ms = {"wgmma": timed(cfg), "wgmma 3 stages": timed(cfg3), "mma_sync": timed(WGRAD_GEMM)}
+    with capsys.disabled():
+        print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
+            f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"
+            for name, v in ms.items()) + f" (wgmma x{ms['mma_sync'] / ms['wgmma']:.2f})")
+
+
+def _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E):
+    """The real-shape test's outputs vs float64 on 3 whole experts (the largest, the empty
+    one, the last)."""
     for e in (int(np.argmax(counts)), 7, E - 1):
         rows = np.arange(off[e], off[e] + counts[e])
 
@@ -384,15 +407,3 @@ def test_wgmma_wgrad_real_shape(use, capsys):
             assert np.all(got == 0), f"expert {e} (no rows) must get zeros"
         else:
             check_bf16(got, D, S)
-    flop = 2.0 * counts.sum() * M * N
-    gbytes = 2.0 * E * M * N / 1e9                          # the bf16 output written
-
-    def timed(c):              # the trusted entry: no host checks in what is timed
-        return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
-                                           dev["off"], dev["nr"], out0, out1, m_split,
-                                           config=c), 10, 1)
-    ms = {"wgmma": timed(cfg), "mma_sync": timed(WGRAD_GEMM)}
-    with capsys.disabled():
-        print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
-            f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"
-            for name, v in ms.items()) + f" (wgmma x{ms['mma_sync'] / ms['wgmma']:.2f})")

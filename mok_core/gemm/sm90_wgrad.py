@@ -45,10 +45,12 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between the
                64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
                A's warpgroup g starts at box g of the A slice)
-    epilogue = bf16: staged in shared memory apart from the ring (BM rows, stride BN * 2 + 16,
-               after the ring; ``smem_bytes``), each warp its own 16 rows, which it then reads
-               back and stores coalesced (16 B a lane, 512 contiguous bytes a warp
-               instruction). Not bulk stores: one per 128-1024-byte row is ~128 requests a
+    epilogue = bf16: staged in the two ring stages the tile leaves free (the stages of its
+               last two slices: the PREFETCH loads in flight hold the other STAGES - 2), 64
+               rows a warpgroup at stride BN * 2 + 16, warpgroup g in free stage g % 2 at
+               region g // 2 -- no staging apart, so the ring can be a stage deeper -- each
+               warp its own 16 rows, which it then reads back and stores coalesced (16 B a
+               lane, 512 contiguous bytes a warp instruction). Not bulk stores: one per 128-1024-byte row is ~128 requests a
                tile through the SM's one bulk-copy unit, and with K this short the tile's
                requests, not its bytes, set the time (docs/perf.md). FP32: each thread stores
                its fragment (ACCUMULATE: adds it to the value read first, one FP32 add). What is written is checked for NaN/Inf
@@ -67,8 +69,10 @@ Order, every thread:
     3. issue loads of stream slice j + PREFETCH (this tile's or a later one's) into the stage
        of slice j - 2 (free, by 1.); commit
     4. wgmma.wait(1) -> slice j - 1's group retired       (... while j - 1 drains)
-    after: wgmma.wait(0); the epilogue (each warp stages, __syncwarp, reads back and stores
-           its own rows: no block barrier)
+    after: wgmma.wait(0); bf16: __syncthreads -> every warpgroup retired the tile's last
+           two slices, whose stages the staging takes; the epilogue (each warp stages,
+           __syncwarp, reads back and stores its own rows). The next loads into those two
+           stages are issued after the next two steps' barriers, every warp past its reads
     exit: cp.async.wait(0)
 
 C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
@@ -255,17 +259,23 @@ def _nonfinite_f32(v):
     return 1 if math.isnan(v) or math.isinf(v) else 0
 
 
-def smem_bytes(bm, bn, stages, out_f32):
-    """Dynamic shared memory of one block: slack to align the ring to 1024 bytes, the ring,
-    and (bf16 outputs) the staged output tile apart from it."""
-    staging = 0 if out_f32 else bm * (2 * bn + 16)
-    return 1024 + stages * (bm + bn) * ROW_BYTES + staging
+def staging_fits(bm, bn):
+    """Whether a bf16 tile's staging fits the two free ring stages: BM / 64 warpgroup regions
+    of 64 rows x (2 BN + 16) bytes, two stages of (BM + BN) 128-byte rows."""
+    regions = (bm // 64 + 1) // 2
+    return regions * 64 * (2 * bn + 16) <= (bm + bn) * ROW_BYTES
+
+
+def smem_bytes(bm, bn, stages):
+    """Dynamic shared memory of one block: slack to align the ring to 1024 bytes, and the
+    ring (the bf16 staging lives in it)."""
+    return 1024 + stages * (bm + bn) * ROW_BYTES
 
 
 def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, max_registers=0,
                      blocks_per_sm=1):
     """Build one wgmma wgrad specialisation (all arguments compile-time)."""
-    assert tile_ok(bm, bn) and stages >= 3
+    assert tile_ok(bm, bn) and stages >= 3 and staging_fits(bm, bn)
     assert not accumulate or out_f32
     threads = 2 * bm
     nacc = bn // 2                          # fp32 accumulators per thread
@@ -275,7 +285,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
     a_stage = bm * ROW_BYTES
     cpr_a = bm // 8
     cpr_b = bn // 8
-    nbytes = smem_bytes(bm, bn, stages, out_f32)
+    nbytes = smem_bytes(bm, bn, stages)
+    region = 64 * (2 * bn + 16)             # a warpgroup's staging
     if nbytes * blocks_per_sm > 227 * 1024:
         raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
                          f"{nbytes} bytes of shared memory per block, x {blocks_per_sm} "
@@ -338,7 +349,10 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
         # A column chunk tid % (BM/8) of rows tid // (BM/8) + pass, B likewise.
         sbase = shared_addr(smem)
         ring = sbase + (1024 - sbase % 1024) % 1024
-        staging = ring + stages * stage_bytes
+        # this warpgroup's staging: free stage wg % 2 (counted back from the tile's last),
+        # region wg // 2, addressed by tile row (its rows start at 64 wg)
+        epi_back = 1 + wg % 2
+        epi_off = (wg // 2) * region - wg * 64 * (2 * bn + 16)
         a_c = tid % cpr_a
         a_k = tid // cpr_a
         b_c = tid % cpr_b
@@ -396,6 +410,10 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
                 if kt >= ktiles:
                     break
             acc = wgmma_wait(acc, 0)
+            if not out_f32:
+                cuda.syncthreads()             # the tile's last two stages: free everywhere
+            fs = cst - epi_back
+            fs = fs + stages if fs < 0 else fs
 
             # This tile's place in the outputs: the whole tile lies on one side of m_split (a
             # multiple of BM); D_e's row m goes to row e * rows + m - first of that output.
@@ -406,7 +424,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, ma
                 out = out1
                 rows = M - m_split
                 first = m_split
-            epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, bm, staging, lane,
+            epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, bm,
+                     ring + fs * stage_bytes + epi_off, lane,
                      frag_row, frag_col, float32(0.0), errors, nf_tensor, nf_rank, None, None)
             t += cuda.gridDim.x
         cp_async_wait(0)                       # (the stream's empty tail groups)
