@@ -50,11 +50,12 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                rows a warpgroup at stride BN * 2 + 16, warpgroup g in free stage g % 2 at
                region g // 2 -- no staging apart, so the ring can be a stage deeper -- each
                warp its own 16 rows, which it then reads back and stores coalesced (16 B a
-               lane, 512 contiguous bytes a warp instruction). Not bulk stores: one per 128-1024-byte row is ~128 requests a
-               tile through the SM's one bulk-copy unit, and with K this short the tile's
-               requests, not its bytes, set the time (docs/perf.md). FP32: each thread stores
-               its fragment (ACCUMULATE: adds it to the value read first, one FP32 add). What is written is checked for NaN/Inf
-               on the way (a clean tile: one fold per written value or pair and one warp vote)
+               lane, 512 contiguous bytes a warp instruction). Not bulk stores: one per
+               128-1024-byte row is ~128 requests a tile through the SM's one bulk-copy
+               unit, and with K this short the tile's requests, not its bytes, set the time
+               (docs/perf.md). FP32: each thread stores its fragment (ACCUMULATE: adds it to
+               the value read first, one FP32 add). What is written is checked for NaN/Inf on
+               the way (a clean tile: one fold per written value or pair and one warp vote)
 
 Order, every thread:
 
