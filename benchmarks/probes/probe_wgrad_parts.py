@@ -36,7 +36,6 @@ def _patched_factories(variant):
 
     from mok_core.cuda_compat import kjit
     from mok_core.gemm import epilogue as epi
-    from mok_core.gemm import sm90_wgrad as W
     from mok_core.intrinsics import ld_v4, shared_addr, st_v4, syncwarp
 
     if variant == "no-load":
