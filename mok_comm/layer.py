@@ -222,13 +222,12 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
                         max_registers=128)
 
 
-# The weight gradients' tile on Hopper: ``sm90_wgrad`` (both operands MN-major wgmma). An
-# expert's ~100 rows are 1-3 K slices, so a tile is mostly its output: the bf16 tile leaves by
-# coalesced stores, staged in the two ring stages the tile freed, while the block's stream of
-# slices runs on into the next tile (docs/perf.md). 128 x 256 with a 4-slice ring (two slices
-# of prefetch; 193 KiB). Not 192 rows: the wgrad loader's passes need 2 BM a multiple of BN
-# (``sm90_wgrad.tile_ok``), and 384-thread wgmma kernels spill.
-WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+# The weight gradients' tile on Hopper: ``sm90_wgrad`` (both operands MN-major wgmma, a
+# producer warpgroup loading). An expert's ~100 rows are 1-3 K slices, so a tile is mostly its
+# output and its loads' integer work: the producer's ring runs on into the next tile while the
+# compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB with
+# the staging apart; 4 do not fit). Not 192 rows: 384-thread wgmma kernels spill.
+WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 
 
 def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = ()) -> GemmConfig:

@@ -298,7 +298,7 @@ def _good():
     (dict(out0=np.zeros((2, 32, 64), np.uint16), accumulate=True), ValueError,
      "accumulate=True needs float32 outputs, got uint16"),
     (dict(config=WGMMA_192_GEMM), ValueError,
-     "the wgmma wgrad takes bm=128 with bn=64, 128 or 256, or bm=256 with bn <= 128"),
+     "the wgmma wgrad takes bm=128 \\(two compute warpgroups\\) with bn=64, 128 or 256"),
     (dict(config=WG64), ValueError, "a: M=32 .* multiple of bm=128"),
     (dict(config=GemmConfig(bm=96, bn=32, bk=32, wm=2, wn=1, stages=2)), ValueError,
      "wgrad needs bm = 16, 32 or a multiple of 64"),
@@ -365,8 +365,8 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     dev = {name: None if v is None else cuda.to_device(v) for name, v in
            (("a", a), ("ai", a_index), ("b", b), ("bi", b_index), ("off", off),
             ("nr", np.array([off[-1]], np.int32)))}
-    cfg3 = replace(cfg, stages=3)          # the ring a stage shallower
-    for c in (cfg, cfg3):                  # each into freshly poisoned outputs
+    cfg2 = replace(cfg, bn=128, stages=4)  # the narrower tile, a ring a stage deeper
+    for c in (cfg, cfg2):                  # each into freshly poisoned outputs
         out0 = out1 = None
         out0 = device_full((E, m_split, N), POISON16, np.uint16)   # (4.3 GB for gate/up)
         out1 = out0 if m_split == M else device_full((E, M - m_split, N), POISON16, np.uint16)
@@ -383,7 +383,7 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
                                            dev["off"], dev["nr"], out0, out1, m_split,
                                            config=c), 10, 1)
-    ms = {"wgmma": timed(cfg), "wgmma 3 stages": timed(cfg3), "mma_sync": timed(WGRAD_GEMM)}
+    ms = {"wgmma": timed(cfg), "128x128 s4": timed(cfg2), "mma_sync": timed(WGRAD_GEMM)}
     with capsys.disabled():
         print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
             f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"

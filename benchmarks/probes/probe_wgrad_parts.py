@@ -11,7 +11,8 @@ patched while the factory runs):
     no-store   the epilogue stages and reads back its rows but stores nothing
     no-epi     no epilogue at all (the wgmmas still run: they have side effects)
     no-mma     the K loop loads but multiplies nothing (zeros staged and stored)
-    no-load    the K loop multiplies whatever the ring holds: no cp.async issued
+    no-load    the producer issues no cp.async (the compute warpgroups multiply whatever
+               the ring holds)
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
 differences say what overlaps and what does not (H200.md: time variants that leave a stage
@@ -39,13 +40,12 @@ def _patched_factories(variant):
     from mok_core.intrinsics import ld_v4, shared_addr, st_v4, syncwarp
 
     if variant == "no-load":
-        def make_loader(*args):
+        def make_loader(cols, gather):
             @kjit(device=True, inline="always")
-            def load_slice(smem, st, r0, hi, a, a_index, b, b_index, M, N, a_dst, b_dst,
-                           a_src0, b_src0, a_k, b_k):
+            def load(smem, dst, src, index, r, hi, ld, col):
                 pass
-            return load_slice
-        return {"_make_loader": make_loader}
+            return load
+        return {"_operand_loader": make_loader}
     if variant == "no-mma":
         def make_mma(bn):
             @kjit(device=True, inline="always")
@@ -99,9 +99,7 @@ def build(variant, cfg, gather_a, gather_b):
     try:
         for k, v in patches.items():
             setattr(W, k, v)
-        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, False, False,
-                                  max_registers=cfg.max_registers,
-                                  blocks_per_sm=cfg.blocks_per_sm)
+        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, False, False)
     finally:
         for k, v in saved.items():
             setattr(W, k, v)

@@ -59,10 +59,10 @@ KERNELS = [
 # sm90_wgrad: (name, bm, bn, stages, gather_a, gather_b, out_f32, accumulate) -- the layer's
 # dW_gate | dW_up (B = x gathered) and dW_down (A = d_out gathered), bf16 out or FP32 added
 WGRAD_KERNELS = [
-    ("wgrad-gate_up-128", 128, 256, 4, False, True, False, False),
-    ("wgrad-down-128", 128, 256, 4, True, False, False, False),
-    ("wgrad-gate_up-f32acc-128", 128, 256, 4, False, True, True, True),
-    ("wgrad-down-f32acc-128", 128, 256, 4, True, False, True, True),
+    ("wgrad-gate_up-128", 128, 256, 3, False, True, False, False),
+    ("wgrad-down-128", 128, 256, 3, True, False, False, False),
+    ("wgrad-gate_up-f32acc-128", 128, 256, 3, False, True, True, True),
+    ("wgrad-down-f32acc-128", 128, 256, 3, True, False, True, True),
 ]
 
 
@@ -177,10 +177,12 @@ def main():
                            r"loads", report)
         stack = re.findall(r"(\d+) bytes stack frame", report)
         c7518 = "C7518" in report or "serialized" in report
+        c7517 = "C7517" in report                # a wgmma wait ptxas had to inject
         bad += c7518 or rc != 0
         print(f"{name:24s} rc={rc} regs={','.join(regs) or '?'} "
               f"spill(st,ld)={';'.join('/'.join(s) for s in spill) or '?'} "
-              f"stack={','.join(stack) or '?'} C7518={'YES' if c7518 else 'no'}", flush=True)
+              f"stack={','.join(stack) or '?'} C7518={'YES' if c7518 else 'no'} "
+              f"C7517={'YES' if c7517 else 'no'}", flush=True)
         if rc != 0:
             print(report[-1500:])
     sys.exit(1 if bad else 0)

@@ -345,7 +345,7 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             values as they are) -- main-grad accumulation.
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
-            with bn = 64, 128 or 256, or bm = 256 with bn <= 128; bf16 outputs 16-byte aligned
+            with bn = 64, 128 or 256, stages >= 2 (the 128 x 256 tile fits 3); bf16 outputs 16-byte aligned
             (16-byte stores). None: ``default_gemm()`` where that is mma.sync, else
             ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
             backward does on Hopper where the shape fits its tile:
@@ -365,8 +365,8 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
         raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
     if config.mma == "wgmma":
         if not sm90_wgrad.tile_ok(config.bm, config.bn):
-            raise ValueError(f"config: the wgmma wgrad takes bm=128 with bn=64, 128 or 256, or "
-                             f"bm=256 with bn <= 128 (its loader's thread mapping), got "
+            raise ValueError(f"config: the wgmma wgrad takes bm=128 (two compute warpgroups) "
+                             f"with bn=64, 128 or 256 (one wgmma's N), got "
                              f"bm={config.bm}, bn={config.bn}")
     for name, size in (("bm", config.bm), ("bn", config.bn)):
         if config.mma == "mma_sync" and not sm80_wgrad.swizzle_ok(size):

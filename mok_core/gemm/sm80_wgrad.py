@@ -380,7 +380,7 @@ def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, 
     view = None if out_f32 else np.uint32
     E = off.shape[0] - 1
     kern = kernel_for(cfg, a_index is not None, b_index is not None, out_f32, bool(accumulate))
-    launch(kern, grid(cfg, E, M, N), cfg.threads, stream, kern.smem_bytes, flat_view(a),
+    launch(kern, grid(cfg, E, M, N), kern.threads, stream, kern.smem_bytes, flat_view(a),
            nr if a_index is None else a_index, flat_view(b),        # (unused placeholders)
            nr if b_index is None else b_index, off, nr, flat_view(out0, view),
            flat_view(out1, view), np.int64(M), np.int64(N), np.int64(m_split), errors,

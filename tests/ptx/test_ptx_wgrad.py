@@ -62,10 +62,12 @@ def _wgmma_wgrad_ptx(bm, bn, stages, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("bn,stages", [(256, 4), (64, 3)])
+@pytest.mark.parametrize("bn,stages", [(256, 3), (64, 2)])
 def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
-    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 4 stages, the
-    staging in the ring) and the narrowest one (3 stages, the shallowest ring): the arch-specific target, 4 wgmmas per slice carrying imm-trans-a 1 and imm-trans-b 1
+    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages) and the
+    narrowest one (2 stages, the shallowest ring): the arch-specific target, the two roles
+    meeting at mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas
+    per slice carrying imm-trans-a 1 and imm-trans-b 1
     (both operands MN-major), one group left in flight in the K loop, the operands' rows by
     cp.async; bf16: the staged epilogue (st.shared pairs, read back 16 bytes a lane and stored
     coalesced, no bulk copies) with one fold per staged pair, FP32: each value stored once
@@ -80,6 +82,11 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
     assert count(ptx, r"cp\.async\.bulk\.tensor") == 0                   # no TMA
+    assert count(ptx, r"mbarrier\.init") >= 2                          # full[] and empty[]
+    assert count(ptx, r"mbarrier\.arrive\.shared") >= 3                # both roles, the drain
+    assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2             # both roles wait
+    assert count(ptx, r"cp\.async\.wait_group") >= 2                   # LAG in flight, the drain
+    assert count(ptx, r"bar\.sync|barrier\.sync") == 1                 # the block's one barrier
     for p in NF_CHECK:
         assert count(ptx, p) >= 1, p
     values = 64 * bn // 128                  # accumulator values per thread
