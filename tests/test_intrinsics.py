@@ -21,7 +21,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
 from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
                                  st_shared_u32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
-                                 tensormap_acquire, tma_load_2d)
+                                 tensormap_acquire, tma_load_2d, tma_store_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
@@ -635,7 +635,7 @@ def test_staged_words_go_out_by_bulk_stores_and_the_buffer_is_reused():
         np.testing.assert_array_equal(to_host(dst), np.tile(want[-32:], 3))
 
 
-# ---- TMA box loads -------------------------------------------------------------------------------
+# ---- TMA box loads and stores --------------------------------------------------------------------
 
 @kjit
 def _tma_box(tmaps, out, x, y, rows):
@@ -672,6 +672,43 @@ def test_tma_box_is_swizzled_and_zero_filled_past_the_tensor():
     want = np.zeros((box, 64), np.uint16)
     want[:10] = src[10:20, 64:128]
     np.testing.assert_array_equal(to_host(out).reshape(box, 64), want)
+
+
+@kjit
+def _tma_store_box(tmaps, box, x, y, rows):
+    """Every thread writes box [rows, 64] into shared memory with the 128-byte swizzle
+    (1024-byte aligned); thread 0 stores it by TMA at (x, y) of the map and waits."""
+    buf = cuda.shared.array(4096 + 512, uint16)       # 8 KB box + alignment slack
+    s = shared_addr(buf)
+    ring = s + (1024 - s % 1024) % 1024
+    base = (ring - s) // 2
+    for i in range(cuda.threadIdx.x, rows * 64, cuda.blockDim.x):
+        r = i // 64
+        c = i % 64
+        buf[base + r * 64 + ((c // 8) ^ (r % 8)) * 8 + c % 8] = box[i]
+    fence_proxy_async()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        tensormap_acquire(tmaps, 0)
+        tma_store_2d(tmaps, 0, buf, ring, x, y)
+        bulk_commit()
+        bulk_wait(0)
+
+
+@pytest.mark.parametrize("x,y", [(64, 10), (0, -4)])
+def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
+    """The box lands un-swizzled at (x, y); rows past either end of the tensor are not
+    written (the wgrad's TMA epilogue relies on both; the twin must agree with the GPU)."""
+    from mok_core.gemm.tensor_map import tensor_maps
+    rows, cols, box = 20, 128, 16
+    dst = to_dev(np.full((rows, cols), 0x7FC1, np.uint16))
+    maps = tensor_maps([dst], box)
+    data = (np.arange(box * 64) * 7 % 65521).astype(np.uint16).reshape(box, 64)
+    _tma_store_box[1, 128](maps, to_dev(data.reshape(-1)), x, y, box)
+    want = np.full((rows, cols), 0x7FC1, np.uint16)
+    r0, r1 = max(y, 0), min(y + box, rows)
+    want[r0:r1, x:x + 64] = data[r0 - y:r1 - y]
+    np.testing.assert_array_equal(to_host(dst), want)
 
 
 def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):

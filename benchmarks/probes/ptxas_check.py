@@ -119,13 +119,17 @@ def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_p
 
 def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     from numba import cuda, float32, uint32
-    from test_ptx_wgrad import wgrad_sig
+    try:
+        from test_ptx_wgrad import wgmma_wgrad_sig
+        sig = wgmma_wgrad_sig(out_f32)
+    except ImportError:                      # a tree from before the TMA-store epilogue
+        from test_ptx_wgrad import wgrad_sig
+        sig = wgrad_sig(float32 if out_f32 else uint32)
 
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
     kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
     opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kern.py_func, wgrad_sig(float32 if out_f32 else uint32),
-                              cc=(9, 0, "a"), **opts)
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a"), **opts)
     return ptx
 
 

@@ -346,7 +346,7 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
             with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages); bf16 outputs
-            16-byte aligned (16-byte stores). None: ``default_gemm()`` where that is mma.sync, else
+            16-byte aligned (TMA stores). None: ``default_gemm()`` where that is mma.sync, else
             ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
             backward does on Hopper where the shape fits its tile:
             ``mok_comm.layer.wgrad_gemm``).
@@ -512,8 +512,8 @@ def _check_push(cfg, push, C, N):
 
 
 def _check_staged_out(cfg, out, name):
-    """The wgmma epilogue sends output rows by bulk stores: 16-byte aligned addresses only (the
-    row pitch always is; the array's start is the caller's)."""
+    """The wgmma epilogues send output rows by bulk or TMA stores: 16-byte aligned addresses
+    only (the row pitch always is; the array's start is the caller's)."""
     if cfg.mma != "wgmma":                   # (no address lookup on the mma.sync path)
         return
     off = device_address(out) % 16

@@ -34,14 +34,30 @@ The caller owns the ordering around it: the staging area (ring stages the next t
 leaves free) may be rewritten only after the sending lanes' ``bulk_wait_read`` and a block
 barrier, and the block's last stores must be waited (``bulk_wait``) before it exits.
 
-Coalesced epilogue (``make_coalesced_epilogue``: the weight gradients and the FP8 GEMM, short-K
-kernels whose tiles come faster than per-row bulk copies leave): steps 1 and 4 as above, but
+Coalesced epilogue (``make_coalesced_epilogue``: the FP8 GEMMs, whose tiles come faster than
+per-row bulk copies leave): steps 1 and 4 as above, but
 the warp reads its 16 staged rows back after the __syncwarp and stores them with 16-byte
 stores, a warp instruction covering 512 contiguous bytes (or, ``push``, 16-byte stores into
 the source ranks' combine rows over NVLink, as the staged epilogue's bulk copies); rows at or
 past ``rows`` (the tile's rows that are the expert's) are neither stored nor checked for
 NaN/Inf. Plain generic stores: no proxy fence, and the staging may be rewritten once every
 lane of the warp is past its reads (the caller's next block barrier).
+
+TMA epilogue (``make_tma_epilogue``: the bf16 weight gradients, whose tiles are weight-sized
+outputs after a K of an expert's rows -- the warps must go back to their wgmmas, not wait for
+their stores), per warp of a finished plain tile, its 16 rows:
+
+    1. lane 0 waits until the warp's previous stores have read the staging
+       (``bulk_wait_read(0)``), __syncwarp
+    2. the fragment -> bf16 pairs in BN / 64 boxes of [16 rows][64 columns] with the 128-byte
+       swizzle (row q at q * 128, 16-byte chunk c at chunk c ^ (q % 8): a warp's 8 rows of a
+       store land in 8 bank groups), folded into the NaN/Inf check as in step 1 above
+    3. fence.proxy.async, __syncwarp; lane 0 issues one TMA store per box (the tensor map
+       clips what lies outside the output) and commits them as one bulk group; the warp goes
+       on while the TMA unit reads the staging and writes
+    4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows
+The caller's lane 0 acquires the maps before its first store and waits for its last stores
+(``bulk_wait``) before the block exits.
 """
 from numba import cuda, float32, uint32, uint64
 
@@ -49,13 +65,15 @@ from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
 from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
-from ..intrinsics import (bulk_commit, bulk_store, ex2_approx, fence_proxy_async,
-                          fold_nonfinite_bf16x2, ld_v4, pack_bf16x2, rcp_approx, shared_addr,
-                          st_shared_u32, st_v2_f32, st_v4, syncwarp, tuple_fold, tuple_pick,
-                          warp_all, warp_min, warp_sum)
+from ..intrinsics import (bulk_commit, bulk_store, bulk_wait_read, ex2_approx,
+                          fence_proxy_async, fold_nonfinite_bf16x2, ld_v4, pack_bf16x2,
+                          rcp_approx, shared_addr, st_shared_u32, st_v2_f32, st_v4, syncwarp,
+                          tma_store_2d, tuple_fold, tuple_pick, warp_all, warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _INT32_MAX = INT32_MAX
+TMA_BOX_ROWS = 16              # a warp's rows of a tile: the TMA epilogue's box
+TMA_BOX_BYTES = TMA_BOX_ROWS * 128      # [16 rows][64 bf16], 128-byte swizzle
 
 
 @kjit(device=True, inline="always")
@@ -113,6 +131,18 @@ def _stage_plain_group(j, bad, smem, r, col, limit, base, stride, a0, a1, a2, a3
     hi = pack_bf16x2(a2, a3)
     st_shared_u32(smem, at + r * stride, lo)
     st_shared_u32(smem, at + (r + 8) * stride, hi)
+    return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
+
+
+def _stage_swizzled_group(j, bad, smem, base, q, a0, a1, a2, a3):
+    """8-column group j of a plain fragment -> bf16 pairs of the warp's rows q and q + 8 in
+    the 128-byte-swizzled boxes of a TMA store (box j // 8, 16-byte chunk (j % 8) ^ q of the
+    row; ``base``: the thread's byte in chunk 0 of row q of box 0), folded into ``bad``."""
+    at = base + (j // 8) * TMA_BOX_BYTES + ((j % 8) ^ q) * 16
+    lo = pack_bf16x2(a0, a1)
+    hi = pack_bf16x2(a2, a3)
+    st_shared_u32(smem, at, lo)
+    st_shared_u32(smem, at + 8 * 128, hi)
     return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
 
 
@@ -317,5 +347,47 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
                     st_v4(out, g_at + uint64(i) * g_step, v0, v1, v2, v3)
         report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e,
                            errors, nf_tensor, nf_rank)
+
+    return epilogue
+
+
+def make_tma_epilogue(bn):
+    """``epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
+    nf_rank)``: the warp's 16 rows of a finished plain tile, bf16, staged at the shared byte
+    address ``epi0`` (1024-byte aligned; BN / 64 boxes of ``TMA_BOX_BYTES``) and stored by
+    TMA into the 2-D tensor map at ``maps[elem:]`` (``[TMA_BOX_ROWS, 64]`` boxes) at rows
+    grow .. grow + 15, columns col0 ..; NaN/Inf reported as D_e's rows m + i of expert e.
+    The caller waits for the warp's last stores (lane 0: ``bulk_wait``) before the block exits,
+    and lane 0 must have acquired the maps (``tensormap_acquire``)."""
+    boxes = bn // 64
+    assert bn % 64 == 0
+    stage_tile = tuple_fold(_stage_swizzled_group, _plain_layout)
+
+    @kjit(device=True, inline="always")
+    def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
+                 nf_rank):
+        q = lane // 4
+        # the previous tile's stores are past their reads (every lane: lane 0's groups are
+        # the only ones; a wait on a branch of lane 0 would make ptxas serialise the wgmmas)
+        bulk_wait_read(0)
+        syncwarp()
+        base = epi0 + q * 128 + 4 * (lane % 4)
+        bad = stage_tile(acc, (uint32(0), uint32(0)), (smem, base, q))
+        fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
+        syncwarp()
+        if lane == 0:
+            for b in range(boxes):
+                tma_store_2d(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + 64 * b, grow)
+            bulk_commit()
+        # a clean tile costs one vote; else lanes 0..15 recount one staged row each (its
+        # chunks swizzled within the row: a count does not care) and the warp reports. Every
+        # lane counts (16..31 a row again, not reported): shared loads on a branch of some
+        # lanes make ptxas serialise the kernel's wgmmas (C7518)
+        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+            n = 0
+            rel = epi0 - shared_addr(smem) + (lane % 16) * 128
+            for b in range(boxes):
+                n += bf16_nonfinite_count(smem, rel + b * TMA_BOX_BYTES, 64)
+            report_warp(errors, nf_tensor, nf_rank, n if lane < 16 else 0, m + lane % 16, e)
 
     return epilogue

@@ -366,12 +366,13 @@ def grid(cfg, experts, M, N):
 
 
 def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
-                m_split, *, accumulate, errors, tensor, rank):
+                m_split, *, accumulate, errors, tensor, rank, extra=()):
     """Persistent launch of ``kernel_for(cfg, gather_a, gather_b, out_f32, accumulate)`` (this
-    module's ``_kernel`` or ``sm90_wgrad``'s: the two share their arguments): trusted device
-    views (``a`` [A_rows, M], ``b`` [B_rows, N] uint16, indices int32 or None, ``out0`` /
-    ``out1`` uint16 or float32 of the same dtype -- one may be None where it would hold no
-    rows). NaN/Inf written go to ``errors`` as tensor id ``tensor`` of ``rank``."""
+    module's ``_kernel`` or, through ``sm90_wgrad.launch_with``, that module's: the two share
+    their arguments, ``extra`` appended): trusted device views (``a`` [A_rows, M], ``b``
+    [B_rows, N] uint16, indices int32 or None, ``out0`` / ``out1`` uint16 or float32 of the
+    same dtype -- one may be None where it would hold no rows). NaN/Inf written go to
+    ``errors`` as tensor id ``tensor`` of ``rank``."""
     if out0 is None:
         out0 = out1
     if out1 is None:
@@ -384,7 +385,7 @@ def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, 
            nr if a_index is None else a_index, flat_view(b),        # (unused placeholders)
            nr if b_index is None else b_index, off, nr, flat_view(out0, view),
            flat_view(out1, view), np.int64(M), np.int64(N), np.int64(m_split), errors,
-           np.int32(tensor), np.int32(rank))
+           np.int32(tensor), np.int32(rank), *extra)
 
 
 def launch_wgrad(*args, **kwargs):

@@ -52,15 +52,17 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                MN-major descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between
                the 64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16
                step; warpgroup g's A starts at box g of the A slice)
-    epilogue = bf16: staged apart from the ring (the producer fills every stage meanwhile),
-               64 rows a warpgroup at stride BN * 2 + 16, each warp its own 16 rows, which it
-               then reads back and stores coalesced (16 B a lane, 512 contiguous bytes a warp
-               instruction). Not bulk stores: one per 128-1024-byte row is ~128 requests a
-               tile through the SM's one bulk-copy unit, and with K this short the tile's
-               requests, not its bytes, set the time (docs/perf.md). FP32: each thread stores
-               its fragment (ACCUMULATE: adds it to the value read first, one FP32 add). What
-               is written is checked for NaN/Inf on the way (a clean tile: one fold per
-               written value or pair and one warp vote)
+    epilogue = bf16: ``epilogue.make_tma_epilogue``, per warp: its 16 rows staged apart from
+               the ring (the producer fills every stage meanwhile) as BN / 64 swizzled
+               [16][64] boxes, then one TMA store a box through the outputs' tensor maps
+               (``output_maps``: [E rows, N] views of out0 / out1, built on the host and
+               cached); the warp goes back to its wgmmas while the TMA unit writes -- with K
+               an expert's rows, a tile's multiply is shorter than its store of a weight-sized
+               output, and staging, reading back and storing by the warps themselves left the
+               tensor cores idle for longer than they worked (docs/perf.md). FP32: each
+               thread stores its fragment (ACCUMULATE: adds it to the value read first, one
+               FP32 add). What is written is checked for NaN/Inf on the way (a clean tile:
+               one fold per written value or pair and one warp vote)
 
 Order:
 
@@ -79,9 +81,10 @@ Order:
     2. wgmma.fence; 4 wgmmas on slice j; commit       (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains)
-    after: wgmma.wait(0); arrive empty[] for the tile's last slice; __syncwarp (every lane
-           past its reads of the previous tile's staging); the epilogue (each warp stages,
-           __syncwarp, reads back and stores its own rows)
+    after: wgmma.wait(0); arrive empty[] for the tile's last slice; the epilogue (each warp:
+           lane 0 waits until its previous stores read the staging, the warp stages, fences,
+           __syncwarp, lane 0 issues the TMA stores)
+    exit:  lane 0 of each compute warp waits for its stores (bulk_wait)
 
 C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
 ptxas may think divergent -- the only branches around them test kernel arguments and block-
@@ -98,17 +101,19 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from ..cuda_compat import kjit
-from ..intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
+from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                           fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
-                          mbarrier_init, setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
-                          tuple_fold, warp_all,
+                          mbarrier_init, setmaxnreg_dec, setmaxnreg_inc, shared_addr,
+                          tensormap_acquire, tuple_fold, warp_all,
                           wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16_tatb,
                           wgmma_m64n128k16_bf16_tatb, wgmma_m64n256k16_bf16_tatb, wgmma_wait)
-from .epilogue import make_coalesced_epilogue, report_warp
-from .sm80_wgrad import launch_with
+from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, report_warp
+from .sm80_wgrad import launch_with as _launch_with
+from .tensor_map import tensor_maps
 from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch,
                    wait_phase, warpgroup_fragment)
 
@@ -223,17 +228,25 @@ def _plain_layout(count):
 
 
 def _make_epilogues(bm, bn, out_f32, accumulate):
-    """``epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
-    limit, errors, nf_tensor, nf_rank, pre, route)`` (``limit``, ``pre``, ``route`` unused):
-    the finished tile (output rows grow0 + i of ``out`` for tile rows i, columns n0 ..; D_e's
-    rows m0 + i) written and checked; bf16: ``epilogue.make_coalesced_epilogue``, staged at
-    the shared byte address ``epi0``."""
+    """``epilogue(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
+    frag_col, errors, nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i for tile
+    rows i, columns n0 ..; D_e's rows m0 + i) written and checked. bf16: this warp's 16 rows
+    by ``epilogue.make_tma_epilogue`` through map ``side`` of ``maps`` (``out`` unused),
+    staged at the shared byte address ``epi0``; FP32: each thread its fragment into ``out``
+    (``maps``, ``side``, ``epi0`` unused)."""
     store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
-    epilogue_bf16 = make_coalesced_epilogue(bn)
+    tma_epilogue = make_tma_epilogue(bn)
 
     @kjit(device=True, inline="always")
-    def epilogue_f32(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
-                     frag_col, limit, errors, nf_tensor, nf_rank, pre, route):
+    def epilogue_bf16(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
+                      frag_col, errors, nf_tensor, nf_rank):
+        row0 = frag_row - lane // 4             # the warp's first tile row
+        tma_epilogue(smem, acc, maps, 16 * side, grow0 + row0, n0, m0 + row0, e, epi0, lane,
+                     errors, nf_tensor, nf_rank)
+
+    @kjit(device=True, inline="always")
+    def epilogue_f32(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
+                     frag_col, errors, nf_tensor, nf_rank):
         at = (grow0 + frag_row) * N + n0 + frag_col
         y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
         # a clean tile costs one vote; else each lane recounts what it wrote, by row
@@ -259,10 +272,15 @@ def _nonfinite_f32(v):
     return 1 if math.isnan(v) or math.isinf(v) else 0
 
 
+def _warp_staging_bytes(bn):
+    """One warp's staging of a bf16 tile: its 16 rows as BN / 64 swizzled TMA boxes."""
+    return (bn // 64) * TMA_BOX_BYTES
+
+
 def _staging_bytes(bn, out_f32):
-    """The bf16 tile's staging: two warpgroup regions of 64 rows x (2 BN + 16) bytes (FP32
-    tiles are stored from their fragments: none)."""
-    return 0 if out_f32 else 2 * 64 * (2 * bn + 16)
+    """The bf16 tile's staging: the 8 compute warps' (FP32 tiles are stored from their
+    fragments: none)."""
+    return 0 if out_f32 else 8 * _warp_staging_bytes(bn)
 
 
 def smem_bytes(bn, stages, out_f32=False):
@@ -285,6 +303,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     lag = stages - 2
     stage_bytes = (bm + bn) * ROW_BYTES
     a_stage = bm * ROW_BYTES
+    warp_staging = _warp_staging_bytes(bn)
     cpr_a = _operand_map(bm)[0]
     cpr_b = _operand_map(bn)[0]
     nbytes = smem_bytes(bn, stages, out_f32)
@@ -356,7 +375,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
 
     @kjit(launch_bounds=(threads, 1))
     def kernel(a, a_index, b, b_index, offsets, num_rows, out0, out1, M, N, m_split, errors,
-               nf_tensor, nf_rank):
+               nf_tensor, nf_rank, maps):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
@@ -383,7 +402,10 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         else:
             setmaxnreg_inc(COMPUTE_REGS)
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            staging = ring + stages * stage_bytes
+            staging = ring + stages * stage_bytes + (tid // 32) * warp_staging
+            if not out_f32:                 # the host wrote the maps: acquire them once
+                tensormap_acquire(maps, 0)
+                tensormap_acquire(maps, 16)
             desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * BOX_BYTES) >> 4)
             desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
             j = int64(0)                    # the stream's slice being computed
@@ -415,17 +437,19 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
                 # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
                 # output.
                 out = out0
+                side = 0
                 rows = m_split
                 first = int64(0)
                 if m0 >= m_split:
                     out = out1
+                    side = 1
                     rows = M - m_split
                     first = m_split
-                syncwarp()                  # every lane past its reads of the staging
-                epilogue(smem, acc, out, e * rows + m0 - first, m0, n0, e, N, bm, staging,
-                         lane, frag_row, frag_col, float32(0.0), errors, nf_tensor, nf_rank,
-                         None, None)
+                epilogue(smem, acc, out, maps, side, e * rows + m0 - first, m0, n0, e, N,
+                         staging, lane, frag_row, frag_col, errors, nf_tensor, nf_rank)
                 t += cuda.gridDim.x
+            if not out_f32:                 # the warp's last stores land before the exit
+                bulk_wait(0)
 
     kernel.threads = threads
     kernel.smem_bytes = nbytes
@@ -439,7 +463,35 @@ def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
                             accumulate)
 
 
+def output_maps(out0, out1, E, M, N, m_split, stream=0):
+    """The bf16 outputs' tensor maps (device uint64 [32], cached: ``tensor_map``): out0 as
+    [E m_split, N] and out1 as [E (M - m_split), N] (out0's again where out1 holds no rows),
+    [TMA_BOX_ROWS, 64] boxes."""
+    rows0, rows1 = E * m_split, E * (M - m_split)
+    if rows0 == 0:
+        out0, rows0 = out1, rows1
+    if rows1 == 0:
+        out1, rows1 = out0, rows0
+    return tensor_maps([out0, out1], TMA_BOX_ROWS, stream, shapes=[(rows0, N), (rows1, N)])
+
+
+def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
+                m_split, *, accumulate, errors, tensor, rank):
+    """``sm80_wgrad.launch_with`` (arguments as there) for kernels of this module's signature:
+    the bf16 outputs' tensor maps (``output_maps``) go last."""
+    if out0 is None:
+        out0 = out1
+    if out1 is None:
+        out1 = out0
+    maps = nr                               # FP32 outputs: a placeholder, never read
+    if np.dtype(out0.dtype) != np.float32:
+        maps = output_maps(out0, out1, off.shape[0] - 1, M, N, m_split, stream)
+    _launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
+                 m_split, accumulate=accumulate, errors=errors, tensor=tensor, rank=rank,
+                 extra=(maps,))
+
+
 def launch_wgrad(*args, **kwargs):
-    """``sm80_wgrad.launch_with`` this module's kernels (a wgmma GemmConfig whose tile
-    ``tile_ok``; bf16 outputs 16-byte aligned: 16-byte stores; shared memory ``smem_bytes``)."""
+    """``launch_with`` this module's kernels (a wgmma GemmConfig whose tile ``tile_ok``;
+    shared memory ``smem_bytes``)."""
     launch_with(_kernel, *args, **kwargs)

@@ -7,7 +7,8 @@ bytes = one swizzle row) and the 128-byte swizzle -- exactly the ring layout the
 descriptors read (16-byte chunk c of row r at chunk c ^ (r % 8), 1024-byte aligned stages).
 The forward's maps view weights as [E N, K] (a box = B rows of n x 64 of k: K-major); dgrad's
 view them as stored, [E K, N], with [64, 64] boxes (64 rows of k x 64 of n: the MN-major
-layout of ``sm90``'s B_KN).
+layout of ``sm90``'s B_KN). The wgmma wgrad stores through maps of its bf16 outputs, [E M, N]
+with [16, 64] boxes (a warp's 16 rows of a tile, 64 columns a box).
 
 Maps live in a device uint64 array, 16 elements (128 bytes) per map, map i at element 16 i;
 kernels take that array (``tensormap_acquire`` + ``tma_load_2d``). Encoding goes straight to
@@ -26,7 +27,7 @@ import ctypes
 
 import numpy as np
 
-from ..cuda_compat import SIM, device_address, upload
+from ..cuda_compat import SIM, device_address, flat_view, upload
 
 BOX_COLS = 64                      # 64 bf16 = 128 bytes: the swizzle atom's row
 MAP_ELEMS = 16                     # uint64 elements per map
@@ -87,18 +88,26 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
     return out.copy()
 
 
-def tensor_maps(arrays2d, box_rows: int, stream=0):
-    """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached."""
-    key = tuple((device_address(a), a.shape) for a in arrays2d) + (box_rows,)
+def tensor_maps(arrays2d, box_rows: int, stream=0, *, shapes=None):
+    """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached. ``shapes``:
+    the 2-D [rows, cols] each (contiguous) array is viewed as, as its bf16 bits (default: the
+    arrays' own shapes) -- the view is made only when the map is built."""
+    if shapes is None:
+        shapes = [a.shape for a in arrays2d]
+    shapes = [tuple(int(n) for n in shp) for shp in shapes]
+    key = tuple((device_address(a), shp) for a, shp in zip(arrays2d, shapes)) + (box_rows,)
     maps = _cache.get(key)
-    if maps is None:                         # no reference kept: weights stay freeable
-        host = np.concatenate([encode_2d(a, box_rows) for a in arrays2d])
+    if maps is None:                         # no reference kept: arrays stay freeable
+        views = [a if a.shape == shp else flat_view(a, np.uint16).reshape(shp)
+                 for a, shp in zip(arrays2d, shapes)]
+        host = np.concatenate([encode_2d(a, box_rows) for a in views])
         try:
             maps = upload(host, stream)
         except Exception as exc:             # typically: inside a CUDA-graph capture
             raise RuntimeError(
-                f"uploading the TMA tensor maps of {len(arrays2d)} weight array(s) failed "
-                f"({type(exc).__name__}: {exc}). New weights (a new address or shape) need "
+                f"uploading the TMA tensor maps of {len(arrays2d)} array(s) failed "
+                f"({type(exc).__name__}: {exc}). New weights or bf16 weight-gradient buffers "
+                "(a new address or shape) need "
                 "their maps built outside a CUDA-graph capture: run the step once eagerly "
                 "before capturing it (mok_torch.Layer.compile does)") from exc
         _cache[key] = maps

@@ -32,7 +32,8 @@
     bulk copies:  mbarrier_arrive_expect_tx, bulk_store, bulk_commit, bulk_wait (shared ->
                   global), bulk_wait_read (the shared source may be reused)
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
-                  completes an mbarrier's byte count), fence_mbarrier_init
+                  completes an mbarrier's byte count), tma_store_2d (shared -> a box of the
+                  map, clipped at its edges; a bulk store), fence_mbarrier_init
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -61,7 +62,7 @@ __all__ = [
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32",
-    "tensormap_acquire", "tma_load_2d", "fence_mbarrier_init",
+    "tensormap_acquire", "tma_load_2d", "tma_store_2d", "fence_mbarrier_init",
 ]
 
 _impl = importlib.import_module(".twins" if SIM else ".ptx", __name__)

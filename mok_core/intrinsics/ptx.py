@@ -924,7 +924,7 @@ def bulk_wait_read(typingctx, pending):
     return types.void(pending), codegen
 
 
-# ---- TMA: tensor-map box loads (one instruction moves a whole swizzled tile) ------------------
+# ---- TMA: tensor-map box loads and stores (one instruction moves a swizzled tile) -------------
 # A tensor map (128 bytes, built on the host by ``mok_core.gemm.tensor_map``) lives in global memory
 # in a uint64 array, map i at element 16 i; the instructions take its generic address.
 
@@ -971,6 +971,30 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(saddr, elem, x, y, bar)):
         return None
     return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen
+
+
+def _tma_store_2d_codegen(context, builder, sig, args):
+    """Codegen of ``tma_store_2d`` (args: tmaps, elem, smem, saddr, x, y)."""
+    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+    s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
+    cx = context.cast(builder, args[4], sig.args[4], types.int32)
+    cy = context.cast(builder, args[5], sig.args[5], types.int32)
+    _asm(builder, ir.VoidType(), [p, s32, cx, cy],
+         "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [$0, {$2, $3}], [$1];",
+         "l,r,r,r,~{memory}", True)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def tma_store_2d(typingctx, tmaps, elem, smem, saddr, x, y):
+    """Store one box from the shared byte address ``saddr`` (1024-byte aligned, laid out with
+    the map's 128-byte swizzle) into the 2-D tensor map at ``tmaps[elem:]`` at origin (x =
+    column, y = row); parts of the box outside the tensor are not written. A bulk store:
+    grouped by ``bulk_commit``, waited by ``bulk_wait_read`` (the source may be reused) and
+    ``bulk_wait``; the generic-proxy writes of the source need ``fence_proxy_async`` first."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
+        return None
+    return types.void(tmaps, elem, smem, saddr, x, y), _tma_store_2d_codegen
 
 
 fence_mbarrier_init = _statement(

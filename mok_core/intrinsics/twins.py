@@ -646,11 +646,12 @@ def st_shared_u32(smem, saddr, value):
     raw.view(np.uint32)[(int(saddr) // 4)] = np.uint32(value)
 
 
-# ---- TMA (tensor-map box loads) ----------------------------------------------------------------
+# ---- TMA (tensor-map box loads and stores) -----------------------------------------------------
 #
 # On the simulator a "tensor map" is a handle into this registry (``mok_core.tensor_map``
-# registers the 2-D array and box); the twin cuts the box out, zero-fills what lies outside the
-# tensor and writes it with the 128-byte swizzle the real TMA unit uses.
+# registers the 2-D array and box); the load twin cuts the box out, zero-fills what lies outside
+# the tensor and writes it with the 128-byte swizzle the real TMA unit uses; the store twin
+# reads the swizzled box back and writes what lies inside the tensor.
 
 _tensor_maps = {}
 TMAP_MAGIC = 0x4D4F4B544D4150          # "MOKTMAP": element 0 of a simulator tensor map
@@ -673,18 +674,24 @@ def fence_mbarrier_init():
     pass
 
 
-def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
+def _tensor_map(tmaps, elem, op):
+    """(array, box rows, box columns) of the simulator tensor map at ``tmaps[elem:]``."""
     raw_maps = _raw(tmaps)
     elem = int(elem)
     if elem % 16 or int(raw_maps[elem]) != TMAP_MAGIC:
-        raise ValueError(f"tma_load_2d: no tensor map at element {elem}")
-    src, rows, cols = _tensor_maps[int(raw_maps[elem + 1])]
-    src = _raw(src)
+        raise ValueError(f"{op}: no tensor map at element {elem}")
+    arr, rows, cols = _tensor_maps[int(raw_maps[elem + 1])]
+    arr = _raw(arr)
+    if cols * arr.itemsize != 128:
+        raise ValueError(f"{op} twin: only 128-byte box rows (the 128-byte swizzle)")
+    return arr, rows, cols
+
+
+def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
+    src, rows, cols = _tensor_map(tmaps, elem, "tma_load_2d")
     saddr, x, y = int(saddr), int(x), int(y)
     if saddr % 1024:
         raise ValueError(f"tma_load_2d: destination byte {saddr} is not 1024-byte aligned")
-    if cols * src.itemsize != 128:
-        raise ValueError("tma_load_2d twin: only 128-byte box rows (the 128-byte swizzle)")
     box = np.zeros((rows, cols), src.dtype)
     r0, r1 = max(y, 0), min(y + rows, src.shape[0])
     c0, c1 = max(x, 0), min(x + cols, src.shape[1])
@@ -700,6 +707,23 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         b = _mbar(smem, bar)
         b["tx"] -= rows * 128
         _settle(b)
+
+
+def tma_store_2d(tmaps, elem, smem, saddr, x, y):
+    # A bulk store (``bulk_store``'s groups): the box's in-bounds elements, un-swizzled, are
+    # read from shared memory at the covering bulk_wait_read / bulk_wait and land at bulk_wait.
+    dst, rows, cols = _tensor_map(tmaps, elem, "tma_store_2d")
+    saddr, x, y = int(saddr), int(x), int(y)
+    if saddr % 1024:
+        raise ValueError(f"tma_store_2d: source byte {saddr} is not 1024-byte aligned")
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    ok = (y + r >= 0) & (y + r < dst.shape[0]) & (x + c >= 0) & (x + c < dst.shape[1])
+    rr, cc = np.broadcast_to(r, ok.shape)[ok], np.broadcast_to(c, ok.shape)[ok]
+    s_idx = (saddr + rr * 128 + (((cc // 8) ^ (rr % 8)) * 16) + (cc % 8) * 2) // 2
+    g_idx = (y + rr) * dst.shape[1] + (x + cc)
+    src = _raw(smem).reshape(-1).view(np.uint16)
+    _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx])
 
 
 def trap():

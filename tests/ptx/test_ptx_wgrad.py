@@ -5,7 +5,7 @@ kernel (``sm90_wgrad``) with both operands MN-major (imm-trans-a = imm-trans-b =
 serialised wgmma (C7518, where the local ptxas reads numba's PTX); and the layer's choice of
 tiles (``mok_comm.layer.wgrad_gemm``)."""
 import pytest
-from numba import float32, int32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32, uint64
 
 from mok_core.gemm.sm80_wgrad import make_wgrad_gemm
 from ptx_util import compile_sm90, compile_sm90a, count
@@ -16,6 +16,13 @@ def wgrad_sig(out):
     uint32 (bf16 pairs) or float32."""
     return (uint16[::1], int32[::1], uint16[::1], int32[::1], int32[::1], int32[::1],
             out[::1], out[::1], int64, int64, int64, int32[::1], int32, int32)
+
+
+def wgmma_wgrad_sig(out_f32):
+    """``sm90_wgrad``'s: the wgrad signature + the bf16 outputs' tensor maps (FP32: a
+    placeholder int32 array, never read)."""
+    return (wgrad_sig(float32 if out_f32 else uint32)
+            + ((int32 if out_f32 else uint64)[::1],))
 
 
 # (gather A, gather B, FP32 out, accumulate): dW_down's form (A gathered, bf16 out) and
@@ -58,7 +65,7 @@ def _wgmma_wgrad_ptx(bm, bn, stages, kind):
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
-    return compile_sm90a(kern, wgrad_sig(float32 if out_f32 else uint32))
+    return compile_sm90a(kern, wgmma_wgrad_sig(out_f32))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -69,10 +76,11 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     meeting at mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas
     per slice carrying imm-trans-a 1 and imm-trans-b 1
     (both operands MN-major), one group left in flight in the K loop, the operands' rows by
-    cp.async; bf16: the staged epilogue (st.shared pairs, read back 16 bytes a lane and stored
-    coalesced, no bulk copies) with one fold per staged pair, FP32: each value stored once
-    (read first: accumulate); the NaN/Inf check; no local memory anywhere -- and ptxas keeps
-    the wgmmas unserialised (C7518) without spills."""
+    cp.async; bf16: the TMA epilogue (st.shared pairs, a proxy fence, TMA stores of the boxes
+    -- the maps acquired first --, the staging reused after a wait for their reads, the
+    stores waited before the exit) with one fold per staged pair, FP32: each value stored
+    once (read first: accumulate); the NaN/Inf check; no local memory anywhere -- and ptxas
+    keeps the wgmmas unserialised (C7518) without spills."""
     from ptx_util import assemble_sm90a
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
@@ -81,7 +89,7 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 1, 1;") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
-    assert count(ptx, r"cp\.async\.bulk\.tensor") == 0                   # no TMA
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared") == 0       # no TMA loads
     assert count(ptx, r"mbarrier\.init") >= 2                          # full[] and empty[]
     assert count(ptx, r"mbarrier\.arrive\.shared") >= 3                # both roles, the drain
     assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2             # both roles wait
@@ -96,10 +104,14 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
         assert count(ptx, r"cp\.async\.bulk\.global") == 0
     else:
         assert count(ptx, r"st\.shared\.u32") >= 1
-        assert count(ptx, r"cp\.async\.bulk") == 0                   # coalesced, not bulk
-        # the warp's rows read back and stored, 16 B a lane (bn / 16 each, LLVM may roll them)
-        assert 1 <= count(ptx, r"ld\.shared\.v4\.u32") <= bn // 16
-        assert 1 <= count(ptx, r"st\.(global\.)?v4\.u32") <= bn // 16
+        tma = r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"
+        assert 1 <= count(ptx, tma) <= bn // 64                   # a box each (may roll)
+        assert count(ptx, r"cp\.async\.bulk\.global") == 0        # no per-row bulk copies
+        assert count(ptx, r"st\.(global\.)?v4\.u32") == 0          # the warps store nothing
+        assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") >= 2     # both maps
+        assert count(ptx, r"fence\.proxy\.async") >= 2              # loads' and stores'
+        assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 1   # staging reuse
+        assert count(ptx, r"cp\.async\.bulk\.wait_group 0;") >= 1        # before the exit
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
     report = assemble_sm90a(ptx)
