@@ -695,10 +695,10 @@ def _tma_store_box(tmaps, box, x, y, rows):
         bulk_wait(0)
 
 
-@pytest.mark.parametrize("x,y", [(64, 10), (0, -4)])
+@pytest.mark.parametrize("x,y", [(64, 10), (0, 0)])
 def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
-    """The box lands un-swizzled at (x, y); rows past either end of the tensor are not
-    written (the wgrad's TMA epilogue relies on both; the twin must agree with the GPU)."""
+    """The box lands un-swizzled at (x, y); rows past the tensor's end are not written (the
+    twin agrees with the GPU: session 22, device run 2)."""
     from mok_core.gemm.tensor_map import tensor_maps
     rows, cols, box = 20, 128, 16
     dst = to_dev(np.full((rows, cols), 0x7FC1, np.uint16))
@@ -709,6 +709,17 @@ def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
     r0, r1 = max(y, 0), min(y + box, rows)
     want[r0:r1, x:x + 64] = data[r0 - y:r1 - y]
     np.testing.assert_array_equal(to_host(dst), want)
+
+
+@pytest.mark.skipif(not SIM, reason="the twin's check: the GPU faults instead")
+def test_tma_store_twin_refuses_a_negative_origin():
+    """A store box starting before the tensor faults on the H200 (illegal instruction, where a
+    load zero-fills): the twin says so instead of clipping."""
+    from mok_core.gemm.tensor_map import tensor_maps
+    dst = to_dev(np.zeros((20, 128), np.uint16))
+    with pytest.raises(ValueError, match="before the tensor's start"):
+        _tma_store_box[1, 128](tensor_maps([dst], 16), to_dev(np.zeros(16 * 64, np.uint16)),
+                               0, -4, 16)
 
 
 def test_tensor_map_upload_failure_says_what_to_do(monkeypatch):

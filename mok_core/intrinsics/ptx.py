@@ -989,7 +989,8 @@ def _tma_store_2d_codegen(context, builder, sig, args):
 def tma_store_2d(typingctx, tmaps, elem, smem, saddr, x, y):
     """Store one box from the shared byte address ``saddr`` (1024-byte aligned, laid out with
     the map's 128-byte swizzle) into the 2-D tensor map at ``tmaps[elem:]`` at origin (x =
-    column, y = row); parts of the box outside the tensor are not written. A bulk store:
+    column, y = row; both >= 0: a negative origin faults on the H200, unlike a load's); parts
+    of the box past the tensor's end are not written. A bulk store:
     grouped by ``bulk_commit``, waited by ``bulk_wait_read`` (the source may be reused) and
     ``bulk_wait``; the generic-proxy writes of the source need ``fence_proxy_async`` first."""
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):

@@ -716,6 +716,8 @@ def tma_store_2d(tmaps, elem, smem, saddr, x, y):
     saddr, x, y = int(saddr), int(x), int(y)
     if saddr % 1024:
         raise ValueError(f"tma_store_2d: source byte {saddr} is not 1024-byte aligned")
+    if x < 0 or y < 0:                  # the H200 faults (illegal instruction) on these
+        raise ValueError(f"tma_store_2d: box origin ({x}, {y}) before the tensor's start")
     r = np.arange(rows)[:, None]
     c = np.arange(cols)[None, :]
     ok = (y + r >= 0) & (y + r < dst.shape[0]) & (x + c >= 0) & (x + c < dst.shape[1])
