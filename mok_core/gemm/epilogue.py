@@ -47,8 +47,9 @@ TMA epilogue (``make_tma_epilogue``: the bf16 weight gradients, whose tiles are 
 outputs after a K of an expert's rows -- the warps must go back to their wgmmas, not wait for
 their stores), per warp of a finished plain tile, its 16 rows:
 
-    1. lane 0 waits until the warp's previous stores have read the staging
-       (``bulk_wait_read(0)``), __syncwarp
+    1. every lane waits until its previous stores have read the staging (``bulk_wait_read(0)``:
+       lane 0's are the warp's only ones; on a lane branch ptxas would serialise the wgmmas),
+       __syncwarp
     2. the fragment -> bf16 pairs in BN / 64 boxes of [16 rows][64 columns] with the 128-byte
        swizzle (row q at q * 128, 16-byte chunk c at chunk c ^ (q % 8): a warp's 8 rows of a
        store land in 8 bank groups), folded into the NaN/Inf check as in step 1 above
@@ -56,8 +57,8 @@ their stores), per warp of a finished plain tile, its 16 rows:
        clips what lies outside the output) and commits them as one bulk group; the warp goes
        on while the TMA unit reads the staging and writes
     4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows
-The caller's lane 0 acquires the maps before its first store and waits for its last stores
-(``bulk_wait``) before the block exits.
+The caller acquires the maps before the first store and waits for the last stores
+(``bulk_wait``) before the block exits (every lane, as in step 1).
 """
 from numba import cuda, float32, uint32, uint64
 
@@ -357,8 +358,8 @@ def make_tma_epilogue(bn):
     address ``epi0`` (1024-byte aligned; BN / 64 boxes of ``TMA_BOX_BYTES``) and stored by
     TMA into the 2-D tensor map at ``maps[elem:]`` (``[TMA_BOX_ROWS, 64]`` boxes) at rows
     grow .. grow + 15, columns col0 ..; NaN/Inf reported as D_e's rows m + i of expert e.
-    The caller waits for the warp's last stores (lane 0: ``bulk_wait``) before the block exits,
-    and lane 0 must have acquired the maps (``tensormap_acquire``)."""
+    The caller waits for the warp's last stores (``bulk_wait``) before the block exits and
+    acquires the maps (``tensormap_acquire``) first, on every lane (lane 0's count)."""
     boxes = bn // 64
     assert bn % 64 == 0
     stage_tile = tuple_fold(_stage_swizzled_group, _plain_layout)

@@ -82,9 +82,9 @@ Order:
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains)
     after: wgmma.wait(0); arrive empty[] for the tile's last slice; the epilogue (each warp:
-           lane 0 waits until its previous stores read the staging, the warp stages, fences,
-           __syncwarp, lane 0 issues the TMA stores)
-    exit:  lane 0 of each compute warp waits for its stores (bulk_wait)
+           waits until its previous stores read the staging, stages, fences, __syncwarp,
+           lane 0 issues the TMA stores)
+    exit:  each compute warp waits for its stores (bulk_wait; lane 0's are the only ones)
 
 C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
 ptxas may think divergent -- the only branches around them test kernel arguments and block-
@@ -113,9 +113,9 @@ from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_w
                           wgmma_m64n128k16_bf16_tatb, wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, report_warp
 from .sm80_wgrad import launch_with as _launch_with
-from .tensor_map import tensor_maps
 from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch,
                    wait_phase, warpgroup_fragment)
+from .tensor_map import tensor_maps
 
 _WGMMA_TATB = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb,
                256: wgmma_m64n256k16_bf16_tatb}
