@@ -465,8 +465,8 @@ def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
 
 def output_maps(out0, out1, E, M, N, m_split, stream=0):
     """The bf16 outputs' tensor maps (device uint64 [32], cached: ``tensor_map``): out0 as
-    [E m_split, N] and out1 as [E (M - m_split), N] (out0's again where out1 holds no rows),
-    [TMA_BOX_ROWS, 64] boxes."""
+    [E m_split, N] and out1 as [E (M - m_split), N] (the other's again where one holds no
+    rows: it may then be None), [TMA_BOX_ROWS, 64] boxes."""
     rows0, rows1 = E * m_split, E * (M - m_split)
     if rows0 == 0:
         out0, rows0 = out1, rows1
@@ -479,12 +479,8 @@ def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, 
                 m_split, *, accumulate, errors, tensor, rank):
     """``sm80_wgrad.launch_with`` (arguments as there) for kernels of this module's signature:
     the bf16 outputs' tensor maps (``output_maps``) go last."""
-    if out0 is None:
-        out0 = out1
-    if out1 is None:
-        out1 = out0
     maps = nr                               # FP32 outputs: a placeholder, never read
-    if np.dtype(out0.dtype) != np.float32:
+    if np.dtype((out1 if out0 is None else out0).dtype) != np.float32:
         maps = output_maps(out0, out1, off.shape[0] - 1, M, N, m_split, stream)
     _launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
                  m_split, accumulate=accumulate, errors=errors, tensor=tensor, rank=rank,

@@ -33,7 +33,7 @@
                   global), bulk_wait_read (the shared source may be reused)
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
                   completes an mbarrier's byte count), tma_store_2d (shared -> a box of the
-                  map, clipped at its edges; a bulk store), fence_mbarrier_init
+                  map, clipped at its end; a bulk store), fence_mbarrier_init
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """

@@ -720,7 +720,7 @@ def tma_store_2d(tmaps, elem, smem, saddr, x, y):
         raise ValueError(f"tma_store_2d: box origin ({x}, {y}) before the tensor's start")
     r = np.arange(rows)[:, None]
     c = np.arange(cols)[None, :]
-    ok = (y + r >= 0) & (y + r < dst.shape[0]) & (x + c >= 0) & (x + c < dst.shape[1])
+    ok = (y + r < dst.shape[0]) & (x + c < dst.shape[1])          # (x, y >= 0: above)
     rr, cc = np.broadcast_to(r, ok.shape)[ok], np.broadcast_to(c, ok.shape)[ok]
     s_idx = (saddr + rr * 128 + (((cc // 8) ^ (rr % 8)) * 16) + (cc % 8) * 2) // 2
     g_idx = (y + rr) * dst.shape[1] + (x + cc)
