@@ -13,6 +13,14 @@ patched while the factory runs):
     no-mma     the K loop loads but multiplies nothing (zeros staged and stored)
     no-load    the producer issues no cp.async (the compute warpgroups multiply whatever
                the ring holds)
+    rows-first the tiles walked (expert, column tile, row tile): the tiles running at once
+               write a 256-column band of many rows
+    a+b        both replacements (e.g. no-load+no-epi)
+
+Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
+
+``--tiles 128x256s3,128x128s5`` times every variant at each of those tiles (default: the
+layer's).
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
 differences say what overlaps and what does not (H200.md: time variants that leave a stage
@@ -28,17 +36,40 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load")
+VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load", "rows-first")
 
 
 def _patched_factories(variant):
     """{name: replacement} of ``sm90_wgrad``'s part factories for ``variant``."""
-    from numba import uint32
+    if "+" in variant:
+        out = {}
+        for v in variant.split("+"):
+            out.update(_patched_factories(v))
+        return out
+    from numba import int64, uint32
 
     from mok_core.cuda_compat import kjit
     from mok_core.gemm import epilogue as epi
     from mok_core.intrinsics import fence_proxy_async, st_shared_u32, syncwarp, tuple_fold
 
+    if variant == "rows-first":
+        from mok_core.gemm.sm90 import BK
+
+        def make_walk(bm, bn):
+            @kjit(device=True, inline="always")
+            def tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows):
+                tu = uint32(t)
+                eu = tu // uint32(tiles_per_expert)
+                local = tu - eu * uint32(tiles_per_expert)
+                m_tiles = uint32(tiles_per_expert) // uint32(n_tiles)
+                mt = local // m_tiles
+                m0 = int64(local - mt * m_tiles) * bm
+                n0 = int64(mt) * bn
+                hi = int64(min(offsets[eu + 1], num_rows[0]))
+                lo = int64(min(offsets[eu], hi))
+                return int64(eu), m0, n0, lo, hi, max((hi - lo + (BK - 1)) // BK, 1)
+            return tile_of
+        return {"_make_tile_walk": make_walk}
     if variant == "no-load":
         def make_loader(cols, gather):
             @kjit(device=True, inline="always")
@@ -78,7 +109,7 @@ def _patched_factories(variant):
                     st_shared_u32(smem, epi0, bad[0])
             return epilogue
         return {"_make_epilogues": make_epi}
-    assert variant == "prod"
+    assert variant == "prod", variant
     return {}
 
 
@@ -97,7 +128,15 @@ def build(variant, cfg, gather_a, gather_b):
             setattr(W, k, v)
 
 
-def probe(preset_name, T, iters, variants):
+def _tile(spec, base):
+    """'128x256s3' -> ``base`` with that tile and ring."""
+    from dataclasses import replace
+    mn, st = spec.split("s")
+    bm, bn = (int(v) for v in mn.split("x"))
+    return replace(base, bm=bm, bn=bn, stages=int(st))
+
+
+def probe(preset_name, T, iters, variants, tiles):
     import torch
 
     import mok_torch
@@ -122,23 +161,27 @@ def probe(preset_name, T, iters, variants):
         None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
         for g, n in zip(grads, B.Grads._fields))), False, T)       # device arrays
     o = B._rows(layer, False)
-    cfg, s = layer.wgrad_gemm, numba_stream()
+    cfgs = [_tile(t, layer.wgrad_gemm) for t in tiles] or [layer.wgrad_gemm]
+    s = numba_stream()
     I, H = shape.intermediate, shape.hidden
     # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
     wbytes = shape.experts_per_rank * I * H * 2          # one expert weight tensor, bf16
     gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
              ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
-    print(f"{preset_name} T={T} EP 1, wgrad {cfg}")
+    print(f"{preset_name} T={T} EP 1, wgrad tiles {[str(c) for c in cfgs]}")
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
-        kernels = {v: build(v, cfg, ai is not None, bi is not None) for v in variants}
-        calls = {v: (lambda k=k: launch_with(lambda *_: k, cfg, s, a, ai, b, bi, o.offsets,
-                                             o.rows, o0, o1, a.shape[1], b.shape[1], m_split,
-                                             accumulate=False, errors=layer.comm.errors,
-                                             tensor=err.NF_WEIGHT_GRADS, rank=0))
-                 for v, k in kernels.items()}
-        times = {v: [] for v in variants}
+        runs = [(f"{c.bm}x{c.bn}s{c.stages} {v}", c, build(v, c, ai is not None, bi is not None))
+                for c in cfgs for v in variants]
+        calls = {key: (lambda k=k, c=c: launch_with(
+                           lambda *_: k, c, s, a, ai, b, bi, o.offsets, o.rows, o0, o1,
+                           a.shape[1], b.shape[1], m_split, accumulate=False,
+                           errors=layer.comm.errors, tensor=err.NF_WEIGHT_GRADS, rank=0))
+                 for key, c, k in runs}
+        fill = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        calls["fill"] = lambda: fill.fill_(1.0)
+        times = {key: [] for key in calls}
         for it in range(iters + 2):
-            for v in variants:
+            for v in calls:
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 ev[0].record()
                 calls[v]()
@@ -146,9 +189,9 @@ def probe(preset_name, T, iters, variants):
                 torch.cuda.synchronize()
                 if it >= 2:
                     times[v].append(ev[0].elapsed_time(ev[1]))
-        for v in variants:
+        for v in calls:
             ms = statistics.median(times[v])
-            print(f"  {name:8s} {v:9s} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s of output")
+            print(f"  {name:8s} {v:20s} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s of output")
     # the variants wrote wrong gradients and no error word is owed: drop the layer's flags
     torch.cuda.synchronize()
 
@@ -159,9 +202,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tiles", default="", help="e.g. 128x256s3,128x128s5 (default: the layer's)")
     args = ap.parse_args(argv)
+    tiles = [t for t in args.tiles.split(",") if t]
     for p in args.presets.split(","):
-        probe(p, args.tokens, args.iters, args.variants.split(","))
+        probe(p, args.tokens, args.iters, args.variants.split(","), tiles)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                all BN columns; BN = 64, 128 or 256), warpgroup 2 loads (the producer);
                setmaxnreg moves registers from the producer to the compute warpgroups
                (COMPUTE_REGS / PRODUCER_REGS)
-    tiles    = E x (M / 128) x (N / BN) whatever the routing, in the order (expert, column
-               tile, row tile): block b takes tiles b, b + grid, ...; the tiles running at once
-               share one expert's rows of A and B, which stay in L2. No tile table: the tile ->
-               (expert, m0, n0) map is two divisions, done by both roles
+    tiles    = E x (M / 128) x (N / BN) whatever the routing, in the order (expert, row
+               tile, column tile): block b takes tiles b, b + grid, ...; the tiles running at
+               once share one expert's rows of A and B, which stay in L2, and write whole
+               output rows (the other order, a BN-column band of many rows at once, measured
+               slower: docs/perf.md). No tile table: the tile -> (expert, m0, n0) map is two
+               divisions, done by both roles
     K slice  = 64 consecutive rows r of the expert (BK = 64: one 128-byte swizzle row per
                64 columns); ktiles = max(1, ceil((hi - lo) / 64)) slices -- an empty expert
                runs one slice of zeros (the K loop tests its exit after each step: see C7518
@@ -290,6 +292,26 @@ def smem_bytes(bn, stages, out_f32=False):
             + _staging_bytes(bn, out_f32))
 
 
+def _make_tile_walk(bm, bn):
+    """``tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows) -> (expert, m0, n0, lo, hi,
+    ktiles)``: tile t of the walk (expert, row tile, column tile; module header). 32-bit
+    unsigned divisions: int64 ones are calls of ~70 instructions each."""
+    @kjit(device=True, inline="always")
+    def tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows):
+        tu = uint32(t)
+        eu = tu // uint32(tiles_per_expert)
+        local = tu - eu * uint32(tiles_per_expert)
+        mt = local // uint32(n_tiles)
+        m0 = int64(mt) * bm
+        n0 = int64(local - mt * uint32(n_tiles)) * bn
+        e = int64(eu)
+        hi = int64(min(offsets[eu + 1], num_rows[0]))
+        lo = int64(min(offsets[eu], hi))
+        ktiles = max((hi - lo + (BK - 1)) // BK, 1)
+        return e, m0, n0, lo, hi, ktiles
+    return tile_of
+
+
 def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     """Build one wgmma wgrad specialisation (all arguments compile-time)."""
     assert tile_ok(bm, bn) and stages >= 2
@@ -314,26 +336,11 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     load_b = _operand_loader(bn, gather_b)
     mma_slice = _make_mma_slice(bn)
     epilogue = _make_epilogues(bm, bn, out_f32, accumulate)
-
-    @kjit(device=True, inline="always")
-    def tile_of(t, tiles_per_expert, m_tiles, offsets, num_rows):
-        """Tile t -> (expert, m0, n0, lo, hi, ktiles). 32-bit unsigned divisions: int64 ones
-        are calls of ~70 instructions each."""
-        tu = uint32(t)
-        eu = tu // uint32(tiles_per_expert)
-        local = tu - eu * uint32(tiles_per_expert)
-        mt = local // uint32(m_tiles)
-        m0 = int64(local - mt * uint32(m_tiles)) * bm
-        n0 = int64(mt) * bn
-        e = int64(eu)
-        hi = int64(min(offsets[eu + 1], num_rows[0]))
-        lo = int64(min(offsets[eu], hi))
-        ktiles = max((hi - lo + (BK - 1)) // BK, 1)
-        return e, m0, n0, lo, hi, ktiles
+    tile_of = _make_tile_walk(bm, bn)
 
     @kjit(device=True, inline="always")
     def produce(smem, full0, empty0, ring, p, a, a_index, b, b_index, offsets, num_rows, M, N,
-                total, tiles_per_expert, m_tiles):
+                total, tiles_per_expert, n_tiles):
         """Producer thread p's part of the block's slice stream (module header)."""
         a_c = p % cpr_a
         a_k = p // cpr_a
@@ -347,7 +354,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         st = 0                              # stage of slice j (compare-and-wrap)
         t = int64(cuda.blockIdx.x)
         while t < total:
-            _, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, m_tiles, offsets,
+            _, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, n_tiles, offsets,
                                                 num_rows)
             for kt in range(ktiles):
                 if j >= stages:             # both warpgroups retired slice j - STAGES
@@ -379,8 +386,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
-        m_tiles = M // bm
-        tiles_per_expert = m_tiles * (N // bn)
+        n_tiles = N // bn
+        tiles_per_expert = (M // bm) * n_tiles
         total = num_experts * tiles_per_expert
         full0 = shared_addr(smem)
         empty0 = full0 + 8 * stages
@@ -398,7 +405,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         if warp_all(tid >= compute):
             setmaxnreg_dec(PRODUCER_REGS)
             produce(smem, full0, empty0, ring, tid - compute, a, a_index, b, b_index, offsets,
-                    num_rows, M, N, total, tiles_per_expert, m_tiles)
+                    num_rows, M, N, total, tiles_per_expert, n_tiles)
         else:
             setmaxnreg_inc(COMPUTE_REGS)
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
@@ -411,7 +418,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             j = int64(0)                    # the stream's slice being computed
             t = int64(cuda.blockIdx.x)
             while t < total:
-                e, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, m_tiles, offsets,
+                e, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, n_tiles, offsets,
                                                     num_rows)
                 acc = f32_zeros(nacc)
                 # At least one step, the exit tested at the end (``ktiles`` >= 1): a guarded
