@@ -20,7 +20,8 @@ patched while the factory runs):
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
 ``--tiles 128x256s3,128x128s5`` times every variant at each of those tiles (default: the
-layer's).
+layer's). ``--profile``: the CUDA profiler runs over the timed launches only (``ncu
+--profile-from-start off -k regex:^kernel``: the layer's own launches before are left out).
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
 differences say what overlaps and what does not (H200.md: time variants that leave a stage
@@ -136,7 +137,7 @@ def _tile(spec, base):
     return replace(base, bm=bm, bn=bn, stages=int(st))
 
 
-def probe(preset_name, T, iters, variants, tiles):
+def probe(preset_name, T, iters, variants, tiles, profile=False):
     import torch
 
     import mok_torch
@@ -169,6 +170,9 @@ def probe(preset_name, T, iters, variants, tiles):
     gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
              ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
     print(f"{preset_name} T={T} EP 1, wgrad tiles {[str(c) for c in cfgs]}")
+    if profile:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
         runs = [(f"{c.bm}x{c.bn}s{c.stages} {v}", c, build(v, c, ai is not None, bi is not None))
                 for c in cfgs for v in variants]
@@ -194,6 +198,8 @@ def probe(preset_name, T, iters, variants, tiles):
             print(f"  {name:8s} {v:20s} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s of output")
     # the variants wrote wrong gradients and no error word is owed: drop the layer's flags
     torch.cuda.synchronize()
+    if profile:
+        torch.cuda.cudart().cudaProfilerStop()
 
 
 def main(argv=None):
@@ -203,10 +209,11 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tiles", default="", help="e.g. 128x256s3,128x128s5 (default: the layer's)")
+    ap.add_argument("--profile", action="store_true", help="cudaProfilerStart/Stop around them")
     args = ap.parse_args(argv)
     tiles = [t for t in args.tiles.split(",") if t]
     for p in args.presets.split(","):
-        probe(p, args.tokens, args.iters, args.variants.split(","), tiles)
+        probe(p, args.tokens, args.iters, args.variants.split(","), tiles, args.profile)
 
 
 if __name__ == "__main__":
