@@ -176,6 +176,20 @@ def test_wgrad_matches_float64(case):
         check_bf16(got, D, S)
 
 
+@pytest.mark.parametrize("case", ["wgmma-gate_up", "wgmma-down"])
+def test_wgmma_wgrad_32_row_slices(case, monkeypatch):
+    """The wgmma wgrad built with 32-row K slices (a 6-stage ring in the shared memory of
+    3 of 64 rows: ``probe_wgrad_parts --tiles 128xBNs6k32``) against float64: the ragged
+    experts then end in the middle of a 32-row box and the ring wraps within a tile."""
+    from mok_core.gemm import sm90_wgrad as W
+
+    def k32(cfg, gather_a, gather_b, out_f32, accumulate):
+        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, 6, gather_a, gather_b, out_f32, accumulate,
+                                  32)
+    monkeypatch.setattr(W, "_kernel", k32)
+    test_wgrad_matches_float64(case)
+
+
 # (config, M, N, m_split) of the single-config tests below: each kernel family's small tiles
 SMALL = {"sync": (SIM_GEMM, 64, 32, 32), "wgmma": (WG64, 256, 64, 128)}
 

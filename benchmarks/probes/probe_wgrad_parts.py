@@ -19,8 +19,8 @@ patched while the factory runs):
 
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
-``--tiles 128x256s3,128x128s5`` times every variant at each of those tiles (default: the
-layer's). ``--profile``: the CUDA profiler runs over the timed launches only (``ncu
+``--tiles 128x256s3,128x256s6k32`` times every variant at each of those tiles, ring depths
+and K slices (default: the layer's). ``--profile``: the CUDA profiler runs over the timed launches only (``ncu
 --profile-from-start off -k regex:^kernel``: the layer's own launches before are left out).
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
@@ -54,9 +54,7 @@ def _patched_factories(variant):
     from mok_core.intrinsics import fence_proxy_async, st_shared_u32, syncwarp, tuple_fold
 
     if variant == "rows-first":
-        from mok_core.gemm.sm90 import BK
-
-        def make_walk(bm, bn):
+        def make_walk(bm, bn, bk):
             @kjit(device=True, inline="always")
             def tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows):
                 tu = uint32(t)
@@ -68,18 +66,18 @@ def _patched_factories(variant):
                 n0 = int64(mt) * bn
                 hi = int64(min(offsets[eu + 1], num_rows[0]))
                 lo = int64(min(offsets[eu], hi))
-                return int64(eu), m0, n0, lo, hi, max((hi - lo + (BK - 1)) // BK, 1)
+                return int64(eu), m0, n0, lo, hi, max((hi - lo + (bk - 1)) // bk, 1)
             return tile_of
         return {"_make_tile_walk": make_walk}
     if variant == "no-load":
-        def make_loader(cols, gather):
+        def make_loader(cols, gather, bk):
             @kjit(device=True, inline="always")
             def load(smem, dst, src, index, r, hi, ld, col):
                 pass
             return load
         return {"_operand_loader": make_loader}
     if variant == "no-mma":
-        def make_mma(bn):
+        def make_mma(bn, bk):
             @kjit(device=True, inline="always")
             def mma_slice(acc, smem, da, db):
                 return acc
@@ -115,29 +113,35 @@ def _patched_factories(variant):
 
 
 @lru_cache(maxsize=None)
-def build(variant, cfg, gather_a, gather_b):
-    """The wgmma wgrad kernel of ``cfg`` (bf16 output, no accumulate) with ``variant``."""
+def build(variant, tile, gather_a, gather_b):
+    """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages, bk); bf16 output, no accumulate)
+    with ``variant``."""
     from mok_core.gemm import sm90_wgrad as W
     patches = _patched_factories(variant)
     saved = {k: getattr(W, k) for k in patches}
     try:
         for k, v in patches.items():
             setattr(W, k, v)
-        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, False, False)
+        bm, bn, stages, bk = tile
+        return W.make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, False, False, bk)
     finally:
         for k, v in saved.items():
             setattr(W, k, v)
 
 
-def _tile(spec, base):
-    """'128x256s3' -> ``base`` with that tile and ring."""
-    from dataclasses import replace
-    mn, st = spec.split("s")
+def _tile(spec):
+    """'128x256s3' -> (128, 256, 3, 64); '128x256s6k32' -> (128, 256, 6, 32): the kernel's
+    tile, ring stages and K slice (built directly: GemmConfig takes the forward's wgmma
+    slices only)."""
+    mn, rest = spec.split("s")
+    st, _, bk = rest.partition("k")
     bm, bn = (int(v) for v in mn.split("x"))
-    return replace(base, bm=bm, bn=bn, stages=int(st))
+    return bm, bn, int(st), int(bk or 64)
 
 
 def probe(preset_name, T, iters, variants, tiles, profile=False):
+    from dataclasses import replace
+
     import torch
 
     import mok_torch
@@ -162,20 +166,23 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
         None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
         for g, n in zip(grads, B.Grads._fields))), False, T)       # device arrays
     o = B._rows(layer, False)
-    cfgs = [_tile(t, layer.wgrad_gemm) for t in tiles] or [layer.wgrad_gemm]
+    g = layer.wgrad_gemm
+    shapes = [_tile(t) for t in tiles] or [(g.bm, g.bn, g.stages, g.bk)]
     s = numba_stream()
     I, H = shape.intermediate, shape.hidden
     # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
     wbytes = shape.experts_per_rank * I * H * 2          # one expert weight tensor, bf16
     gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
              ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
-    print(f"{preset_name} T={T} EP 1, wgrad tiles {[str(c) for c in cfgs]}")
+    print(f"{preset_name} T={T} EP 1, wgrad (bm, bn, stages, bk): {shapes}")
     if profile:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
-        runs = [(f"{c.bm}x{c.bn}s{c.stages} {v}", c, build(v, c, ai is not None, bi is not None))
-                for c in cfgs for v in variants]
+        # (the launch reads its grid off a config of the tile; the kernel its shared memory)
+        runs = [(f"{bm}x{bn}s{st}k{bk} {v}", replace(g, bm=bm, bn=bn),
+                 build(v, (bm, bn, st, bk), ai is not None, bi is not None))
+                for bm, bn, st, bk in shapes for v in variants]
         calls = {key: (lambda k=k, c=c: launch_with(
                            lambda *_: k, c, s, a, ai, b, bi, o.offsets, o.rows, o0, o1,
                            a.shape[1], b.shape[1], m_split, accumulate=False,
@@ -208,7 +215,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--tiles", default="", help="e.g. 128x256s3,128x128s5 (default: the layer's)")
+    ap.add_argument("--tiles", default="",
+                    help="e.g. 128x256s3,128x256s6k32 (default: the layer's)")
     ap.add_argument("--profile", action="store_true", help="cudaProfilerStart/Stop around them")
     args = ap.parse_args(argv)
     tiles = [t for t in args.tiles.split(",") if t]

@@ -63,6 +63,8 @@ WGRAD_KERNELS = [
     ("wgrad-down-128", 128, 256, 3, True, False, False, False),
     ("wgrad-gate_up-f32acc-128", 128, 256, 3, False, True, True, True),
     ("wgrad-down-f32acc-128", 128, 256, 3, True, False, True, True),
+    # 32-row K slices, a 6-stage ring (probe_wgrad_parts --tiles 128x256s6k32)
+    ("wgrad-gate_up-k32-128", 128, 256, 6, False, True, False, False, 32),
 ]
 
 
@@ -117,7 +119,7 @@ def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_p
     return ptx
 
 
-def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
+def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=64):
     from numba import cuda, float32, uint32
     try:
         from test_ptx_wgrad import wgmma_wgrad_sig
@@ -127,7 +129,8 @@ def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         sig = wgrad_sig(float32 if out_f32 else uint32)
 
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
-    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
+    kw = {"bk": bk} if bk != 64 else {}      # (a tree from before 32-row slices: 64 only)
+    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, **kw)
     opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a"), **opts)
     return ptx

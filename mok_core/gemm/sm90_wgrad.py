@@ -22,17 +22,18 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                output rows (the other order, a BN-column band of many rows at once, measured
                slower: docs/perf.md). No tile table: the tile -> (expert, m0, n0) map is two
                divisions, done by both roles
-    K slice  = 64 consecutive rows r of the expert (BK = 64: one 128-byte swizzle row per
-               64 columns); ktiles = max(1, ceil((hi - lo) / 64)) slices -- an empty expert
-               runs one slice of zeros (the K loop tests its exit after each step: see C7518
-               below), which gives its zero gradient
+    K slice  = BK consecutive rows r of the expert (``GemmConfig.bk``: 64; a box is BK rows
+               of 128 bytes, so 32 builds too -- a ring twice as deep in the same shared
+               memory, for probes); ktiles = max(1, ceil((hi - lo) / BK)) slices -- an empty
+               expert runs one slice of zeros (the K loop tests its exit after each step: see
+               C7518 below), which gives its zero gradient
     stream   = the block's slices in one stream across its tiles (tile b's slices, then tile
                b + grid's, ...): slice j of the stream sits in ring stage j % STAGES, so the
                producer runs ahead into the next tile while the compute warpgroups multiply and
                store this one (an expert is 1-3 slices: a tile's own prologue would expose the
                L2 latency every tile)
     ring     = STAGES slices of [A: 2 boxes | B: BN/64 boxes] in shared memory, 1024-byte
-               aligned after the mbarriers; a box = [64 rows of k][64 columns] (8 KiB), row k
+               aligned after the mbarriers; a box = [BK rows of k][64 columns] (8 KiB at 64), row k
                128 bytes at k * 128, 16-byte chunk c of it stored at chunk c ^ (k % 8): the
                MN-major 128-byte-swizzle layout that ``sm90``'s B_KN reads (and TMA writes),
                here written by cp.async
@@ -50,10 +51,10 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                NaN rows past num_rows) must read as zeros on the direct side too. With K this
                short the loads are issue-bound (docs/perf.md): a producer warpgroup takes
                their integer work off the warps that issue the wgmmas and the epilogue
-    MMA      = per slice, per compute warpgroup: 4 x wgmma m64nBNk16 ``_tatb`` from two
-               MN-major descriptors (``sm90._DESC_HIGH_MN``: leading byte offset 8 KiB between
-               the 64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16
-               step; warpgroup g's A starts at box g of the A slice)
+    MMA      = per slice, per compute warpgroup: BK / 16 x wgmma m64nBNk16 ``_tatb`` from two
+               MN-major descriptors (``_desc_high``: leading byte offset a box between the
+               64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
+               warpgroup g's A starts at box g of the A slice)
     epilogue = bf16: ``epilogue.make_tma_epilogue``, per warp: its 16 rows staged apart from
                the ring (the producer fills every stage meanwhile) as BN / 64 swizzled
                [16][64] boxes, then one TMA store a box through the outputs' tensor maps
@@ -115,8 +116,8 @@ from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_w
                           wgmma_m64n128k16_bf16_tatb, wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, report_warp
 from .sm80_wgrad import launch_with as _launch_with
-from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, BOX_BYTES, ROW_BYTES, _require_arch,
-                   wait_phase, warpgroup_fragment)
+from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, ROW_BYTES, _require_arch, wait_phase,
+                   warpgroup_fragment)
 from .tensor_map import tensor_maps
 
 _WGMMA_TATB = {64: wgmma_m64n64k16_bf16_tatb, 128: wgmma_m64n128k16_bf16_tatb,
@@ -137,23 +138,23 @@ def tile_ok(bm, bn):
     return bm == 128 and bn in _WGMMA_TATB
 
 
-def _operand_map(cols):
-    """The producer's map of one operand's slice (64 rows x ``cols`` columns): (16-byte chunks
+def _operand_map(cols, bk):
+    """The producer's map of one operand's slice (``bk`` rows x ``cols`` columns): (16-byte chunks
     of a row one pass covers -- 8 or 16 --, rows between a thread's passes -- 16 or 8: a
     multiple of 8, so every chunk of a thread has one swizzle --, passes, column repeats)."""
     cpr = min(cols // 8, 16)
     step = PRODUCER_THREADS // cpr
-    return cpr, step, BK // step, cols // 8 // cpr
+    return cpr, step, bk // step, cols // 8 // cpr
 
 
-def _operand_loader(cols, gather):
+def _operand_loader(cols, gather, bk):
     """``load(smem, dst, src, index, r, hi, ld, col)``: this producer thread's cp.async chunks
     of one operand's slice into one ring stage: rows r + i * step of ``src`` (through ``index``
     when ``gather``; ``ld`` elements a row), each at column ``col`` and its column repeats,
     the first landing at the shared byte address ``dst``; rows at or past ``hi``, and padding
     rows (index -1), zero-filled without a read (cp.async's ignore-src)."""
-    cpr, step, passes, reps = _operand_map(cols)
-    rep_bytes = (cpr // 8) * BOX_BYTES      # shared bytes between a thread's column repeats
+    cpr, step, passes, reps = _operand_map(cols, bk)
+    rep_bytes = (cpr // 8) * bk * ROW_BYTES  # shared bytes between a thread's column repeats
     rep_cols = cpr * 8                      # and source elements
 
     @kjit(device=True, inline="always")
@@ -185,14 +186,23 @@ def _operand_loader(cols, gather):
     return load
 
 
-def _make_mma_slice(bn):
-    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one 64-row K slice = wgmma.fence,
-    4 x wgmma m64nBNk16 with both operands MN-major (a k16 step is 16 rows of k, 2048 bytes:
-    +128 in both descriptors' address fields), commit."""
+def _desc_high(bk):
+    """The MN-major descriptors' fixed fields for boxes of ``bk`` rows of k: leading byte
+    offset one box (between 64-column boxes), stride 1024 B (8 rows of k), 128-byte swizzle."""
+    return ((bk * ROW_BYTES) >> 4) << 16 | ((1024 >> 4) << 32) | (1 << 62)
+
+
+assert _desc_high(BK) == _DESC_HIGH_MN
+
+
+def _make_mma_slice(bn, bk):
+    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one ``bk``-row K slice = wgmma.fence,
+    bk / 16 x wgmma m64nBNk16 with both operands MN-major (a k16 step is 16 rows of k, 2048
+    bytes: +128 in both descriptors' address fields), commit."""
     mma = _WGMMA_TATB[bn]
 
     @kjit(device=True, inline="always")
-    def mma_slice(acc, smem, da, db):
+    def mma_slice64(acc, smem, da, db):
         acc = wgmma_fence(acc)
         acc = mma(acc, smem, da, db)
         acc = mma(acc, smem, da + _K16_MN, db + _K16_MN)
@@ -200,7 +210,15 @@ def _make_mma_slice(bn):
         acc = mma(acc, smem, da + 3 * _K16_MN, db + 3 * _K16_MN)
         wgmma_commit()
         return acc
-    return mma_slice
+
+    @kjit(device=True, inline="always")
+    def mma_slice32(acc, smem, da, db):
+        acc = wgmma_fence(acc)
+        acc = mma(acc, smem, da, db)
+        acc = mma(acc, smem, da + _K16_MN, db + _K16_MN)
+        wgmma_commit()
+        return acc
+    return {64: mma_slice64, 32: mma_slice32}[bk]
 
 
 def _store_f32_group(accumulate):
@@ -285,14 +303,15 @@ def _staging_bytes(bn, out_f32):
     return 0 if out_f32 else 8 * _warp_staging_bytes(bn)
 
 
-def smem_bytes(bn, stages, out_f32=False):
+def smem_bytes(bn, stages, out_f32=False, bk=BK):
     """Dynamic shared memory of one block: the full and empty mbarriers, slack to align the
-    ring to 1024 bytes, the ring of (128 + BN) 128-byte rows a stage, the staging."""
-    return (16 * stages + 1024 + stages * (128 + bn) * ROW_BYTES
+    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of ``bk`` 128-byte rows a stage), the
+    staging."""
+    return (16 * stages + 1024 + stages * (128 + bn) // 64 * bk * ROW_BYTES
             + _staging_bytes(bn, out_f32))
 
 
-def _make_tile_walk(bm, bn):
+def _make_tile_walk(bm, bn, bk):
     """``tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows) -> (expert, m0, n0, lo, hi,
     ktiles)``: tile t of the walk (expert, row tile, column tile; module header). 32-bit
     unsigned divisions: int64 ones are calls of ~70 instructions each."""
@@ -307,14 +326,14 @@ def _make_tile_walk(bm, bn):
         e = int64(eu)
         hi = int64(min(offsets[eu + 1], num_rows[0]))
         lo = int64(min(offsets[eu], hi))
-        ktiles = max((hi - lo + (BK - 1)) // BK, 1)
+        ktiles = max((hi - lo + (bk - 1)) // bk, 1)
         return e, m0, n0, lo, hi, ktiles
     return tile_of
 
 
-def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
+def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=BK):
     """Build one wgmma wgrad specialisation (all arguments compile-time)."""
-    assert tile_ok(bm, bn) and stages >= 2
+    assert tile_ok(bm, bn) and stages >= 2 and bk in (32, 64)
     assert not accumulate or out_f32
     compute = 2 * bm                        # the two compute warpgroups' threads
     threads = compute + PRODUCER_THREADS
@@ -323,20 +342,22 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     # the compute warpgroups free a stage only when the next slice's wgmmas are issued (they
     # hold two), so the producer waiting on a stage must already have announced that slice.
     lag = stages - 2
-    stage_bytes = (bm + bn) * ROW_BYTES
-    a_stage = bm * ROW_BYTES
+    box = bk * ROW_BYTES                    # one [bk][64] box of the ring
+    stage_bytes = (bm + bn) // 64 * box
+    a_stage = bm // 64 * box
+    desc_high = _desc_high(bk)
     warp_staging = _warp_staging_bytes(bn)
-    cpr_a = _operand_map(bm)[0]
-    cpr_b = _operand_map(bn)[0]
-    nbytes = smem_bytes(bn, stages, out_f32)
+    cpr_a = _operand_map(bm, bk)[0]
+    cpr_b = _operand_map(bn, bk)[0]
+    nbytes = smem_bytes(bn, stages, out_f32, bk)
     if nbytes > 227 * 1024:
         raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
                          f"{nbytes} bytes of shared memory per block: over 227 KiB")
-    load_a = _operand_loader(bm, gather_a)
-    load_b = _operand_loader(bn, gather_b)
-    mma_slice = _make_mma_slice(bn)
+    load_a = _operand_loader(bm, gather_a, bk)
+    load_b = _operand_loader(bn, gather_b, bk)
+    mma_slice = _make_mma_slice(bn, bk)
     epilogue = _make_epilogues(bm, bn, out_f32, accumulate)
-    tile_of = _make_tile_walk(bm, bn)
+    tile_of = _make_tile_walk(bm, bn, bk)
 
     @kjit(device=True, inline="always")
     def produce(smem, full0, empty0, ring, p, a, a_index, b, b_index, offsets, num_rows, M, N,
@@ -346,8 +367,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         a_k = p // cpr_a
         b_c = p % cpr_b
         b_k = p // cpr_b
-        a_dst = ring + (a_c // 8) * BOX_BYTES + a_k * ROW_BYTES + ((a_c % 8) ^ (a_k % 8)) * 16
-        b_dst = (ring + a_stage + (b_c // 8) * BOX_BYTES + b_k * ROW_BYTES
+        a_dst = ring + (a_c // 8) * box + a_k * ROW_BYTES + ((a_c % 8) ^ (a_k % 8)) * 16
+        b_dst = (ring + a_stage + (b_c // 8) * box + b_k * ROW_BYTES
                  + ((b_c % 8) ^ (b_k % 8)) * 16)
         j = int64(0)                        # slices issued
         done = int64(0)                     # slices landed and announced on full[]
@@ -359,7 +380,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             for kt in range(ktiles):
                 if j >= stages:             # both warpgroups retired slice j - STAGES
                     wait_phase(smem, empty0 + 8 * st, (j // stages - 1) & 1)
-                r0 = lo + kt * BK
+                r0 = lo + kt * bk
                 off = st * stage_bytes
                 load_a(smem, a_dst + off, a, a_index, r0 + a_k, hi, M, m0 + a_c * 8)
                 load_b(smem, b_dst + off, b, b_index, r0 + b_k, hi, N, n0 + b_c * 8)
@@ -413,8 +434,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             if not out_f32:                 # the host wrote the maps: acquire them once
                 tensormap_acquire(maps, 0)
                 tensormap_acquire(maps, 16)
-            desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * BOX_BYTES) >> 4)
-            desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
+            desc_a0 = int64(desc_high) + int64((ring + wg * box) >> 4)
+            desc_b0 = int64(desc_high) + int64((ring + a_stage) >> 4)
             j = int64(0)                    # the stream's slice being computed
             t = int64(cuda.blockIdx.x)
             while t < total:
@@ -467,7 +488,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
 def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
     _require_arch(cfg)
     return make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, out_f32,
-                            accumulate)
+                            accumulate, cfg.bk)
 
 
 def output_maps(out0, out1, E, M, N, m_split, stream=0):
