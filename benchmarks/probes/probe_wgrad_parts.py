@@ -20,8 +20,9 @@ patched while the factory runs):
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
 ``--tiles 128x256s3,128x256s6k32`` times every variant at each of those tiles, ring depths
-and K slices (default: the layer's). ``--profile``: the CUDA profiler runs over the timed launches only (``ncu
---profile-from-start off -k regex:^kernel``: the layer's own launches before are left out).
+and K slices (default: the layer's). ``--profile``: the CUDA profiler runs over the timed
+launches only (``ncu --profile-from-start off -k regex:^kernel``: the layer's own launches
+before are left out).
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
 differences say what overlaps and what does not (H200.md: time variants that leave a stage
