@@ -23,7 +23,8 @@
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the layer's FP8 forward vs bf16, in turns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
-#        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles)
+#        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles) probe-wgrad (probe_wgrad_parts:
+#        PROBE_PRESETS, PROBE_VARIANTS, PROBE_TILES, e.g. 128x256s3,128x256s6k32)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
 #        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS)
 #        -- the probes live in benchmarks/probes/
@@ -153,6 +154,9 @@ for s in "$@"; do
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
          --wgrad-tiles "${PROBE_WGRAD_TILES:-}" ;;
+    probe-wgrad) step probe-wgrad python3 benchmarks/probes/probe_wgrad_parts.py \
+         --presets "${PROBE_PRESETS:-glm-5.2,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
+         --variants "${PROBE_VARIANTS:-prod}" --tiles "${PROBE_TILES:-}" --iters 8 ;;
     gpu-train) export SUITE=gputrain; step gpu-train torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_module_gpu.py \
          tests/test_torch_module.py tests/test_torch_op.py; rank_logs gputrain ;;
