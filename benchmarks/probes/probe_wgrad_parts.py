@@ -19,10 +19,10 @@ patched while the factory runs):
 
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
-``--tiles 128x256s3,128x256s6k32`` times every variant at each of those tiles, ring depths
-and K slices (default: the layer's). ``--profile``: the CUDA profiler runs over the timed
-launches only (``ncu --profile-from-start off -k regex:^kernel``: the layer's own launches
-before are left out).
+``--tiles 128x256s3,128x256s6k32,128x256s3h1`` times every variant at each of those tiles,
+ring depths, K slices and stages held by the compute side (default: the layer's).
+``--profile``: the CUDA profiler runs over the timed launches only (``ncu
+--profile-from-start off -k regex:^kernel``: the layer's own launches before are left out).
 
 Each variant's time is the median of --iters CUDA-event timings, the variants in turns. The
 differences say what overlaps and what does not (H200.md: time variants that leave a stage
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 from functools import lru_cache
 import os
+import re
 import statistics
 import sys
 
@@ -115,29 +116,30 @@ def _patched_factories(variant):
 
 @lru_cache(maxsize=None)
 def build(variant, tile, gather_a, gather_b):
-    """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages, bk); bf16 output, no accumulate)
-    with ``variant``."""
+    """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages, bk, held); bf16 output, no
+    accumulate) with ``variant``."""
     from mok_core.gemm import sm90_wgrad as W
     patches = _patched_factories(variant)
     saved = {k: getattr(W, k) for k in patches}
     try:
         for k, v in patches.items():
             setattr(W, k, v)
-        bm, bn, stages, bk = tile
-        return W.make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, False, False, bk)
+        bm, bn, stages, bk, held = tile
+        return W.make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, False, False, bk, held)
     finally:
         for k, v in saved.items():
             setattr(W, k, v)
 
 
 def _tile(spec):
-    """'128x256s3' -> (128, 256, 3, 64); '128x256s6k32' -> (128, 256, 6, 32): the kernel's
-    tile, ring stages and K slice (built directly: GemmConfig takes the forward's wgmma
-    slices only)."""
-    mn, rest = spec.split("s")
-    st, _, bk = rest.partition("k")
-    bm, bn = (int(v) for v in mn.split("x"))
-    return bm, bn, int(st), int(bk or 64)
+    """'128x256s3' -> (128, 256, 3, 64, 2); '128x256s6k32h1' -> (128, 256, 6, 32, 1): the
+    kernel's tile, ring stages, K slice and stages the compute side holds (``held``; built
+    directly: GemmConfig takes the forward's wgmma slices only)."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?(?:h(\d))?", spec)
+    if m is None:
+        raise SystemExit(f"--tiles: {spec!r} is not BMxBNsSTAGES[kBK][hHELD]")
+    bm, bn, st, bk, held = m.groups()
+    return int(bm), int(bn), int(st), int(bk or 64), int(held or 2)
 
 
 def probe(preset_name, T, iters, variants, tiles, profile=False):
@@ -168,22 +170,22 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
         for g, n in zip(grads, B.Grads._fields))), False, T)       # device arrays
     o = B._rows(layer, False)
     g = layer.wgrad_gemm
-    shapes = [_tile(t) for t in tiles] or [(g.bm, g.bn, g.stages, g.bk)]
+    shapes = [_tile(t) for t in tiles] or [(g.bm, g.bn, g.stages, g.bk, 2)]
     s = numba_stream()
     I, H = shape.intermediate, shape.hidden
     # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
     wbytes = shape.experts_per_rank * I * H * 2          # one expert weight tensor, bf16
     gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
              ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
-    print(f"{preset_name} T={T} EP 1, wgrad (bm, bn, stages, bk): {shapes}")
+    print(f"{preset_name} T={T} EP 1, wgrad (bm, bn, stages, bk, held): {shapes}")
     if profile:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
         # (the launch reads its grid off a config of the tile; the kernel its shared memory)
-        runs = [(f"{bm}x{bn}s{st}k{bk} {v}", replace(g, bm=bm, bn=bn),
-                 build(v, (bm, bn, st, bk), ai is not None, bi is not None))
-                for bm, bn, st, bk in shapes for v in variants]
+        runs = [(f"{bm}x{bn}s{st}k{bk}h{held} {v}", replace(g, bm=bm, bn=bn),
+                 build(v, (bm, bn, st, bk, held), ai is not None, bi is not None))
+                for bm, bn, st, bk, held in shapes for v in variants]
         calls = {key: (lambda k=k, c=c: launch_with(
                            lambda *_: k, c, s, a, ai, b, bi, o.offsets, o.rows, o0, o1,
                            a.shape[1], b.shape[1], m_split, accumulate=False,
@@ -217,7 +219,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tiles", default="",
-                    help="e.g. 128x256s3,128x256s6k32 (default: the layer's)")
+                    help="e.g. 128x256s3,128x256s6k32h1 (default: the layer's)")
     ap.add_argument("--profile", action="store_true", help="cudaProfilerStart/Stop around them")
     args = ap.parse_args(argv)
     tiles = [t for t in args.tiles.split(",") if t]

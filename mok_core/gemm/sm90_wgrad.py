@@ -78,12 +78,14 @@ Order:
        exit: cp.async.wait(0), fence, arrive full[] for the slices not yet announced.
        LAG is STAGES - 2, not STAGES - 1: the compute warpgroups hold two stages (the slice
        they issue and the one retiring), so the slice after the one step 1 waits on must be
-       announced before step 1, or both roles wait on each other
+       announced before step 1, or both roles wait on each other (``held=1``: they hold one,
+       and LAG is STAGES - 1)
     compute, per tile, its slices j (at least one step):
     1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed
     2. wgmma.fence; 4 wgmmas on slice j; commit       (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains)
+       (``held=1``, a probe's build: wgmma.wait(0) -> slice j retired; arrive empty[j % STAGES])
     after: wgmma.wait(0); arrive empty[] for the tile's last slice; the epilogue (each warp:
            waits until its previous stores read the staging, stages, fences, __syncwarp,
            lane 0 issues the TMA stores)
@@ -331,17 +333,22 @@ def _make_tile_walk(bm, bn, bk):
     return tile_of
 
 
-def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=BK):
-    """Build one wgmma wgrad specialisation (all arguments compile-time)."""
-    assert tile_ok(bm, bn) and stages >= 2 and bk in (32, 64)
+def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=BK, held=2):
+    """Build one wgmma wgrad specialisation (all arguments compile-time). ``held``: the ring
+    stages the compute warpgroups hold -- 2 (the layer's): a slice's wgmmas issued before the
+    previous slice is retired and released; 1 (for probes): each slice retired (wgmma.wait(0))
+    and released before the next is issued, so the producer has one stage more to fill and
+    keeps one slice more in flight (LAG = STAGES - 1)."""
+    assert tile_ok(bm, bn) and stages >= 2 and bk in (32, 64) and held in (1, 2)
     assert not accumulate or out_f32
     compute = 2 * bm                        # the two compute warpgroups' threads
     threads = compute + PRODUCER_THREADS
     nacc = bn // 2                          # fp32 accumulators per thread
-    # Slices a producer thread leaves in flight before announcing the oldest: STAGES - 2, as
-    # the compute warpgroups free a stage only when the next slice's wgmmas are issued (they
-    # hold two), so the producer waiting on a stage must already have announced that slice.
-    lag = stages - 2
+    # Slices a producer thread leaves in flight before announcing the oldest: STAGES - 2 when
+    # the compute warpgroups free a stage only once the next slice's wgmmas are issued (they
+    # hold two), so the producer waiting on a stage must already have announced that slice;
+    # STAGES - 1 when they free each slice's stage before taking the next.
+    lag = stages - held
     box = bk * ROW_BYTES                    # one [bk][64] box of the ring
     stage_bytes = (bm + bn) // 64 * box
     a_stage = bm // 64 * box
@@ -451,15 +458,20 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
                     soff = (st * stage_bytes) >> 4
                     acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-                    acc = wgmma_wait(acc, 1)
-                    if kt > 0:              # slice j - 1 retired: its stage may refill
-                        mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
+                    if held == 1:           # slice j retired: its stage may refill
+                        acc = wgmma_wait(acc, 0)
+                        mbarrier_arrive(smem, empty0 + 8 * st)
+                    else:
+                        acc = wgmma_wait(acc, 1)
+                        if kt > 0:          # slice j - 1 retired: its stage may refill
+                            mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
                     j += 1
                     kt += 1
                     if kt >= ktiles:
                         break
-                acc = wgmma_wait(acc, 0)
-                mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
+                if held == 2:
+                    acc = wgmma_wait(acc, 0)
+                    mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
 
                 # This tile's place in the outputs: the whole tile lies on one side of m_split
                 # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
