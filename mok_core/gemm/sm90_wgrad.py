@@ -82,7 +82,7 @@ Order:
        and LAG is STAGES - 1)
     compute, per tile, its slices j (at least one step):
     1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed
-    2. wgmma.fence; 4 wgmmas on slice j; commit       (tensor cores busy on j ...)
+    2. wgmma.fence; BK / 16 wgmmas on slice j; commit (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains)
        (``held=1``, a probe's build: wgmma.wait(0) -> slice j retired; arrive empty[j % STAGES])

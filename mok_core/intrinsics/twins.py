@@ -722,7 +722,7 @@ def tma_store_2d(tmaps, elem, smem, saddr, x, y):
     c = np.arange(cols)[None, :]
     ok = (y + r < dst.shape[0]) & (x + c < dst.shape[1])          # (x, y >= 0: above)
     rr, cc = np.broadcast_to(r, ok.shape)[ok], np.broadcast_to(c, ok.shape)[ok]
-    s_idx = (saddr + rr * 128 + (((cc // 8) ^ (rr % 8)) * 16) + (cc % 8) * 2) // 2
+    s_idx = _swizzle_addresses(saddr + rr * 128 + cc * 2) // 2     # (saddr 1024-aligned)
     g_idx = (y + rr) * dst.shape[1] + (x + cc)
     src = _raw(smem).reshape(-1).view(np.uint16)
     _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx])
