@@ -21,9 +21,11 @@ that every weight of an expert with rows must come from HBM once per step (at sm
 expert the GEMMs stream weights): ``floor_hbm_ms`` = those bytes (this rank's experts that got
 rows, and the shared expert) / the HBM rate of a local device copy measured in this run (bytes
 read + written / time), and ``step_over_roofline`` = compiled step / max(floor_ms,
-floor_hbm_ms). ``--precision bf16,fp8`` adds the FP8 forward (``fp8_case``: its compiled step
+floor_hbm_ms). ``--precision bf16,fp8`` adds the FP8 layer (``fp8_case``: its compiled step
 and ours in bf16 in turns, ``fp8_fwd_speedup_vs_bf16``; ``fp8_rel_l1`` / ``fp8_cosine``
-against the float64 bf16 reference on the sampled tokens; the FP8 backward is not built).
+against the float64 bf16 reference on the sampled tokens; with the backward also both
+forward+backward in turns, ``fwd_bwd_speedup_vs_bf16``, the FP8 gradients' rel-L1 and
+``cosine_min``, the smallest cosine of the output and the 8 gradients).
 """
 from __future__ import annotations
 
@@ -143,6 +145,21 @@ def step_breakdown(layer, ids, x, w, weights, iters):
     return out
 
 
+def grad_case(shape, T, dev):
+    """Every rank's d_out [T, H] (seeded by rank), inputs (``synthetic.rank_inputs``) and
+    expert-weight function: what ``grad_errors`` checks a rank's gradients with."""
+    import torch
+    import torch.distributed as dist
+
+    from mok_testing import synthetic
+    R = dist.get_world_size()
+    d_outs = [torch.randn(T, shape.hidden, device=dev,
+                          generator=torch.Generator(dev).manual_seed(100 + r)).bfloat16()
+              for r in range(R)]
+    inputs = [synthetic.rank_inputs(shape, T, r, dev, skew=0.0) for r in range(R)]
+    return d_outs, inputs, (lambda e: synthetic.expert_weights(shape, e, dev))
+
+
 def backward_case(layer, base, shape, T, x, ids, w, weights, iters, warmup, rates, nvl_bytes,
                   weight_bytes, flops):
     """Backward columns of one case: ours (``layer.backward`` after ``layer.forward``) and the
@@ -160,16 +177,11 @@ def backward_case(layer, base, shape, T, x, ids, w, weights, iters, warmup, rate
     import torch.distributed as dist
 
     from benchmarks.common import time_interleaved
-    from mok_testing import synthetic
     from mok_testing.sampled import grad_errors
-    R, me = dist.get_world_size(), dist.get_rank()
+    me = dist.get_rank()
     dev = x.device
-    d_outs = [torch.randn(T, shape.hidden, device=dev,
-                          generator=torch.Generator(dev).manual_seed(100 + r)).bfloat16()
-              for r in range(R)]
+    d_outs, inputs, fn = grad_case(shape, T, dev)
     d_out = d_outs[me]
-    inputs = [synthetic.rank_inputs(shape, T, r, dev, skew=0.0) for r in range(R)]
-    fn = (lambda e: synthetic.expert_weights(shape, e, dev))
     shared = weights[:3] if shape.shared_intermediate else None
     grads = layer.backward(layer.forward(x, ids, w, weights)[1], d_out, w, weights)
     err_ours = max(grad_errors(inputs, d_outs, me, grads, shared, fn,
@@ -227,11 +239,12 @@ def graph_time(step, iters, warmup):
 
 
 def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, dev,
-             bf16_step, iters, warmup):
-    """The FP8 forward's columns (``--precision bf16,fp8``): a second layer with
+             bf16_layer, bf16_step, iters, warmup, backward):
+    """The FP8 columns (``--precision bf16,fp8``): a second layer with
     ``MoKConfig(precision="fp8")`` on the same inputs, the routed weights quantised once
     (``mok_torch.quantize_weights``); accuracy on the sampled tokens against the float64 bf16
-    reference (rel-L1 and cosine), then its compiled step and the bf16 one timed in turns."""
+    reference (rel-L1 and cosine), then its compiled step and the bf16 one timed in turns;
+    with ``backward`` also ``fp8_backward``'s columns."""
     import dataclasses
 
     import torch
@@ -241,9 +254,10 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
     from mok_testing import synthetic
     from mok_testing.sampled import reference_tokens
     layer = mok_torch.Layer(shape, T, dataclasses.replace(cfg, precision="fp8"), gemm=gemm,
-                            gemm_down=gemm_down, backward=False)
+                            gemm_down=gemm_down, backward=backward)
     try:
-        w8 = mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))
+        w8 = mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights,
+                                                                       backward=backward))
         out = layer(x, ids, w, w8)
         ref = reference_tokens(x[pick], ids[pick], w[pick], shared,
                                lambda e: synthetic.expert_weights(shape, e, dev))
@@ -255,13 +269,51 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
             raise RuntimeError("the FP8 compiled step differs from its eager step")
         t = time_interleaved({"bf16": bf16_step, "fp8": lambda: step(x, ids, w)}, iters, warmup)
         t_bf16, t_fp8 = rank_max_median(t["bf16"]), rank_max_median(t["fp8"])
+        row = {"fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
+               "fp8_fwd_speedup_vs_bf16": t_bf16 / t_fp8, "fp8_rel_l1": rel,
+               "fp8_cosine": cos, "cosine_min": cos}
+        if backward:
+            step = None                     # (its graph holds the layer's buffers)
+            row.update(fp8_backward(layer, w8, bf16_layer, shape, T, x, ids, w, weights,
+                                    shared, dev, iters, warmup))
+            row["cosine_min"] = min(cos, row.pop("fp8_grads_cosine_min"))
         layer.check()
-        return {"fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
-                "fp8_fwd_speedup_vs_bf16": t_bf16 / t_fp8, "fp8_rel_l1": rel,
-                "fp8_cosine": cos}
+        return row
     finally:
         torch.cuda.synchronize()
         layer.comm.free()
+
+
+def fp8_backward(layer8, w8, layer, shape, T, x, ids, w, weights, shared, dev, iters, warmup):
+    """The FP8 layer's backward against ours in bf16: its 8 gradients checked against float64
+    (rel-L1 and cosine on the samples of ``grad_errors``), then forward+backward of both timed
+    in turns (eager forward, as ``backward_case``), both writing one set of gradient buffers."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common import time_interleaved
+    from mok_testing.sampled import grad_errors
+    me = dist.get_rank()
+    d_outs, inputs, fn = grad_case(shape, T, dev)
+    d_out = d_outs[me]
+    grads = layer.backward(layer.forward(x, ids, w, weights)[1], d_out, w, weights)
+    layer8.backward(layer8.forward(x, ids, w, w8)[1], d_out, w, w8, grads=grads)
+    errs = {m: grad_errors(inputs, d_outs, me, grads, shared, fn, shape.experts_per_rank,
+                           measure=m) for m in ("rel_l1", "cosine")}
+    t = time_interleaved({
+        "bf16": lambda: layer.backward(layer.forward(x, ids, w, weights)[1], d_out, w, weights,
+                                       grads=grads),
+        "fp8": lambda: layer8.backward(layer8.forward(x, ids, w, w8)[1], d_out, w, w8,
+                                       grads=grads)}, iters, warmup, pre=dist.barrier)
+    med = torch.tensor([statistics.median(t[n]) for n in ("bf16", "fp8")], device=dev)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    t_bf16, t_fp8 = med.tolist()
+    return {"fp8_fwd_bwd_ms": t_fp8, "fp8_bf16_fwd_bwd_ms": t_bf16,
+            "fwd_bwd_speedup_vs_bf16": t_bf16 / t_fp8,
+            "fp8_grads_rel_l1_max": max(errs["rel_l1"].values()),
+            "fp8_grads_cosine_min": min(errs["cosine"].values())}
 
 
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
@@ -364,7 +416,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         if "fp8" in precisions:
             try:
                 fp8 = fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick,
-                               dev, ours_step, iters, warmup)
+                               dev, layer, ours_step, iters, warmup, backward)
             except Exception as e:                  # noqa: BLE001 - recorded in the row
                 torch.cuda.synchronize()
                 fp8 = {"fp8_note": f"{type(e).__name__}: {e}"[:300]}
@@ -452,7 +504,7 @@ def main(argv=None):
     ap.add_argument("--no-backward", action="store_true",
                     help="forward only (skip the backward and forward+backward columns)")
     ap.add_argument("--precision", default="bf16",
-                    help="bf16, or bf16,fp8: also the FP8 forward (MoKConfig(precision='fp8'))"
+                    help="bf16, or bf16,fp8: also the FP8 layer (MoKConfig(precision='fp8'))"
                          " in turns with ours in bf16: fp8_* columns")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@
 #        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
 #        and backward columns)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
+#        gpu-fp8-bwd (the FP8 layer's backward, emulated ranks on one GPU)
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
@@ -21,7 +22,8 @@
 #        probe-quant (the row quantizer direct / gathering / a prefetching candidate, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
-#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the layer's FP8 forward vs bf16, in turns)
+#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the FP8 layer vs ours in bf16, forward
+#        and forward+backward in turns, with the torch-native baseline's columns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles) probe-wgrad (probe_wgrad_parts:
 #        PROBE_PRESETS, PROBE_VARIANTS, PROBE_TILES, e.g. 128x256s3,128x256s6k32)
@@ -132,7 +134,7 @@ for s in "$@"; do
          tests/gpu/test_backward_gpu.py tests/test_backward_emulated.py; rank_logs gpubwd ;;
     bench-layer-fp8) step bench-layer-fp8 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
-         --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --no-backward \
+         --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --dispatch pull \
          --precision bf16,fp8 --out "$OUT/bench_layer_fp8.json" ;;
     bench-layer-bwd) step bench-layer-bwd torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
@@ -140,6 +142,7 @@ for s in "$@"; do
     gpu-dgrad) step gpu-dgrad $PYT tests/test_gemm_dgrad.py ;;
     gpu-wgrad) step gpu-wgrad $PYT -s tests/test_gemm_wgrad.py ;;
     gpu-quant) step gpu-quant $PYT tests/test_quantize.py ;;
+    gpu-fp8-bwd) step gpu-fp8-bwd $PYT -s tests/test_backward_emulated.py -k fp8 ;;
     gpu-fp8) step gpu-fp8 $PYT -s tests/test_gemm_fp8.py tests/test_quantize.py \
          tests/test_intrinsics.py -k "fp8 or e4m3 or quantiz" ;
          step ptx-sm90a $PYT ${PTX_TESTS:-tests/ptx/test_ptx_fp8.py tests/ptx/test_ptx_intrinsics.py \

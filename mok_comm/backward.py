@@ -80,7 +80,9 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array, device_copy, device_empty, flat_view
-from mok_core.gemm import launch_dgrad, launch_wgrad
+from mok_core.errors_kernels import scratch_error_word
+from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_wgrad
+from mok_core.quantize import launch_quantize_rows
 from mok_core.swiglu_backward import launch_swiglu_backward
 
 from . import combine, dispatch
@@ -207,12 +209,26 @@ def _weight_grads(layer: Layer, G: Grads, shared: bool):
     return one(G.d_w_shared_gate), one(G.d_w_shared_up), one(G.d_w_shared_down)
 
 
+def _fp8(layer: Layer, shared: bool) -> bool:
+    """The routed experts' data gradients run in FP8 (``MoKConfig(precision="fp8")``)."""
+    return not shared and layer.config.precision == "fp8"
+
+
 def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
-    """p = d_out W_down[e] (unweighted)."""
+    """p = d_out W_down[e] (unweighted). FP8: the d_out rows quantised 1 x 128 into expert
+    order on the way (as the forward's x), then the FP8 GEMM on W_down's transposed copy."""
     o = _rows(layer, shared)
+    nan = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
+    if _fp8(layer, shared):
+        g, q = layer.grad, W.fp8
+        # (d_out's NaN/Inf were counted at publish: the quantizer reports to a scratch word)
+        launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index, num_rows=o.rows,
+                             stream=stream, errors=scratch_error_word())
+        launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
+                        o.rows, o.p, stream=stream, **nan)
+        return
     launch_dgrad(o.d_out, o.index, _expert_weights(layer, W, shared)[2], None, o.offsets,
-                 o.rows, o.p, config=layer.dgrad_gemm, stream=stream,
-                 **_nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN))
+                 o.rows, o.p, config=layer.dgrad_gemm, stream=stream, **nan)
 
 
 def swiglu_backward(layer: Layer, shared: bool, stream):
@@ -228,12 +244,21 @@ def swiglu_backward(layer: Layer, shared: bool, stream):
 
 
 def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
-    """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows."""
+    """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows. FP8:
+    [d_g | d_u] quantised 1 x 128, then the FP8 GEMM on [W_gate; W_up]'s transposed copy."""
     o = _rows(layer, shared)
+    nan = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
+    if _fp8(layer, shared):
+        g, q = layer.grad, W.fp8
+        # (what is non-finite in d_gu shows in the GEMM's output: a scratch word here)
+        launch_quantize_rows(o.d_gu, g.d_gu8, g.d_gu8_scale, num_rows=o.rows, stream=stream,
+                             errors=scratch_error_word())
+        launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
+                        o.rows, o.d_x, stream=stream, **nan)
+        return
     w_g, w_u, _ = _expert_weights(layer, W, shared)
     launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.dgrad_gemm,
-                 stream=stream,
-                 **_nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED))
+                 stream=stream, **nan)
 
 
 def push_d_x(layer: Layer, stream):
@@ -298,7 +323,7 @@ def backward_phases(layer: Layer, ctx: ForwardContext, d_out, router_weights, we
     d_out = as_device_array(d_out, "d_out", dtype=np.uint16, shape=(T, H))
     router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
                                      shape=(T, k))
-    W = check_weights(layer, weights)
+    W = check_weights(layer, weights, backward=True)
     G = check_grads(layer, grads, accumulate, T)
     layer.errors.poll(stream=stream)
     shared = []

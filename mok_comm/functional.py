@@ -70,7 +70,7 @@ from mok_core.schedule import build_schedule, token_rows
 
 from . import combine, dispatch, routing
 from .barrier import barrier
-from .layer import FP8Weights, ForwardContext, Layer, Weights, WeightsFP8
+from .layer import FP8Weights, ForwardContext, Layer, Weights, WeightsFP8, fp8_shapes
 
 
 class StepInputs(NamedTuple):
@@ -104,10 +104,11 @@ def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInp
                           out, "out", dtype=np.uint16, shape=(T, H)))
 
 
-def check_weights(layer: Layer, weights):
+def check_weights(layer: Layer, weights, *, backward: bool = False):
     """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order; with
-    ``MoKConfig(precision="fp8")`` a ``WeightsFP8``, its 7th the quantised routed experts):
-    the same type back, the shared ones None when the shape has no shared expert."""
+    ``MoKConfig(precision="fp8")`` a ``WeightsFP8``, its 7th the quantised routed experts:
+    an ``FP8Weights``, whose transposed copies ``backward`` requires): the same type back, the
+    shared ones None when the shape has no shared expert."""
     s = layer.shape
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
     fp8_layer = layer.config.precision == "fp8"
@@ -122,14 +123,18 @@ def check_weights(layer: Layer, weights):
     if not fp8_layer:
         return Weights(*checked)
     fp8 = weights[6]
-    if fp8 is None or len(fp8) != 6:
+    if fp8 is None or len(fp8) not in (6, len(FP8Weights._fields)):
         raise TypeError("weights.fp8: MoKConfig(precision='fp8') needs the routed experts "
                         "quantised, an FP8Weights (mok_comm.layer.quantize_weights)")
-    blocks = lambda r, c: (E_l, r // 128, c // 128)                          # noqa: E731
-    specs = ((np.uint8, (E_l, I, H)), (np.float32, blocks(I, H)), (np.uint8, (E_l, I, H)),
-             (np.float32, blocks(I, H)), (np.uint8, (E_l, H, I)), (np.float32, blocks(H, I)))
     views = []
-    for a, name, (dtype, shp) in zip(fp8, FP8Weights._fields, specs):
+    specs = fp8_shapes(E_l, I, H).items()
+    for i, (a, (name, (dtype, shp))) in enumerate(zip(FP8Weights(*fp8), specs)):
+        if a is None and i >= 6:            # the transposed copies: the backward's only
+            if backward:
+                raise ValueError(f"weights.fp8.{name}: None, but the FP8 backward's data "
+                                 "gradients read it (quantize_weights(weights, backward=True))")
+            views.append(None)
+            continue
         v = as_device_array(a, f"weights.fp8.{name}", dtype=dtype, shape=shp)
         if device_address(v) % 16:
             raise ValueError(f"weights.fp8.{name}: must start 16-byte aligned (TMA loads)")

@@ -98,29 +98,63 @@ optimizer step), which the routed GEMMs read: ``WeightsFP8(*weights, quantize_we
 
 
 class FP8Weights(NamedTuple):
-    """This rank's routed experts in e4m3 with one float32 scale per 128 x 128 block, as
-    stored (``mok_core.quantize.quantize_expert_weights``): w_gate / w_up uint8 [E_local, I,
-    H] with scales float32 [E_local, I / 128, H / 128]; w_down uint8 [E_local, H, I] with
-    [E_local, H / 128, I / 128]."""
+    """This rank's routed experts in e4m3 with one float32 scale per 128 x 128 block
+    (``mok_core.quantize.quantize_expert_weights``). As stored, for the forward: w_gate /
+    w_up uint8 [E_local, I, H] with scales float32 [E_local, I / 128, H / 128]; w_down uint8
+    [E_local, H, I] with [E_local, H / 128, I / 128]. Transposed, for the backward's data
+    gradients (None in a forward-only set): w_down_t [E_local, I, H] (d_h = d_out W_down
+    reduces over H) with [E_local, I / 128, H / 128]; w_gate_up_t [E_local, H, 2I] =
+    [W_gate; W_up]^T (d_x = [d_g | d_u] [W_gate; W_up] reduces over 2I) with [E_local, H /
+    128, 2I / 128]. A block's bytes and scale are the same in either orientation."""
     w_gate: object
     w_gate_scale: object
     w_up: object
     w_up_scale: object
     w_down: object
     w_down_scale: object
+    w_down_t: object = None
+    w_down_t_scale: object = None
+    w_gate_up_t: object = None
+    w_gate_up_t_scale: object = None
 
 
-def quantize_weights(weights: Weights, *, out: FP8Weights | None = None, stream=0) -> FP8Weights:
-    """The routed experts of ``weights`` (bf16, as stored) quantised for the FP8 GEMMs --
-    once per optimizer step, into ``out``'s arrays when given (else allocated here)."""
+def fp8_shapes(experts: int, intermediate: int, hidden: int) -> dict:
+    """FP8Weights' field -> (dtype, shape) for ``experts`` routed experts of W_gate's shape
+    [experts, intermediate, hidden]."""
+    E, I, H = experts, intermediate, hidden
+    u8, f32 = np.uint8, np.float32
+    blocks = lambda r, c: (f32, (E, r // 128, c // 128))                   # noqa: E731
+    return {"w_gate": (u8, (E, I, H)), "w_gate_scale": blocks(I, H),
+            "w_up": (u8, (E, I, H)), "w_up_scale": blocks(I, H),
+            "w_down": (u8, (E, H, I)), "w_down_scale": blocks(H, I),
+            "w_down_t": (u8, (E, I, H)), "w_down_t_scale": blocks(I, H),
+            "w_gate_up_t": (u8, (E, H, 2 * I)), "w_gate_up_t_scale": blocks(H, 2 * I)}
+
+
+def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights | None = None,
+                     stream=0) -> FP8Weights:
+    """The routed experts of ``weights`` (bf16, as stored) quantised for the FP8 GEMMs -- once
+    per optimizer step, into ``out``'s arrays when given (else allocated here); with
+    ``backward`` also the transposed copies the backward's data gradients read (a
+    forward-only layer needs only the first six)."""
     from mok_core.quantize import quantize_expert_weights
-    got = []
+    if out is None:
+        out = FP8Weights(*(device_empty(shp, dtype, stream) if backward or i < 6 else None
+                           for i, (dtype, shp) in
+                           enumerate(fp8_shapes(*weights.w_gate.shape).values())))
+    out = FP8Weights(*out)
     for i, name in enumerate(("w_gate", "w_up", "w_down")):
-        q, s = quantize_expert_weights(getattr(weights, name), stream=stream,
-                                       out=None if out is None else out[2 * i],
-                                       scales=None if out is None else out[2 * i + 1])
-        got += [q, s]
-    return FP8Weights(*got)
+        quantize_expert_weights(getattr(weights, name), out=out[2 * i], scales=out[2 * i + 1],
+                                stream=stream)
+    if not backward:
+        return out
+    I = weights.w_gate.shape[1]
+    for w, column in ((weights.w_gate, 0), (weights.w_up, I)):
+        quantize_expert_weights(w, transpose=True, out=out.w_gate_up_t,
+                                scales=out.w_gate_up_t_scale, column=column, stream=stream)
+    quantize_expert_weights(weights.w_down, transpose=True, out=out.w_down_t,
+                            scales=out.w_down_t_scale, stream=stream)
+    return out
 
 
 class ForwardContext(NamedTuple):
@@ -156,6 +190,9 @@ class BackwardBuffers:
         d_gu        [., 2I]  [d_gate | d_up]
         d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
         d_x_s       [T_pad, H] the shared expert's d_x
+        d_out8, d_gu8  [C, H], [C, 2I] uint8 (``MoKConfig(precision="fp8")`` only): the
+                             routed dgrads' A operands quantised 1 x 128 (e4m3), with float32
+                             scales ``d_out8_scale`` [C, H / 128], ``d_gu8_scale`` [C, 2I / 128]
     and ``ones`` float32 [T, k] (the d_x epilogue is the forward's with unit weights),
     ``d_x`` uint16 [T, H] / ``d_router_out`` float32 [T, k] (the default outputs), ``grads``
     (the default weight gradients, allocated at the first backward that needs them).
@@ -181,6 +218,12 @@ class BackwardBuffers:
         self.p = device_empty((C, I), u16, stream)
         self.d_gu = device_empty((C, 2 * I), u16, stream)
         self.d_x_rows = device_empty((C, H), u16, stream)
+        self.d_out8 = self.d_out8_scale = self.d_gu8 = self.d_gu8_scale = None
+        if layer.config.precision == "fp8":
+            self.d_out8 = device_empty((C, H), np.uint8, stream)
+            self.d_out8_scale = device_empty((C, H // 128), f32, stream)
+            self.d_gu8 = device_empty((C, 2 * I), np.uint8, stream)
+            self.d_gu8_scale = device_empty((C, 2 * I // 128), f32, stream)
         self.gate_s = self.up_s = self.p_s = self.d_gu_s = self.d_x_s = None
         if I_s:
             self.gate_s, self.up_s = (device_empty((T_pad, I_s), f32, stream)
@@ -200,7 +243,9 @@ class BackwardBuffers:
                 "p": self.p, "d_gu": self.d_gu, "d_x_rows": self.d_x_rows,
                 "gate_s": self.gate_s, "up_s": self.up_s, "p_s": self.p_s,
                 "d_gu_s": self.d_gu_s, "d_x_s": self.d_x_s, "ones": self.ones,
-                "d_x": self.d_x, "d_router_out": self.d_router_out}
+                "d_x": self.d_x, "d_router_out": self.d_router_out, "d_out8": self.d_out8,
+                "d_out8_scale": self.d_out8_scale, "d_gu8": self.d_gu8,
+                "d_gu8_scale": self.d_gu8_scale}
 
 
 def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:

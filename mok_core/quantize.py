@@ -32,8 +32,11 @@ The source row is the output row, or index[row] (< 0: no read, a zero row, scale
 cost the data path one vote per pass; a warp that saw one reports each item's count once
 (``warp_sum``) with the item's output row as its first row.
 
-``quantize_kernel`` -- (128, 128) blocks and transposed outputs: grid (C / 128, ceil(R / 128)),
-256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by, column 128 bx). It
+``quantize_kernel`` -- (128, 128) blocks and transposed outputs: grid (C / 128, ceil(R / 128),
+E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by, column 128 bx)
+of matrix bz (E matrices [R, C] back to back: the experts of a weight, each its own output
+[lines, pitch] and scales, written from column ``col_off`` on -- how the two halves of
+[W_gate; W_up]^T land in one array). It
 stages the tile in shared memory as bf16 (rows past R read as zero), two bf16 loads per thread
 per step (coalesced), so a transposed line (an input column) is read from shared memory. A
 128 x 128 block's amax is the maximum over the CTA (a warp reduction, then one shared word per
@@ -114,15 +117,21 @@ def _stored_scale(s, ue8m0):
 
 @kjit
 def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, transpose,
-                    errors, tensor, rank):
-    """Launch: grid (C / 128, ceil(R / 128)), THREADS threads (module docstring).
+                    pitch, col_off, errors, tensor, rank):
+    """Launch: grid (C / 128, ceil(R / 128), E), THREADS threads (module docstring).
 
-    x           uint16 [R*C]      bf16 bits, row-major
-    out32       uint32 [R*C/4]    e4m3 bytes of the output layout, four per word
-    scales_f32  float32 [n]       float32 scales (``ue8m0`` False), else unused
+    x           uint16 [E*R*C]    bf16 bits, E row-major [R, C] matrices
+    out32       uint32 [E*L*pitch/4]  e4m3 bytes of the output layout, four per word: per
+                                  matrix L = R (or C with ``transpose``) lines of ``pitch``
+                                  bytes, this one's columns from ``col_off`` on
+    scales_f32  float32 [n]       float32 scales (``ue8m0`` False), else unused; per matrix
+                                  L / 128 (``whole_block``) or L rows of pitch / 128
     scales_u8   uint8 [n]         exponent bytes (``ue8m0``), else unused
     whole_block                   one scale per 128 x 128 tile, else per line
     transpose                     the output is [C, R] (lines are input columns)
+    pitch, col_off                multiples of 128; the output row length and first column
+                                  (cols_out and 0 for a plain output)
+    A NaN/Inf's row in the error word is the flat input row (matrix e's row r: e R + r).
     """
     tile = cuda.shared.array((128, _PITCH), uint16)
     red = cuda.shared.array(8, float32)
@@ -131,6 +140,8 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
     warp = t // 32
     r0 = cuda.blockIdx.y * 128
     c0 = cuda.blockIdx.x * 128
+    mat = int64(cuda.blockIdx.z)
+    x0 = mat * R * C                            # this matrix's first input element
     amax = float32(0.0)
     bad = int32(0)
     first = int32(0)
@@ -140,7 +151,7 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
         lo = uint16(0)
         hi = uint16(0)
         if r0 + r < R:
-            base = (r0 + r) * C + c0 + 2 * w
+            base = x0 + (r0 + r) * C + c0 + 2 * w
             lo = x[base]
             hi = x[base + 1]
         tile[r, 2 * w] = lo
@@ -149,7 +160,7 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
             v = abs(_bf16(h))
             if not math.isfinite(v):
                 if bad == 0:
-                    first = r0 + r
+                    first = mat * R + r0 + r
                 bad += 1
             else:
                 amax = max(amax, v)
@@ -165,13 +176,14 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
         for w in range(1, 8):
             amax = max(amax, red[w])
     lines_out = C if transpose else R           # output rows
-    cols_out = R if transpose else C            # output columns
     line0 = c0 if transpose else r0             # this tile's first output row
-    col0 = r0 if transpose else c0              # ... and first output column
-    n_blk = cols_out // 128
+    col0 = col_off + (r0 if transpose else c0)  # ... and first output column
+    n_blk = pitch // 128                        # scales per output row (line or block row)
+    o0 = mat * lines_out * pitch                # this matrix's output and scales
+    s0 = mat * (lines_out // 128 if whole_block else lines_out) * n_blk
     s, s_f32, s_u8 = _scale(amax, ue8m0)
     if whole_block and t == 0:
-        k = (line0 // 128) * n_blk + col0 // 128
+        k = s0 + (line0 // 128) * n_blk + col0 // 128
         if ue8m0:
             scales_u8[k] = s_u8
         else:
@@ -202,12 +214,12 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
                     m = max(m, abs(v))
             s, s_f32, s_u8 = _scale(_warp_max(m), ue8m0)
             if lane == 0:
-                k = (line0 + line) * n_blk + col0 // 128
+                k = s0 + (line0 + line) * n_blk + col0 // 128
                 if ue8m0:
                     scales_u8[k] = s_u8
                 else:
                     scales_f32[k] = s_f32
-        out32[((line0 + line) * cols_out + col0) // 4 + lane] = pack_e4m3x4(
+        out32[(o0 + (line0 + line) * pitch + col0) // 4 + lane] = pack_e4m3x4(
             fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
 
 
@@ -479,10 +491,18 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
         _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
                      word, tensor, rank)
     else:
-        launch(quantize_kernel, (C // 128, -(-R // 128)), THREADS, stream, 0,
-               flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0,
-               block[0] == 128, bool(transpose), word, np.int32(tensor), np.int32(rank))
+        _launch_blocks(x, 1, R, C, out32, scales_f32, scales_u8, ue8m0, block[0] == 128,
+                       transpose, cols, 0, stream, word, tensor, rank)
     return out, scales
+
+
+def _launch_blocks(x, E, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, transpose,
+                   pitch, col_off, stream, word, tensor, rank):
+    """``quantize_kernel`` over E [R, C] matrices (its docstring)."""
+    launch(quantize_kernel, (C // 128, -(-R // 128), E), THREADS, stream, 0,
+           flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0,
+           bool(whole_block), bool(transpose), np.int64(pitch), np.int64(col_off), word,
+           np.int32(tensor), np.int32(rank))
 
 
 def _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
@@ -569,33 +589,50 @@ def mxfp8_to_blockwise(data, scales, block=(128, 128), scale: str = "fp32", *,
 
 
 def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, out=None,
-                            scales=None, stream=0, errors=None, tensor: int = err.NF_X,
-                            rank: int = 0):
+                            scales=None, column: int = 0, stream=0, errors=None,
+                            tensor: int = err.NF_X, rank: int = 0):
     """Expert weights bf16 (uint16 bits) [E, R, C] -> e4m3 [E, R, C] (``transpose``: each
     expert's transpose, [E, C, R]) with one scale per 128 x 128 block of that layout ([E, R /
     128, C / 128] or [E, C / 128, R / 128]) -- what ``mok_core.gemm.fp8_gemm`` takes, made once
     per optimizer step: the forward reads the weights as stored, the dgrads reduce over their
-    other side and take the transposed copies (docs/design.md, FP8). R and C multiples of 128.
-    As stored: one launch over [E R, C] (a 128-row block never spans two experts); transposed:
-    one launch per expert. ``out`` / ``scales``: the caller's buffers, else allocated here."""
+    other side and take the transposed copies (docs/design.md, FP8). R and C multiples of 128;
+    one launch over all experts. ``out`` / ``scales``: the caller's buffers, else allocated
+    here. ``column`` (with ``transpose`` and ``out``): ``out`` is [E, C, P] with P >= column +
+    R and scales [E, C / 128, P / 128], and each expert's transpose fills its columns [column,
+    column + R) -- a multiple of 128 --, so [W_gate; W_up]^T ([E, H, 2I]) is made from the two
+    weights as they are. A block's quantisation does not depend on its orientation: the
+    transposed copy holds the forward copy's bytes and scales, transposed."""
+    from .gemm import _check_errors, _error_word
     w = as_device_array(w, "w", dtype=np.uint16, ndim=3)
     E, R, C = w.shape
     if R % 128 or C % 128:
         raise ValueError(f"w: shape [{E}, {R}, {C}] -- each expert's rows and columns must be "
                          "multiples of 128 (128 x 128 blocks)")
+    if scale not in ("fp32", "ue8m0"):
+        raise ValueError(f"scale={scale!r}: must be 'fp32' or 'ue8m0'")
     rows, cols = (C, R) if transpose else (R, C)
+    pitch = cols
+    if column and (not transpose or out is None):
+        raise ValueError(f"column={column}: only with transpose=True and the caller's out")
+    if transpose and out is not None:
+        pitch = getattr(out, "shape", (0,))[-1]
+        if column < 0 or column % 128 or column + cols > pitch:
+            raise ValueError(f"column={column}: must be a multiple of 128 with column + {cols} "
+                             f"<= out's {pitch} columns")
     dtype = np.float32 if scale == "fp32" else np.uint8
     out = device_empty((E, rows, cols), np.uint8, stream) if out is None else \
-        as_device_array(out, "out", dtype=np.uint8, shape=(E, rows, cols))
+        as_device_array(out, "out", dtype=np.uint8, shape=(E, rows, pitch))
     scales = device_empty((E, rows // 128, cols // 128), dtype, stream) if scales is None \
-        else as_device_array(scales, "scales", dtype=dtype, shape=(E, rows // 128, cols // 128))
-    kw = dict(stream=stream, errors=errors, tensor=tensor, rank=rank)
-    if not transpose:
-        quantize_fp8(w.reshape(E * R, C), (128, 128), scale, out=out.reshape(E * R, C),
-                     scales=scales.reshape(E * R // 128, C // 128), **kw)
-    else:
-        for e in range(E):
-            quantize_fp8(w[e], (128, 128), scale, True, out=out[e], scales=scales[e], **kw)
+        else as_device_array(scales, "scales", dtype=dtype, shape=(E, rows // 128, pitch // 128))
+    errors, tensor = _check_errors(errors, tensor)
+    if E and R and C:
+        ue8m0 = scale == "ue8m0"
+        # the unused scale type: a view of memory at hand, never written (quantize_fp8's)
+        scales_f32 = flat_view(out, np.float32) if ue8m0 else flat_view(scales)
+        scales_u8 = flat_view(scales) if ue8m0 else flat_view(scales, np.uint8)
+        _launch_blocks(w, E, R, C, flat_view(out, np.uint32), scales_f32, scales_u8, ue8m0,
+                       True, transpose, pitch, column, stream, _error_word(errors), tensor,
+                       rank)
     return out, scales
 
 

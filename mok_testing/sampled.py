@@ -101,12 +101,18 @@ def _rel(got, want):
     return float((got.double() - want).abs().sum() / want.abs().sum())
 
 
+def _cosine(got, want):
+    got = got.double()
+    return float((got * want).sum() / (got.norm() * want.norm()))
+
+
 def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_per_rank,
-                swiglu_limit=None, samples=16):
-    """rel-L1 of a rank's 8 gradients against float64, by name, on samples: d_x and the
-    router weights' gradient of ``samples`` tokens, the weight gradients of two of the rank's
-    experts (the busiest, an average one; every rank's tokens routed to them) and of the shared
-    expert on ``samples`` intermediate columns.
+                swiglu_limit=None, samples=16, measure="rel_l1"):
+    """rel-L1 (``measure="cosine"``: the cosine similarity) of a rank's 8 gradients against
+    float64, by name, on samples: d_x and the router weights' gradient of ``samples`` tokens,
+    the weight gradients of two of the rank's experts (the busiest, an average one; every
+    rank's tokens routed to them) and of the shared expert on ``samples`` intermediate
+    columns.
 
     Arguments:
         inputs: every rank's (x [T, H], topk_ids [T, k], router_weights [T, k]); d_outs: every
@@ -115,6 +121,9 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
             d_w_up, d_w_down; shared ones None without a shared expert); shared and
             expert_weight_fn as in ``reference_tokens``.
     """
+    if measure not in ("rel_l1", "cosine"):
+        raise ValueError(f"measure={measure!r}: 'rel_l1' or 'cosine'")
+    compare = _rel if measure == "rel_l1" else _cosine
     d_x, d_rw, g_sg, g_su, g_sd, g_g, g_u, g_d = grads
     x, ids, w = inputs[rank]
     d_out = d_outs[rank]
@@ -122,7 +131,7 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
     pick = torch.linspace(0, T - 1, samples, device=dev).long()
     ref_dx, ref_dw = reference_token_grads(x[pick], ids[pick], w[pick], d_out[pick], shared,
                                            expert_weight_fn, swiglu_limit)
-    errs = {"d_x": _rel(d_x[pick], ref_dx), "d_router_weights": _rel(d_rw[pick], ref_dw)}
+    errs = {"d_x": compare(d_x[pick], ref_dx), "d_router_weights": compare(d_rw[pick], ref_dw)}
     E_l, I = g_g.shape[0], g_g.shape[1]
     cols = torch.linspace(0, I - 1, samples, device=dev).long()
     all_ids = torch.stack([i for _, i, _ in inputs])                      # [R, T, k]
@@ -138,14 +147,14 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
         ds = torch.stack([d_outs[a][b] for a, b in zip(r, t)])
         sc = torch.stack([inputs[a][2][b, c] for a, b, c in zip(r, t, s)])
         rg, ru, rd = reference_weight_grads(xs, ds, sc, expert_weight_fn(e), cols, swiglu_limit)
-        errs[f"d_w_gate[{j}]"] = _rel(g_g[j][cols], rg)
-        errs[f"d_w_up[{j}]"] = _rel(g_u[j][cols], ru)
-        errs[f"d_w_down[{j}]"] = _rel(g_d[j][:, cols], rd)
+        errs[f"d_w_gate[{j}]"] = compare(g_g[j][cols], rg)
+        errs[f"d_w_up[{j}]"] = compare(g_u[j][cols], ru)
+        errs[f"d_w_down[{j}]"] = compare(g_d[j][:, cols], rd)
     if shared is not None and g_sg is not None:
         cs = torch.linspace(0, shared[0].shape[0] - 1, samples, device=dev).long()
         rg, ru, rd = reference_weight_grads(x, d_out, torch.ones(T, device=dev), shared, cs,
                                             swiglu_limit)
-        errs["d_w_shared_gate"] = _rel(g_sg[cs], rg)
-        errs["d_w_shared_up"] = _rel(g_su[cs], ru)
-        errs["d_w_shared_down"] = _rel(g_sd[:, cs], rd)
+        errs["d_w_shared_gate"] = compare(g_sg[cs], rg)
+        errs["d_w_shared_up"] = compare(g_su[cs], ru)
+        errs["d_w_shared_down"] = compare(g_sd[:, cs], rd)
     return errs

@@ -13,6 +13,7 @@ simulator the same code takes CPU tensors (tests).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mok_comm import backward as B
@@ -74,28 +75,31 @@ def weight_views(layer: L.Layer, weights, *, manual=True):
     if len(weights) == 6:
         return Weights(*views)
     fp8 = weights[6]
-    if fp8 is not None and len(fp8) == 6:
-        fp8 = L.FP8Weights(*(tensor_view(t, f"weights.fp8.{n}",
+    if fp8 is not None and len(fp8) in (6, len(L.FP8Weights._fields)):
+        fp8 = L.FP8Weights(*(None if t is None else
+                             tensor_view(t, f"weights.fp8.{n}",
                                          (torch.float32,) if n.endswith("scale") else
                                          (torch.uint8,), manual=manual)
                              for t, n in zip(fp8, L.FP8Weights._fields)))
     return L.WeightsFP8(*views, fp8)
 
 
-def quantize_weights(weights, out: L.FP8Weights | None = None) -> L.FP8Weights:
+def quantize_weights(weights, out: L.FP8Weights | None = None, *,
+                     backward: bool = True) -> L.FP8Weights:
     """The routed experts of ``weights`` (bf16 tensors) quantised for
     ``MoKConfig(precision="fp8")`` -- e4m3 with a float32 scale per 128 x 128 block, as torch
-    tensors (``mok_comm.layer.FP8Weights``); once per optimizer step, into ``out`` when given.
-    The layer takes ``WeightsFP8(*weights, quantize_weights(weights))``."""
+    tensors (``mok_comm.layer.FP8Weights``; with ``backward`` also the transposed copies the
+    backward's data gradients read); once per optimizer step, into ``out`` when given. The
+    layer takes ``WeightsFP8(*weights, quantize_weights(weights))``."""
     routed = [tensor_view(w, n, manual=False) for w, n in zip(weights[3:6], Weights._fields[3:6])]
     if out is None:
-        out = []
-        for w in routed:
-            E, R, C = w.shape
-            out += [torch.empty(E, R, C, dtype=torch.uint8, device=w.device),
-                    torch.empty(E, R // 128, C // 128, dtype=torch.float32, device=w.device)]
-        out = L.FP8Weights(*out)
-    L.quantize_weights(L.Weights(None, None, None, *routed), out=out, stream=current_stream())
+        dtypes = {np.uint8: torch.uint8, np.float32: torch.float32}
+        out = L.FP8Weights(*(torch.empty(shp, dtype=dtypes[dt], device=weights[3].device)
+                             if backward or i < 6 else None for i, (dt, shp) in
+                             enumerate(L.fp8_shapes(*routed[0].shape).values())))
+    out = L.FP8Weights(*out)
+    L.quantize_weights(L.Weights(None, None, None, *routed), backward=backward, out=out,
+                       stream=current_stream())
     return out
 
 

@@ -384,14 +384,20 @@ def test_peer_that_never_arrives_in_the_backward_times_out():
         lws[0].check()
 
 
-def test_fp8_forward_trains_with_the_bf16_backward():
-    """``MoKConfig(precision="fp8")`` with a backward: the FP8 gate|up saves its FP32 g / u,
-    the backward runs in bf16 at the FP8 forward's activations -- all 8 gradients within
-    e4m3's rounding of the float64 reference (random operands; the FP8 forward's bits repeat:
-    ``test_layer_emulated.test_fp8_forward``)."""
+def test_fp8_backward_data_gradients_in_fp8():
+    """``MoKConfig(precision="fp8")`` trains in FP8: the forward's routed GEMMs and the
+    backward's two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way,
+    the weights' transposed copies from ``quantize_weights``), the weight gradients in bf16.
+    Each FP8 dgrad against float64 of its own dequantised operands (the GEMM adds almost
+    nothing), its A operand bit for bit the reference quantizer's of the layer's bf16 rows;
+    all 8 gradients within e4m3's rounding of the float64 reference; bitwise repeatable; a
+    forward-only FP8Weights refused by the backward, naming the missing copy."""
     from dataclasses import replace
 
+    from mok_comm import backward as B
+    from mok_comm.functional import check_weights
     from mok_comm.layer import WeightsFP8, quantize_weights
+    from mok_core.quantize_reference import grouped_gemm_fp8_reference, quantize_fp8_reference
     R, T = 2, 16
     rng = np.random.default_rng(23)
     shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
@@ -405,9 +411,45 @@ def test_fp8_forward_trains_with_the_bf16_backward():
 
     run_forward(lws, inp, weights=W)
     got = run_backward(lws, inp, d_out, weights=W)
+    again = run_backward(lws, inp, d_out, weights=W)
+    for G, G2 in zip(got, again):
+        for a, b in zip(G, G2):
+            assert (a is None and b is None) or np.array_equal(a, b)
     full, _ = reference(inp, d_out, inp["ids"], None)
-    print("fp8 forward, bf16 backward, rank 0 rel-L1 vs float64: "
+    print("fp8 forward and dgrads, bf16 wgrads, rank 0 rel-L1 vs float64: "
           f"d_x {rel_l1(f64(got[0].d_x), full.d_x.reshape(R, T, -1)[0]):.4f}, d_w_gate "
           f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
           f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
     check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)
+
+    f32 = lambda bits: f64(bits).astype(np.float32)                      # noqa: E731
+    for r, lw in enumerate(lws):
+        g, s, q = lw.grad, lw.schedule, W[r].fp8
+        off, nr = to_host(s.expert_offsets), to_host(s.num_rows)
+        n = int(nr[0])
+        assert n > 0
+        # [d_g | d_u] as quantised, and the routed d_x rows its GEMM wrote
+        d_gu8, d_gu8_s = quantize_fp8_reference(f32(to_host(g.d_gu)[:n]))
+        np.testing.assert_array_equal(to_host(g.d_gu8)[:n], d_gu8)
+        np.testing.assert_array_equal(to_host(g.d_gu8_scale)[:n], d_gu8_s)
+        want = grouped_gemm_fp8_reference(d_gu8, d_gu8_s, to_host(q.w_gate_up_t),
+                                          to_host(q.w_gate_up_t_scale), off, [n])
+        assert rel_l1(f64(to_host(g.d_x_rows)[:n]), want) < 5e-3
+        # d_out's rows in expert order, as quantised (padding rows zero), and p = d_out W_down
+        # again (the backward overwrote p with w h: the dgrad reruns alone)
+        index = to_host(lw.gather_index)[:n]
+        rows = np.where(index[:, None] >= 0, to_host(g.comm.x_recv)[np.maximum(index, 0)], 0)
+        d_out8, d_out8_s = quantize_fp8_reference(f32(rows.astype(np.uint16)))
+        np.testing.assert_array_equal(to_host(g.d_out8)[:n], d_out8)
+        np.testing.assert_array_equal(to_host(g.d_out8_scale)[:n], d_out8_s)
+        B.dgrad_down(lw, check_weights(lw, W[r], backward=True), False, 0)
+        want = grouped_gemm_fp8_reference(d_out8, d_out8_s, to_host(q.w_down_t),
+                                          to_host(q.w_down_t_scale), off, [n])
+        assert rel_l1(f64(to_host(g.p)[:n]), want) < 5e-3
+
+    forward_only = WeightsFP8(*W[0][:6], quantize_weights(rank_weights(inp, 0, E_l),
+                                                          backward=False))
+    with pytest.raises(ValueError, match=r"weights.fp8.w_down_t: None, but the FP8 backward's "
+                                         r"data gradients read it"):
+        backward_phases(lws[0], lws[0].context(), to_dev(u16(d_out[0])), to_dev(inp["w"][0]),
+                        forward_only)

@@ -77,6 +77,40 @@ def test_expert_weights(transpose):
         quantize_expert_weights(to_dev(w[:, :100]))
 
 
+@pytest.mark.parametrize("scale", ["fp32", "ue8m0"])
+def test_expert_weights_transposed_side_by_side(scale):
+    """[W_gate; W_up]^T as the FP8 dgrad reads it ([E, H, 2I]), made from the two weights
+    with ``column=``: bit for bit the stacked weight quantised and transposed, each half
+    ``quantize_fp8_reference`` of its own weight's transpose; the other columns untouched."""
+    E, I, H = 2, 128, 256
+    wg = np.stack([inputs(30 + e, I, H) for e in range(E)])
+    wu = np.stack([inputs(40 + e, I, H) for e in range(E)])
+    wu[1] = bf16_bits(np.full((I, H), 3e-2) * np.arange(H))      # another scale per expert
+    stacked, stacked_scales = quantize_expert_weights(to_dev(np.concatenate([wg, wu], 1)),
+                                                      scale, transpose=True)
+    dtype = np.float32 if scale == "fp32" else np.uint8
+    out = device_full((E, H, 3 * I), 0x11, np.uint8)              # a third block left alone
+    scales = device_full((E, H // 128, 3), 7, dtype)
+    for w, col in ((wg, 0), (wu, I)):
+        quantize_expert_weights(to_dev(w), scale, transpose=True, out=out, scales=scales,
+                                column=col)
+    out, scales = to_host(out), to_host(scales)
+    np.testing.assert_array_equal(out[:, :, :2 * I], to_host(stacked))
+    np.testing.assert_array_equal(scales[:, :, :2], to_host(stacked_scales))
+    assert np.all(out[:, :, 2 * I:] == 0x11) and np.all(scales[:, :, 2] == 7)
+    for e in range(E):
+        want, want_scales = quantize_fp8_reference(
+            wu[e].view(ml_dtypes.bfloat16).astype(np.float32), (128, 128), scale, True)
+        np.testing.assert_array_equal(out[e, :, I:2 * I], want)
+        np.testing.assert_array_equal(scales[e, :, 1:2], want_scales)
+    with pytest.raises(ValueError, match=r"column=256: must be a multiple of 128 with "
+                                         r"column \+ 128 <= out's 256 columns"):
+        quantize_expert_weights(to_dev(wg), transpose=True, out=np.zeros((E, H, 2 * I),
+                                                                          np.uint8), column=256)
+    with pytest.raises(ValueError, match="column=128: only with transpose=True"):
+        quantize_expert_weights(to_dev(wg), column=128)
+
+
 def test_reference_rounding_equals_ml_dtypes():
     rng = np.random.default_rng(0)
     v = np.concatenate([rng.standard_normal(20000) * s for s in (1e-3, 1, 100)])

@@ -10,7 +10,7 @@ from ptx_util import compile_sm90
 
 def test_quantize_kernel_lowers():
     sig = (uint16[::1], int64, int64, uint32[::1], float32[::1], uint8[::1], boolean, boolean,
-           boolean, int32[::1], int32, int32)
+           boolean, int64, int64, int32[::1], int32, int32)
     ptx = compile_sm90(quantize_kernel, sig)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx
