@@ -49,12 +49,21 @@ SwiGLU epilogue consumed (before the clamp) into ``layer.grad.gate`` / ``up`` (`
 ``mok_core.gemm.gate_up_swiglu``'s ``pre``). FP32, so the clamp masks are the forward's
 (bf16 pre-activations flip masks within a rounding of the limit), and the very values: no
 drift between the forward's h and the derivative. Saved, not recomputed: the recompute (two
-FP32-output mma.sync GEMMs from the staged x, a third of the forward's FLOPs again) measured
-4.1 ms of a 24 ms backward at the qwen3.5-397b shape (T = 4096, EP 1) on an H200, + 0.6 ms
-for the shared expert; saving costs the forward's gate/up epilogues 8 bytes of stores per
-(row, intermediate column) -- about 0.4 GB there, a tenth of a millisecond of HBM
-bandwidth (estimated) -- and no memory the backward buffers did not hold already.
-``recompute_forward_context`` rewrites them with the rest of the context, bit for bit.
+FP32-output GEMMs from the staged x, a third of the forward's FLOPs again) measured a sixth
+of the backward at qwen's shape (docs/perf.md, Backward); saving costs the forward's gate/up
+epilogues 8 bytes of stores per (row, intermediate column) and no memory the backward
+buffers did not hold already. ``recompute_forward_context`` rewrites them with the rest of
+the context, bit for bit.
+
+``MoKConfig(precision="fp8")``: the routed experts' two data gradients run in FP8 (DeepSeek-V3's
+recipe): the d_out rows are quantised 1 x 128 into expert order on the way (the forward's x
+path: ``quantize_fp8(index=gather_index)``), [d_g | d_u] likewise in place, and
+``fp8_gemm`` multiplies them by the weights' transposed copies (``FP8Weights.w_down_t`` [E, I,
+H] and ``w_gate_up_t`` [E, H, 2I], made with the forward's copies by ``quantize_weights``):
+e4m3 wgmma reads both operands K-major, and these GEMMs reduce over the weights' other side.
+The weight gradients stay bf16: their K is an expert's rows, their output is a weight-sized
+bf16 write either way, and FP8 would first need four transposed quantisations along the tokens
+(d_out, h, [d_g | d_u], x). The shared expert stays bf16, as in the forward.
 
 GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two data gradients
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,

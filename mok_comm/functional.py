@@ -32,8 +32,8 @@ num_rows), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8`` (saving it
 and up as the bf16 one does); the down step quantises h the same way and the FP8 down GEMM
 pushes each row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes
 ``y`` for the combine kernel). Tokens travel bf16; the shared expert stays bf16; the backward
-(``mok_comm.backward``) runs in bf16 at the FP8 forward's activations (its saved g / u and
-h) -- the FP8 backward GEMMs are not wired in yet.
+(``mok_comm.backward``) differentiates at the FP8 forward's activations (its saved g / u and
+h), its routed data gradients in FP8.
 
 A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
 from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /

@@ -262,7 +262,7 @@ _BACKWARD_TILES = (MMA_SYNC_GEMM,
 
 # The weight gradients' tile on a GPU where the shape takes it: their K is an expert's rows
 # (~100), so a tile is mostly its loads' latency and its stores, and more warps in flight per
-# SM pay (docs/perf.md: qwen's wgrads 18.8 -> 14.8 ms against 64 x 128 tiles).
+# SM pay (docs/perf.md: faster than 64 x 128 tiles at qwen's shape).
 WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_sm=2,
                         max_registers=128)
 
@@ -295,8 +295,8 @@ def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = ()) -> 
 
 
 # The data gradients' tile on Hopper: sm90's B_KN (the weights as stored, MN-major wgmma B) at
-# WGMMA_GEMM's 128 x 256 tile measured 1.40x the mma.sync dgrad at qwen's shapes on the H200
-# (docs/perf.md: d_x 0.315 vs 0.443 ms, d_hidden 0.165 vs 0.231 ms). Not the forward's
+# WGMMA_GEMM's 128 x 256 tile measured faster than the mma.sync dgrad at qwen's shapes on the
+# H200 (docs/perf.md, Backward: the wgmma dgrad). Not the forward's
 # 192-row tile where the forward takes it: at 384 threads its kernels spill (168 registers;
 # benchmarks/probes/ptxas_check.py), the 128-row dgrad kernels do not.
 DGRAD_GEMM = WGMMA_GEMM

@@ -141,8 +141,9 @@ class MoKConfig:
         precision: the routed experts' GEMMs. "bf16" (default); "fp8" -- e4m3 with
             DeepSeek-V3's block scales (Hopper): tokens still travel bf16 and are quantised
             once they have landed, the weights come quantised (``mok_comm.layer.WeightsFP8``),
-            the shared expert stays bf16 (docs/design.md, FP8). The backward runs in bf16 at
-            the FP8 forward's activations for now.
+            the shared expert stays bf16 (docs/design.md, FP8). The backward's two routed data
+            gradients run in FP8 too (on the weights' transposed copies); its weight
+            gradients stay bf16.
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0
