@@ -20,11 +20,12 @@ What runs how (all on torch's current stream, nothing waits for the host):
 
 So the graph holds no pointer to x, topk_ids or router_weights: callers pass new tensors every
 step. It does hold the workspace's buffers and the weight pointers. Weights updated in place
-(optimizer step, ``copy_``) are simply read by the next replay. A weight *replaced* (a tensor
-given to ``set_weights``, or ``param.data = other`` on a tensor this step holds -- it keeps the
-caller's tensor objects, not detached copies) is caught by a per-call comparison of every
-weight's (data_ptr, shape, stride, dtype, device): the next call runs the core eagerly and
-captures it again. The graph is tied to the layer: do not use the step after ``layer.comm.free()``.
+(optimizer step, ``copy_``) are simply read by the next replay (an FP8 layer given bf16
+weights quantises them again first, eagerly, into the same arrays: ``Layer.with_fp8``). A
+weight *replaced* (a tensor given to ``set_weights``, or ``param.data = other`` on a tensor
+this step holds -- it keeps the caller's tensor objects, not detached copies) is caught by a
+per-call comparison of every weight's (data_ptr, shape, stride, dtype, device): the next call
+runs the core eagerly and captures it again. The graph is tied to the layer: do not use the step after ``layer.comm.free()``.
 
 First call (and after a recapture): the core runs eagerly -- that step's result, and the warm-up
 that makes Numba compile and load every kernel outside the capture -- and then the core is
@@ -85,7 +86,8 @@ class CompiledStep:
         """Check the weights and take device views of them; drop the graph (rebuilt lazily).
         The views are taken now, outside any capture: they keep the tensors' storage alive as
         long as the graph that bakes their pointers."""
-        views = F.check_weights(self.layer, weight_views(self.layer, self._weights))
+        views = F.check_weights(self.layer, weight_views(self.layer,
+                                                         self.layer.with_fp8(self._weights)))
         if self._graph is not None:
             # replays of the old graph may still run and read the old weights: keep both
             # alive until the next capture (torch.cuda.graph synchronises the device first)
@@ -117,6 +119,8 @@ class CompiledStep:
                                 out.view(torch.uint16))
         if self._signature() != self._sig:                 # a weight tensor was replaced
             self._prepare()
+        else:                       # an FP8 layer's own copies, again if updated in place
+            layer.with_fp8(self._weights)
         layer.step_key = inputs_key(x, topk_ids, router_weights, self._weights)
         publish, epilogue = F.io_phases(layer, inputs, s)
         F.run_phases([publish], layer, s)

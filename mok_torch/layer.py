@@ -138,6 +138,30 @@ class Layer(L.Layer):
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
                          gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward,
                          stream=current_stream())
+        self._fp8 = None                  # the routed experts quantised (FP8Weights), the
+        self._fp8_from = ()               # tensors they came from (held: no address reuse)
+        self._fp8_state = ()              # and those tensors' (address, version) then
+        self.fp8_quantizations = 0
+
+    def with_fp8(self, weights):
+        """``weights`` as the layer reads them: a ``MoKConfig(precision="fp8")`` layer given
+        the six bf16 ``Weights`` gets them with its own quantised copies (``WeightsFP8``),
+        quantised again only when a routed weight changed -- another tensor or storage, or
+        an in-place update such as an optimizer step (torch's version counter) -- so once per
+        optimizer step however many micro-batches, forwards and backwards read them, into
+        the same arrays (a captured step reads them there). Anything else: ``weights``
+        unchanged."""
+        if self.config.precision != "fp8" or len(weights) != 6:
+            return weights
+        routed = tuple(weights[3:6])
+        state = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else None
+                      for t in routed)
+        same = len(self._fp8_from) == 3 and all(a is b for a, b in zip(routed, self._fp8_from))
+        if not (same and state == self._fp8_state):
+            self._fp8 = quantize_weights(weights, self._fp8, backward=self.grad is not None)
+            self._fp8_from, self._fp8_state = routed, state
+            self.fp8_quantizations += 1
+        return L.WeightsFP8(*weights, self._fp8)
 
     def forward(self, x, topk_ids, router_weights, weights, *, manual: bool = True):
         """One step: x [T, H] bf16, topk_ids [T, k] int64 or int32 (-1 = masked route),
@@ -152,7 +176,7 @@ class Layer(L.Layer):
         F.forward(self, xb, tensor_view(topk_ids, "topk_ids", (torch.int64, torch.int32)),
                   tensor_view(router_weights, "router_weights", (torch.float32,),
                               manual=manual),
-                  weight_views(self, weights, manual=manual),
+                  weight_views(self, self.with_fp8(weights), manual=manual),
                   out=out.view(torch.uint16), stream=current_stream())
         self.step_key = inputs_key(x, topk_ids, router_weights, weights)
         return out, self.context()
@@ -166,7 +190,7 @@ class Layer(L.Layer):
             self, tensor_view(x, "x", manual=False),
             tensor_view(topk_ids, "topk_ids", (torch.int64, torch.int32)),
             tensor_view(router_weights, "router_weights", (torch.float32,), manual=False),
-            weight_views(self, weights, manual=False), stream=current_stream())
+            weight_views(self, self.with_fp8(weights), manual=False), stream=current_stream())
         self.step_key = inputs_key(x, topk_ids, router_weights, weights)
         return ctx
 
@@ -199,7 +223,7 @@ class Layer(L.Layer):
                         for g, n in zip(grads, Grads._fields)))
         B.backward(self, ctx, d_out, tensor_view(router_weights, "router_weights",
                                                  (torch.float32,), manual=manual),
-                   weight_views(self, weights, manual=manual), grads=views,
+                   weight_views(self, self.with_fp8(weights), manual=manual), grads=views,
                    accumulate=accumulate, stream=current_stream())
         return Grads(*grads)
 

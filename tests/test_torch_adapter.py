@@ -159,3 +159,41 @@ def test_fp8_forward_and_compiled_step():
     step.set_weights(w_up=w_up, fp8=fp8)
     want = layer(x, ids, w, mok_torch.WeightsFP8(*weights[:4], w_up, weights.w_down, fp8))
     assert not torch.equal(want, out) and torch.equal(step(x, ids, w), want)
+
+
+def test_fp8_layer_quantises_bf16_weights_once_per_update():
+    """An FP8 layer given the six bf16 weights quantises the routed ones itself
+    (``Layer.with_fp8``): forward, backward and the compiled step bit for bit what explicit
+    ``WeightsFP8(*weights, quantize_weights(weights))`` give; once for any number of calls
+    until a routed weight is updated in place (an optimizer step), then once again, the
+    compiled step and the eager one reading the update."""
+    from dataclasses import replace
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=2,
+                       topk=2, ep_size=1)
+    T = 8
+    x, ids, w = synthetic.rank_inputs(shape, T, 0, DEV, masked=0.1)
+    weights = layer_weights(shape)
+    d_out = torch.randn(T, 128, generator=torch.Generator(DEV).manual_seed(3),
+                        device=DEV).bfloat16()
+    layer = mok_torch.Layer(shape, T, replace(CFG, precision="fp8"), gemm=GEMM)
+
+    def explicit():
+        return mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))
+
+    w8 = explicit()
+    want, ctx = layer.forward(x, ids, w, w8)
+    want_g = layer.backward(ctx, d_out, w, w8)
+    out, ctx = layer.forward(x, ids, w, weights)
+    g = layer.backward(ctx, d_out, w, weights)
+    assert torch.equal(out, want) and layer.fp8_quantizations == 1
+    assert all(torch.equal(a, b) for a, b in zip(g, want_g) if a is not None)
+    step = layer.compile(weights)
+    assert torch.equal(step(x, ids, w), want) and layer.fp8_quantizations == 1
+    with torch.no_grad():                                # an optimizer step, in place
+        weights.w_gate.mul_(1.5)
+    out2 = step(x, ids, w)
+    assert layer.fp8_quantizations == 2
+    want2 = layer(x, ids, w, explicit())
+    assert not torch.equal(want2, want) and torch.equal(out2, want2)
+    assert torch.equal(layer(x, ids, w, weights), want2) and layer.fp8_quantizations == 2
+    layer.check()
