@@ -227,17 +227,17 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     """p = d_out W_down[e] (unweighted). FP8: the d_out rows quantised 1 x 128 into expert
     order on the way (as the forward's x), then the FP8 GEMM on W_down's transposed copy."""
     o = _rows(layer, shared)
-    nan = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
+    report = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
         # (d_out's NaN/Inf were counted at publish: the quantizer reports to a scratch word)
         launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index, num_rows=o.rows,
                              stream=stream, errors=scratch_error_word())
         launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
-                        o.rows, o.p, stream=stream, **nan)
+                        o.rows, o.p, stream=stream, **report)
         return
     launch_dgrad(o.d_out, o.index, _expert_weights(layer, W, shared)[2], None, o.offsets,
-                 o.rows, o.p, config=layer.dgrad_gemm, stream=stream, **nan)
+                 o.rows, o.p, config=layer.dgrad_gemm, stream=stream, **report)
 
 
 def swiglu_backward(layer: Layer, shared: bool, stream):
@@ -256,18 +256,18 @@ def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows. FP8:
     [d_g | d_u] quantised 1 x 128, then the FP8 GEMM on [W_gate; W_up]'s transposed copy."""
     o = _rows(layer, shared)
-    nan = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
+    report = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
         # (what is non-finite in d_gu shows in the GEMM's output: a scratch word here)
         launch_quantize_rows(o.d_gu, g.d_gu8, g.d_gu8_scale, num_rows=o.rows, stream=stream,
                              errors=scratch_error_word())
         launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
-                        o.rows, o.d_x, stream=stream, **nan)
+                        o.rows, o.d_x, stream=stream, **report)
         return
     w_g, w_u, _ = _expert_weights(layer, W, shared)
     launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.dgrad_gemm,
-                 stream=stream, **nan)
+                 stream=stream, **report)
 
 
 def push_d_x(layer: Layer, stream):

@@ -36,15 +36,15 @@ cost the data path one vote per pass; a warp that saw one reports each item's co
 E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by, column 128 bx)
 of matrix bz (E matrices [R, C] back to back: the experts of a weight, each its own output
 [lines, pitch] and scales, written from column ``col_off`` on -- how the two halves of
-[W_gate; W_up]^T land in one array). It
-stages the tile in shared memory as bf16 (rows past R read as zero), two bf16 loads per thread
-per step (coalesced), so a transposed line (an input column) is read from shared memory. A
-128 x 128 block's amax is the maximum over the CTA (a warp reduction, then one shared word per
-warp; max is exact and order-free, so deterministic). Then warp w quantizes output lines 16w ..
-16w + 15 of the tile -- a line is an input row, or an input column with ``transpose`` -- lane l
-taking elements 4l .. 4l + 3: a (1, 128) line's amax comes from a warp reduction, every lane
-forms the same scale, packs its four e4m3 bytes into one word and stores it (128 contiguous
-bytes per warp and line); lane 0 stores the scale.
+[W_gate; W_up]^T land in one array). It stages the tile in shared memory as bf16 (rows past R
+read as zero), two bf16 loads per thread per step (coalesced), so a transposed line (an input
+column) is read from shared memory. A 128 x 128 block's amax is the maximum over the CTA (a
+warp reduction, then one shared word per warp; max is exact and order-free, so deterministic).
+Then warp w quantizes output lines 16w .. 16w + 15 of the tile -- a line is an input row, or
+an input column with ``transpose`` -- lane l taking elements 4l .. 4l + 3: a (1, 128) line's
+amax comes from a warp reduction, every lane forms the same scale, packs its four e4m3 bytes
+into one word and stores it (128 contiguous bytes per warp and line); lane 0 stores the
+scale.
 
 Both: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
 scale; a NaN quantises to the NaN byte, an Inf saturates to +-448) and are counted into the
