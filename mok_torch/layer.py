@@ -106,11 +106,21 @@ def quantize_weights(weights, out: L.FP8Weights | None = None, *,
 def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
     """What identifies a step's inputs: address, geometry and version of each tensor -- equal
     keys mean the same memory, unmodified since, so the same values (the autograd node keeps
-    its inputs alive, so their memory is not reused meanwhile)."""
+    its inputs alive, so their memory is not reused meanwhile); a tensor that keeps no version
+    (made under ``torch.inference_mode``) matches no key."""
     fp8 = tuple(weights[6]) if len(weights) == 7 and weights[6] is not None else ()
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
-                                         t._version)
+                                         _version(t))
                  for t in (x, topk_ids, router_weights, *weights[:6], *fp8))
+
+
+def _version(t: torch.Tensor):
+    """``t``'s version counter, or a value equal to nothing where it keeps none (a tensor made
+    under ``torch.inference_mode``): its copies are then made again at every call."""
+    try:
+        return t._version
+    except RuntimeError:
+        return object()
 
 
 def _heap(shape: LayerShape):
@@ -154,7 +164,7 @@ class Layer(L.Layer):
         if self.config.precision != "fp8" or len(weights) != 6:
             return weights
         routed = tuple(weights[3:6])
-        state = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else None
+        state = tuple((t.data_ptr(), _version(t)) if isinstance(t, torch.Tensor) else None
                       for t in routed)
         same = len(self._fp8_from) == 3 and all(a is b for a, b in zip(routed, self._fp8_from))
         if not (same and state == self._fp8_state):

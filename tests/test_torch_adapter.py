@@ -100,6 +100,19 @@ def test_backward_ep1(ep1, accumulate):
     assert max(errs.values()) < 5e-3, errs
 
 
+def test_inference_mode():
+    """Tensors made under ``torch.inference_mode`` keep no version counter: the step runs on
+    them (its key never matches a later step's) and equals the step on ordinary tensors."""
+    T = 8
+    x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV)
+    W = layer_weights()
+    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM, backward=False)
+    want = layer(x, ids, w, W)
+    with torch.inference_mode():
+        got = layer(x.clone(), ids.clone(), w.clone(), mok_torch.Weights(*(t.clone() for t in W)))
+    assert torch.equal(got, want)
+
+
 def test_torch_inputs_checked():
     T = 8
     x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV)
