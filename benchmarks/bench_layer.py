@@ -421,6 +421,10 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
                 torch.cuda.synchronize()
                 fp8 = {"fp8_note": f"{type(e).__name__}: {e}"[:300]}
                 progress(f"  fp8 failed: {fp8['fp8_note']}")
+            if me == 0:                             # (before the backward: a run cut short
+                progress("  fp8: " + ", ".join(     # by its time limit still shows it)
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in fp8.items()))
         bwd = {}
         if backward:
             try:
