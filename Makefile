@@ -20,13 +20,14 @@ demo: $(STAMP)
 	$(PY) -m examples.demo
 
 # Seconds, no GPU: every config field is read somewhere in the library, no dead code
-# (vulture; false positives listed in tools/vulture_allow.py), README's table matches
-# benchmarks/results/*.json.
+# (vulture; false positives listed in tools/vulture_allow.py), README's tables match
+# benchmarks/results/*.json and Layer.nbytes.
 LIBRARY := mok_core mok_comm mok_torch mok_jax_adapter mok_testing
 lint: $(STAMP)
 	$(PY) tools/check_config_fields.py
 	$(PY) -m vulture $(LIBRARY) tools/vulture_allow.py --min-confidence 80
 	$(PY) benchmarks/report.py --check
+	$(PY) tools/memory_table.py --check
 
 # lint first (cheap), then the simulator suite in two halves (one Python process is one core:
 # the simulator's block threads share its GIL) beside the PTX compiles, niced; each one's

@@ -165,11 +165,13 @@ def all_tables():
     return "\n\n".join(out)
 
 
-def spliced(text, block):
-    i, j = text.find(BEGIN), text.find(END)
+def spliced(text, block, begin=BEGIN, end=END):
+    """``text`` with what stands between the ``begin`` and ``end`` markers replaced by
+    ``block``."""
+    i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
-        sys.exit(f"README.md: no {BEGIN} ... {END} block")
-    return text[:i + len(BEGIN)] + "\n" + block + "\n" + text[j:]
+        sys.exit(f"README.md: no {begin} ... {end} block")
+    return text[:i + len(begin)] + "\n" + block + "\n" + text[j:]
 
 
 def main(argv=None):

@@ -121,6 +121,11 @@ def default_gemm(rows_per_expert: float | None = None) -> GemmConfig:
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         return MMA_SYNC_GEMM
+    return hopper_gemm(rows_per_expert)
+
+
+def hopper_gemm(rows_per_expert: float | None = None) -> GemmConfig:
+    """``default_gemm``'s choice on Hopper (its docstring), whatever device is current."""
     if rows_per_expert is not None and ROWS_FOR_192 < rows_per_expert <= 192:
         return WGMMA_192_GEMM
     return WGMMA_GEMM
