@@ -25,7 +25,8 @@ weights quantises them again first, eagerly, into the same arrays: ``Layer.with_
 weight *replaced* (a tensor given to ``set_weights``, or ``param.data = other`` on a tensor
 this step holds -- it keeps the caller's tensor objects, not detached copies) is caught by a
 per-call comparison of every weight's (data_ptr, shape, stride, dtype, device): the next call
-runs the core eagerly and captures it again. The graph is tied to the layer: do not use the step after ``layer.comm.free()``.
+runs the core eagerly and captures it again. The graph is tied to the layer: do not use the
+step after ``layer.comm.free()``.
 
 First call (and after a recapture): the core runs eagerly -- that step's result, and the warm-up
 that makes Numba compile and load every kernel outside the capture -- and then the core is

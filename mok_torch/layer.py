@@ -116,7 +116,8 @@ def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
 
 def _version(t: torch.Tensor):
     """``t``'s version counter, or a value equal to nothing where it keeps none (a tensor made
-    under ``torch.inference_mode``): its copies are then made again at every call."""
+    under ``torch.inference_mode``): a key holding it never matches, so what it guards is
+    redone."""
     try:
         return t._version
     except RuntimeError:
