@@ -185,17 +185,23 @@ def main(argv=None):
     if a.all:
         print(all_tables())
         return 0
-    block = readme_block(a.tokens)
-    if not (a.write or a.check):
+    return readme_table(readme_block(a.tokens), a.write, a.check, BEGIN, END,
+                        "performance table differs from benchmarks/results/*.json",
+                        "python benchmarks/report.py --write")
+
+
+def readme_table(block, write, check, begin, end, stale, fix):
+    """Print ``block``; or (``write``) put it into README.md between ``begin`` and ``end``;
+    or (``check``) return 1, saying so (``stale``, ``fix``), when README.md's copy differs."""
+    if not (write or check):
         print(block)
         return 0
     with open(README) as f:
         text = f.read()
-    new = spliced(text, block)
-    if a.check:
+    new = spliced(text, block, begin, end)
+    if check:
         if new != text:
-            print("README.md's performance table differs from benchmarks/results/*.json: "
-                  "run python benchmarks/report.py --write", file=sys.stderr)
+            print(f"README.md's {stale}: run {fix}", file=sys.stderr)
             return 1
         return 0
     with open(README, "w") as f:

@@ -23,13 +23,12 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from benchmarks.report import spliced  # noqa: E402
+from benchmarks.report import readme_table  # noqa: E402
 from mok_comm.heap import Heap  # noqa: E402
 from mok_comm.layer import Layer  # noqa: E402
 from mok_core.config import MoKConfig, preset  # noqa: E402
 from mok_core.gemm.config import hopper_gemm  # noqa: E402
 
-README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- memory-table -->", "<!-- /memory-table -->"
 PRESETS = ("kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro")
 EP_SIZES = (1, 2, 8)
@@ -87,23 +86,9 @@ def main(argv=None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite README.md's memory table")
     mode.add_argument("--check", action="store_true", help="fail if README.md's table is stale")
     a = ap.parse_args(argv)
-    table = block(a.tokens)
-    if not (a.write or a.check):
-        print(table)
-        return 0
-    with open(README) as f:
-        text = f.read()
-    new = spliced(text, table, BEGIN, END)
-    if a.check:
-        if new != text:
-            print("README.md's memory table differs from Layer.nbytes: run python "
-                  "tools/memory_table.py --write", file=sys.stderr)
-            return 1
-        return 0
-    with open(README, "w") as f:
-        f.write(new)
-    return 0
-
+    return readme_table(block(a.tokens), a.write, a.check, BEGIN, END,
+                        "memory table differs from Layer.nbytes",
+                        "python tools/memory_table.py --write")
 
 if __name__ == "__main__":
     sys.exit(main())
