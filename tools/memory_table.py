@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from benchmarks.report import readme_table  # noqa: E402
+from benchmarks.report import readme_table, table  # noqa: E402
 from mok_comm.heap import Heap  # noqa: E402
 from mok_comm.layer import Layer  # noqa: E402
 from mok_core.config import MoKConfig, preset  # noqa: E402
@@ -69,9 +69,7 @@ def block(tokens: int) -> str:
             top = sorted(both.items(), key=lambda kv: -kv[1])[:3]
             rows.append([name, str(ep), gib(fwd), gib(sum(both.values())),
                          ", ".join(f"{k.replace(' (symmetric)', '')} {gib(v)}" for k, v in top)])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + (
+    return table(head, rows) + (
         f"\n\nPer rank at {tokens} tokens/rank, bf16, `MoKConfig()` defaults (the capacity holds "
         "every route of every rank on one rank: no overflow at any routing); about linear in "
         "`tokens_per_rank`; the weights and their gradients are the caller's. "
