@@ -480,11 +480,7 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
         return out, scales
     ue8m0 = scale == "ue8m0"
     word = _error_word(errors)
-    out32 = flat_view(out, np.uint32)
-    # the kernels take both scale types; the unused one is a view of memory at hand, never
-    # written (an allocation here would break CUDA-graph capture)
-    scales_f32 = flat_view(out, np.float32) if ue8m0 else flat_view(scales)
-    scales_u8 = flat_view(scales) if ue8m0 else flat_view(scales, np.uint8)
+    out32, scales_f32, scales_u8 = _kernel_views(out, scales, ue8m0)
     if rows_path:
         if device_address(x) % 8:
             raise ValueError("x: the row kernel reads 8-byte words: x must start 8-byte aligned")
@@ -494,6 +490,15 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
         _launch_blocks(x, 1, R, C, out32, scales_f32, scales_u8, ue8m0, block[0] == 128,
                        transpose, cols, 0, stream, word, tensor, rank)
     return out, scales
+
+
+def _kernel_views(out, scales, ue8m0):
+    """(out32, scales_f32, scales_u8): the flat views the kernels take. They take both scale
+    types; the unused one is a view of memory at hand, never written (an allocation here
+    would break CUDA-graph capture)."""
+    return (flat_view(out, np.uint32),
+            flat_view(out, np.float32) if ue8m0 else flat_view(scales),
+            flat_view(scales) if ue8m0 else flat_view(scales, np.uint8))
 
 
 def _launch_blocks(x, E, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, transpose,
@@ -627,12 +632,8 @@ def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, 
     errors, tensor = _check_errors(errors, tensor)
     if E and R and C:
         ue8m0 = scale == "ue8m0"
-        # the unused scale type: a view of memory at hand, never written (quantize_fp8's)
-        scales_f32 = flat_view(out, np.float32) if ue8m0 else flat_view(scales)
-        scales_u8 = flat_view(scales) if ue8m0 else flat_view(scales, np.uint8)
-        _launch_blocks(w, E, R, C, flat_view(out, np.uint32), scales_f32, scales_u8, ue8m0,
-                       True, transpose, pitch, column, stream, _error_word(errors), tensor,
-                       rank)
+        _launch_blocks(w, E, R, C, *_kernel_views(out, scales, ue8m0), ue8m0, True, transpose,
+                       pitch, column, stream, _error_word(errors), tensor, rank)
     return out, scales
 
 
