@@ -12,6 +12,7 @@
 #        gpu-backward (tests/gpu/test_backward_gpu.py: EP 1 per process, EP = all GPUs; and the
 #        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
 #        and backward columns)
+#        gpu-backward-fp8 (test_backward_gpu.py's FP8 cases alone)
 #        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
 #        gpu-fp8-bwd (the FP8 layer's backward, emulated ranks on one GPU)
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
@@ -132,6 +133,9 @@ for s in "$@"; do
     gpu-backward) export SUITE=gpubwd; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-backward \
          torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
          tests/gpu/test_backward_gpu.py tests/test_backward_emulated.py; rank_logs gpubwd ;;
+    gpu-backward-fp8) export SUITE=gpubwd8; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-backward-fp8 \
+         torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
+         tests/gpu/test_backward_gpu.py -k fp8; rank_logs gpubwd8 ;;
     bench-layer-fp8) step bench-layer-fp8 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --dispatch pull \
