@@ -16,8 +16,20 @@ T = 4096
 PRESETS = ["kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro"]
 PRECISIONS = ["bf16", "fp8"]
 REPEATS = 20
-TOL = {"bf16": 5e-3, "fp8": 0.03}           # rel-L1 of the output and of each gradient
-COSINE = {"bf16": 0.9999, "fp8": 0.999}      # the least cosine similarity of each
+BF16 = (5e-3, 0.9999)      # the most rel-L1 and the least cosine similarity against float64
+FP8 = (0.03, 0.999)        # FP8: the output and d_x (issue 23's bound) ...
+FP8_ACT = (0.08, 0.997)    # ... and what is made from the FP8 forward's h and the FP8 p (d_router
+# weights and the routed weight gradients): e4m3's 3 mantissa bits put ~2.3 % (rel-L1) into each
+# FP8 GEMM's output on random operands whatever its K, and h = SiLU(g) u and <p, h> carry two
+# such errors -- 0.055-0.072 in float64 emulation of the layer's quantisation at kimi's and
+# qwen's shapes (benchmarks/probes/probe_fp8_error.py, docs/perf.md); the shared expert stays
+# bf16 and keeps bf16's bound
+
+
+def _bounds(precision, name):
+    if precision == "bf16" or "shared" in name:
+        return BF16
+    return FP8_ACT if name.startswith(("d_router", "d_w_")) else FP8
 
 
 def _digest(t, torch):
@@ -91,10 +103,10 @@ def _check_preset(preset_name, R, me, torch, precision):
         cos = {"out": float((got * ref).sum() / (got.norm() * ref.norm()))}
         errs.update(grad_errors(inputs, d_outs, me, G, shared, expert, E_l))
         cos.update(grad_errors(inputs, d_outs, me, G, shared, expert, E_l, measure="cosine"))
-        tol, least = TOL[precision], COSINE[precision]
-        bad = {n: (e, cos[n]) for n, e in errs.items() if not (e < tol and cos[n] >= least)}
-        assert not bad, (f"{preset_name} {precision} rank {me}: rel-L1 over {tol} or cosine "
-                         f"under {least} (rel-L1, cosine): {bad} (all rel-L1: {errs})")
+        bad = {n: (e, cos[n], _bounds(precision, n)) for n, e in errs.items()
+               if not (e < _bounds(precision, n)[0] and cos[n] >= _bounds(precision, n)[1])}
+        assert not bad, (f"{preset_name} {precision} rank {me}: (rel-L1, cosine, bounds) out "
+                         f"of bounds: {bad} (all rel-L1: {errs})")
 
         # forward + backward as one CUDA graph (into the same gradient buffers): bit for bit
         # the eager step
