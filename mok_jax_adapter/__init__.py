@@ -6,8 +6,9 @@
 
 One ``jax.experimental.buffer_callback`` per step runs the layer's kernels on XLA's stream over
 XLA's own buffers; the step is a ``jax.custom_vjp`` whose backward is another buffer callback
-(``mok_comm.backward``). ``layer``'s docstring: the contract and the limits.
+(``mok_comm.backward``). ``MoKConfig(precision="fp8")``: ``WeightsFP8(*weights,
+quantize_weights(weights))``. ``layer``'s docstring: the contract and the limits.
 """
-from .layer import Layer, Weights
+from .layer import FP8Weights, Layer, Weights, WeightsFP8, quantize_weights
 
-__all__ = ["Layer", "Weights"]
+__all__ = ["FP8Weights", "Layer", "Weights", "WeightsFP8", "quantize_weights"]

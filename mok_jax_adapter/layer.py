@@ -29,6 +29,13 @@ never depends on the order. Its cost is the forward minus the down GEMMs (routin
 dispatch, shared and routed gate/up + SwiGLU: about two thirds of the forward's FLOPs) on every
 backward; a fused forward + backward callback that could prove the order is the way to save it.
 
+FP8 (``MoKConfig(precision="fp8")``), as the torch path's manual API: the caller quantises the
+routed weights once per optimizer step, ``fp8 = quantize_weights(weights)`` (a pure buffer
+callback: e4m3 bytes and block scales as jax arrays, both orientations; nothing is
+differentiated through it), and calls the layer with ``WeightsFP8(*weights, fp8)``. The
+routed GEMMs read ``fp8``; the gradients are those of the bf16 weights (``fp8`` gets none), so
+``jax.grad`` takes the six bf16 weights as before.
+
 Variable tokens: x may hold any T <= ``tokens_per_rank`` rows per call and rank (topk_ids,
 router_weights, out and the gradients follow), as on the torch path; T is static under ``jit``,
 so each count is a trace of its own, with a buffer callback of its own (made once per count).
@@ -62,9 +69,11 @@ from mok_comm import functional as F
 from mok_comm import layer as L
 from mok_comm.heap import LocalHeap, NvshmemHeap
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import SIM
+from mok_core.cuda_compat import SIM, as_device_array
 
 Weights = L.Weights
+WeightsFP8 = L.WeightsFP8
+FP8Weights = L.FP8Weights
 
 
 def _heap(shape: LayerShape):
@@ -88,6 +97,61 @@ def _check(a, name, dtypes, shape):
         raise TypeError(f"{name}: expected dtype {want}, got {a.dtype}")
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def _xla_stream(ctx, buf):
+    """XLA's stream of a buffer callback as numba's (0 on the simulator), ``buf`` checked to
+    be on our GPU."""
+    if SIM:
+        return 0
+    from numba import cuda
+    _check_device(buf)
+    return cuda.external_stream(int(ctx.stream))
+
+
+_quantizers = {}      # (E, I, H, backward) -> quantize_weights' buffer callback
+
+
+def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
+    """The routed experts of ``weights`` (``Weights`` of bf16 jax arrays) quantised for a
+    ``MoKConfig(precision="fp8")`` layer: an ``FP8Weights`` of jax arrays (e4m3 bytes uint8,
+    a float32 scale per 128 x 128 block; with ``backward`` also the transposed copies the
+    backward's data gradients read), from ``mok_comm.layer.quantize_weights`` in one buffer
+    callback on XLA's stream. Traceable (inside ``jit`` or not); no gradient flows through it
+    (its inputs are ``stop_gradient``-ed): call it once per optimizer step and pass
+    ``WeightsFP8(*weights, fp8)`` to the layer."""
+    import jax
+    import jax.numpy as jnp
+    if len(weights) != 6:
+        raise TypeError(f"weights: expected 6 arrays ({', '.join(Weights._fields)}), got "
+                        f"{len(weights)}")
+    W = Weights(*weights)
+    if not hasattr(W.w_gate, "shape") or len(W.w_gate.shape) != 3:
+        raise ValueError(f"w_gate: expected a [E, I, H] jax.Array, got "
+                         f"{getattr(W.w_gate, 'shape', type(W.w_gate).__name__)}")
+    E, I, H = W.w_gate.shape
+    for a, n, shp in ((W.w_gate, "w_gate", (E, I, H)), (W.w_up, "w_up", (E, I, H)),
+                      (W.w_down, "w_down", (E, H, I))):
+        _check(a, n, (jnp.bfloat16,), shp)
+    if I % 128 or H % 128:
+        raise ValueError(f"w_gate: shape {(E, I, H)} -- FP8 needs I and H multiples of 128 "
+                         "(128 x 128 scale blocks)")
+    key = (E, I, H, bool(backward))
+    if key not in _quantizers:
+        from jax.experimental.buffer_callback import buffer_callback
+        specs = tuple(jax.ShapeDtypeStruct(shp, dtype) for i, (dtype, shp)
+                      in enumerate(L.fp8_shapes(E, I, H).values()) if backward or i < 6)
+
+        def run(ctx, out, w_gate, w_up, w_down):
+            routed = [as_device_array(a, n, dtype=np.uint16) for a, n in
+                      ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down"))]
+            views = [as_device_array(o, f"fp8.{n}") for o, n in zip(out, FP8Weights._fields)]
+            L.quantize_weights(Weights(None, None, None, *routed), backward=backward,
+                               out=FP8Weights(*views), stream=_xla_stream(ctx, out[0]))
+
+        _quantizers[key] = buffer_callback(run, specs)
+    out = _quantizers[key](*(jax.lax.stop_gradient(a) for a in (W.w_gate, W.w_up, W.w_down)))
+    return FP8Weights(*out)
 
 
 class Layer(L.Layer):
@@ -116,14 +180,27 @@ class Layer(L.Layer):
         _check(x, "x", (jnp.bfloat16,), (T, H))
         _check(topk_ids, "topk_ids", (jnp.int32, np.int64), (T, k))
         _check(router_weights, "router_weights", (jnp.float32,), (T, k))
-        if len(weights) != 6:
-            raise TypeError(f"weights: expected 6 arrays ({', '.join(Weights._fields)}), got "
-                            f"{len(weights)}")
-        weights = Weights(*weights)
+        fp8 = self.config.precision == "fp8"
+        if len(weights) != (7 if fp8 else 6):
+            want = ("7: WeightsFP8(*weights, quantize_weights(weights)) for "
+                    "MoKConfig(precision='fp8')" if fp8 else
+                    f"6 arrays ({', '.join(Weights._fields)})")
+            raise TypeError(f"weights: expected {want}, got {len(weights)}")
         for i, (a, n, shp) in enumerate(zip(weights, Weights._fields, B._grad_shapes(self))):
             if not (i < 3 and a is None and not s.shared_intermediate):
                 _check(a, n, (jnp.bfloat16,), shp)
-        return self._differentiable()(x, topk_ids, router_weights, weights)
+        if not fp8:
+            return self._differentiable()(x, topk_ids, router_weights, Weights(*weights))
+        q = weights[6]
+        if q is None or len(q) not in (6, len(FP8Weights._fields)):
+            raise TypeError("weights.fp8: expected an FP8Weights (quantize_weights(weights)), "
+                            f"got {type(q).__name__}")
+        q = FP8Weights(*q)
+        specs = L.fp8_shapes(s.experts_per_rank, s.intermediate, s.hidden)
+        for a, (n, (dtype, shp)) in zip(q, specs.items()):
+            if a is not None:
+                _check(a, f"weights.fp8.{n}", (dtype,), shp)
+        return self._differentiable()(x, topk_ids, router_weights, WeightsFP8(*weights[:6], q))
 
     def check(self, out=None, stream=0) -> None:
         """Wait for ``out`` (a step's output or gradients -- any pytree of jax arrays -- when
@@ -135,11 +212,25 @@ class Layer(L.Layer):
         super().check(stream)
 
     def _present(self, weights):
-        """The weights the callbacks take: the routed ones only when I_s = 0."""
-        return tuple(weights) if self.shape.shared_intermediate else tuple(weights[3:])
+        """The weight arrays the callbacks take: the six (the routed ones only when I_s = 0),
+        then with FP8 the quantised ones given (``FP8Weights``' first six, or all ten)."""
+        six = tuple(weights[:6]) if self.shape.shared_intermediate else tuple(weights[3:6])
+        if len(weights) < 7:
+            return six
+        return six + tuple(a for a in weights[6] if a is not None)
 
-    def _weights(self, present) -> Weights:
-        """``Weights`` from the callbacks' weight buffers (None for absent shared ones)."""
+    def _weights(self, present):
+        """``Weights`` (FP8: ``WeightsFP8``) from the callbacks' weight buffers (None for
+        absent shared ones and transposed copies)."""
+        n = 6 if self.shape.shared_intermediate else 3
+        six = tuple(present[:n]) if n == 6 else (None, None, None, *present[:n])
+        if self.config.precision != "fp8":
+            return Weights(*six)
+        return WeightsFP8(*six, FP8Weights(*present[n:]))
+
+    def _grads(self, present) -> Weights:
+        """The six weight gradients from the backward callback's buffers (None for absent
+        shared ones)."""
         return Weights(*present) if self.shape.shared_intermediate else Weights(None, None,
                                                                                 None, *present)
 
@@ -165,8 +256,9 @@ class Layer(L.Layer):
             H, k = self.shape.hidden, self.shape.topk
             shapes = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
                       jax.ShapeDtypeStruct((T, k), jnp.float32)]
+            shared = self.shape.shared_intermediate
             shapes += [jax.ShapeDtypeStruct(shp, jnp.bfloat16)
-                       for shp in self._present(B._grad_shapes(self))]
+                       for shp in B._grad_shapes(self)[0 if shared else 3:]]
             self._backward_callbacks[T] = buffer_callback(self._backward_step, tuple(shapes),
                                                           has_side_effect=True)
         return self._backward_callbacks[T]
@@ -197,35 +289,33 @@ class Layer(L.Layer):
         x, topk_ids, router_weights, weights = residuals
         T = x.shape[0]
         _check(d_out, "d_out (the output's cotangent)", (jnp.bfloat16,), (T, self.shape.hidden))
+        if len(weights) == 7 and weights[6].w_down_t is None:
+            raise ValueError("weights.fp8.w_down_t: None, but the FP8 backward's data gradients "
+                             "read the transposed copies: quantize_weights(weights, "
+                             "backward=True)")
         d_x, d_router, *d_w = self._backward_call(T)(x, topk_ids, router_weights, d_out,
                                                       *self._present(weights))
         if not self.shape.shared_intermediate:          # the shared weights' are empty
             d_w = [None if w is None else jnp.zeros(w.shape, w.dtype) for w in weights[:3]] + d_w
+        if len(weights) == 7:                           # the quantised copies: no gradient
+            return d_x, None, d_router, WeightsFP8(*d_w, None)
         return d_x, None, d_router, Weights(*d_w)
-
-    def _stream(self, ctx, buf):
-        """XLA's stream as numba's (0 on the simulator), ``buf`` checked to be on our GPU."""
-        if SIM:
-            return 0
-        from numba import cuda
-        _check_device(buf)
-        return cuda.external_stream(int(ctx.stream))
 
     def _step(self, ctx, out, x, topk_ids, router_weights, *weights):
         """The forward callback: XLA's buffers (views of its memory for the duration of the
         op) in, the layer's launches enqueued on XLA's stream, ``out`` written in place."""
         F.forward(self, x, topk_ids, router_weights, self._weights(weights), out=out,
-                  stream=self._stream(ctx, out))
+                  stream=_xla_stream(ctx, out))
 
     def _backward_step(self, ctx, grads, x, topk_ids, router_weights, d_out, *weights):
         """The backward callback: the forward's context recomputed (module docstring: why),
         then the backward into XLA's gradient buffers, all on XLA's stream."""
-        stream = self._stream(ctx, grads[0])
+        stream = _xla_stream(ctx, grads[0])
         W = self._weights(weights)
         fctx = F.recompute_forward_context(self, x, topk_ids, router_weights, W, stream=stream)
         d_x, d_router, *d_w = grads
         B.backward(self, fctx, d_out, router_weights, W,
-                   grads=B.Grads(d_x, d_router, *self._weights(d_w)), stream=stream)
+                   grads=B.Grads(d_x, d_router, *self._grads(d_w)), stream=stream)
 
 
 def _check_device(out) -> None:

@@ -12,7 +12,7 @@ from layer_support import layer_inputs, reference_out, rel_l1
 from mok_comm import backward as B
 from mok_comm import functional as F
 from mok_comm.heap import LocalHeap
-from mok_comm.layer import Layer, Weights
+from mok_comm.layer import FP8Weights, Layer, Weights, WeightsFP8, quantize_weights
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, to_host
 from mok_core.errors import MoKError
@@ -146,14 +146,20 @@ def test_out_of_range_expert_id_is_reported():
         layer.check(out)
 
 
-def _functional_grads(inp, d_out, shape, limit):
-    """``mok_comm``'s forward + backward on the same inputs: the 8 gradients on the host."""
-    plain = Layer(shape, T, CFG, gemm=GEMM, heap=LocalHeap(0), swiglu_limit=limit)
+def _functional_grads(inp, d_out, shape, limit, config=CFG, t=T, out=None):
+    """``mok_comm``'s forward + backward on the same inputs: the 8 gradients on the host (FP8:
+    the weights quantised by ``mok_comm.layer.quantize_weights``); ``out`` (a list): gets the
+    forward's output bits."""
+    plain = Layer(shape, t, config, gemm=GEMM, heap=LocalHeap(0), swiglu_limit=limit)
     W = Weights(*(None if i < 3 and not shape.shared_intermediate else to_dev(_bits(inp[n]))
                   for i, n in enumerate(NAMES)))
+    if config.precision == "fp8":
+        W = WeightsFP8(*W, quantize_weights(W))
     w = to_dev(inp["w"][0])
-    _, ctx = F.forward(plain, to_dev(_bits(inp["x"][0])), to_dev(inp["ids"][0].astype(np.int32)),
+    y, ctx = F.forward(plain, to_dev(_bits(inp["x"][0])), to_dev(inp["ids"][0].astype(np.int32)),
                        w, W)
+    if out is not None:
+        out.append(to_host(y).view(np.uint16))
     G = B.backward(plain, ctx, to_dev(_bits(d_out)), w, W)
     plain.check()
     return [None if g is None else to_host(g) for g in G]
@@ -255,3 +261,55 @@ def test_variable_tokens():
     for name, a, b in zip(B.Grads._fields, [d_x, d_w, *d_W],
                           _functional_grads(inp, c, SHAPE, None)):
         np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)
+
+
+def test_fp8_layer_with_quantize_weights():
+    """MoKConfig(precision="fp8"): ``quantize_weights`` under jit is bit for bit
+    ``mok_comm.layer.quantize_weights``; the layer on ``WeightsFP8(*W, fp8)`` and ``jax.grad``
+    through it (the six bf16 weights' gradients, none for fp8) bit for bit the functional FP8
+    forward and backward; a bf16 ``Weights`` or a forward-only quantisation is refused, by
+    name, when traced."""
+    from dataclasses import replace
+    t = 16
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=2,
+                       topk=2, ep_size=1)
+    cfg = replace(CFG, precision="fp8")
+    inp = layer_inputs(np.random.default_rng(11), shape, t)
+    x, ids, w = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
+                 jnp.asarray(inp["w"][0]))
+    W = mok_jax_adapter.Weights(*(jnp.asarray(inp[n]) for n in NAMES))
+    c = np.asarray(np.random.default_rng(12).standard_normal((t, shape.hidden)),
+                   np.float32).astype(jnp.bfloat16)
+    c32 = jnp.asarray(c.astype(np.float32))
+    fp8 = jax.jit(mok_jax_adapter.quantize_weights)(W)
+    want_q = quantize_weights(Weights(*(to_dev(_bits(inp[n])) for n in NAMES)))
+    assert isinstance(fp8, FP8Weights)
+    for name, a, b in zip(FP8Weights._fields, fp8, want_q):
+        np.testing.assert_array_equal(np.asarray(a), to_host(b), err_msg=name)
+
+    layer = mok_jax_adapter.Layer(shape, t, cfg, gemm=GEMM)
+    step = jax.jit(layer)
+
+    def loss(x, w, W):
+        return jnp.sum(step(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8)).astype(jnp.float32)
+                       * c32)
+
+    out = step(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8))
+    d_x, d_w, d_W = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, W)
+    layer.check((out, d_x, d_w, d_W))
+    want_out = []
+    want = _functional_grads(inp, c, shape, None, cfg, t, want_out)
+    np.testing.assert_array_equal(_bits(out), want_out[0])
+    for name, a, b in zip(B.Grads._fields, [d_x, d_w, *d_W], want):
+        np.testing.assert_array_equal(np.asarray(a).view(b.dtype), b, err_msg=name)
+
+    with pytest.raises(TypeError, match=r"weights: expected 7: WeightsFP8\(\*weights, "
+                                        r"quantize_weights\(weights\)\)"):
+        layer(x, ids, w, W)
+    fwd_only = mok_jax_adapter.quantize_weights(W, backward=False)
+    assert fwd_only.w_down_t is None
+    with pytest.raises(ValueError, match="weights.fp8.w_down_t: None"):
+        jax.grad(lambda x: jnp.sum(layer(x, ids, w, mok_jax_adapter.WeightsFP8(
+            *W, fwd_only)).astype(jnp.float32)))(x)
+    with pytest.raises(TypeError, match=r"weights.fp8.w_gate: expected dtype uint8"):
+        layer(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8._replace(w_gate=W.w_gate)))
