@@ -27,9 +27,9 @@
 #        and forward+backward in turns, with the torch-native baseline's columns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles) probe-wgrad (probe_wgrad_parts:
-#        PROBE_PRESETS, PROBE_VARIANTS, PROBE_TILES, e.g. 128x256s3,128x256s6k32)
+#        PROBE_PRESETS, PROBE_VARIANTS, PROBE_TILES, e.g. 128x128s4,128x256s3)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
-#        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS)
+#        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS, TRAIN_PRECISION)
 #        -- the probes live in benchmarks/probes/
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
@@ -168,7 +168,8 @@ for s in "$@"; do
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_module_gpu.py \
          tests/test_torch_module.py tests/test_torch_op.py; rank_logs gputrain ;;
     train-example) step train-example torchrun --standalone --nproc-per-node="$NGPU" \
-         examples/train_moe.py --steps "${TRAIN_STEPS:-300}" --plot "$OUT/train_moe_loss.png" ;;
+         examples/train_moe.py --steps "${TRAIN_STEPS:-300}" --precision "${TRAIN_PRECISION:-bf16}" \
+         --plot "$OUT/train_moe_loss_${TRAIN_PRECISION:-bf16}.png" ;;
     bench-comm) step bench-comm torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_comm.py --iters "${COMM_ITERS:-20}" --out "$OUT/bench_comm.json" ;;
     *) echo "unknown step $s" >> "$LOG" ;;

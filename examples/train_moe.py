@@ -5,6 +5,7 @@ model built on the torch-native EP layer, and compare their loss curves and step
     python -m mok_comm.launch --nproc 2 -- python examples/train_moe.py     # the same
     python examples/train_moe.py                                            # 1 GPU, or the
                                                                             # CUDA simulator
+    python examples/train_moe.py --precision fp8      # our block in FP8 (MoKConfig.precision)
 The model: token embedding -> one pre-norm decoder block (causal attention from torch, then a
 DeepSeek-V3-style MoE: sigmoid router with an aux-free bias, a shared expert, routed experts
 sharded over the EP ranks) -> norm -> LM head. The data: sequences of a random Markov chain
@@ -18,7 +19,9 @@ on their owner already.
 Prints a progress bar (loss and step time of both), then the loss curves' gap and both step
 times; writes the curves as PNG (``--plot``). Exits 1 if our loss does not fall or does not track
 the reference's within ``--tolerance`` (mean relative gap over the last tenth of the steps).
-Without a GPU: numba's CUDA simulator, a tiny shape, EP 1, a few steps.
+Without a GPU: numba's CUDA simulator, a tiny shape, EP 1, a few steps. ``--precision fp8``:
+our block in FP8 (it quantises its routed weights after each optimizer step) against the same
+torch-native block in bf16 -- the loss curves show what FP8 costs in training.
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ SHAPES = {   # a DeepSeek-V3-like block, scaled down; and the simulator's tiny o
                 vocab=4096, seq=1024, batch=4, steps=300, lr=1e-3),
     "sim": dict(hidden=64, heads=2, intermediate=32, shared=32, experts=4, topk=2, vocab=64,
                 seq=16, batch=1, steps=6, lr=3e-3),
+    "sim-fp8": dict(hidden=128, heads=2, intermediate=128, shared=128, experts=4, topk=2,
+                    vocab=64, seq=16, batch=1, steps=6, lr=3e-3),     # FP8: multiples of 128
 }
 
 
@@ -171,8 +176,12 @@ class Timer:
 
 
 def main() -> int:
-    s = dict(SHAPES["gpu" if GPU else "sim"])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                     help="our layer's MoKConfig.precision (the torch-native one stays bf16)")
+    precision = pre.parse_known_args()[0].precision
+    s = dict(SHAPES["gpu" if GPU else "sim-fp8" if precision == "fp8" else "sim"])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[pre])
     ap.add_argument("--steps", type=int, default=s["steps"])
     ap.add_argument("--batch", type=int, default=s["batch"], help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=s["seq"])
@@ -185,9 +194,10 @@ def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
     bf = dict(device=dev, dtype=torch.bfloat16)
     T = s["batch"] * s["seq"]
-    kw = {} if GPU else dict(config=MoKConfig(row_align=32, minibatch_size=64,
-                                              capacity_factor=1.0),
-                             gemm=__import__("mok_core.gemm", fromlist=["SIM_GEMM"]).SIM_GEMM)
+    kw = dict(config=MoKConfig(precision=precision)) if GPU else dict(
+        config=MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0,
+                         precision=precision),
+        gemm=__import__("mok_core.gemm", fromlist=["SIM_GEMM"]).SIM_GEMM)
     torch.manual_seed(0)                   # equal replicated parameters on every rank
     ours = LM(s, mok_torch.MoEBlock(s["hidden"], s["intermediate"], s["shared"], s["experts"],
                                     s["topk"], max_tokens=T, **kw), **bf)
@@ -206,7 +216,8 @@ def main() -> int:
     losses = {n: [] for n in models}
     timers = {n: Timer() for n in models}
     if rank == 0:
-        print(f"MoK-Py training example: EP {R}, {T} tokens/rank/step, H {s['hidden']}, "
+        print(f"MoK-Py training example ({precision}): EP {R}, {T} tokens/rank/step, "
+              f"H {s['hidden']}, "
               f"{s['experts']} experts top-{s['topk']}, I {s['intermediate']}, shared "
               f"{s['shared']}, vocab {s['vocab']}, {args.steps} steps"
               f"{'' if GPU else ' (CUDA simulator)'}", flush=True)

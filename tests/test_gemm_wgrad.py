@@ -176,23 +176,6 @@ def test_wgrad_matches_float64(case):
         check_bf16(got, D, S)
 
 
-@pytest.mark.parametrize("build", [(6, 32, 2), (3, 64, 1), (6, 32, 1)])
-@pytest.mark.parametrize("case", ["wgmma-gate_up", "wgmma-down"])
-def test_wgmma_wgrad_probe_builds(case, build, monkeypatch):
-    """The wgmma wgrad's builds for probes against float64 (``probe_wgrad_parts --tiles
-    128xBNs6k32``, ``...s3h1``): 32-row K slices (a 6-stage ring in the shared memory of 3 of
-    64 rows: the ragged experts end in the middle of a 32-row box, the ring wraps within a
-    tile) and the compute warpgroups holding one stage (each slice retired before the next)."""
-    from mok_core.gemm import sm90_wgrad as W
-    stages, bk, held = build
-
-    def probe_kernel(cfg, gather_a, gather_b, out_f32, accumulate):
-        return W.make_wgmma_wgrad(cfg.bm, cfg.bn, stages, gather_a, gather_b, out_f32,
-                                  accumulate, bk, held)
-    monkeypatch.setattr(W, "_kernel", probe_kernel)
-    test_wgrad_matches_float64(case)
-
-
 # (config, M, N, m_split) of the single-config tests below: each kernel family's small tiles
 SMALL = {"sync": (SIM_GEMM, 64, 32, 32), "wgmma": (WG64, 256, 64, 128)}
 

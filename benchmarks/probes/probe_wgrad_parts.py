@@ -13,14 +13,12 @@ patched while the factory runs):
     no-mma     the K loop loads but multiplies nothing (zeros staged and stored)
     no-load    the producer issues no cp.async (the compute warpgroups multiply whatever
                the ring holds)
-    rows-first the tiles walked (expert, column tile, row tile): the tiles running at once
-               write a 256-column band of many rows
     a+b        both replacements (e.g. no-load+no-epi)
 
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
-``--tiles 128x256s3,128x256s6k32,128x256s3h1`` times every variant at each of those tiles,
-ring depths, K slices and stages held by the compute side (default: the layer's).
+``--tiles 128x128s4,128x256s3`` times every variant at each of those tiles and ring depths
+(default: the layer's).
 ``--profile``: the CUDA profiler runs over the timed launches only (``ncu
 --profile-from-start off -k regex:^kernel``: the layer's own launches before are left out).
 
@@ -39,7 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load", "rows-first")
+VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load")
 
 
 def _patched_factories(variant):
@@ -55,31 +53,15 @@ def _patched_factories(variant):
     from mok_core.gemm import epilogue as epi
     from mok_core.intrinsics import fence_proxy_async, st_shared_u32, syncwarp, tuple_fold
 
-    if variant == "rows-first":
-        def make_walk(bm, bn, bk):
-            @kjit(device=True, inline="always")
-            def tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows):
-                tu = uint32(t)
-                eu = tu // uint32(tiles_per_expert)
-                local = tu - eu * uint32(tiles_per_expert)
-                m_tiles = uint32(tiles_per_expert) // uint32(n_tiles)
-                mt = local // m_tiles
-                m0 = int64(local - mt * m_tiles) * bm
-                n0 = int64(mt) * bn
-                hi = int64(min(offsets[eu + 1], num_rows[0]))
-                lo = int64(min(offsets[eu], hi))
-                return int64(eu), m0, n0, lo, hi, max((hi - lo + (bk - 1)) // bk, 1)
-            return tile_of
-        return {"_make_tile_walk": make_walk}
     if variant == "no-load":
-        def make_loader(cols, gather, bk):
+        def make_loader(cols, gather):
             @kjit(device=True, inline="always")
             def load(smem, dst, src, index, r, hi, ld, col):
                 pass
             return load
         return {"_operand_loader": make_loader}
     if variant == "no-mma":
-        def make_mma(bn, bk):
+        def make_mma(bn):
             @kjit(device=True, inline="always")
             def mma_slice(acc, smem, da, db):
                 return acc
@@ -116,30 +98,27 @@ def _patched_factories(variant):
 
 @lru_cache(maxsize=None)
 def build(variant, tile, gather_a, gather_b):
-    """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages, bk, held); bf16 output, no
-    accumulate) with ``variant``."""
+    """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages); bf16 output, no accumulate) with
+    ``variant``."""
     from mok_core.gemm import sm90_wgrad as W
     patches = _patched_factories(variant)
     saved = {k: getattr(W, k) for k in patches}
     try:
         for k, v in patches.items():
             setattr(W, k, v)
-        bm, bn, stages, bk, held = tile
-        return W.make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, False, False, bk, held)
+        bm, bn, stages = tile
+        return W.make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, False, False)
     finally:
         for k, v in saved.items():
             setattr(W, k, v)
 
 
 def _tile(spec):
-    """'128x256s3' -> (128, 256, 3, 64, 2); '128x256s6k32h1' -> (128, 256, 6, 32, 1): the
-    kernel's tile, ring stages, K slice and stages the compute side holds (``held``; built
-    directly: GemmConfig takes the forward's wgmma slices only)."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?(?:h(\d))?", spec)
+    """'128x256s3' -> (128, 256, 3): the kernel's tile and ring stages."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)", spec)
     if m is None:
-        raise SystemExit(f"--tiles: {spec!r} is not BMxBNsSTAGES[kBK][hHELD]")
-    bm, bn, st, bk, held = m.groups()
-    return int(bm), int(bn), int(st), int(bk or 64), int(held or 2)
+        raise SystemExit(f"--tiles: {spec!r} is not BMxBNsSTAGES")
+    return tuple(int(v) for v in m.groups())
 
 
 def probe(preset_name, T, iters, variants, tiles, profile=False):
@@ -170,22 +149,22 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
         for g, n in zip(grads, B.Grads._fields))), False, T)       # device arrays
     o = B._rows(layer, False)
     g = layer.wgrad_gemm
-    shapes = [_tile(t) for t in tiles] or [(g.bm, g.bn, g.stages, g.bk, 2)]
+    shapes = [_tile(t) for t in tiles] or [(g.bm, g.bn, g.stages)]
     s = numba_stream()
     I, H = shape.intermediate, shape.hidden
     # (name, a, a_index, b, b_index, out0, out1, m_split, output bytes)
     wbytes = shape.experts_per_rank * I * H * 2          # one expert weight tensor, bf16
     gemms = [("gate_up", o.d_gu, None, o.x, o.index, G.d_w_gate, G.d_w_up, I, 2 * wbytes),
              ("down", o.d_out, o.index, o.w_h, None, G.d_w_down, G.d_w_down, H, wbytes)]
-    print(f"{preset_name} T={T} EP 1, wgrad (bm, bn, stages, bk, held): {shapes}")
+    print(f"{preset_name} T={T} EP 1, wgrad (bm, bn, stages): {shapes}")
     if profile:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
         # (the launch reads its grid off a config of the tile; the kernel its shared memory)
-        runs = [(f"{bm}x{bn}s{st}k{bk}h{held} {v}", replace(g, bm=bm, bn=bn),
-                 build(v, (bm, bn, st, bk, held), ai is not None, bi is not None))
-                for bm, bn, st, bk, held in shapes for v in variants]
+        runs = [(f"{bm}x{bn}s{st} {v}", replace(g, bm=bm, bn=bn),
+                 build(v, (bm, bn, st), ai is not None, bi is not None))
+                for bm, bn, st in shapes for v in variants]
         calls = {key: (lambda k=k, c=c: launch_with(
                            lambda *_: k, c, s, a, ai, b, bi, o.offsets, o.rows, o0, o1,
                            a.shape[1], b.shape[1], m_split, accumulate=False,
@@ -219,7 +198,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tiles", default="",
-                    help="e.g. 128x256s3,128x256s6k32h1 (default: the layer's)")
+                    help="e.g. 128x128s4,128x256s3 (default: the layer's)")
     ap.add_argument("--profile", action="store_true", help="cudaProfilerStart/Stop around them")
     args = ap.parse_args(argv)
     tiles = [t for t in args.tiles.split(",") if t]

@@ -63,10 +63,6 @@ WGRAD_KERNELS = [
     ("wgrad-down-128", 128, 256, 3, True, False, False, False),
     ("wgrad-gate_up-f32acc-128", 128, 256, 3, False, True, True, True),
     ("wgrad-down-f32acc-128", 128, 256, 3, True, False, True, True),
-    # probe builds: 32-row K slices, a 6-stage ring (probe_wgrad_parts --tiles 128x256s6k32);
-    # each slice retired before the next (128x256s3h1)
-    ("wgrad-gate_up-k32-128", 128, 256, 6, False, True, False, False, 32),
-    ("wgrad-gate_up-h1-128", 128, 256, 3, False, True, False, False, 64, 1),
 ]
 
 
@@ -121,7 +117,7 @@ def kernel_ptx(bn, stages, swiglu, gather, padding_index, push, bm, b_kn, save_p
     return ptx
 
 
-def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=64, held=2):
+def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     from numba import cuda, float32, uint32
     try:
         from test_ptx_wgrad import wgmma_wgrad_sig
@@ -131,8 +127,7 @@ def wgrad_ptx(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=64, he
         sig = wgrad_sig(float32 if out_f32 else uint32)
 
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
-    kw = {"bk": bk, "held": held} if (bk, held) != (64, 2) else {}   # (older trees: neither)
-    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, **kw)
+    kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
     opts = {k: v for k, v in kern.targetoptions.items() if k == "launch_bounds"}
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a"), **opts)
     return ptx

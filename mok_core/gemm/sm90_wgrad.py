@@ -22,9 +22,9 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                output rows (the other order, a BN-column band of many rows at once, measured
                slower: docs/perf.md). No tile table: the tile -> (expert, m0, n0) map is two
                divisions, done by both roles
-    K slice  = BK consecutive rows r of the expert (``GemmConfig.bk``: 64; a box is BK rows
-               of 128 bytes, so 32 builds too -- a ring twice as deep in the same shared
-               memory, for probes); ktiles = max(1, ceil((hi - lo) / BK)) slices -- an empty
+    K slice  = BK = 64 consecutive rows r of the expert (32-row slices in a ring twice as
+               deep measured slower: docs/perf.md); ktiles = max(1, ceil((hi - lo) / BK))
+               slices -- an empty
                expert runs one slice of zeros (the K loop tests its exit after each step: see
                C7518 below), which gives its zero gradient
     stream   = the block's slices in one stream across its tiles (tile b's slices, then tile
@@ -78,14 +78,13 @@ Order:
        exit: cp.async.wait(0), fence, arrive full[] for the slices not yet announced.
        LAG is STAGES - 2, not STAGES - 1: the compute warpgroups hold two stages (the slice
        they issue and the one retiring), so the slice after the one step 1 waits on must be
-       announced before step 1, or both roles wait on each other (``held=1``: they hold one,
-       and LAG is STAGES - 1)
+       announced before step 1, or both roles wait on each other
     compute, per tile, its slices j (at least one step):
     1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed
     2. wgmma.fence; BK / 16 wgmmas on slice j; commit (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
-       empty[(j - 1) % STAGES]                         (... while j - 1 drains)
-       (``held=1``, a probe's build: wgmma.wait(0) -> slice j retired; arrive empty[j % STAGES])
+       empty[(j - 1) % STAGES]                         (... while j - 1 drains; retiring
+       each slice before issuing the next, wait(0), measured slower: docs/perf.md)
     after: wgmma.wait(0); arrive empty[] for the tile's last slice; the epilogue (each warp:
            waits until its previous stores read the staging, stages, fences, __syncwarp,
            lane 0 issues the TMA stores)
@@ -140,23 +139,23 @@ def tile_ok(bm, bn):
     return bm == 128 and bn in _WGMMA_TATB
 
 
-def _operand_map(cols, bk):
-    """The producer's map of one operand's slice (``bk`` rows x ``cols`` columns): (16-byte chunks
+def _operand_map(cols):
+    """The producer's map of one operand's slice (BK rows x ``cols`` columns): (16-byte chunks
     of a row one pass covers -- 8 or 16 --, rows between a thread's passes -- 16 or 8: a
     multiple of 8, so every chunk of a thread has one swizzle --, passes, column repeats)."""
     cpr = min(cols // 8, 16)
     step = PRODUCER_THREADS // cpr
-    return cpr, step, bk // step, cols // 8 // cpr
+    return cpr, step, BK // step, cols // 8 // cpr
 
 
-def _operand_loader(cols, gather, bk):
+def _operand_loader(cols, gather):
     """``load(smem, dst, src, index, r, hi, ld, col)``: this producer thread's cp.async chunks
     of one operand's slice into one ring stage: rows r + i * step of ``src`` (through ``index``
     when ``gather``; ``ld`` elements a row), each at column ``col`` and its column repeats,
     the first landing at the shared byte address ``dst``; rows at or past ``hi``, and padding
     rows (index -1), zero-filled without a read (cp.async's ignore-src)."""
-    cpr, step, passes, reps = _operand_map(cols, bk)
-    rep_bytes = (cpr // 8) * bk * ROW_BYTES  # shared bytes between a thread's column repeats
+    cpr, step, passes, reps = _operand_map(cols)
+    rep_bytes = (cpr // 8) * BK * ROW_BYTES  # shared bytes between a thread's column repeats
     rep_cols = cpr * 8                      # and source elements
 
     @kjit(device=True, inline="always")
@@ -188,23 +187,16 @@ def _operand_loader(cols, gather, bk):
     return load
 
 
-def _desc_high(bk):
-    """The MN-major descriptors' fixed fields for boxes of ``bk`` rows of k: leading byte
-    offset one box (between 64-column boxes), stride 1024 B (8 rows of k), 128-byte swizzle."""
-    return ((bk * ROW_BYTES) >> 4) << 16 | ((1024 >> 4) << 32) | (1 << 62)
-
-
-assert _desc_high(BK) == _DESC_HIGH_MN
-
-
-def _make_mma_slice(bn, bk):
-    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one ``bk``-row K slice = wgmma.fence,
-    bk / 16 x wgmma m64nBNk16 with both operands MN-major (a k16 step is 16 rows of k, 2048
-    bytes: +128 in both descriptors' address fields), commit."""
+def _make_mma_slice(bn):
+    """``mma_slice(acc, smem, desc_a, desc_b) -> acc``: one BK-row K slice = wgmma.fence,
+    BK / 16 x wgmma m64nBNk16 with both operands MN-major (descriptors ``_DESC_HIGH_MN``: a
+    box [BK rows of k][64 columns] between 64-column boxes, 1024 B between 8 rows of k, the
+    128-byte swizzle; a k16 step is 16 rows of k, 2048 bytes: +128 in both descriptors'
+    address fields), commit."""
     mma = _WGMMA_TATB[bn]
 
     @kjit(device=True, inline="always")
-    def mma_slice64(acc, smem, da, db):
+    def mma_slice(acc, smem, da, db):
         acc = wgmma_fence(acc)
         acc = mma(acc, smem, da, db)
         acc = mma(acc, smem, da + _K16_MN, db + _K16_MN)
@@ -212,15 +204,7 @@ def _make_mma_slice(bn, bk):
         acc = mma(acc, smem, da + 3 * _K16_MN, db + 3 * _K16_MN)
         wgmma_commit()
         return acc
-
-    @kjit(device=True, inline="always")
-    def mma_slice32(acc, smem, da, db):
-        acc = wgmma_fence(acc)
-        acc = mma(acc, smem, da, db)
-        acc = mma(acc, smem, da + _K16_MN, db + _K16_MN)
-        wgmma_commit()
-        return acc
-    return {64: mma_slice64, 32: mma_slice32}[bk]
+    return mma_slice
 
 
 def _store_f32_group(accumulate):
@@ -305,15 +289,15 @@ def _staging_bytes(bn, out_f32):
     return 0 if out_f32 else 8 * _warp_staging_bytes(bn)
 
 
-def smem_bytes(bn, stages, out_f32=False, bk=BK):
+def smem_bytes(bn, stages, out_f32=False):
     """Dynamic shared memory of one block: the full and empty mbarriers, slack to align the
-    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of ``bk`` 128-byte rows a stage), the
+    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of BK 128-byte rows a stage), the
     staging."""
-    return (16 * stages + 1024 + stages * (128 + bn) // 64 * bk * ROW_BYTES
+    return (16 * stages + 1024 + stages * (128 + bn) // 64 * BK * ROW_BYTES
             + _staging_bytes(bn, out_f32))
 
 
-def _make_tile_walk(bm, bn, bk):
+def _make_tile_walk(bm, bn):
     """``tile_of(t, tiles_per_expert, n_tiles, offsets, num_rows) -> (expert, m0, n0, lo, hi,
     ktiles)``: tile t of the walk (expert, row tile, column tile; module header). 32-bit
     unsigned divisions: int64 ones are calls of ~70 instructions each."""
@@ -328,43 +312,37 @@ def _make_tile_walk(bm, bn, bk):
         e = int64(eu)
         hi = int64(min(offsets[eu + 1], num_rows[0]))
         lo = int64(min(offsets[eu], hi))
-        ktiles = max((hi - lo + (bk - 1)) // bk, 1)
+        ktiles = max((hi - lo + (BK - 1)) // BK, 1)
         return e, m0, n0, lo, hi, ktiles
     return tile_of
 
 
-def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk=BK, held=2):
-    """Build one wgmma wgrad specialisation (all arguments compile-time). ``held``: the ring
-    stages the compute warpgroups hold -- 2 (the layer's): a slice's wgmmas issued before the
-    previous slice is retired and released; 1 (for probes): each slice retired (wgmma.wait(0))
-    and released before the next is issued, so the producer has one stage more to fill and
-    keeps one slice more in flight (LAG = STAGES - 1)."""
-    assert tile_ok(bm, bn) and stages >= 2 and bk in (32, 64) and held in (1, 2)
+def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
+    """Build one wgmma wgrad specialisation (all arguments compile-time)."""
+    assert tile_ok(bm, bn) and stages >= 2
     assert not accumulate or out_f32
     compute = 2 * bm                        # the two compute warpgroups' threads
     threads = compute + PRODUCER_THREADS
     nacc = bn // 2                          # fp32 accumulators per thread
-    # Slices a producer thread leaves in flight before announcing the oldest: STAGES - 2 when
+    # Slices a producer thread leaves in flight before announcing the oldest: STAGES - 2, as
     # the compute warpgroups free a stage only once the next slice's wgmmas are issued (they
-    # hold two), so the producer waiting on a stage must already have announced that slice;
-    # STAGES - 1 when they free each slice's stage before taking the next.
-    lag = stages - held
-    box = bk * ROW_BYTES                    # one [bk][64] box of the ring
+    # hold two), so the producer waiting on a stage must already have announced that slice.
+    lag = stages - 2
+    box = BK * ROW_BYTES                    # one [BK][64] box of the ring
     stage_bytes = (bm + bn) // 64 * box
     a_stage = bm // 64 * box
-    desc_high = _desc_high(bk)
     warp_staging = _warp_staging_bytes(bn)
-    cpr_a = _operand_map(bm, bk)[0]
-    cpr_b = _operand_map(bn, bk)[0]
-    nbytes = smem_bytes(bn, stages, out_f32, bk)
+    cpr_a = _operand_map(bm)[0]
+    cpr_b = _operand_map(bn)[0]
+    nbytes = smem_bytes(bn, stages, out_f32)
     if nbytes > 227 * 1024:
         raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
                          f"{nbytes} bytes of shared memory per block: over 227 KiB")
-    load_a = _operand_loader(bm, gather_a, bk)
-    load_b = _operand_loader(bn, gather_b, bk)
-    mma_slice = _make_mma_slice(bn, bk)
+    load_a = _operand_loader(bm, gather_a)
+    load_b = _operand_loader(bn, gather_b)
+    mma_slice = _make_mma_slice(bn)
     epilogue = _make_epilogues(bm, bn, out_f32, accumulate)
-    tile_of = _make_tile_walk(bm, bn, bk)
+    tile_of = _make_tile_walk(bm, bn)
 
     @kjit(device=True, inline="always")
     def produce(smem, full0, empty0, ring, p, a, a_index, b, b_index, offsets, num_rows, M, N,
@@ -387,7 +365,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk
             for kt in range(ktiles):
                 if j >= stages:             # both warpgroups retired slice j - STAGES
                     wait_phase(smem, empty0 + 8 * st, (j // stages - 1) & 1)
-                r0 = lo + kt * bk
+                r0 = lo + kt * BK
                 off = st * stage_bytes
                 load_a(smem, a_dst + off, a, a_index, r0 + a_k, hi, M, m0 + a_c * 8)
                 load_b(smem, b_dst + off, b, b_index, r0 + b_k, hi, N, n0 + b_c * 8)
@@ -441,8 +419,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk
             if not out_f32:                 # the host wrote the maps: acquire them once
                 tensormap_acquire(maps, 0)
                 tensormap_acquire(maps, 16)
-            desc_a0 = int64(desc_high) + int64((ring + wg * box) >> 4)
-            desc_b0 = int64(desc_high) + int64((ring + a_stage) >> 4)
+            desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * box) >> 4)
+            desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
             j = int64(0)                    # the stream's slice being computed
             t = int64(cuda.blockIdx.x)
             while t < total:
@@ -458,20 +436,15 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
                     soff = (st * stage_bytes) >> 4
                     acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
-                    if held == 1:           # slice j retired: its stage may refill
-                        acc = wgmma_wait(acc, 0)
-                        mbarrier_arrive(smem, empty0 + 8 * st)
-                    else:
-                        acc = wgmma_wait(acc, 1)
-                        if kt > 0:          # slice j - 1 retired: its stage may refill
-                            mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
+                    acc = wgmma_wait(acc, 1)
+                    if kt > 0:              # slice j - 1 retired: its stage may refill
+                        mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
                     j += 1
                     kt += 1
                     if kt >= ktiles:
                         break
-                if held == 2:
-                    acc = wgmma_wait(acc, 0)
-                    mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
+                acc = wgmma_wait(acc, 0)
+                mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
 
                 # This tile's place in the outputs: the whole tile lies on one side of m_split
                 # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
@@ -500,7 +473,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate, bk
 def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
     _require_arch(cfg)
     return make_wgmma_wgrad(cfg.bm, cfg.bn, cfg.stages, gather_a, gather_b, out_f32,
-                            accumulate, cfg.bk)
+                            accumulate)
 
 
 def output_maps(out0, out1, E, M, N, m_split, stream=0):
