@@ -1,12 +1,16 @@
 """Where the backward's time goes: every launch group of ``mok_comm.backward`` timed alone.
 
     python benchmarks/probes/probe_backward.py --preset qwen3.5-397b --tokens 4096
+    python benchmarks/probes/probe_backward.py --precision fp8     # the FP8 layer's
 
 One GPU, EP 1 (``mok_torch.Layer`` on a local heap). Each call of the backward's phases (and
 the barriers between them) runs between CUDA events after one forward; median over --iters,
 then a table of ms per call, largest first. Then what the backward costs the forward: its
 gate/up GEMMs (routed, shared) saving the FP32 pre-activations the backward reads, against
-the same launches of a forward-only layer. A probe: it prints, it does not write results.
+the same launches of a forward-only layer. ``--precision fp8``: the layer in
+``MoKConfig(precision="fp8")`` (its routed weights quantised once, ``Layer.with_fp8``; the
+data gradients' calls include their quantisations). A probe: it prints, it does not write
+results.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3.5-397b")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     ap.add_argument("--wgrad-tiles", default="",
                     help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers"
                          "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
@@ -38,7 +43,7 @@ def main(argv=None):
     W = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
                           *synthetic.local_expert_weights(shape, 0, dev))
     d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
-    layer = mok_torch.Layer(shape, T, MoKConfig())
+    layer = mok_torch.Layer(shape, T, MoKConfig(precision=args.precision))
     from mok_core.gemm import GemmConfig
     for tiles in args.wgrad_tiles.split(";") if args.wgrad_tiles else [""]:
         if tiles:
@@ -58,7 +63,7 @@ def _time_gate_up(args, layer, W):
     from mok_comm import functional as F
     from mok_torch.layer import weight_views
     s = numba_stream()
-    Wc = F.check_weights(layer, weight_views(layer, W))
+    Wc = F.check_weights(layer, weight_views(layer, layer.with_fp8(W)))
     calls = [("routed_gate_up", F.routed_gate_up)]
     if layer.shape.shared_intermediate:
         calls.insert(0, ("shared_gate_up", F.shared_gate_up))
@@ -96,7 +101,8 @@ def _time_backward(args, layer, x, ids, w, W, d_out):
     views = B.Grads(*(None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
                       for g, n in zip(grads, B.Grads._fields)))
     phases, _ = B.backward_phases(layer, ctx, tensor_view(d_out, "d_out"),
-                                  tensor_view(w, "w", (torch.float32,)), weight_views(layer, W),
+                                  tensor_view(w, "w", (torch.float32,)),
+                                  weight_views(layer, layer.with_fp8(W)),
                                   grads=views, stream=s)
     calls = []
     for i, phase in enumerate(phases):
@@ -119,7 +125,7 @@ def _time_backward(args, layer, x, ids, w, W, d_out):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1, backward tiles {layer.backward_gemm}, dgrad "
+    print(f"{args.preset} T={T} EP 1 {args.precision}, backward tiles {layer.backward_gemm}, dgrad "
           f"{layer.dgrad_gemm}, wgrad {layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")
     for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):
