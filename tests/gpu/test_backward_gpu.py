@@ -18,12 +18,12 @@ PRECISIONS = ["bf16", "fp8"]
 REPEATS = 20
 BF16 = (5e-3, 0.9999)      # the most rel-L1 and the least cosine similarity against float64
 FP8 = (0.03, 0.999)        # FP8: the output and d_x (issue 23's bound) ...
-FP8_ACT = (0.08, 0.997)    # ... and what is made from the FP8 forward's h and the FP8 p (d_router
+FP8_ACT = (0.1, 0.995)     # ... and what is made from the FP8 forward's h and the FP8 p (d_router
 # weights and the routed weight gradients): e4m3's 3 mantissa bits put ~2.3 % (rel-L1) into each
 # FP8 GEMM's output on random operands whatever its K, and h = SiLU(g) u and <p, h> carry two
-# such errors -- 0.055-0.072 in float64 emulation of the layer's quantisation at kimi's and
-# qwen's shapes (benchmarks/probes/probe_fp8_error.py, docs/perf.md); the shared expert stays
-# bf16 and keeps bf16's bound
+# such errors -- 0.045-0.072 in float64 emulation of the layer's quantisation at kimi's and
+# qwen's shapes (benchmarks/probes/probe_fp8_error.py), up to 0.075 / cosine 0.9972 measured
+# at glm's (docs/perf.md); the shared expert stays bf16 and keeps bf16's bound
 
 
 def _bounds(precision, name):
