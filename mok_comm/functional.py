@@ -104,6 +104,18 @@ def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInp
                           out, "out", dtype=np.uint16, shape=(T, H)))
 
 
+def check_weight_count(layer: Layer, weights) -> bool:
+    """TypeError unless ``weights`` holds the layer's count -- 6 (``Weights``), or 7
+    (``WeightsFP8``) for ``MoKConfig(precision="fp8")`` --; whether it is an FP8 layer."""
+    fp8_layer = layer.config.precision == "fp8"
+    if len(weights) != (7 if fp8_layer else 6):
+        want = ("7: WeightsFP8(*weights, quantize_weights(weights)) (Weights' six and fp8, "
+                "the routed experts quantised)" if fp8_layer else
+                f"6 tensors ({', '.join(Weights._fields)})")
+        raise TypeError(f"weights: expected {want}, got {len(weights)}")
+    return fp8_layer
+
+
 def check_weights(layer: Layer, weights, *, backward: bool = False):
     """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order; with
     ``MoKConfig(precision="fp8")`` a ``WeightsFP8``, its 7th the quantised routed experts:
@@ -111,12 +123,7 @@ def check_weights(layer: Layer, weights, *, backward: bool = False):
     shared ones None when the shape has no shared expert."""
     s = layer.shape
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
-    fp8_layer = layer.config.precision == "fp8"
-    if len(weights) != (7 if fp8_layer else 6):
-        want = ("7: a WeightsFP8 (Weights' six and fp8, the routed experts quantised: "
-                "mok_comm.layer.quantize_weights)" if fp8_layer else
-                f"6 tensors ({', '.join(Weights._fields)})")
-        raise TypeError(f"weights: expected {want}, got {len(weights)}")
+    fp8_layer = check_weight_count(layer, weights)
     shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
     checked = [None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
                for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))]

@@ -180,12 +180,7 @@ class Layer(L.Layer):
         _check(x, "x", (jnp.bfloat16,), (T, H))
         _check(topk_ids, "topk_ids", (jnp.int32, np.int64), (T, k))
         _check(router_weights, "router_weights", (jnp.float32,), (T, k))
-        fp8 = self.config.precision == "fp8"
-        if len(weights) != (7 if fp8 else 6):
-            want = ("7: WeightsFP8(*weights, quantize_weights(weights)) for "
-                    "MoKConfig(precision='fp8')" if fp8 else
-                    f"6 arrays ({', '.join(Weights._fields)})")
-            raise TypeError(f"weights: expected {want}, got {len(weights)}")
+        fp8 = F.check_weight_count(self, weights)
         for i, (a, n, shp) in enumerate(zip(weights, Weights._fields, B._grad_shapes(self))):
             if not (i < 3 and a is None and not s.shared_intermediate):
                 _check(a, n, (jnp.bfloat16,), shp)

@@ -108,7 +108,7 @@ def test_jax_inputs_checked():
         layer(x, ids.astype(jnp.float32), w, W)
     with pytest.raises(ValueError, match=r"w_gate: expected shape \(4, 32, 64\)"):
         layer(x, ids, w, W._replace(w_gate=W.w_gate[:, :16]))
-    with pytest.raises(TypeError, match="weights: expected 6 arrays"):
+    with pytest.raises(TypeError, match="weights: expected 6 tensors"):
         layer(x, ids, w, tuple(W)[:5])
     with pytest.raises(ValueError, match=r"topk_ids: expected shape \(8, 2\), got \(40, 2\)"):
         jax.jit(layer)(x[:8], ids, w, W)             # fewer tokens: the others must follow
