@@ -54,7 +54,7 @@ SHAPES = {   # a DeepSeek-V3-like block, scaled down; and the simulator's tiny o
     "sim": dict(hidden=64, heads=2, intermediate=32, shared=32, experts=4, topk=2, vocab=64,
                 seq=16, batch=1, steps=6, lr=3e-3),
     "sim-fp8": dict(hidden=128, heads=2, intermediate=128, shared=128, experts=4, topk=2,
-                    vocab=64, seq=16, batch=1, steps=6, lr=3e-3),     # FP8: multiples of 128
+                    vocab=64, seq=32, batch=1, steps=6, lr=3e-3),     # FP8: multiples of 128
 }
 
 
