@@ -1,11 +1,13 @@
 """Train the MoE layer from JAX: a router in JAX, the experts in ``mok_jax_adapter.Layer``,
 ``jax.grad`` through both, Adam written out (optax is not a dependency).
 
-    python examples/train_moe_jax.py [steps]    # one GPU, else the CUDA simulator (CPU)
+    python examples/train_moe_jax.py [steps] [--fp8]    # one GPU, else the CUDA simulator
 
 The task is synthetic: fit y = tanh(x M) for a fixed random M on fresh Gaussian tokens each
 step. The loss printed per step falls. On the simulator the shape is tiny and a step takes
-about 20 s (the kernels run in Python); on a GPU it is a small real layer.
+about 20 s (the kernels run in Python); on a GPU it is a small real layer. ``--fp8``: the
+layer in ``MoKConfig(precision="fp8")``, its routed weights quantised inside the jitted step
+(``mok_jax_adapter.quantize_weights``, once per step; the gradients are the bf16 weights').
 """
 import os
 import sys
@@ -24,13 +26,17 @@ import mok_jax_adapter  # noqa: E402
 from mok_core.config import LayerShape, MoKConfig  # noqa: E402
 from mok_core.cuda_compat import SIM  # noqa: E402
 
+FP8 = "--fp8" in sys.argv
+PRECISION = "fp8" if FP8 else "bf16"
 if SIM:
     jax.config.update("jax_platforms", "cpu")      # the simulator's "device" is the host
-    T, STEPS, LR, CFG = 32, 20, 1e-2, MoKConfig(row_align=32, minibatch_size=64)
-    SHAPE = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
+    T, STEPS, LR = 32, 20, 1e-2
+    CFG = MoKConfig(row_align=32, minibatch_size=64, precision=PRECISION)
+    H_, I_ = (128, 128) if FP8 else (64, 32)      # FP8: H and I multiples of 128
+    SHAPE = LayerShape(hidden=H_, intermediate=I_, shared_intermediate=I_, num_experts=4,
                        topk=2, ep_size=1)
 else:
-    T, STEPS, LR, CFG = 2048, 50, 3e-3, MoKConfig()
+    T, STEPS, LR, CFG = 2048, 50, 3e-3, MoKConfig(precision=PRECISION)
     SHAPE = LayerShape(hidden=1024, intermediate=512, shared_intermediate=512, num_experts=16,
                        topk=4, ep_size=1)
 H, I, I_s, E, K = (SHAPE.hidden, SHAPE.intermediate, SHAPE.shared_intermediate,
@@ -64,6 +70,9 @@ def main():
     def loss_fn(params, x, y):
         ids, weights = route(params["router"], x)
         experts = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params["experts"])
+        if FP8:                                   # once per step, no gradient through it
+            experts = mok_jax_adapter.WeightsFP8(*experts,
+                                                 mok_jax_adapter.quantize_weights(experts))
         out = layer(x, ids, weights, experts)
         return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
@@ -80,10 +89,11 @@ def main():
         return params, {"m": m, "v": v}, loss
 
     where = "GPU" if not SIM else "the CUDA simulator"
-    print(f"training the MoE layer through JAX on {where}: {T} tokens/step, H={H}, I={I}, "
-          f"I_s={I_s}, {E} experts, top-{K}")
+    print(f"training the MoE layer ({PRECISION}) through JAX on {where}: {T} tokens/step, "
+          f"H={H}, I={I}, I_s={I_s}, {E} experts, top-{K}")
     losses = []
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else STEPS
+    counts = [a for a in sys.argv[1:] if a != "--fp8"]
+    steps = int(counts[0]) if counts else STEPS
     for t in range(1, steps + 1):
         t0 = time.perf_counter()
         params, adam, loss = train_step(params, adam, t, jax.random.fold_in(data_key, t))
