@@ -1,7 +1,7 @@
 """Training integration on real GPUs at a real shape: variable tokens per step on one workspace
 (eager, CUDA graph and backward: a token's results never depend on the other tokens of its step,
 bit for bit), and ``mok_torch.MoEBlock`` through autograd and ``torch.compile`` equal to the
-manual layer path.
+manual layer path, in bf16 and FP8.
 
 One process: EP 1. ``torchrun --nproc-per-node=2`` / ``mok_comm.launch``: EP 2, every rank
 bringing a different count."""
@@ -71,18 +71,22 @@ def test_variable_tokens(ep):
                       torch.cat([w, w[:1]]), weights)
 
 
-def test_module_autograd_and_compile(ep):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_module_autograd_and_compile(ep, precision):
     """MoEBlock's forward and every gradient equal the manual layer step's and backward's on
-    the same parameters and routing, eager and under torch.compile(fullgraph=True)."""
+    the same parameters and routing, eager and under torch.compile(fullgraph=True); FP8: the
+    block and the manual layer each quantise the bf16 weights they are given."""
     import torch
 
     import mok_torch
+    from mok_core.config import MoKConfig
     me, R = ep
     shape, _, weights, d_out = _setup(ep, torch)
     dev = d_out.device
     torch.manual_seed(0)
     block = mok_torch.MoEBlock(shape.hidden, shape.intermediate, shape.shared_intermediate,
-                               shape.num_experts, shape.topk, max_tokens=T_MAX)
+                               shape.num_experts, shape.topk, max_tokens=T_MAX,
+                               config=MoKConfig(precision=precision))
     with torch.no_grad():
         for p, w in zip(block.expert_weights(), weights):
             p.copy_(w)
