@@ -110,7 +110,8 @@ def check_weight_count(layer: Layer, weights) -> bool:
     fp8_layer = layer.config.precision == "fp8"
     if len(weights) != (7 if fp8_layer else 6):
         want = ("7: WeightsFP8(*weights, quantize_weights(weights)) (Weights' six and fp8, "
-                "the routed experts quantised)" if fp8_layer else
+                "the routed experts quantised by the quantize_weights of mok_comm.layer, "
+                "mok_torch or mok_jax_adapter)" if fp8_layer else
                 f"6 tensors ({', '.join(Weights._fields)})")
         raise TypeError(f"weights: expected {want}, got {len(weights)}")
     return fp8_layer

@@ -109,7 +109,9 @@ def _xla_stream(ctx, buf):
     return cuda.external_stream(int(ctx.stream))
 
 
-_quantizers = {}      # (E, I, H, backward) -> quantize_weights' buffer callback
+# (E, I, H, backward) -> quantize_weights' buffer callback, made once: JAX keys its
+# compilation cache on the callback object
+_quantizers = {}
 
 
 def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
@@ -119,9 +121,13 @@ def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
     backward's data gradients read), from ``mok_comm.layer.quantize_weights`` in one buffer
     callback on XLA's stream. Traceable (inside ``jit`` or not); no gradient flows through it
     (its inputs are ``stop_gradient``-ed): call it once per optimizer step and pass
-    ``WeightsFP8(*weights, fp8)`` to the layer."""
+    ``WeightsFP8(*weights, fp8)`` to the layer. ``backward`` is a Python bool (under
+    ``jax.jit`` a static argument: ``static_argnames="backward"``)."""
     import jax
     import jax.numpy as jnp
+    if not isinstance(backward, (bool, np.bool_)):
+        raise TypeError(f"backward: expected a Python bool (static under jit), got "
+                        f"{type(backward).__name__}")
     if len(weights) != 6:
         raise TypeError(f"weights: expected 6 arrays ({', '.join(Weights._fields)}), got "
                         f"{len(weights)}")
@@ -170,7 +176,8 @@ class Layer(L.Layer):
         """One step as one XLA op. Shapes (jax.Array, this rank's; any T <= tokens_per_rank):
         x [T, H] bf16, topk_ids
         [T, k] int32 (int64 too, with x64 on; -1 = masked route), router_weights [T, k]
-        float32, ``weights`` (``Weights``, bf16; the shared ones None or [0, .] when I_s = 0).
+        float32, ``weights`` (``Weights``, bf16; the shared ones None or [0, .] when I_s = 0;
+        with ``MoKConfig(precision="fp8")`` ``WeightsFP8(*weights, quantize_weights(weights))``).
         Returns out [T, H] bf16. Traceable: call it inside ``jax.jit``; shapes are checked
         when it is traced. Differentiable in x, router_weights and weights (``jax.grad``,
         ``jax.vjp``): the gradients come from ``mok_comm.backward`` (module docstring)."""
@@ -191,9 +198,14 @@ class Layer(L.Layer):
             raise TypeError("weights.fp8: expected an FP8Weights (quantize_weights(weights)), "
                             f"got {type(q).__name__}")
         q = FP8Weights(*q)
+        # the callbacks take the arrays given, by position: the forward's six, and the four
+        # transposed copies all or none
+        if sum(a is None for a in q[6:]) not in (0, 4):
+            raise ValueError("weights.fp8: the transposed copies (w_down_t ... "
+                             "w_gate_up_t_scale) must be all given or all None")
         specs = L.fp8_shapes(s.experts_per_rank, s.intermediate, s.hidden)
-        for a, (n, (dtype, shp)) in zip(q, specs.items()):
-            if a is not None:
+        for i, (a, (n, (dtype, shp))) in enumerate(zip(q, specs.items())):
+            if a is not None or i < 6:
                 _check(a, f"weights.fp8.{n}", (dtype,), shp)
         return self._differentiable()(x, topk_ids, router_weights, WeightsFP8(*weights[:6], q))
 
@@ -284,7 +296,7 @@ class Layer(L.Layer):
         x, topk_ids, router_weights, weights = residuals
         T = x.shape[0]
         _check(d_out, "d_out (the output's cotangent)", (jnp.bfloat16,), (T, self.shape.hidden))
-        if len(weights) == 7 and weights[6].w_down_t is None:
+        if len(weights) == 7 and weights[6].w_down_t is None:      # (all four or none)
             raise ValueError("weights.fp8.w_down_t: None, but the FP8 backward's data gradients "
                              "read the transposed copies: quantize_weights(weights, "
                              "backward=True)")

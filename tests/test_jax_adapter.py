@@ -313,3 +313,7 @@ def test_fp8_layer_with_quantize_weights():
             *W, fwd_only)).astype(jnp.float32)))(x)
     with pytest.raises(TypeError, match=r"weights.fp8.w_gate: expected dtype uint8"):
         layer(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8._replace(w_gate=W.w_gate)))
+    with pytest.raises(TypeError, match="weights.fp8.w_gate_scale: expected a jax.Array"):
+        layer(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8._replace(w_gate_scale=None)))
+    with pytest.raises(ValueError, match="the transposed copies .* all given or all None"):
+        layer(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8._replace(w_gate_up_t=None)))

@@ -221,8 +221,9 @@ def test_bad_inputs_raise_before_launch():
 def test_fp8_block_trains_near_float64():
     """MoEBlock(config=MoKConfig(precision="fp8")) through autograd: the output and every
     gradient within FP8's reach of float64 of the same parameters (random operands: ~0.04 for
-    the output and x, up to ~0.07 for what the FP8 h feeds -- the routed weights and, through
-    the router weights' gradient, the router: docs/perf.md; the shared expert runs in bf16),
+    the output and x, bounded at 0.05; up to ~0.07 for what the FP8 h feeds -- the routed
+    weights and, through the router weights' gradient, the router: docs/perf.md --, bounded at
+    0.09; the shared expert runs in bf16, 0.01),
     bit-equal on a second step, the routed weights quantised once for both (the re-quantisation
     after an update: ``test_torch_adapter``)."""
     from dataclasses import replace
@@ -236,7 +237,8 @@ def test_fp8_block_trains_near_float64():
     want, want_grads = reference(blk, x, ids, d)
     assert rel(y, want) < 0.05
     errs = {n: rel(grads[n], w) for n, w in want_grads.items()}
-    bad = {n: e for n, e in errs.items() if not e < (1e-2 if "shared" in n else 0.09)}
+    bound = lambda n: 1e-2 if "shared" in n else 0.05 if n == "x" else 0.09    # noqa: E731
+    bad = {n: e for n, e in errs.items() if not e < bound(n)}
     assert not bad, errs
     y2, grads2 = run(blk, x, d)
     assert torch.equal(y2, y) and blk.layer.fp8_quantizations == 1

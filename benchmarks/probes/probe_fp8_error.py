@@ -7,9 +7,11 @@ float64 emulation of ``MoKConfig(precision="fp8")``'s quantisation at a preset's
 (``mok_core.quantize_reference``, bit-exact to the kernels' quantizer; every GEMM itself in
 float64): x and the d_out rows 1 x 128, the expert weights (and their transposes) 128 x 128, h
 = SiLU(g8) u8 in bf16 then 1 x 128, p = d_out8 W_down8 in bf16, [d_g | d_u] in bf16 then 1 x
-128; the shared expert and the weight gradients' GEMMs in bf16 inputs as the layer runs them.
-Synthetic operands as ``mok_testing.synthetic`` draws them (x, d_out ~ N(0, 1), weights scaled by
-fan-in^-1/2), ``--tokens`` tokens each routed to ``topk`` experts of their own weights.
+128; the weight gradients' GEMMs on the FP8 path's activations (bf16 GEMMs in the layer); the
+shared expert exact in both (its bf16 roundings are not modelled: it only dilutes the output's
+and d_x's error). Synthetic operands as ``mok_testing.synthetic`` draws them (x, d_out ~ N(0,
+1), weights scaled by fan-in^-1/2), ``--tokens`` tokens all routed to the same ``topk`` experts
+(the per-route error does not depend on which); dW_up is dW_gate's twin and not computed.
 
 Columns: rel-L1 and cosine against float64 of the bf16 layer, for the layer as it runs (FP8
 forward and data gradients) and with the backward's data gradients in bf16 (what the FP8 layer

@@ -47,7 +47,7 @@ def _patched_factories(variant):
         for v in variant.split("+"):
             out.update(_patched_factories(v))
         return out
-    from numba import int64, uint32
+    from numba import uint32
 
     from mok_core.cuda_compat import kjit
     from mok_core.gemm import epilogue as epi

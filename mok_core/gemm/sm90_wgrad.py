@@ -52,7 +52,7 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                short the loads are issue-bound (docs/perf.md): a producer warpgroup takes
                their integer work off the warps that issue the wgmmas and the epilogue
     MMA      = per slice, per compute warpgroup: BK / 16 x wgmma m64nBNk16 ``_tatb`` from two
-               MN-major descriptors (``_desc_high``: leading byte offset a box between the
+               MN-major descriptors (``sm90._DESC_HIGH_MN``: leading byte offset a box between the
                64-column boxes, stride 1024 B between 8 rows of k, + 2048 bytes per k16 step;
                warpgroup g's A starts at box g of the A slice)
     epilogue = bf16: ``epilogue.make_tma_epilogue``, per warp: its 16 rows staged apart from
