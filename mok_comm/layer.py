@@ -118,17 +118,21 @@ class FP8Weights(NamedTuple):
     w_gate_up_t_scale: object = None
 
 
-def fp8_shapes(experts: int, intermediate: int, hidden: int) -> dict:
+def fp8_shapes(experts: int, intermediate: int, hidden: int, backward: bool = True) -> dict:
     """FP8Weights' field -> (dtype, shape) for ``experts`` routed experts of W_gate's shape
-    [experts, intermediate, hidden]."""
+    [experts, intermediate, hidden]: the forward's six fields, and with ``backward`` the four
+    transposed ones (in field order, so ``FP8Weights(*arrays)`` leaves the others None)."""
     E, I, H = experts, intermediate, hidden
     u8, f32 = np.uint8, np.float32
     blocks = lambda r, c: (f32, (E, r // 128, c // 128))                   # noqa: E731
-    return {"w_gate": (u8, (E, I, H)), "w_gate_scale": blocks(I, H),
-            "w_up": (u8, (E, I, H)), "w_up_scale": blocks(I, H),
-            "w_down": (u8, (E, H, I)), "w_down_scale": blocks(H, I),
-            "w_down_t": (u8, (E, I, H)), "w_down_t_scale": blocks(I, H),
-            "w_gate_up_t": (u8, (E, H, 2 * I)), "w_gate_up_t_scale": blocks(H, 2 * I)}
+    shapes = {"w_gate": (u8, (E, I, H)), "w_gate_scale": blocks(I, H),
+              "w_up": (u8, (E, I, H)), "w_up_scale": blocks(I, H),
+              "w_down": (u8, (E, H, I)), "w_down_scale": blocks(H, I)}
+    if backward:
+        shapes.update({"w_down_t": (u8, (E, I, H)), "w_down_t_scale": blocks(I, H),
+                       "w_gate_up_t": (u8, (E, H, 2 * I)),
+                       "w_gate_up_t_scale": blocks(H, 2 * I)})
+    return shapes
 
 
 def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights | None = None,
@@ -139,9 +143,8 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
     forward-only layer needs only the first six)."""
     from mok_core.quantize import quantize_expert_weights
     if out is None:
-        out = FP8Weights(*(device_empty(shp, dtype, stream) if backward or i < 6 else None
-                           for i, (dtype, shp) in
-                           enumerate(fp8_shapes(*weights.w_gate.shape).values())))
+        out = FP8Weights(*(device_empty(shp, dtype, stream) for dtype, shp in
+                           fp8_shapes(*weights.w_gate.shape, backward).values()))
     out = FP8Weights(*out)
     for i, name in enumerate(("w_gate", "w_up", "w_down")):
         quantize_expert_weights(getattr(weights, name), out=out[2 * i], scales=out[2 * i + 1],

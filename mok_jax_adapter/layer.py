@@ -145,8 +145,8 @@ def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
     key = (E, I, H, bool(backward))
     if key not in _quantizers:
         from jax.experimental.buffer_callback import buffer_callback
-        specs = tuple(jax.ShapeDtypeStruct(shp, dtype) for i, (dtype, shp)
-                      in enumerate(L.fp8_shapes(E, I, H).values()) if backward or i < 6)
+        specs = tuple(jax.ShapeDtypeStruct(shp, dtype)
+                      for dtype, shp in L.fp8_shapes(E, I, H, backward).values())
 
         def run(ctx, out, w_gate, w_up, w_down):
             routed = [as_device_array(a, n, dtype=np.uint16) for a, n in

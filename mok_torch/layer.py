@@ -95,8 +95,7 @@ def quantize_weights(weights, out: L.FP8Weights | None = None, *,
     if out is None:
         dtypes = {np.uint8: torch.uint8, np.float32: torch.float32}
         out = L.FP8Weights(*(torch.empty(shp, dtype=dtypes[dt], device=weights[3].device)
-                             if backward or i < 6 else None for i, (dt, shp) in
-                             enumerate(L.fp8_shapes(*routed[0].shape).values())))
+                             for dt, shp in L.fp8_shapes(*routed[0].shape, backward).values()))
     out = L.FP8Weights(*out)
     L.quantize_weights(L.Weights(None, None, None, *routed), backward=backward, out=out,
                        stream=current_stream())

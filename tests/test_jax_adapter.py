@@ -42,13 +42,25 @@ NAMES = ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d")
 T = 40
 
 
-def _inputs(seed=0, limit=None, shape=SHAPE):
-    inp = layer_inputs(np.random.default_rng(seed), shape, T,
+def _jax_args(inp):
+    """(x, topk_ids, router_weights, Weights) as jax arrays: rank 0's of ``layer_inputs``."""
+    return (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
+            jnp.asarray(inp["w"][0]), mok_jax_adapter.Weights(*(jnp.asarray(inp[n])
+                                                                for n in NAMES)))
+
+
+def _inputs(seed=0, limit=None, shape=SHAPE, t=T):
+    inp = layer_inputs(np.random.default_rng(seed), shape, t,
                        weight_scale=3.0 if limit else 1.0)
-    args = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
-            jnp.asarray(inp["w"][0]), mok_jax_adapter.Weights(*(
-                jnp.asarray(inp[n]) for n in ("w_sg", "w_su", "w_sd", "w_g", "w_u", "w_d"))))
-    return inp, args
+    return inp, _jax_args(inp)
+
+
+def _cotangent(seed, t, hidden):
+    """A d_out c [t, hidden] in bf16 (NumPy) and its exact float32 (jax): sum(out * c) has
+    gradient c."""
+    c = np.asarray(np.random.default_rng(seed).standard_normal((t, hidden)),
+                   np.float32).astype(jnp.bfloat16)
+    return c, jnp.asarray(c.astype(np.float32))
 
 
 def _bits(a):
@@ -172,13 +184,11 @@ def test_grad_matches_backward_and_reference(shape, limit):
     gradients bit for bit mok_comm.backward's with d_out = c (bf16), within 1e-2 of float64.
     No shared expert: its weights None (or [0, .]), and so their gradients."""
     inp, (x, ids, w, W) = _inputs(6, limit, shape=shape)
-    c = np.asarray(np.random.default_rng(7).standard_normal((T, shape.hidden)),
-                   np.float32).astype(jnp.bfloat16)               # d_out: c in bf16, exactly
+    c, c32 = _cotangent(7, T, shape.hidden)                    # d_out: c in bf16, exactly
     if not shape.shared_intermediate:
         W = W._replace(w_shared_gate=None, w_shared_up=None, w_shared_down=None)
     layer = mok_jax_adapter.Layer(shape, T, CFG, gemm=GEMM, swiglu_limit=limit)
     step = jax.jit(layer)
-    c32 = jnp.asarray(c.astype(np.float32))
 
     def loss(x, w, W):
         return jnp.sum(step(x, ids, w, W).astype(jnp.float32) * c32)
@@ -241,12 +251,8 @@ def test_variable_tokens():
     t = 17
     inp, _ = _inputs(9)
     inp = {n: a[:, :t] if n in ("x", "ids", "w") else a for n, a in inp.items()}
-    x, ids, w = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
-                 jnp.asarray(inp["w"][0]))
-    W = mok_jax_adapter.Weights(*(jnp.asarray(inp[n]) for n in NAMES))
-    c = np.asarray(np.random.default_rng(10).standard_normal((t, SHAPE.hidden)),
-                   np.float32).astype(jnp.bfloat16)
-    c32 = jnp.asarray(c.astype(np.float32))
+    x, ids, w, W = _jax_args(inp)
+    c, c32 = _cotangent(10, t, SHAPE.hidden)
     layer = mok_jax_adapter.Layer(SHAPE, T, CFG, gemm=GEMM)
     step = jax.jit(layer)
 
@@ -274,13 +280,8 @@ def test_fp8_layer_with_quantize_weights():
     shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=2,
                        topk=2, ep_size=1)
     cfg = replace(CFG, precision="fp8")
-    inp = layer_inputs(np.random.default_rng(11), shape, t)
-    x, ids, w = (jnp.asarray(inp["x"][0]), jnp.asarray(inp["ids"][0].astype(np.int32)),
-                 jnp.asarray(inp["w"][0]))
-    W = mok_jax_adapter.Weights(*(jnp.asarray(inp[n]) for n in NAMES))
-    c = np.asarray(np.random.default_rng(12).standard_normal((t, shape.hidden)),
-                   np.float32).astype(jnp.bfloat16)
-    c32 = jnp.asarray(c.astype(np.float32))
+    inp, (x, ids, w, W) = _inputs(11, shape=shape, t=t)
+    c, c32 = _cotangent(12, t, shape.hidden)
     fp8 = jax.jit(mok_jax_adapter.quantize_weights)(W)
     want_q = quantize_weights(Weights(*(to_dev(_bits(inp[n])) for n in NAMES)))
     assert isinstance(fp8, FP8Weights)
