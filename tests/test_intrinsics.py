@@ -2,6 +2,8 @@
 
 The same file runs on a GPU (``pytest tests/test_intrinsics.py`` without the simulator).
 """
+from fractions import Fraction
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -27,7 +29,8 @@ from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
                                  wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait,
                                  wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
-                                 wgmma_m64n64k32_e4m3, wgmma_m64n128k32_e4m3)
+                                 wgmma_m64n64k32_e4m3, wgmma_m64n128k32_e4m3,
+                                 promote_fp8)
 
 
 def bf16_bits(a):
@@ -419,6 +422,59 @@ def test_wgmma_e4m3_descriptors_swizzle_and_fragments(n):
     want = e4m3_values(A) @ e4m3_values(B).T
     bound = 2.0 ** -11 * (np.abs(e4m3_values(A)) @ np.abs(e4m3_values(B)).T)
     assert (np.abs(to_host(D).reshape(64, n) - want) <= bound).all()
+
+
+def _make_promote32():
+    """One thread per case: ``promote_fp8`` of a 32-element fragment (acc, part: rows of [.., 32]
+    float32) with that case's four factors (s: [.., 4]) into out [.., 32]."""
+    src = "\n".join([
+        "def kernel(acc_in, part_in, s, out):",
+        "    t = cuda.threadIdx.x",
+        "    acc = (" + ", ".join(f"acc_in[t, {i}]" for i in range(32)) + ")",
+        "    part = (" + ", ".join(f"part_in[t, {i}]" for i in range(32)) + ")",
+        "    r = promote_fp8(acc, part, s[t, 0], s[t, 1], s[t, 2], s[t, 3])",
+        *[f"    out[t, {i}] = r[{i}]" for i in range(32)]])
+    scope = {"cuda": cuda, "promote_fp8": promote_fp8}
+    exec(src, scope)
+    return kjit(scope["kernel"])
+
+
+def _f32_round(q):
+    """The float32 nearest the Fraction q, ties to even: exact, unlike float(q) then float32."""
+    r = np.float32(float(q))
+    cands = [r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))]
+    dist = [abs(Fraction(float(c)) - q) for c in cands]
+    best = min(dist)
+    near = [c for c, d in zip(cands, dist) if d == best]
+    return min(near, key=lambda c: int(np.float32(c).view(np.uint32)) & 1)
+
+
+def test_promote_fp8_rounds_once_like_fma():
+    """``promote_fp8``: acc + part x s rounded once (``fma.rn.f32``) with the fragment's factor
+    per element -- s_lo for its upper row (elements 4j, 4j + 1), s_hi for the row below (4j +
+    2, 4j + 3), s_lo2 / s_hi2 in the second half -- bit for bit against the exact value
+    rounded to float32, on random values and on sums whose float64 lands exactly halfway
+    between two float32 (where rounding the product, or the float64 sum, first goes wrong)."""
+    rng = np.random.default_rng(7)
+    cases = 8
+    acc = (rng.standard_normal((cases, 32)) * 2.0 ** rng.integers(-30, 30, (cases, 32)))
+    part = rng.standard_normal((cases, 32)) * 2.0 ** rng.integers(-30, 30, (cases, 32))
+    s = rng.standard_normal((cases, 4)) * 2.0 ** rng.integers(-20, 20, (cases, 4))
+    acc, part, s = (np.asarray(v, np.float32) for v in (acc, part, s))
+    # halfway cases: part x s = 2**-24 - 2**-70 onto acc = 1 + 2**-23 (exact sum just below
+    # the float32 midpoint 1 + 3 * 2**-24; float64 and mul-then-add both round it up)
+    a1, b1 = np.float32(1 + 2.0 ** -23), np.float32(2.0 ** -24 * (1 - 2.0 ** -23))
+    acc[0, :4], part[0, :4], s[0, 0] = a1, a1, b1
+    acc[1, 2:4], part[1, 2:4], s[1, 1] = -a1, -a1, b1
+    out = to_dev(np.zeros((cases, 32), np.float32))
+    _make_promote32()[1, cases](to_dev(acc), to_dev(part), to_dev(s), out)
+    got = to_host(out)
+    for t in range(cases):
+        for i in range(32):
+            f = s[t, 2 * (i >= 16) + (i // 2) % 2]
+            q = Fraction(float(part[t, i])) * Fraction(float(f)) + Fraction(float(acc[t, i]))
+            assert got[t, i].view(np.uint32) == _f32_round(q).view(np.uint32), (t, i)
+    assert got[0, 0] == a1 and got[1, 2] == -a1                  # the halfway cases: once
 
 
 _WGMMA_TB_N = {64: wgmma_m64n64k16_bf16_tb, 128: wgmma_m64n128k16_bf16_tb}

@@ -684,8 +684,10 @@ def promote_fp8(typingctx, acc, part, s_lo, s_hi, s_lo2, s_hi2):
     equal float32 UniTuples (wgmma fragments), ``s`` = ``s_lo`` for the fragment's upper row
     (elements 4j, 4j + 1) and ``s_hi`` for the row 8 below (4j + 2, 4j + 3) in the first half
     of the columns (the first n/2 elements), ``s_lo2`` / ``s_hi2`` in the second half (SwiGLU
-    tiles: gate columns, then up columns, each with its weight's scale); one rounded multiply
-    and one rounded add each (no FMA contraction: the twin's bits)."""
+    tiles: gate columns, then up columns, each with its weight's scale); each a ``fma.rn.f32``
+    (part x s + acc rounded once: one instruction where a rounded multiply and add would take
+    two -- ptxas contracted those into it anyway --, and the bits fixed whatever the compiler's
+    contraction flags; the twin rounds the exact value the same way)."""
     if not (_f32_tuple(acc) and acc == part
             and all(isinstance(f, types.Float) for f in (s_lo, s_hi, s_lo2, s_hi2))):
         return None
@@ -696,9 +698,10 @@ def promote_fp8(typingctx, acc, part, s_lo, s_hi, s_lo2, s_hi2):
              for j in range(4)]
         out = []
         for i in range(n):
-            p = builder.extract_value(args[1], i)
-            prod = builder.fmul(p, f[2 * (i >= n // 2) + (i // 2) % 2])
-            out.append(builder.fadd(builder.extract_value(args[0], i), prod))
+            out.append(_asm(builder, _f32, [builder.extract_value(args[1], i),
+                                            f[2 * (i >= n // 2) + (i // 2) % 2],
+                                            builder.extract_value(args[0], i)],
+                            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"))
         return context.make_tuple(builder, sig.return_type, out)
     return acc(acc, part, s_lo, s_hi, s_lo2, s_hi2), codegen
 

@@ -475,11 +475,30 @@ def _wgmma_e4m3(n, fresh=False):
     return twin
 
 
+def fma_f32(a, b, c):
+    """``fma.rn.f32`` elementwise: a x b + c rounded once to float32 (ties to even). The
+    product of two float32 is exact in float64; TwoSum gives the float64 sum s and its error
+    exactly; s rounds to float32 as the exact value does unless s lies exactly halfway between
+    two float32, where the error's sign picks the side."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    with np.errstate(invalid="ignore"):                 # inf - inf: no error term to use
+        v = s - p
+        err = (p - (s - v)) + (c - v)
+        r = s.astype(np.float32)
+        d = s - r.astype(np.float64)
+        other = np.nextafter(r, np.where(d > 0, np.float32(np.inf), np.float32(-np.inf)))
+        half = np.abs(other.astype(np.float64) - r.astype(np.float64)) / 2
+        beyond = (d != 0) & (np.abs(d) == half) & (np.sign(err) == np.sign(d))
+    return np.where(beyond, other, r)
+
+
 def promote_fp8(acc, part, s_lo, s_hi, s_lo2, s_hi2):
-    f = [np.float32(v) for v in (s_lo, s_hi, s_lo2, s_hi2)]
+    f = np.float32([s_lo, s_hi, s_lo2, s_hi2])
     n = len(acc)
-    return tuple(np.float32(a + np.float32(p * f[2 * (i >= n // 2) + (i // 2) % 2]))
-                 for i, (a, p) in enumerate(zip(acc, part)))
+    i = np.arange(n)
+    return tuple(fma_f32(part, f[2 * (i >= n // 2) + (i // 2) % 2], acc))
 
 
 wgmma_m64n128k32_e4m3_fresh = _wgmma_e4m3(128, fresh=True)

@@ -1,0 +1,83 @@
+"""What bounds the FP8 GEMM: its kernels at real shapes, for Nsight Compute or timed in turns.
+
+    ncu --clock-control none --kernel-name-base demangled --kernel-name regex:sm90_fp8 \
+        --section SpeedOfLight --section WarpStateStats ... \
+        python benchmarks/probes/probe_fp8_ncu.py            # each kernel launched twice
+    python benchmarks/probes/probe_fp8_ncu.py --time         # CUDA-graph replays in turns
+
+Shapes (``NCU_SHAPES``, default ``long,ffn``; rows padded to 128): ``long`` = gate|up (K =
+7168, N = 2I = 4096) over 16 experts x ~1365 rows (``probe_fp8_stages``' rows an expert),
+``ffn`` = the same over 48 experts x ~373 rows (kimi-k2.7 at EP 2, 8192 tokens/rank: 3 row
+tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts. Per shape: ``fp8_gemm``
+(128 x 256, 3 stages), ``fp8_gate_up_swiglu`` (the same tile; not for ``down``) and our bf16
+wgmma GEMM (``down``) on bf16 operands of the same size. A probe: it prints, it writes
+nothing. Its findings: docs/perf.md, "What bounds the FP8 GEMM".
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main():
+    import numpy as np
+    import torch
+
+    from benchmarks.bench_ffn import interleaved_ms
+    from benchmarks.common import numba_stream
+    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm
+    TIME = "--time" in sys.argv
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def e4m3(*shape):                       # random finite e4m3 bytes (no 0x7F / 0xFF)
+        b = torch.randint(0, 256, shape, device="cuda", dtype=torch.int32, generator=g)
+        return torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
+
+    shapes = [s for s in os.environ.get("NCU_SHAPES", "long,ffn").split(",") if s]
+    for shape in shapes:
+        E, per, K, N = {"long": (16, 1365, 7168, 4096), "ffn": (48, 373, 7168, 4096),
+                        "down": (48, 373, 2048, 7168)}[shape]
+        rng = np.random.default_rng(0)
+        counts = -(-rng.multinomial(E * per, np.ones(E) / E) // 128) * 128
+        off = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32,
+                           device="cuda")
+        C = int(counts.sum())
+        nr = torch.tensor([C], dtype=torch.int32, device="cuda")
+        a, w = e4m3(C, K), e4m3(E, N, K)
+        wg, wu = w[:, :N // 2].contiguous(), w[:, N // 2:].contiguous()   # (N // 2: 256 | it)
+        a_s = torch.exp2(torch.rand(C, K // 128, device="cuda") * -4 - 6)
+        w_s = torch.exp2(torch.rand(E, N // 128, K // 128, device="cuda") * -4 - 6)
+        wg_s, wu_s = w_s[:, :N // 256].contiguous(), w_s[:, N // 256:].contiguous()
+        out = torch.empty(C, N, device="cuda", dtype=torch.uint16)
+        h = torch.empty(C, N // 2, device="cuda", dtype=torch.uint16)
+        x16 = torch.randn(C, K, device="cuda").bfloat16().view(torch.uint16)
+        w16 = (torch.randn(E, N, K, device="cuda") * K ** -0.5).bfloat16().view(torch.uint16)
+        cfg = default_gemm(C / E)
+        steps = {
+            "fp8 plain 256": lambda: fp8_gemm(a, a_s, w, w_s, off, nr, out, stages=3, bn=256,
+                                              stream=numba_stream())}
+        if shape != "down":
+            steps["fp8 swiglu 256"] = lambda: fp8_gate_up_swiglu(
+                a, a_s, wg, wg_s, wu, wu_s, off, nr, h, stages=3, bn=256, stream=numba_stream())
+        steps["bf16 down"] = lambda: down(x16, w16, off, nr, out, config=cfg,
+                                          stream=numba_stream())
+        flop = 2.0 * C * K * N
+        if TIME:                # CUDA-graph replays in turns: sustained, as in a step
+            t = interleaved_ms(steps, 20, eager=())
+            for name, (graph_ms, _) in t.items():
+                print(f"{shape:5s} rows={C} E={E} {name:15s} {graph_ms:7.3f} ms "
+                      f"{flop / graph_ms / 1e9:6.0f} TFLOP/s "
+                      f"x{t['bf16 down'][0] / graph_ms:.2f} vs bf16", flush=True)
+        else:                   # one launch each after its compile: what ncu profiles
+            for name, fn in steps.items():
+                fn()
+                fn()
+                torch.cuda.synchronize()
+        steps.clear()           # the next shape's tensors replace these
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
