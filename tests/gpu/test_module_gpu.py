@@ -115,6 +115,7 @@ def test_module_autograd_and_compile(ep, precision):
         assert torch.equal(got, ref)
     # d_x: the layer's plus the router's path (x -> scores -> weights): not the layer's alone
     assert torch.isfinite(d_x.float()).all() and not torch.equal(d_x, want.d_x)
+    del want, ctx, out                  # (memory: at most two sets of gradients from here on)
     # aot_eager: the same torch ops around the two custom ops, so bit for bit
     yc, d_xc, d_wc = run(torch.compile(block, backend="aot_eager", fullgraph=True))
     assert torch.equal(yc, y) and torch.equal(d_xc, d_x)
@@ -124,8 +125,13 @@ def test_module_autograd_and_compile(ep, precision):
     # inductor fuses the router's float ops (its own roundings): close, not bitwise
     yi, d_xi, d_wi = run(torch.compile(block, fullgraph=True))
 
-    def rel(a, b):
-        return float((a.float() - b.float()).abs().sum() / b.float().abs().sum())
+    def rel(a, b):                      # 2**26 elements at a time: no float copy of a
+        num = den = 0.0                 # weight-sized gradient (an H100 has no room for it)
+        rows = max(1, (1 << 26) // a[0].numel())
+        for x, y in zip(a.split(rows), b.split(rows)):
+            num += float((x.float() - y.float()).abs().sum())
+            den += float(y.float().abs().sum())
+        return num / den
     assert rel(yi, y) < 1e-2 and rel(d_xi, d_x) < 1e-2
     for a, b in zip(d_wi, d_w):
         assert a is None or rel(a, b) < 1e-2
