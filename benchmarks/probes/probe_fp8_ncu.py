@@ -9,12 +9,16 @@ Shapes (``NCU_SHAPES``, default ``long,ffn``; rows padded to 128): ``long`` = ga
 7168, N = 2I = 4096) over 16 experts x ~1365 rows (``probe_fp8_stages``' rows an expert),
 ``ffn`` = the same over 48 experts x ~373 rows (kimi-k2.7 at EP 2, 8192 tokens/rank: 3 row
 tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts. Per shape: ``fp8_gemm``
-(128 x 256, 3 stages), ``fp8_gate_up_swiglu`` (the same tile; not for ``down``) and our bf16
-wgmma GEMM (``down``) on bf16 operands of the same size. A probe: it prints, it writes
-nothing. Its findings: docs/perf.md, "What bounds the FP8 GEMM".
+and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (default
+``256,128,192``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4, and the 192 x
+128 probe build ``make_fp8_gemm(bm=192)`` with 4), each into its own output (``--time``
+prints whether it is bit-equal to the first tile's), and our bf16 wgmma GEMM (``down``) on
+bf16 operands of the same size. A probe: it prints, it writes nothing. Its findings:
+docs/perf.md, "What bounds the FP8 GEMM".
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -27,8 +31,14 @@ def main():
 
     from benchmarks.bench_ffn import interleaved_ms
     from benchmarks.common import numba_stream
-    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm
+    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm, sm90_fp8
     TIME = "--time" in sys.argv
+    TILES = os.environ.get("FP8_TILES", "256,128,192").split(",")
+    kernel = sm90_fp8._kernel
+
+    @functools.lru_cache(maxsize=None)
+    def rows192(stages, swiglu, bn, save_pre, push):      # the probe build, compiled once
+        return sm90_fp8.make_fp8_gemm(stages, swiglu, bn, save_pre, push, bm=192)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def e4m3(*shape):                       # random finite e4m3 bytes (no 0x7F / 0xFF)
@@ -51,20 +61,43 @@ def main():
         w_s = torch.exp2(torch.rand(E, N // 128, K // 128, device="cuda") * -4 - 6)
         wg_s, wu_s = w_s[:, :N // 256].contiguous(), w_s[:, N // 256:].contiguous()
         out = torch.empty(C, N, device="cuda", dtype=torch.uint16)
-        h = torch.empty(C, N // 2, device="cuda", dtype=torch.uint16)
         x16 = torch.randn(C, K, device="cuda").bfloat16().view(torch.uint16)
         w16 = (torch.randn(E, N, K, device="cuda") * K ** -0.5).bfloat16().view(torch.uint16)
         cfg = default_gemm(C / E)
-        steps = {
-            "fp8 plain 256": lambda: fp8_gemm(a, a_s, w, w_s, off, nr, out, stages=3, bn=256,
-                                              stream=numba_stream())}
-        if shape != "down":
-            steps["fp8 swiglu 256"] = lambda: fp8_gate_up_swiglu(
-                a, a_s, wg, wg_s, wu, wu_s, off, nr, h, stages=3, bn=256, stream=numba_stream())
+        outs = {}
+
+        def variant(swiglu, tile):
+            """The GEMM (plain or SwiGLU) on tile "256" (128 x 256, 3 stages: the default),
+            "128" (128 x 128, 4 stages) or "192" (the 192 x 128 probe build, 4 stages), into
+            its own output."""
+            o = torch.empty(C, N // 2 if swiglu else N, device="cuda", dtype=torch.uint16)
+            outs[swiglu, tile] = o
+            bn, stages = (256, 3) if tile == "256" else (128, 4)
+
+            def step():
+                if tile == "192":
+                    sm90_fp8._kernel = rows192
+                if swiglu:
+                    fp8_gate_up_swiglu(a, a_s, wg, wg_s, wu, wu_s, off, nr, o, stages=stages,
+                                       bn=bn, stream=numba_stream())
+                else:
+                    fp8_gemm(a, a_s, w, w_s, off, nr, o, stages=stages, bn=bn,
+                             stream=numba_stream())
+                sm90_fp8._kernel = kernel
+            return step
+        steps = {f"fp8 {'swiglu' if sw else 'plain'} {tile}": variant(sw, tile)
+                 for sw in ((False,) if shape == "down" else (False, True))
+                 for tile in TILES}
         steps["bf16 down"] = lambda: down(x16, w16, off, nr, out, config=cfg,
                                           stream=numba_stream())
         flop = 2.0 * C * K * N
         if TIME:                # CUDA-graph replays in turns: sustained, as in a step
+            for fn in steps.values():
+                fn()
+            torch.cuda.synchronize()
+            for (sw, tile), o in outs.items():
+                print(f"{shape}: {'swiglu' if sw else 'plain'} {tile} bits == {TILES[0]}: "
+                      f"{torch.equal(o, outs[sw, TILES[0]])}")
             t = interleaved_ms(steps, 20, eager=())
             for name, (graph_ms, _) in t.items():
                 print(f"{shape:5s} rows={C} E={E} {name:15s} {graph_ms:7.3f} ms "
@@ -76,6 +109,7 @@ def main():
                 fn()
                 torch.cuda.synchronize()
         steps.clear()           # the next shape's tensors replace these
+        outs.clear()
         torch.cuda.empty_cache()
 
 

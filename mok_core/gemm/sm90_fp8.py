@@ -61,6 +61,11 @@ No block barrier after the prologue (tile table, mbarrier init). Waits are bound
 not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
 for them on full[s] before the block can end.
 
+PROBE (to be measured, then the default where it wins or deleted: docs/perf.md, "What bounds
+the FP8 GEMM"): ``make_fp8_gemm(bm=192)`` -- three compute warpgroups (384 compute threads
++ the producer's 128), tiles of 192 rows x 128 columns, 3 A boxes a slice, one
+4-wgmma group a slice per warpgroup, setmaxnreg 152 / 56; bit-equal to the 128-row tiles.
+
 C7518: the role test is a warp vote (``warp_all``); no branch around a wgmma tests anything
 but block-uniform values, and the K loop runs at least once (K >= 128), testing its exit at
 the end (``sm90``).
@@ -107,12 +112,12 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, bm=BM):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
     align the ring to 1024 bytes, the ring, the staged output tile."""
     cols = bn // 2 if swiglu_epilogue else bn
-    return (_TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES
-            + BM * (2 * cols + 16))
+    return (_TABLE_BYTES + 16 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
+            + bm * (2 * cols + 16))
 
 
 @kjit(device=True, inline="always")
@@ -124,11 +129,11 @@ def ring_start(area):
 
 
 @kjit(device=True, inline="always")
-def stage0_descriptors(ring, wg):
+def stage0_descriptors(ring, wg, bm=BM):
     """Stage 0's wgmma descriptors for warpgroup ``wg``: its 64 A rows and B (after A's
-    128 rows); a stage s is ``(s * stage bytes) >> 4`` further on."""
+    ``bm`` rows); a stage s is ``(s * stage bytes) >> 4`` further on."""
     return (int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4),
-            int64(_DESC_HIGH) + int64((ring + BM * ROW_BYTES) >> 4))
+            int64(_DESC_HIGH) + int64((ring + bm * ROW_BYTES) >> 4))
 
 
 @kjit(device=True, inline="always")
@@ -188,21 +193,29 @@ def _a_row(r, row_end):
     return r if r < row_end else int64(-1)
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False):
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False, bm=BM):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
-    slice serves twice the columns) and ``save_pre``
+    slice serves twice the columns), ``bm`` (128, or the 192-row probe build with ``bn`` =
+    128: module header) and ``save_pre``
     (SWIGLU: the FP32 gate and up values also into ``pre_g`` / ``pre_u`` [C, N], the rows
     stored -- what the backward differentiates the SwiGLU at) and ``push``
     (not SWIGLU: row r goes to its source rank's combine row, the route's
     ``epilogue.make_coalesced_epilogue``, instead of ``out``)."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
+    # PROBE (bm = 192): three compute warpgroups of 64 rows, 128 columns (one wgmma group a
+    # slice each); registers 3 x 152 + 56 = 4 x 128, the block's at launch
+    assert bm == BM or (bm == 192 and bn == 128)
+    a_boxes = bm // BOX_ROWS
+    compute = 2 * bm                         # compute threads: bm / 64 warpgroups
+    threads = compute + 128
+    compute_regs, producer_regs = (COMPUTE_REGS, PRODUCER_REGS) if bm == BM else (152, 56)
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     col_step = bn // 2 if swiglu_epilogue else bn
-    stage_bytes = (BM + bn) * ROW_BYTES
+    stage_bytes = (bm + bn) * ROW_BYTES
     w_boxes = bn // BOX_ROWS // 2            # B boxes of each half (w0's, then w1's or w0's)
     half_b = (128 * ROW_BYTES) >> 4          # descriptor step to the second half's rows
     w1_blocks = 1 if (halves == 2 and not swiglu_epilogue) else 0   # its scale block's step
@@ -212,7 +225,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         """Tile t -> (expert, first row, its first weight row -- the output column, or with
         SWIGLU the hidden column whose gate rows are w0's and up rows w1's --, the expert's
         end row)."""
-        e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, BM,
+        e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm,
                                                   rows_cap)
         return e, row0, nt * col_step, row_end
 
@@ -240,17 +253,18 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 dst = ring + st * stage_bytes
                 kx = kb * (BK // 2)                      # uint16 columns of the maps
                 mbarrier_arrive_expect_tx(smem, bar, stage_bytes)
-                tma_load_2d(smem, dst, tmaps, 0, kx, row0, bar)
-                tma_load_2d(smem, dst + BOX_BYTES, tmaps, 0, kx, row0 + BOX_ROWS, bar)
+                for i in range(a_boxes):
+                    tma_load_2d(smem, dst + i * BOX_BYTES, tmaps, 0, kx, row0 + i * BOX_ROWS,
+                                bar)
                 for i in range(w_boxes):
-                    tma_load_2d(smem, dst + (2 + i) * BOX_BYTES, tmaps, MAP_ELEMS, kx,
+                    tma_load_2d(smem, dst + (a_boxes + i) * BOX_BYTES, tmaps, MAP_ELEMS, kx,
                                 w_row + i * BOX_ROWS, bar)
-                    tma_load_2d(smem, dst + (2 + w_boxes + i) * BOX_BYTES, tmaps, second, kx,
-                                w_row2 + i * BOX_ROWS, bar)
+                    tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
+                                second, kx, w_row2 + i * BOX_ROWS, bar)
                 j += 1
             t += cuda.gridDim.x
 
-    @kjit(launch_bounds=(GEMM_THREADS, 1))
+    @kjit(launch_bounds=(threads, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
                route_rank, route_token, route_slot, peers, k, C, K, N, limit,
                errors, nf_tensor, nf_rank):
@@ -260,26 +274,26 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
-        tile_table(smem, offsets, num_experts, BM, rows_cap)
+        tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, 1)
-                mbarrier_init(smem, empty0 + 8 * s, THREADS)
+                mbarrier_init(smem, empty0 + 8 * s, compute)
             fence_mbarrier_init()
         cuda.syncthreads()
         # each side works out what it needs after its setmaxnreg: a value live across it
         # must fit the producer's 40 registers, so ptxas would spill it
-        if warp_all(tid >= THREADS):
-            setmaxnreg_dec(PRODUCER_REGS)
+        if warp_all(tid >= compute):
+            setmaxnreg_dec(producer_regs)
             n_tiles = N // col_step
             ktiles = K // BK
             total = int64(smem[num_experts]) * n_tiles
             ring = ring_start(empty0 + 8 * stages)          # past the mbarriers
-            if tid == THREADS:
+            if tid == compute:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, N)
         else:
-            setmaxnreg_inc(COMPUTE_REGS)
+            setmaxnreg_inc(compute_regs)
             n_tiles = N // col_step
             ktiles = K // BK
             nb = N // SCALE_BLOCK
@@ -287,7 +301,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
             ring = ring_start(empty0 + 8 * stages)
             staging = ring + stages * stage_bytes
-            desc_a0, desc_b0 = stage0_descriptors(ring, wg)
+            desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
             j = int64(0)
             t = int64(cuda.blockIdx.x)
             part = f32_zeros(NACC)             # (its input is never read: scale-d 0 first)
@@ -346,8 +360,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                              (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 t += cuda.gridDim.x
 
-    kernel.threads = GEMM_THREADS
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue)
+    kernel.threads = threads
+    kernel.bm = bm
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, bm)
     return kernel
 
 
@@ -385,14 +400,14 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     kern = _kernel(stages, swiglu, bn, pre is not None, route is not None)
     if route is None:
         route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
-    tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
+    tiles = (rows // kern.bm + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
     maps = tensor_maps([flat_view(a, np.uint16).reshape(a.shape[0], K // 2),
                         flat_view(w0, np.uint16).reshape(E * N, K // 2),
                         flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
-    launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
+    launch(kern, grid, kern.threads, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
            flat_view(out, np.uint32),
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),

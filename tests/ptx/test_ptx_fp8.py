@@ -67,6 +67,33 @@ def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, push):
         assert len(compute) <= 1, compute
 
 
+@pytest.mark.parametrize("swiglu,pre,push", [(False, False, False), (True, False, False),
+                                             (True, True, False), (False, False, True)],
+                         ids=["plain", "swiglu", "swiglu-pre", "plain-push"])
+def test_fp8_gemm_192_rows_lowers_unserialised(swiglu, pre, push):
+    """The 192 x 128 probe build (``make_fp8_gemm(bm=192)``: three compute warpgroups, one
+    4-wgmma group a slice each): 3 + 2 TMA boxes a slice, setmaxnreg 152 / 56 (3 x 152 + 56 =
+    4 x 128, the block's at launch), no C7518, no local memory inside the K loop."""
+    ptx = compile_sm90a(sm90_fp8_make(4, swiglu, 128, pre, push, bm=192), sig(2 if push else 1))
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 5
+    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32 56;") == 1
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32 152;") == 1
+    report, sass = sass_sm90a(ptx)
+    assert "Used 128 registers" in report, report[-600:]
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+    if sass is None:
+        pytest.skip("nvdisasm not installed: where the kernel's spills are")
+    inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
+    assert not inside, inside
+
+
+def sm90_fp8_make(*args, **kw):
+    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
+    return make_fp8_gemm(*args, **kw)
+
+
 def test_fp8_wgrad_lowers_unserialised():
     """``sm90_fp8_wgrad``: the same slice (4 e4m3 wgmmas, waited to zero, promoted), both
     operands by cp.async, the coalesced epilogue, no local memory; ptxas: no C7518, no spills."""
