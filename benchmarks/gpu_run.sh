@@ -19,7 +19,8 @@
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
-#        ring depth, 3 / 4 / 5 stages, vs our bf16 GEMM in turns: probe_fp8_stages)
+#        tiles 128x256 / 128x128 / the 192x128 probe build vs our bf16 GEMM in turns, bits
+#        compared: probe_fp8_ncu --time; NCU_SHAPES, FP8_TILES)
 #        probe-quant (the row quantizer direct / gathering / a prefetching candidate, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
@@ -155,7 +156,7 @@ for s in "$@"; do
          --presets "${FFN_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${FFN_TOKENS:-8192}" --routing uniform --precision bf16,fp8 \
          --out "$OUT/bench_ffn_fp8.json" ;;
-    probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_stages.py ;;
+    probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_ncu.py --time ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \

@@ -6,7 +6,7 @@
     python benchmarks/probes/probe_fp8_ncu.py --time         # CUDA-graph replays in turns
 
 Shapes (``NCU_SHAPES``, default ``long,ffn``; rows padded to 128): ``long`` = gate|up (K =
-7168, N = 2I = 4096) over 16 experts x ~1365 rows (``probe_fp8_stages``' rows an expert),
+7168, N = 2I = 4096) over 16 experts x ~1365 rows (kimi-k2.7's at EP 8, 8192 tokens/rank),
 ``ffn`` = the same over 48 experts x ~373 rows (kimi-k2.7 at EP 2, 8192 tokens/rank: 3 row
 tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts. Per shape: ``fp8_gemm``
 and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (default
