@@ -61,11 +61,11 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import errors as err
-from .cuda_compat import (SIM, as_device_array, device_address, device_empty, flat_view, kjit,
-                          launch, multiprocessor_count)
+from .cuda_compat import (as_device_array, device_address, device_empty, flat_view, kjit, launch,
+                          multiprocessor_count)
 from .errors_record import record_non_finite
-from .intrinsics import (f32_as_u32, fdiv_rn, fmul_rn, pack_e4m3x4, u32_as_f32, warp_all,
-                         warp_min, warp_sum)
+from .intrinsics import (f32_as_u32, fdiv_rn, ffma_rn, fmul_rn, pack_e4m3x4, u32_as_f32,
+                         warp_all, warp_min, warp_sum)
 from .quantize_reference import E4M3_MAX
 
 THREADS = 256
@@ -223,30 +223,6 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
             fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
 
 
-if SIM:
-    def _ffma_rn(a, b, c):
-        """a b + c rounded once to float32 (``fma.rn.f32``). a b is exact in float64; the sum
-        is exact as float64 plus TwoSum's error term e, and rounding the float64 sum to float32
-        goes wrong only at a float32 midpoint, where e says which way the exact value lies."""
-        p = np.float64(np.float32(a)) * np.float64(np.float32(b))
-        c = np.float64(np.float32(c))
-        t = p + c
-        f = np.float32(t)
-        if not np.isfinite(t):
-            return f
-        z = t - p
-        e = (p - (t - z)) + (c - z)
-        if e != 0:
-            g = np.nextafter(f, np.float32(np.inf if t > np.float64(f) else -np.inf))
-            if t != np.float64(f) and (np.float64(f) + np.float64(g)) / 2 == t:
-                return g if (e > 0) == (np.float64(g) > t) else f
-        return f
-else:
-    @kjit(device=True, inline="always")
-    def _ffma_rn(a, b, c):
-        return cuda.fma(a, b, c)
-
-
 @kjit(device=True, inline="always")
 def _fast_quotient(v, s, r):
     """RN(v / s) in float32, as ``fdiv_rn``, for r = RN(1 / s), v finite and s >=
@@ -255,7 +231,7 @@ def _fast_quotient(v, s, r):
     RN(v / s) (Markstein's theorem); where v / s is too small for t to be exact, both round to
     an e4m3 zero of v's sign. t is q s - v, not v - q s, so that v = -0 gives -0."""
     q = fmul_rn(v, r)
-    return _ffma_rn(-_ffma_rn(q, s, -v), r, q)
+    return ffma_rn(-ffma_rn(q, s, -v), r, q)
 
 
 @kjit(device=True, inline="always")

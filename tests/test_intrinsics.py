@@ -30,7 +30,7 @@ from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  wgmma_m64n128k16_bf16, wgmma_m64n128k16_bf16_tb, wgmma_wait,
                                  wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                                  wgmma_m64n64k32_e4m3, wgmma_m64n128k32_e4m3,
-                                 promote_fp8)
+                                 promote_fp8, ffma_rn)
 
 
 def bf16_bits(a):
@@ -440,13 +440,62 @@ def _make_promote32():
 
 
 def _f32_round(q):
-    """The float32 nearest the Fraction q, ties to even: exact, unlike float(q) then float32."""
-    r = np.float32(float(q))
-    cands = [r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))]
+    """The float32 nearest the Fraction q, ties to even (infinite from FLT_MAX + half an ulp
+    on, as IEEE rounds): exact, unlike float(q) then float32."""
+    if abs(q) >= Fraction(2) ** 128 - Fraction(2) ** 103:
+        return np.float32(np.inf if q > 0 else -np.inf)
+    with np.errstate(over="ignore"):
+        r = np.float32(float(q))
+    if np.isinf(r):                          # float(q) rounded onto the edge: FLT_MAX's side
+        r = np.finfo(np.float32).max * np.float32(1 if q > 0 else -1)
+    with np.errstate(over="ignore"):
+        cands = [c for c in (r, np.nextafter(r, np.float32(np.inf)),
+                             np.nextafter(r, np.float32(-np.inf))) if np.isfinite(c)]
     dist = [abs(Fraction(float(c)) - q) for c in cands]
     best = min(dist)
     near = [c for c, d in zip(cands, dist) if d == best]
     return min(near, key=lambda c: int(np.float32(c).view(np.uint32)) & 1)
+
+
+@kjit
+def _ffma(a, b, c, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = ffma_rn(a[i], b[i], c[i])
+
+
+def test_ffma_rn_rounds_once():
+    """``ffma_rn``: a b + c rounded once (exact arithmetic as the judge) -- on random values,
+    on cancellations, where the float64 sum lands on a float32 midpoint (double rounding: a b
+    = 2**-24 (1 +- 2**-36) exactly, as 2**36 + 1 = 4097 * 16773121 and 2**36 - 1 = 262143 *
+    262145, a hair off the midpoint), and past the largest float32 (inf), also a hair inside
+    FLT_MAX + half an ulp (FLT_MAX)."""
+    rng = np.random.default_rng(5)
+    n = 400
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    b = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
+        1, 30, n))).astype(np.float32)                       # cancellation: remainders
+    edge = 18631 * 2.0 ** 103               # x 1801 = 2**128 - 2**103 = FLT_MAX + half an ulp
+    crafted = [(1 + 2.0 ** -12, 16773121 * 2.0 ** -48, 1),
+               (-1 - 2.0 ** -12, 16773121 * 2.0 ** -48, -1),
+               (1 - 2.0 ** -18, 262145 * 2.0 ** -42, 1 + 2.0 ** -23),
+               (1e20, 1e20, -1), (-1e20, 1e20, 1),          # past FLT_MAX: +-inf
+               (2.0 ** 64, 2.0 ** 64 - 2.0 ** 40, -2.0 ** 20),   # FLT_MAX - 2**20
+               (edge, 1801, -1), (-edge, 1801, 1),          # a hair inside the edge: FLT_MAX
+               (edge, 1801, 0), (edge, 1801, 1)]            # on it (ties to even) / past: inf
+    a = np.append(a, np.float32([x for x, _, _ in crafted]))
+    b = np.append(b, np.float32([y for _, y, _ in crafted]))
+    c = np.append(c, np.float32([z for _, _, z in crafted]))
+    out = to_dev(np.zeros(a.size, np.float32))
+    _ffma[(a.size + 127) // 128, 128](to_dev(a), to_dev(b), to_dev(c), out)
+    got = to_host(out)
+    for i, (x, y, z) in enumerate(zip(a, b, c)):
+        want = _f32_round(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+        assert got[i].view(np.uint32) == want.view(np.uint32), (x, y, z, got[i], want)
+    top = np.finfo(np.float32).max
+    assert list(got[n + 3:]) == [np.inf, -np.inf, top, top, -top,
+                                 np.inf, np.inf]
 
 
 def test_promote_fp8_rounds_once_like_fma():

@@ -212,6 +212,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     compute = 2 * bm                         # compute threads: bm / 64 warpgroups
     threads = compute + 128
     compute_regs, producer_regs = (COMPUTE_REGS, PRODUCER_REGS) if bm == BM else (152, 56)
+    assert compute * compute_regs + 128 * producer_regs == threads * (65536 // threads // 8 * 8)
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     col_step = bn // 2 if swiglu_epilogue else bn
@@ -282,7 +283,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             fence_mbarrier_init()
         cuda.syncthreads()
         # each side works out what it needs after its setmaxnreg: a value live across it
-        # must fit the producer's 40 registers, so ptxas would spill it
+        # must fit the producer's registers (40, or 56 at bm = 192), so ptxas would spill it
         if warp_all(tid >= compute):
             setmaxnreg_dec(producer_regs)
             n_tiles = N // col_step

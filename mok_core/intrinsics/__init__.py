@@ -8,8 +8,9 @@
                   match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see)
     fp8:          pack_e4m3x4 (four float32 -> e4m3 bytes, RNE, saturating)
-    bf16 / fp32:  u32_as_f32, f32_as_u32, pack_bf16x2, fmul_rn, fadd_rn, fdiv_rn, fold_nonfinite_bf16x2 (a
-                  running NaN/Inf check of packed output words: one fma.rn.bf16x2 per word),
+    bf16 / fp32:  u32_as_f32, f32_as_u32, pack_bf16x2, fmul_rn, fadd_rn, ffma_rn, fdiv_rn,
+                  fold_nonfinite_bf16x2 (a running NaN/Inf check of packed output words: one
+                  fma.rn.bf16x2 per word),
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
                   ldmatrix_x4_at (and ``_trans_at``: the
@@ -45,7 +46,7 @@ __all__ = [
     "ld_v4", "st_v4", "st_v2_f32",
     "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
     "syncwarp", "warp_all", "warp_sum", "warp_min", "match_any", "tuple_pick",
-    "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn", "fdiv_rn",
+    "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn", "ffma_rn", "fdiv_rn",
     "pack_e4m3x4",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",

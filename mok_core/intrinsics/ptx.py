@@ -334,6 +334,17 @@ def fadd_rn(typingctx, a, b):
 
 
 @intrinsic
+def ffma_rn(typingctx, a, b, c):
+    """float32 a*b+c rounded once (``fma.rn.f32``)."""
+    if a != types.float32 or b != types.float32 or c != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _f32, list(args), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
+    return types.float32(a, b, c), codegen
+
+
+@intrinsic
 def fdiv_rn(typingctx, a, b):
     """float32 a/b, IEEE round-to-nearest (``div.rn.f32``): what the FP8 quantizer's float64
     reference computes, whatever the compiler's division flags."""

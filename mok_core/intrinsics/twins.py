@@ -7,6 +7,7 @@ thread and land only at ``cp_async_wait``, so a read of shared memory before the
 data here too. Misaligned 16-byte accesses raise (the GPU would fault).
 """
 import functools
+import math
 import threading
 import time
 
@@ -151,6 +152,60 @@ def fmul_rn(a, b):
 
 def fadd_rn(a, b):
     return np.float32(np.float32(a) + np.float32(b))
+
+
+_F32_EDGE = 2.0 ** 128 - 2.0 ** 103       # FLT_MAX + half an ulp: from here on, inf
+_F32_MAX = np.finfo(np.float32).max
+
+
+def ffma_rn(a, b, c):
+    """``fma.rn.f32``: a x b + c rounded once to float32 (ties to even; inf from FLT_MAX +
+    half an ulp on, as IEEE rounds), elementwise over arrays, or on scalars (what the
+    quantizer's device functions pass: a fast path, the same rule). The product of two float32
+    is exact in float64; TwoSum gives the float64 sum s and its error exactly; s rounds to
+    float32 as the exact value does unless s lies exactly halfway between two float32 -- or
+    exactly on the overflow edge --, where the error's sign picks the side."""
+    if np.ndim(a) == np.ndim(b) == np.ndim(c) == 0:
+        return _ffma_rn_scalar(float(np.float32(a)), float(np.float32(b)),
+                               float(np.float32(c)))
+    with np.errstate(all="ignore"):
+        a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+        p = a * b
+        s = p + c
+        v = s - p
+        err = (p - (s - v)) + (c - v)
+        r = s.astype(np.float32)
+        d = s - r.astype(np.float64)
+        other = np.nextafter(r, np.where(d > 0, np.float32(np.inf), np.float32(-np.inf)))
+        half = np.abs(other.astype(np.float64) - r.astype(np.float64)) / 2
+        beyond = (np.isfinite(r) & (d != 0) & (np.abs(d) == half)
+                  & (np.sign(err) == np.sign(d)))
+        inside = (np.abs(s) == _F32_EDGE) & (np.sign(err) == -np.sign(s))
+        top = np.where(s > 0, _F32_MAX, -_F32_MAX).astype(np.float32)
+        return np.where(beyond, other, np.where(inside, top, r)).astype(np.float32)
+
+
+def _ffma_rn_scalar(a, b, c):
+    """``ffma_rn`` on three float32 values as Python floats."""
+    p = a * b
+    s = p + c
+    with np.errstate(all="ignore"):
+        r = np.float32(s)
+        if not math.isfinite(s):
+            return r
+        v = s - p
+        err = (p - (s - v)) + (c - v)
+        if err == 0:
+            return r
+        if abs(s) == _F32_EDGE:
+            return np.float32(math.copysign(_F32_MAX, s)) if (err > 0) != (s > 0) else r
+        d = s - float(r)
+        if d == 0 or not math.isfinite(r):
+            return r
+        other = np.nextafter(r, np.float32(math.copysign(math.inf, d)))
+        if abs(d) * 2 == abs(float(other) - float(r)) and (err > 0) == (d > 0):
+            return other
+        return r
 
 
 def fdiv_rn(a, b):
@@ -475,30 +530,11 @@ def _wgmma_e4m3(n, fresh=False):
     return twin
 
 
-def fma_f32(a, b, c):
-    """``fma.rn.f32`` elementwise: a x b + c rounded once to float32 (ties to even). The
-    product of two float32 is exact in float64; TwoSum gives the float64 sum s and its error
-    exactly; s rounds to float32 as the exact value does unless s lies exactly halfway between
-    two float32, where the error's sign picks the side."""
-    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
-    p = a * b
-    s = p + c
-    with np.errstate(invalid="ignore"):                 # inf - inf: no error term to use
-        v = s - p
-        err = (p - (s - v)) + (c - v)
-        r = s.astype(np.float32)
-        d = s - r.astype(np.float64)
-        other = np.nextafter(r, np.where(d > 0, np.float32(np.inf), np.float32(-np.inf)))
-        half = np.abs(other.astype(np.float64) - r.astype(np.float64)) / 2
-        beyond = (d != 0) & (np.abs(d) == half) & (np.sign(err) == np.sign(d))
-    return np.where(beyond, other, r)
-
-
 def promote_fp8(acc, part, s_lo, s_hi, s_lo2, s_hi2):
     f = np.float32([s_lo, s_hi, s_lo2, s_hi2])
     n = len(acc)
     i = np.arange(n)
-    return tuple(fma_f32(part, f[2 * (i >= n // 2) + (i // 2) % 2], acc))
+    return tuple(ffma_rn(part, f[2 * (i >= n // 2) + (i // 2) % 2], acc))
 
 
 wgmma_m64n128k32_e4m3_fresh = _wgmma_e4m3(128, fresh=True)
