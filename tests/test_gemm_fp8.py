@@ -164,31 +164,31 @@ def swiglu_problem(seed):
     return host, [to_dev(v) for v in host], a.shape[0], I
 
 
-@pytest.mark.parametrize("case", ["direct", "gathered"])
-def test_fp8_gemm_192_row_probe_build_is_bit_equal(case, monkeypatch):
-    """The 192 x 128 probe build (``make_fp8_gemm(bm=192)``, three compute warpgroups) writes
-    the 128-row tiles' bits, rows of no expert untouched alike: a tile's rows do not change a
-    row's sum (the same slices, promoted in the same order); and its SwiGLU form the same."""
+@pytest.mark.parametrize("build", [dict(bm=192), dict(pipelined=True)],
+                         ids=["rows192", "pipelined"])
+def test_fp8_gemm_probe_builds_are_bit_equal(build, monkeypatch):
+    """The FP8 GEMM's probe builds write the 128 x 128 tiles' bits, rows of no expert
+    untouched alike, plain and SwiGLU: ``bm=192`` (three compute warpgroups: a tile's rows do
+    not change a row's sum) and ``pipelined`` (slice k + 1's wgmmas issued before slice k's
+    promotion: the same slices promoted in the same order). K = 512: four slices, so the
+    pipelined loop runs both of its halves and then its drain."""
     _hopper()
     from mok_core.gemm import sm90_fp8
-    c = CASES[case]
-    args, _ = problem(len(case), c["counts"], c["K"], c["N"], gather=c["gather"], cut=c["cut"])
-    want = run(args, stages=4)
-    (_, _, wu, su, _, _), _ = problem(len(case) + 1, c["counts"], c["K"], c["N"],
-                                      gather=c["gather"], cut=c["cut"])
+    (a, a_scale, w, w_scale, off, nr), _ = problem(11, [150, 0, 40, 96], 512, 128,
+                                                   gather=True, cut=20)
+    (_, _, wu, su, _, _), _ = problem(12, [150, 0, 40, 96], 512, 128, gather=True, cut=20)
 
-    def swiglu_h():
-        a, a_scale, w, w_scale, off, nr = args
+    def plain_and_swiglu():
         h = to_dev(np.full((a.shape[0], w.shape[1]), POISON16, np.uint16))
         fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(w), to_dev(w_scale), to_dev(wu),
-                           to_dev(su), to_dev(off), to_dev(nr), h, stages=4, bn=128)
-        return to_host(h)
-    want_h = swiglu_h()
+                           to_dev(su), to_dev(off), to_dev(nr), h, stages=3, bn=128)
+        return run((a, a_scale, w, w_scale, off, nr), stages=3), to_host(h)
+    want = plain_and_swiglu()
     make = sm90_fp8.make_fp8_gemm
     monkeypatch.setattr(sm90_fp8, "_kernel",
-                        lambda st, sw, bn, pre, push: make(st, sw, bn, pre, push, bm=192))
-    np.testing.assert_array_equal(run(args, stages=4), want)
-    np.testing.assert_array_equal(swiglu_h(), want_h)
+                        lambda st, sw, bn, pre, push: make(st, sw, bn, pre, push, **build))
+    for got, ref in zip(plain_and_swiglu(), want):
+        np.testing.assert_array_equal(got, ref)
 
 
 @pytest.mark.parametrize("bn", [128, 256])

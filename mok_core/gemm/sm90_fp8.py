@@ -61,10 +61,14 @@ No block barrier after the prologue (tile table, mbarrier init). Waits are bound
 not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
 for them on full[s] before the block can end.
 
-PROBE (to be measured, then the default where it wins or deleted: docs/perf.md, "What bounds
-the FP8 GEMM"): ``make_fp8_gemm(bm=192)`` -- three compute warpgroups (384 compute threads
-+ the producer's 128), tiles of 192 rows x 128 columns, 3 A boxes a slice, one
-4-wgmma group a slice per warpgroup, setmaxnreg 152 / 56; bit-equal to the 128-row tiles.
+PROBES (to be measured, then the default where one wins, the others deleted: docs/perf.md,
+"What bounds the FP8 GEMM"), both bit-equal to the 128 x 128 tiles:
+``make_fp8_gemm(bm=192)`` -- three compute warpgroups (384 compute threads + the producer's
+128), tiles of 192 rows x 128 columns, 3 A boxes a slice, one 4-wgmma group a slice per
+warpgroup, setmaxnreg 152 / 56; ``make_fp8_gemm(pipelined=True)`` -- 128 x 128 with two
+fragments: slice k + 1's wgmmas issued (wait_group 1) before slice k is promoted, its stage
+released after that wait, K / 128 even (the loop takes slices in pairs, so its exit test is
+its one branch: no wgmma on a conditional path).
 
 C7518: the role test is a warp vote (``warp_all``); no branch around a wgmma tests anything
 but block-uniform values, and the K loop runs at least once (K >= 128), testing its exit at
@@ -193,7 +197,8 @@ def _a_row(r, row_end):
     return r if r < row_end else int64(-1)
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False, bm=BM):
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False, bm=BM,
+                  pipelined=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
@@ -208,6 +213,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     # PROBE (bm = 192): three compute warpgroups of 64 rows, 128 columns (one wgmma group a
     # slice each); registers 3 x 152 + 56 = 4 x 128, the block's at launch
     assert bm == BM or (bm == 192 and bn == 128)
+    # PROBE (pipelined): 128 x 128, two fragments -- slice k + 1's wgmmas issued before slice
+    # k is promoted (wait_group 1), so a warpgroup's promotion runs under its own next MMAs;
+    # K / 128 must be even (launch_fp8 checks)
+    assert not pipelined or (bm == BM and bn == 128)
     a_boxes = bm // BOX_ROWS
     compute = 2 * bm                         # compute threads: bm / 64 warpgroups
     threads = compute + 128
@@ -265,6 +274,23 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 j += 1
             t += cuda.gridDim.x
 
+    @kjit(device=True, inline="always")
+    def issue_slice(frag, smem, full0, j, desc_a0, desc_b0):
+        """Stream slice j's wgmmas into ``frag`` once it landed (pipelined)."""
+        st = j % stages
+        wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
+        soff = (st * stage_bytes) >> 4
+        return mma_slice(frag, smem, desc_a0 + soff, desc_b0 + soff)
+
+    @kjit(device=True, inline="always")
+    def retire_issuing(acc, done, nxt, smem, full0, empty0, j, desc_a0, desc_b0, f):
+        """(pipelined) Slice j + 1's wgmmas into ``nxt``, then slice j's (in ``done``)
+        waited for, its stage released and promoted with its factors ``f``."""
+        nxt = issue_slice(nxt, smem, full0, j + 1, desc_a0, desc_b0)
+        done = wgmma_wait(done, 1)
+        mbarrier_arrive(smem, empty0 + 8 * (j % stages))
+        return promote_fp8(acc, done, f[0], f[1], f[2], f[3]), done, nxt
+
     @kjit(launch_bounds=(threads, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
                route_rank, route_token, route_slot, peers, k, C, K, N, limit,
@@ -306,6 +332,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             j = int64(0)
             t = int64(cuda.blockIdx.x)
             part = f32_zeros(NACC)             # (its input is never read: scale-d 0 first)
+            pa = f32_zeros(NACC)               # (pipelined: the two fragments in turns)
+            pb = f32_zeros(NACC)
             while t < total:
                 e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles,
                                                  rows_cap)
@@ -320,7 +348,33 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 acc0 = f32_zeros(NACC)
                 acc1 = f32_zeros(NACC)
                 kb = int64(0)
-                while True:
+                if pipelined:
+                    # slice kb in flight in pa, kb + 1 issued into pb before pa's promotion,
+                    # then kb + 2 into pa before pb's: ktiles even, so the loop's one exit
+                    # test is the only branch, and no wgmma sits in a conditional path (C7518);
+                    # the loop's two halves swap the fragments' roles (registers: no tuple is
+                    # picked at run time)
+                    pa = issue_slice(pa, smem, full0, j, desc_a0, desc_b0)
+                    while True:
+                        g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
+                                                       w_at, w1_at, kb + 1, ktiles)
+                        acc0, pa, pb = retire_issuing(acc0, pa, pb, smem, full0, empty0, j,
+                                                      desc_a0, desc_b0, (f0, f1, f2, f3))
+                        j += 1
+                        kb += 1
+                        if kb + 1 >= ktiles:
+                            break
+                        f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
+                                                       w_at, w1_at, kb + 1, ktiles)
+                        acc0, pb, pa = retire_issuing(acc0, pb, pa, smem, full0, empty0, j,
+                                                      desc_a0, desc_b0, (g0, g1, g2, g3))
+                        j += 1
+                        kb += 1
+                    pb = wgmma_wait(pb, 0)         # the tile's last slice
+                    mbarrier_arrive(smem, empty0 + 8 * (j % stages))
+                    acc0 = promote_fp8(acc0, pb, g0, g1, g2, g3)
+                    j += 1
+                while not pipelined:
                     st = j % stages
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
                     soff = (st * stage_bytes) >> 4
@@ -363,6 +417,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
 
     kernel.threads = threads
     kernel.bm = bm
+    kernel.pipelined = pipelined
     kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, bm)
     return kernel
 
@@ -399,6 +454,8 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     rows = out.shape[0] if rows is None else rows
     swiglu = w1 is not None
     kern = _kernel(stages, swiglu, bn, pre is not None, route is not None)
+    if kern.pipelined and (K // BK) % 2:
+        raise ValueError(f"the pipelined probe build takes K / 128 even, not K = {K}")
     if route is None:
         route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
     tiles = (rows // kern.bm + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound

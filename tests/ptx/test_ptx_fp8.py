@@ -89,6 +89,29 @@ def test_fp8_gemm_192_rows_lowers_unserialised(swiglu, pre, push):
     assert not inside, inside
 
 
+@pytest.mark.parametrize("swiglu,pre,push", [(False, False, False), (True, False, False),
+                                             (True, True, False), (False, False, True)],
+                         ids=["plain", "swiglu", "swiglu-pre", "plain-push"])
+def test_fp8_gemm_pipelined_lowers_unserialised(swiglu, pre, push):
+    """The pipelined probe build (``make_fp8_gemm(pipelined=True)``, 128 x 128, two
+    fragments): 3 issue sites of 4 wgmmas (the tile's first slice, then one into each
+    fragment), waits to 1 pending in the loop and to 0 for the tile's last slice, 2 + 2 TMA
+    boxes a slice, setmaxnreg 232 / 40 -- and ptxas keeps the wgmmas unserialised (no wgmma
+    on a conditional path: C7518) with no local memory inside the K loop."""
+    ptx = compile_sm90a(sm90_fp8_make(4, swiglu, 128, pre, push, pipelined=True),
+                        sig(2 if push else 1))
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 12
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 2
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 4
+    report, sass = sass_sm90a(ptx)
+    assert "C7518" not in report and "serialized" not in report, report[-600:]
+    if sass is None:
+        pytest.skip("nvdisasm not installed: where the kernel's spills are")
+    inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
+    assert not inside, inside
+
+
 def sm90_fp8_make(*args, **kw):
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
     return make_fp8_gemm(*args, **kw)
