@@ -333,6 +333,11 @@ def fadd_rn(typingctx, a, b):
     return types.float32(a, b), codegen
 
 
+def _fma_rn(builder, a, b, c):
+    """a * b + c rounded once: one ``fma.rn.f32`` whatever the compiler's contraction flags."""
+    return _asm(builder, _f32, [a, b, c], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
+
+
 @intrinsic
 def ffma_rn(typingctx, a, b, c):
     """float32 a*b+c rounded once (``fma.rn.f32``)."""
@@ -340,7 +345,7 @@ def ffma_rn(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, sig, args):
-        return _asm(builder, _f32, list(args), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
+        return _fma_rn(builder, *args)
     return types.float32(a, b, c), codegen
 
 
@@ -709,10 +714,9 @@ def promote_fp8(typingctx, acc, part, s_lo, s_hi, s_lo2, s_hi2):
              for j in range(4)]
         out = []
         for i in range(n):
-            out.append(_asm(builder, _f32, [builder.extract_value(args[1], i),
-                                            f[2 * (i >= n // 2) + (i // 2) % 2],
-                                            builder.extract_value(args[0], i)],
-                            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"))
+            out.append(_fma_rn(builder, builder.extract_value(args[1], i),
+                               f[2 * (i >= n // 2) + (i // 2) % 2],
+                               builder.extract_value(args[0], i)))
         return context.make_tuple(builder, sig.return_type, out)
     return acc(acc, part, s_lo, s_hi, s_lo2, s_hi2), codegen
 
