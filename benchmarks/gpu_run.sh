@@ -19,8 +19,9 @@
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
 #        quantizer and e4m3 wgmma tests, the FP8 GEMM's TFLOP/s at kimi's gate|up; then the
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
-#        tiles 128x256 / 128x128 / the 192x128 probe build vs our bf16 GEMM in turns, bits
-#        compared: probe_fp8_ncu --time; NCU_SHAPES, FP8_TILES)
+#        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
+#        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
+#        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS)
 #        probe-quant (the row quantizer direct / gathering / a prefetching candidate, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
@@ -157,6 +158,8 @@ for s in "$@"; do
          --tokens "${FFN_TOKENS:-8192}" --routing uniform --precision bf16,fp8 \
          --out "$OUT/bench_ffn_fp8.json" ;;
     probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_ncu.py --time ;;
+    probe-fp8-wgrad) step probe-fp8-wgrad python3 benchmarks/probes/probe_fp8_wgrad.py \
+         --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \

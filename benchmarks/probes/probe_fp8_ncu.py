@@ -10,16 +10,14 @@ Shapes (``NCU_SHAPES``, default ``long,ffn``; rows padded to 128): ``long`` = ga
 ``ffn`` = the same over 48 experts x ~373 rows (kimi-k2.7 at EP 2, 8192 tokens/rank: 3 row
 tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts. Per shape: ``fp8_gemm``
 and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (default
-``256,128,192,pipe``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4, the
-192 x 128 probe build ``make_fp8_gemm(bm=192)`` and the pipelined 128 x 128 one
-``make_fp8_gemm(pipelined=True)``, 4 stages each), each into its own output (``--time``
-prints whether it is bit-equal to the first tile's), and our bf16 wgmma GEMM (``down``) on
+``256,128``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4), each into its own
+output (``--time`` prints whether it is bit-equal to the first tile's), and our bf16 wgmma
+GEMM (``down``) on
 bf16 operands of the same size. A probe: it prints, it writes nothing. Its findings:
 docs/perf.md, "What bounds the FP8 GEMM".
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -32,15 +30,9 @@ def main():
 
     from benchmarks.bench_ffn import interleaved_ms
     from benchmarks.common import numba_stream
-    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm, sm90_fp8
+    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm
     TIME = "--time" in sys.argv
-    TILES = os.environ.get("FP8_TILES", "256,128,192,pipe").split(",")
-    kernel = sm90_fp8._kernel
-
-    @functools.lru_cache(maxsize=None)
-    def probe_build(tile, stages, swiglu, bn, save_pre, push):    # compiled once each
-        build = dict(bm=192) if tile == "192" else dict(pipelined=True)
-        return sm90_fp8.make_fp8_gemm(stages, swiglu, bn, save_pre, push, **build)
+    TILES = os.environ.get("FP8_TILES", "256,128").split(",")
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def e4m3(*shape):                       # random finite e4m3 bytes (no 0x7F / 0xFF)
@@ -69,25 +61,19 @@ def main():
         outs = {}
 
         def variant(swiglu, tile):
-            """The GEMM (plain or SwiGLU) on tile "256" (128 x 256, 3 stages: the default),
-            "128" (128 x 128, 4 stages), "192" (the 192 x 128 probe build, 4 stages) or "pipe"
-            (the pipelined 128 x 128 probe build, 4 stages), into its own output."""
+            """The GEMM (plain or SwiGLU) on tile "256" (128 x 256, 3 stages: the default) or
+            "128" (128 x 128, 4 stages), into its own output."""
             o = torch.empty(C, N // 2 if swiglu else N, device="cuda", dtype=torch.uint16)
             outs[swiglu, tile] = o
             bn, stages = (256, 3) if tile == "256" else (128, 4)
 
             def step():
-                if tile in ("192", "pipe"):
-                    sm90_fp8._kernel = functools.partial(probe_build, tile)
-                try:
-                    if swiglu:
-                        fp8_gate_up_swiglu(a, a_s, wg, wg_s, wu, wu_s, off, nr, o,
-                                           stages=stages, bn=bn, stream=numba_stream())
-                    else:
-                        fp8_gemm(a, a_s, w, w_s, off, nr, o, stages=stages, bn=bn,
-                                 stream=numba_stream())
-                finally:                # a failed build must not leave the others on it
-                    sm90_fp8._kernel = kernel
+                if swiglu:
+                    fp8_gate_up_swiglu(a, a_s, wg, wg_s, wu, wu_s, off, nr, o, stages=stages,
+                                       bn=bn, stream=numba_stream())
+                else:
+                    fp8_gemm(a, a_s, w, w_s, off, nr, o, stages=stages, bn=bn,
+                             stream=numba_stream())
             return step
         steps = {f"fp8 {'swiglu' if sw else 'plain'} {tile}": variant(sw, tile)
                  for sw in ((False,) if shape == "down" else (False, True))

@@ -12,12 +12,12 @@ for every row r of expert e's segment [off[e], off[e+1]), and the backward's wei
                     m < m_split to one output, the rest to another: dW_gate and dW_up from
                     one launch)
 
-whose reduction runs over each expert's rows; and the FP8 forward GEMM (in progress, issue 23)
+whose reduction runs over each expert's rows; and the FP8 GEMMs (issue 23)
 
     fp8_gemm:       out[r]    = A[r] W_e^T, A and W_e e4m3 with 1 x 128 / 128 x 128 scales
                     (bf16 out; Hopper only, ``sm90_fp8``); ``fp8_gate_up_swiglu`` the same
                     with gate_up_swiglu's epilogue; ``fp8_wgrad`` the weight gradient from
-                    operands transposed and quantised along the rows (``sm90_fp8_wgrad``).
+                    operands transposed and quantised along the rows (``sm90_fp8``'s WGRAD).
 
 ``dgrad`` is the backward's data gradient
 (weights read as stored, [K, N] row-major, not transposed): d_hidden = d_out W_down[e] (A
@@ -51,7 +51,7 @@ from .. import errors as err
 from ..cuda_compat import as_device_array, device_address, flat_view
 from ..errors_kernels import scratch_error_word
 from . import sm80, sm90
-from . import sm80_wgrad, sm90_fp8, sm90_fp8_wgrad, sm90_wgrad
+from . import sm80_wgrad, sm90_fp8, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
 
@@ -593,16 +593,22 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
         raise ValueError(f"{out_name}: must be 16-byte aligned (16-byte stores)")
     swiglu = len(weights) == 2
     bn, stages = _fp8_tile(N, swiglu, bn, stages)
+    _check_fp8_tile(N, swiglu, bn, stages)
+    return a, a_scale, checked, off, nr, out, bn, int(stages)
+
+
+def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
+    """ValueError unless ``bn`` divides N (with ``swiglu``: twice the output columns) and the
+    ring of ``stages`` fits beside the staging."""
     if bn not in (128, 256) or N % (bn // 2 if swiglu else bn):
         raise ValueError(f"bn={bn!r}: the tile width must be 128 or 256 and divide N={N} "
                          f"({'twice ' if swiglu else ''}the output columns)")
     if not isinstance(stages, (int, np.integer)) or stages < 2:
         raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu)
+    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad)
     if need > 227 * 1024:
         raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
                          "227 KiB")
-    return a, a_scale, checked, off, nr, out, bn, int(stages)
 
 
 def fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, stages=None, bn=None,
@@ -661,17 +667,18 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
                     errors=errors, tensor=tensor, rank=rank)
 
 
-def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=4, stream=0,
-              errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """``wgrad`` in FP8 (Hopper; ``sm90_fp8_wgrad``, read its header): out[e, m, n] =
+def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=None, bn=None,
+              stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
+    """``wgrad`` in FP8 (Hopper; ``sm90_fp8``'s WGRAD, read its header): out[e, m, n] =
     bf16(sum over expert e's rows r of A[m, r] B[n, r]), from the two operands transposed and
     quantised along the rows -- ``a`` uint8 [M, R] with float32 scales [M, R / 128]
     (``quantize_fp8(x, (1, 128), transpose=True)``), ``b`` uint8 [N, R] with [N / 128, R / 128]
     (``quantize_fp8(y, (128, 128), transpose=True)``); M and N multiples of 128, R of 128.
     ``expert_offsets`` int32 [E + 1] (multiples of 128: device values, a precondition),
-    ``num_rows`` int32 [1] (a multiple of 16), ``out`` uint16 (bf16) [E, M, N]: every tile is
-    written (an expert of no rows gets zeros). Rows from an expert's last to its segment's end
-    must be zero in both operands (the padded layout's are)."""
+    ``num_rows`` int32 [1], ``out`` uint16 (bf16) [E, M, N]: every tile is written (an expert
+    of no rows gets zeros). Rows from an expert's last to its segment's end must be zero in
+    both operands (the padded layout's are). ``bn`` / ``stages``: the tile's width and ring
+    depth (None: ``FP8_TILES``'s for N)."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
     M, R = a.shape
@@ -691,9 +698,8 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=4
     out = as_device_array(out, "out", dtype=np.uint16, shape=(E, M, N))
     if device_address(out) % 16:
         raise ValueError("out: must be 16-byte aligned (16-byte stores)")
-    if not isinstance(stages, (int, np.integer)) or stages < 2 or \
-            sm90_fp8_wgrad.smem_bytes(int(stages)) > 227 * 1024:
-        raise ValueError(f"stages={stages!r}: an int >= 2 whose ring fits in 227 KiB")
-    sm90_fp8_wgrad.launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out, stages=int(stages),
-                                    stream=stream, errors=_error_word(errors), tensor=tensor,
-                                    rank=rank)
+    bn, stages = _fp8_tile(N, False, bn, stages)
+    _check_fp8_tile(N, False, bn, stages, wgrad=True)
+    sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out, stages=int(stages), bn=bn,
+                              stream=stream, errors=_error_word(errors), tensor=tensor,
+                              rank=rank)

@@ -61,14 +61,31 @@ No block barrier after the prologue (tile table, mbarrier init). Waits are bound
 not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
 for them on full[s] before the block can end.
 
-PROBES (to be measured, then the default where one wins, the others deleted: docs/perf.md,
-"What bounds the FP8 GEMM"), both bit-equal to the 128 x 128 tiles:
-``make_fp8_gemm(bm=192)`` -- three compute warpgroups (384 compute threads + the producer's
-128), tiles of 192 rows x 128 columns, 3 A boxes a slice, one 4-wgmma group a slice per
-warpgroup, setmaxnreg 152 / 56; ``make_fp8_gemm(pipelined=True)`` -- 128 x 128 with two
-fragments: slice k + 1's wgmmas issued (wait_group 1) before slice k is promoted, its stage
-released after that wait, K / 128 even (the loop takes slices in pairs, so its exit test is
-its one branch: no wgmma on a conditional path).
+WGRAD (``make_fp8_gemm(wgrad=True)``, ``launch_fp8_wgrad``): the weight gradient, grouped
+over K -- for each expert e, over its rows r in [lo_e, hi_e) = [offsets[e], min(offsets[e + 1],
+num_rows[0])):
+
+    out[e, m, n] = bf16( sum_r A[m, r] * B[n, r] )
+    A[m, r] = a[m, r] * a_scale[m, r // 128]                  (1 x 128 blocks along r)
+    B[n, r] = b[n, r] * b_scale[n // 128, r // 128]           (128 x 128 blocks)
+
+``a`` [M, R] and ``b`` [N, R] are ``wgrad``'s two operands transposed and quantised along the
+rows (e4m3 wgmma reads K-major only: the reduction's rows must be contiguous), so they take
+the places of the forward's ``a`` and ``w``: the same block, ring, stream, loads, MMA,
+promotion and epilogue, with
+    tiles    = E x (M / 128) x (N / BN) whatever the routing (no tile table), order (expert,
+               column tile, row tile); out row e M + m
+    epilogue = ``epilogue.make_tma_epilogue``: each compute warp stages its 16 rows as
+               BN / 64 swizzled boxes and one lane stores them by TMA (the tensor map over
+               out, the fourth of the maps), the warp back to its wgmmas while they leave --
+               a gradient tile is a weight-sized write after a few slices; every compute
+               warp waits for its stores before the block exits
+    K slices = those of [lo_e, hi_e) (lo_e a multiple of 128: a scale block never spans two
+               experts); an expert of no rows runs one slice past the operands' end (TMA
+               zero-fills it, its factors 0): its gradient tile is written as zeros
+Preconditions (the caller's; the padded layout and the transposed quantisation give them):
+offsets multiples of 128, and both operands zero from hi_e to the end of its last slice --
+the slice is read whole.
 
 C7518: the role test is a warp vote (``warp_all``); no branch around a wgmma tests anything
 but block-uniform values, and the K loop runs at least once (K >= 128), testing its exit at
@@ -85,13 +102,13 @@ import numpy as np
 from numba import cuda, float32, int64, uint16
 
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
-from ..intrinsics import (f32_zeros, fence_mbarrier_init, mbarrier_arrive,
+from ..intrinsics import (bulk_wait, f32_zeros, fence_mbarrier_init, mbarrier_arrive,
                           mbarrier_arrive_expect_tx, mbarrier_init, promote_fp8,
                           setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_m64n128k32_e4m3_fresh,
                           wgmma_wait)
-from .epilogue import make_coalesced_epilogue
+from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_coalesced_epilogue, make_tma_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
 from .tensor_map import MAP_ELEMS, tensor_maps
@@ -116,12 +133,18 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, bm=BM):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
-    align the ring to 1024 bytes, the ring, the staged output tile."""
+    align the ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute
+    warps' TMA boxes)."""
     cols = bn // 2 if swiglu_epilogue else bn
-    return (_TABLE_BYTES + 16 * stages + 1024 + stages * (bm + bn) * ROW_BYTES
-            + bm * (2 * cols + 16))
+    staging = 8 * _warp_staging_bytes(bn) if wgrad else BM * (2 * cols + 16)
+    return _TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES + staging
+
+
+def _warp_staging_bytes(bn):
+    """WGRAD: one warp's staging, its 16 rows of the tile as BN / 64 swizzled TMA boxes."""
+    return (bn // 64) * TMA_BOX_BYTES
 
 
 @kjit(device=True, inline="always")
@@ -197,51 +220,59 @@ def _a_row(r, row_end):
     return r if r < row_end else int64(-1)
 
 
-def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False, bm=BM,
-                  pipelined=False):
+def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False,
+                  wgrad=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
-    slice serves twice the columns), ``bm`` (128, or the 192-row probe build with ``bn`` =
-    128: module header) and ``save_pre``
+    slice serves twice the columns), ``save_pre``
     (SWIGLU: the FP32 gate and up values also into ``pre_g`` / ``pre_u`` [C, N], the rows
-    stored -- what the backward differentiates the SwiGLU at) and ``push``
+    stored -- what the backward differentiates the SwiGLU at), ``push``
     (not SWIGLU: row r goes to its source rank's combine row, the route's
-    ``epilogue.make_coalesced_epilogue``, instead of ``out``)."""
+    ``epilogue.make_coalesced_epilogue``, instead of ``out``) and ``wgrad`` (the weight
+    gradient's tiles and K ranges: module header, "WGRAD")."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
-    # PROBE (bm = 192): three compute warpgroups of 64 rows, 128 columns (one wgmma group a
-    # slice each); registers 3 x 152 + 56 = 4 x 128, the block's at launch
-    assert bm == BM or (bm == 192 and bn == 128)
-    # PROBE (pipelined): 128 x 128, two fragments -- slice k + 1's wgmmas issued before slice
-    # k is promoted (wait_group 1), so a warpgroup's promotion runs under its own next MMAs;
-    # K / 128 must be even (launch_fp8 checks)
-    assert not pipelined or (bm == BM and bn == 128)
-    a_boxes = bm // BOX_ROWS
-    compute = 2 * bm                         # compute threads: bm / 64 warpgroups
-    threads = compute + 128
-    compute_regs, producer_regs = (COMPUTE_REGS, PRODUCER_REGS) if bm == BM else (152, 56)
-    assert compute * compute_regs + 128 * producer_regs == threads * (65536 // threads // 8 * 8)
+    assert not wgrad or not (swiglu_epilogue or push)
+    bm = BM
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
+    store = make_tma_epilogue(bn)            # WGRAD's
+    warp_staging = _warp_staging_bytes(bn)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (bm + bn) * ROW_BYTES
+    a_boxes = bm // BOX_ROWS
     w_boxes = bn // BOX_ROWS // 2            # B boxes of each half (w0's, then w1's or w0's)
     half_b = (128 * ROW_BYTES) >> 4          # descriptor step to the second half's rows
     w1_blocks = 1 if (halves == 2 and not swiglu_epilogue) else 0   # its scale block's step
 
     @kjit(device=True, inline="always")
-    def tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap):
-        """Tile t -> (expert, first row, its first weight row -- the output column, or with
-        SWIGLU the hidden column whose gate rows are w0's and up rows w1's --, the expert's
-        end row)."""
+    def tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap, ktiles, M):
+        """Tile t -> (expert, first A row, first output column -- with SWIGLU the hidden
+        column whose gate rows are w0's and up rows w1's --, end of the A rows that count
+        (scale factor 0 from there), first B row, its K slices [k0, k_end), first output
+        row). WGRAD: an expert of no rows gets the one slice k0 = ktiles, past the operands
+        (zero-filled, factors 0): its gradient tile is written as zeros."""
+        if wgrad:
+            m_tiles = M // bm
+            per_expert = m_tiles * n_tiles
+            e = t // per_expert
+            local = t - e * per_expert
+            m0 = (local % m_tiles) * bm
+            col0 = (local // m_tiles) * col_step
+            hi = min(int64(offsets[e + 1]), rows_cap)
+            lo = min(int64(offsets[e]), hi)
+            k0 = lo // BK if hi > lo else ktiles
+            k_end = k0 + max((hi - lo + (BK - 1)) // BK, 1)
+            return e, m0, col0, m0 + bm if hi > lo else m0, col0, k0, k_end, e * M + m0
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm,
                                                   rows_cap)
-        return e, row0, nt * col_step, row_end
+        col0 = nt * col_step
+        return e, row0, col0, row_end, e * n_tiles * col_step + col0, int64(0), ktiles, row0
 
     @kjit(device=True, inline="always")
     def produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap, total,
-                n_tiles, ktiles, N):
+                n_tiles, ktiles, M):
         """The producer's stream (module header): every slice of the block's tiles. B's rows:
         plain, w0's rows col0 .. col0 + bn; SWIGLU, w0's rows col0 .. col0 + bn / 2 then
         w1's same rows."""
@@ -252,10 +283,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         j = int64(0)
         t = int64(cuda.blockIdx.x)
         while t < total:
-            e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap)
-            w_row = e * N + col0
+            _, row0, _, _, w_row, k0, k_end, _ = tile_of(smem, offsets, num_experts, t,
+                                                         n_tiles, rows_cap, ktiles, M)
             w_row2 = w_row if swiglu_epilogue else w_row + w_boxes * BOX_ROWS
-            for kb in range(ktiles):
+            for kb in range(k0, k_end):
                 st = j % stages
                 if j >= stages:
                     wait_phase(smem, empty0 + 8 * st, ((j // stages) - 1) & 1)
@@ -274,26 +305,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 j += 1
             t += cuda.gridDim.x
 
-    @kjit(device=True, inline="always")
-    def issue_slice(frag, smem, full0, j, desc_a0, desc_b0):
-        """Stream slice j's wgmmas into ``frag`` once it landed (pipelined)."""
-        st = j % stages
-        wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
-        soff = (st * stage_bytes) >> 4
-        return mma_slice(frag, smem, desc_a0 + soff, desc_b0 + soff)
-
-    @kjit(device=True, inline="always")
-    def retire_issuing(acc, done, nxt, smem, full0, empty0, j, desc_a0, desc_b0, f):
-        """(pipelined) Slice j + 1's wgmmas into ``nxt``, then slice j's (in ``done``)
-        waited for, its stage released and promoted with its factors ``f``."""
-        nxt = issue_slice(nxt, smem, full0, j + 1, desc_a0, desc_b0)
-        done = wgmma_wait(done, 1)
-        mbarrier_arrive(smem, empty0 + 8 * (j % stages))
-        return promote_fp8(acc, done, f[0], f[1], f[2], f[3]), done, nxt
-
-    @kjit(launch_bounds=(threads, 1))
+    @kjit(launch_bounds=(GEMM_THREADS, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
-               route_rank, route_token, route_slot, peers, k, C, K, N, limit,
+               route_rank, route_token, route_slot, peers, k, C, K, N, M, limit,
                errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
@@ -301,80 +315,55 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
-        tile_table(smem, offsets, num_experts, bm, rows_cap)
+        if not wgrad:
+            tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, 1)
-                mbarrier_init(smem, empty0 + 8 * s, compute)
+                mbarrier_init(smem, empty0 + 8 * s, THREADS)
             fence_mbarrier_init()
         cuda.syncthreads()
+        n_tiles = N // col_step
         # each side works out what it needs after its setmaxnreg: a value live across it
-        # must fit the producer's registers (40, or 56 at bm = 192), so ptxas would spill it
-        if warp_all(tid >= compute):
-            setmaxnreg_dec(producer_regs)
-            n_tiles = N // col_step
+        # must fit the producer's 40 registers, so ptxas would spill it
+        if warp_all(tid >= THREADS):
+            setmaxnreg_dec(PRODUCER_REGS)
             ktiles = K // BK
-            total = int64(smem[num_experts]) * n_tiles
+            total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             ring = ring_start(empty0 + 8 * stages)          # past the mbarriers
-            if tid == compute:
+            if tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
-                        total, n_tiles, ktiles, N)
+                        total, n_tiles, ktiles, M)
         else:
-            setmaxnreg_inc(compute_regs)
-            n_tiles = N // col_step
+            setmaxnreg_inc(COMPUTE_REGS)
             ktiles = K // BK
-            nb = N // SCALE_BLOCK
-            total = int64(smem[num_experts]) * n_tiles
+            total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
             ring = ring_start(empty0 + 8 * stages)
             staging = ring + stages * stage_bytes
+            if wgrad:                          # the warp's boxes; the output's map
+                staging += (tid // 32) * warp_staging
+                tensormap_acquire(tmaps, 3 * MAP_ELEMS)
             desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
             j = int64(0)
             t = int64(cuda.blockIdx.x)
             part = f32_zeros(NACC)             # (its input is never read: scale-d 0 first)
-            pa = f32_zeros(NACC)               # (pipelined: the two fragments in turns)
-            pb = f32_zeros(NACC)
             while t < total:
-                e, row0, col0, row_end = tile_of(smem, offsets, num_experts, t, n_tiles,
-                                                 rows_cap)
+                e, row0, col0, row_end, w_row, kb, k_end, grow0 = tile_of(
+                    smem, offsets, num_experts, t, n_tiles, rows_cap, ktiles, M)
                 lo = _a_row(row0 + frag_row, row_end)
                 hi = _a_row(row0 + frag_row + 8, row_end)
-                w_at = (e * nb + col0 // SCALE_BLOCK) * ktiles
+                # the scale block of W's row w_row (WGRAD: b's, its blocks [N / 128, K / 128])
+                w_at = (w_row // SCALE_BLOCK) * ktiles
                 w1_at = w_at + w1_blocks * ktiles
+                k_last = min(k_end, ktiles) - 1          # (a scale read stays in bounds)
                 f0 = f1 = f2 = f3 = float32(0.0)
-                if halves == 1:                # slice 0's scales (256: each slice's own)
+                if halves == 1:                # the first slice's scales (256: each its own)
                     f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at,
-                                                   w1_at, 0, ktiles)
+                                                   w1_at, min(kb, k_last), ktiles)
                 acc0 = f32_zeros(NACC)
                 acc1 = f32_zeros(NACC)
-                kb = int64(0)
-                if pipelined:
-                    # slice kb in flight in pa, kb + 1 issued into pb before pa's promotion,
-                    # then kb + 2 into pa before pb's: ktiles even, so the loop's one exit
-                    # test is the only branch, and no wgmma sits in a conditional path (C7518);
-                    # the loop's two halves swap the fragments' roles (registers: no tuple is
-                    # picked at run time)
-                    pa = issue_slice(pa, smem, full0, j, desc_a0, desc_b0)
-                    while True:
-                        g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, kb + 1, ktiles)
-                        acc0, pa, pb = retire_issuing(acc0, pa, pb, smem, full0, empty0, j,
-                                                      desc_a0, desc_b0, (f0, f1, f2, f3))
-                        j += 1
-                        kb += 1
-                        if kb + 1 >= ktiles:
-                            break
-                        f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, kb + 1, ktiles)
-                        acc0, pb, pa = retire_issuing(acc0, pb, pa, smem, full0, empty0, j,
-                                                      desc_a0, desc_b0, (g0, g1, g2, g3))
-                        j += 1
-                        kb += 1
-                    pb = wgmma_wait(pb, 0)         # the tile's last slice
-                    mbarrier_arrive(smem, empty0 + 8 * (j % stages))
-                    acc0 = promote_fp8(acc0, pb, g0, g1, g2, g3)
-                    j += 1
-                while not pipelined:
+                while True:
                     st = j % stages
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
                     soff = (st * stage_bytes) >> 4
@@ -383,7 +372,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                         # this slice's scales, under its first half's MMAs: no registers
                         # held across slices (the two sums and the fragment fill them)
                         f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, kb, ktiles)
+                                                       w_at, w1_at, min(kb, k_last), ktiles)
                         part = wgmma_wait(part, 0)
                         acc0 = promote_fp8(acc0, part, f0, f1, f0, f1)
                         part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff + half_b)
@@ -393,7 +382,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                     else:
                         # the next slice's scales, under this one's MMAs
                         g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, min(kb + 1, ktiles - 1),
+                                                       w_at, w1_at, min(kb + 1, k_last),
                                                        ktiles)
                         part = wgmma_wait(part, 0)
                         mbarrier_arrive(smem, empty0 + 8 * st)
@@ -401,24 +390,30 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                         f0, f1, f2, f3 = g0, g1, g2, g3
                     j += 1
                     kb += 1
-                    if kb >= ktiles:
+                    if kb >= k_end:
                         break
                 syncwarp()                     # every lane past its reads of the staging
-                if halves == 2:
-                    epilogue(smem, acc0 + acc1, out, row0, row0, col0, e, N, row_end - row0,
-                             staging, lane, frag_row, frag_col, limit, errors, nf_tensor,
-                             nf_rank, (pre_g, pre_u),
-                             (route_rank, route_token, route_slot, peers, k))
+                rows = row_end - row0
+                w_row0 = frag_row - lane // 4  # the warp's first tile row
+                if wgrad and halves == 2:
+                    store(smem, acc0 + acc1, tmaps, 3 * MAP_ELEMS, grow0 + w_row0, col0,
+                          row0 + w_row0, e, staging, lane, errors, nf_tensor, nf_rank)
+                elif wgrad:
+                    store(smem, acc0, tmaps, 3 * MAP_ELEMS, grow0 + w_row0, col0,
+                          row0 + w_row0, e, staging, lane, errors, nf_tensor, nf_rank)
+                elif halves == 2:
+                    epilogue(smem, acc0 + acc1, out, grow0, row0, col0, e, N, rows, staging,
+                             lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
+                             (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 else:
-                    epilogue(smem, acc0, out, row0, row0, col0, e, N, row_end - row0, staging,
+                    epilogue(smem, acc0, out, grow0, row0, col0, e, N, rows, staging,
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
                              (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 t += cuda.gridDim.x
+            if wgrad:                          # the warp's last stores land before the exit
+                bulk_wait(0)
 
-    kernel.threads = threads
-    kernel.bm = bm
-    kernel.pipelined = pipelined
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, bm)
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad)
     return kernel
 
 
@@ -431,9 +426,9 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, save_pre, push):
+def _kernel(stages, swiglu_epilogue, bn, save_pre, push, wgrad):
     require_hopper()
-    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push)
+    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push, wgrad)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
@@ -453,22 +448,45 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0] if rows is None else rows
     swiglu = w1 is not None
-    kern = _kernel(stages, swiglu, bn, pre is not None, route is not None)
-    if kern.pipelined and (K // BK) % 2:
-        raise ValueError(f"the pipelined probe build takes K / 128 even, not K = {K}")
+    kern = _kernel(stages, swiglu, bn, pre is not None, route is not None, False)
     if route is None:
         route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
-    tiles = (rows // kern.bm + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
+    tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
     maps = tensor_maps([flat_view(a, np.uint16).reshape(a.shape[0], K // 2),
                         flat_view(w0, np.uint16).reshape(E * N, K // 2),
                         flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
-    launch(kern, grid, kern.threads, stream, kern.smem_bytes, flat_view(a_scale),
+    launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
            flat_view(out, np.uint32),
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),
            *route, np.int64(rows),
-           np.int64(K), np.int64(N),
+           np.int64(K), np.int64(N), np.int64(0),
            np.float32(limit), errors, np.int32(tensor), np.int32(rank))
+
+
+def launch_fp8_wgrad(a, a_scale, b, b_scale, offsets, num_rows, out, *, stages, bn, stream,
+                     errors, tensor, rank):
+    """WGRAD's persistent launch on trusted device views: ``a`` uint8 [M, R], ``a_scale``
+    float32 [M, R / 128], ``b`` uint8 [N, R], ``b_scale`` float32 [N / 128, R / 128],
+    ``offsets`` int32 [E + 1] (multiples of 128), ``num_rows`` int32 [1], ``out`` uint16
+    (bf16) [E, M, N], 16-byte aligned; M, N (of ``bn``) and R multiples of 128. Tensor maps
+    as ``launch_fp8``'s."""
+    M, R = a.shape
+    N = b.shape[0]
+    E = offsets.shape[0] - 1
+    kern = _kernel(stages, False, bn, False, False, True)
+    grid = max(1, min(E * (M // BM) * (N // bn), multiprocessor_count()))
+    maps = tensor_maps([flat_view(a, np.uint16).reshape(M, R // 2),
+                        flat_view(b, np.uint16).reshape(N, R // 2),
+                        flat_view(b, np.uint16).reshape(N, R // 2),
+                        flat_view(out, np.uint16).reshape(E * M, N)],
+                       (BOX_ROWS, BOX_ROWS, BOX_ROWS, TMA_BOX_ROWS), stream)
+    launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
+           flat_view(b_scale), flat_view(b_scale), maps, offsets, num_rows,
+           flat_view(out, np.uint32), flat_view(a_scale), flat_view(a_scale), offsets, offsets,
+           offsets,
+           (flat_view(out, np.uint32),), np.int64(0), np.int64(R), np.int64(R), np.int64(N),
+           np.int64(M), np.float32(math.inf), errors, np.int32(tensor), np.int32(rank))

@@ -16,7 +16,7 @@ def sig(peers=1):
     return (float32[::1], float32[::1], float32[::1], uint64[::1], int32[::1], int32[::1],
             uint32[::1], float32[::1], float32[::1], int32[::1], int32[::1], int32[::1],
             types.UniTuple(uint32[::1], peers), int64, int64, int64,
-            int64, float32, int32[::1], int32, int32)
+            int64, int64, float32, int32[::1], int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
@@ -67,69 +67,32 @@ def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, push):
         assert len(compute) <= 1, compute
 
 
-@pytest.mark.parametrize("swiglu,pre,push", [(False, False, False), (True, False, False),
-                                             (True, True, False), (False, False, True)],
-                         ids=["plain", "swiglu", "swiglu-pre", "plain-push"])
-def test_fp8_gemm_192_rows_lowers_unserialised(swiglu, pre, push):
-    """The 192 x 128 probe build (``make_fp8_gemm(bm=192)``: three compute warpgroups, one
-    4-wgmma group a slice each): 3 + 2 TMA boxes a slice, setmaxnreg 152 / 56 (3 x 152 + 56 =
-    4 x 128, the block's at launch), no C7518, no local memory inside the K loop."""
-    ptx = compile_sm90a(sm90_fp8_make(4, swiglu, 128, pre, push, bm=192), sig(2 if push else 1))
-    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
-    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 5
-    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32 56;") == 1
-    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32 152;") == 1
-    report, sass = sass_sm90a(ptx)
-    assert "Used 128 registers" in report, report[-600:]
-    assert "C7518" not in report and "serialized" not in report, report[-600:]
-    if sass is None:
-        pytest.skip("nvdisasm not installed: where the kernel's spills are")
-    inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
-    assert not inside, inside
-
-
-@pytest.mark.parametrize("swiglu,pre,push", [(False, False, False), (True, False, False),
-                                             (True, True, False), (False, False, True)],
-                         ids=["plain", "swiglu", "swiglu-pre", "plain-push"])
-def test_fp8_gemm_pipelined_lowers_unserialised(swiglu, pre, push):
-    """The pipelined probe build (``make_fp8_gemm(pipelined=True)``, 128 x 128, two
-    fragments): 3 issue sites of 4 wgmmas (the tile's first slice, then one into each
-    fragment), waits to 1 pending in the loop and to 0 for the tile's last slice, 2 + 2 TMA
-    boxes a slice, setmaxnreg 232 / 40 -- and ptxas keeps the wgmmas unserialised (no wgmma
-    on a conditional path: C7518) with no local memory inside the K loop."""
-    ptx = compile_sm90a(sm90_fp8_make(4, swiglu, 128, pre, push, pipelined=True),
-                        sig(2 if push else 1))
-    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 12
-    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 2
-    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 4
-    report, sass = sass_sm90a(ptx)
-    assert "C7518" not in report and "serialized" not in report, report[-600:]
-    if sass is None:
-        pytest.skip("nvdisasm not installed: where the kernel's spills are")
-    inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
-    assert not inside, inside
-
-
 def sm90_fp8_make(*args, **kw):
     from mok_core.gemm.sm90_fp8 import make_fp8_gemm
     return make_fp8_gemm(*args, **kw)
 
 
-def test_fp8_wgrad_lowers_unserialised():
-    """``sm90_fp8_wgrad``: the same slice (4 e4m3 wgmmas, waited to zero, promoted), both
-    operands by cp.async, the coalesced epilogue, no local memory; ptxas: no C7518, no spills."""
-    from mok_core.gemm.sm90_fp8_wgrad import make_fp8_wgrad
-    sig = (uint16[::1], float32[::1], uint16[::1], float32[::1], int32[::1], int32[::1],
-           uint32[::1], int64, int64, int64, int32[::1], int32, int32)
-    ptx = compile_sm90a(make_fp8_wgrad(4), sig)
-    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
-    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == 1
-    assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2
-    assert count(ptx, r"cp\.async\.bulk") == 0
-    assert count(ptx, r"fma\.rn\.bf16x2") == 32
-    assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the FP8 wgrad"
-    report = assemble_sm90a(ptx)
+@pytest.mark.parametrize("bn", [128, 256])
+def test_fp8_wgrad_lowers_unserialised(bn):
+    """WGRAD (``make_fp8_gemm(wgrad=True)``): the forward's slice, ring and promotion with its
+    own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
+    operands by TMA from the producer (no cp.async), no tile table, the TMA epilogue (a store
+    per 64 columns) -- and ptxas keeps the wgmmas unserialised with no local memory in the K loop."""
+    from mok_core.gemm import sm90_fp8
+    halves = bn // 128
+    ptx = compile_sm90a(sm90_fp8_make(3 if bn == 256 else 4, False, bn, False, False,
+                                      wgrad=True), sig())
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") \
+        == 4 * halves
+    assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == halves
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.shared") == 2 + 2 * halves   # loads
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.global") == 2 * halves    # a box each
+    assert count(ptx, r"cp\.async\.cg\.shared\.global") == 0
+    assert count(ptx, r"fma\.rn\.bf16x2") == 32 * halves
+    report, sass = sass_sm90a(ptx)
+    assert f"Used {sm90_fp8.LAUNCH_REGS} registers" in report, report[-600:]
     assert "C7518" not in report and "serialized" not in report, report[-600:]
-    assert " 0 bytes spill stores, 0 bytes spill loads" in report, report[-600:]
+    if sass is None:
+        pytest.skip("nvdisasm not installed: where the kernel's spills are")
+    inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
+    assert not inside, inside
