@@ -32,19 +32,28 @@ The source row is the output row, or index[row] (< 0: no read, a zero row, scale
 cost the data path one vote per pass; a warp that saw one reports each item's count once
 (``warp_sum``) with the item's output row as its first row.
 
-``quantize_kernel`` -- (128, 128) blocks and transposed outputs: grid (C / 128, ceil(R / 128),
-E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by, column 128 bx)
-of matrix bz (E matrices [R, C] back to back: the experts of a weight, each its own output
-[lines, pitch] and scales, written from column ``col_off`` on -- how the two halves of
-[W_gate; W_up]^T land in one array). It stages the tile in shared memory as bf16 (rows past R
-read as zero), two bf16 loads per thread per step (coalesced), so a transposed line (an input
-column) is read from shared memory. A 128 x 128 block's amax is the maximum over the CTA (a
-warp reduction, then one shared word per warp; max is exact and order-free, so deterministic).
-Then warp w quantizes output lines 16w .. 16w + 15 of the tile -- a line is an input row, or
-an input column with ``transpose`` -- lane l taking elements 4l .. 4l + 3: a (1, 128) line's
-amax comes from a warp reduction, every lane forms the same scale, packs its four e4m3 bytes
-into one word and stores it (128 contiguous bytes per warp and line); lane 0 stores the
-scale.
+``quantize_kernel`` -- (128, 128) blocks, not transposed (the weights): grid (C / 128,
+ceil(R / 128), E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by,
+column 128 bx) of matrix bz (E matrices [R, C] back to back: the experts of a weight). It
+stages the tile in shared memory as bf16 (rows past R read as zero), two bf16 loads per thread
+per step (coalesced). A 128 x 128 block's amax is the maximum over the CTA (a warp reduction,
+then one shared word per warp; max is exact and order-free, so deterministic). Then warp w
+quantizes tile rows 16w .. 16w + 15, lane l taking elements 4l .. 4l + 3 and storing their
+four e4m3 bytes as one word (128 contiguous bytes per warp and row); thread 0 stores the scale.
+
+``quantize_cols_kernel`` -- transposed outputs, either block: the weight gradients' operands
+(rows gathered through ``index``, zeros from ``num_rows`` on) and the weights' transposed
+copies (E matrices, each its own output [C, pitch] from column ``col_off`` on: how the two
+halves of [W_gate; W_up]^T land in one array). Grid (C / 128, R / 128, E), 256 threads; a
+block owns output columns (input rows) r0 .. r0 + 127 and output lines (input columns) c0 ..
+c0 + 127. Thread t loads 16 bytes -- bf16 columns 8 (t % 16) .. + 7 -- of tile rows t / 16 +
+16 i, i < 8, all eight loads issued before any is staged, into a 128 x 64-word shared tile
+whose word w of row r sits at w XOR (r / 4) (``_tile_word``): the transposed reads then hit 32
+banks. Then warp w takes lines 16w .. 16w + 15 two at a time (one tile word holds both), lane
+l rows 4l .. 4l + 3: one e4m3 word of each line, stored at once (128 contiguous bytes per
+warp and line). Scales: a (1, 128) line's from a warp reduction of its lanes' largest
+finite |value| (lane 0 stores it); a (128, 128) block's from the CTA's (one shared word per
+warp). The quotients are the rows kernel's (``_fast_quotient``).
 
 Both: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
 scale; a NaN quantises to the NaN byte, an Inf saturates to +-448) and are counted into the
@@ -64,12 +73,11 @@ from . import errors as err
 from .cuda_compat import (as_device_array, device_address, device_empty, flat_view, kjit, launch,
                           multiprocessor_count)
 from .errors_record import record_non_finite
-from .intrinsics import (f32_as_u32, fdiv_rn, ffma_rn, fmul_rn, pack_e4m3x4, u32_as_f32,
+from .intrinsics import (f32_as_u32, fdiv_rn, ffma_rn, fmul_rn, ld_v4, pack_e4m3x4, u32_as_f32,
                          warp_all, warp_min, warp_sum)
 from .quantize_reference import E4M3_MAX
 
 THREADS = 256
-_PITCH = 130          # shared row pitch in bf16: 65 words, so a column walk spreads over banks
 _ROW_ITEMS = 4        # items a warp of quantize_rows_kernel has in flight per pass
 _ROW_BLOCKS_PER_SM = 8  # more than are resident at once (the grid stride does not need them
                         # resident): the fastest of 2 .. 8 per SM on an H200
@@ -116,24 +124,17 @@ def _stored_scale(s, ue8m0):
 
 
 @kjit
-def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, transpose,
-                    pitch, col_off, errors, tensor, rank):
+def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, errors, tensor, rank):
     """Launch: grid (C / 128, ceil(R / 128), E), THREADS threads (module docstring).
 
     x           uint16 [E*R*C]    bf16 bits, E row-major [R, C] matrices
-    out32       uint32 [E*L*pitch/4]  e4m3 bytes of the output layout, four per word: per
-                                  matrix L = R (or C with ``transpose``) lines of ``pitch``
-                                  bytes, this one's columns from ``col_off`` on
+    out32       uint32 [E*R*C/4]  e4m3 bytes [R, C] per matrix, four per word
     scales_f32  float32 [n]       float32 scales (``ue8m0`` False), else unused; per matrix
-                                  L / 128 (``whole_block``) or L rows of pitch / 128
+                                  [R / 128, C / 128]
     scales_u8   uint8 [n]         exponent bytes (``ue8m0``), else unused
-    whole_block                   one scale per 128 x 128 tile, else per line
-    transpose                     the output is [C, R] (lines are input columns)
-    pitch, col_off                multiples of 128; the output row length and first column
-                                  (cols_out and 0 for a plain output)
     A NaN/Inf's row in the error word is the flat input row (matrix e's row r: e R + r).
     """
-    tile = cuda.shared.array((128, _PITCH), uint16)
+    tile = cuda.shared.array((128, 128), uint16)
     red = cuda.shared.array(8, float32)
     t = cuda.threadIdx.x
     lane = t % 32
@@ -166,61 +167,29 @@ def quantize_kernel(x, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, t
                 amax = max(amax, v)
     if bad:
         record_non_finite(errors, tensor, rank, bad, first)
-    if whole_block:
-        amax = _warp_max(amax)
-        if lane == 0:
-            red[warp] = amax
+    amax = _warp_max(amax)
+    if lane == 0:
+        red[warp] = amax
     cuda.syncthreads()
-    if whole_block:
-        amax = red[0]
-        for w in range(1, 8):
-            amax = max(amax, red[w])
-    lines_out = C if transpose else R           # output rows
-    line0 = c0 if transpose else r0             # this tile's first output row
-    col0 = col_off + (r0 if transpose else c0)  # ... and first output column
-    n_blk = pitch // 128                        # scales per output row (line or block row)
-    o0 = mat * lines_out * pitch                # this matrix's output and scales
-    s0 = mat * (lines_out // 128 if whole_block else lines_out) * n_blk
+    amax = red[0]
+    for w in range(1, 8):
+        amax = max(amax, red[w])
+    n_blk = C // 128
     s, s_f32, s_u8 = _scale(amax, ue8m0)
-    if whole_block and t == 0:
-        k = s0 + (line0 // 128) * n_blk + col0 // 128
+    if t == 0:
+        k = mat * (-(-R // 128)) * n_blk + (r0 // 128) * n_blk + c0 // 128
         if ue8m0:
             scales_u8[k] = s_u8
         else:
             scales_f32[k] = s_f32
     for j in range(16):
         line = warp * 16 + j
-        if line0 + line >= lines_out:
+        if r0 + line >= R:
             break
-        v0 = float32(0.0)
-        v1 = float32(0.0)
-        v2 = float32(0.0)
-        v3 = float32(0.0)
         e = 4 * lane
-        if transpose:
-            v0 = _bf16(tile[e, line])
-            v1 = _bf16(tile[e + 1, line])
-            v2 = _bf16(tile[e + 2, line])
-            v3 = _bf16(tile[e + 3, line])
-        else:
-            v0 = _bf16(tile[line, e])
-            v1 = _bf16(tile[line, e + 1])
-            v2 = _bf16(tile[line, e + 2])
-            v3 = _bf16(tile[line, e + 3])
-        if not whole_block:
-            m = float32(0.0)
-            for v in (v0, v1, v2, v3):
-                if math.isfinite(v):
-                    m = max(m, abs(v))
-            s, s_f32, s_u8 = _scale(_warp_max(m), ue8m0)
-            if lane == 0:
-                k = s0 + (line0 + line) * n_blk + col0 // 128
-                if ue8m0:
-                    scales_u8[k] = s_u8
-                else:
-                    scales_f32[k] = s_f32
-        out32[(o0 + (line0 + line) * pitch + col0) // 4 + lane] = pack_e4m3x4(
-            fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
+        out32[(mat * R * C + (r0 + line) * C + c0) // 4 + lane] = pack_e4m3x4(
+            fdiv_rn(_bf16(tile[line, e]), s), fdiv_rn(_bf16(tile[line, e + 1]), s),
+            fdiv_rn(_bf16(tile[line, e + 2]), s), fdiv_rn(_bf16(tile[line, e + 3]), s))
 
 
 @kjit(device=True, inline="always")
@@ -403,6 +372,184 @@ def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out
         i = n
 
 
+@kjit(device=True, inline="always")
+def _col_chunk(x32, index, gather, cap, x0, r, src_col, words):
+    """16 bytes of output column (sorted row) ``r``'s source row -- itself, or index[r] with
+    ``gather`` -- at its word ``src_col`` (``words`` a row), as 4 uint32; zeros for r at or past
+    ``cap`` or a padding row (index < 0), which are never read."""
+    src = int64(r)
+    if gather:
+        src = int64(index[uint64(r)])
+    z = uint32(0)
+    if r < cap and src >= 0:
+        return ld_v4(x32, uint64(x0 + src * words + src_col))
+    return z, z, z, z
+
+
+@kjit(device=True, inline="always")
+def _tile_word(r, w):
+    """The shared word of tile row r's word w (64 words a row): w XOR r / 4, so that the
+    transposed reads -- lane l reading rows 4l .. 4l + 3 at one word -- hit 32 banks."""
+    return r * 64 + (w ^ ((r >> 2) & 31))
+
+
+@kjit(device=True, inline="always")
+def _stage_chunk(tile, r, q, v0, v1, v2, v3, m, bad, first, row_id):
+    """A loaded chunk into the tile (words 4q .. 4q + 3 of row r), folded into the thread's
+    largest finite |bf16| bit pattern ``m`` and its NaN/Inf count ``bad`` (``first``: the
+    smallest ``row_id`` among them)."""
+    inf = uint32(_BF16_INF)
+    for k, v in ((0, v0), (1, v1), (2, v2), (3, v3)):
+        tile[_tile_word(r, 4 * q + k)] = v
+        for h in (uint32(v & uint32(_BF16_ABS)), uint32((v >> uint32(16)) & uint32(_BF16_ABS))):
+            if h >= inf:
+                if bad == 0:
+                    first = row_id
+                bad += 1
+            else:
+                m = _umax(m, h)
+    return m, bad, first
+
+
+@kjit(device=True, inline="always")
+def _col_quantize(a0, a1, a2, a3, s, finite):
+    """Four values -> their e4m3 bytes in one word (the rows kernel's quotients)."""
+    if finite and s >= float32(_FAST_SCALE):
+        r = fdiv_rn(float32(1.0), s)
+        return pack_e4m3x4(_fast_quotient(a0, s, r), _fast_quotient(a1, s, r),
+                           _fast_quotient(a2, s, r), _fast_quotient(a3, s, r))
+    return pack_e4m3x4(fdiv_rn(a0, s), fdiv_rn(a1, s), fdiv_rn(a2, s), fdiv_rn(a3, s))
+
+
+@kjit(device=True, inline="always")
+def _finite_max(h0, h1, h2, h3):
+    """(the largest finite of four |bf16| bit patterns, 0 if none; whether all are finite)."""
+    inf = uint32(_BF16_INF)
+    zero = uint32(0)
+    m = _umax(_umax(h0 if h0 < inf else zero, h1 if h1 < inf else zero),
+              _umax(h2 if h2 < inf else zero, h3 if h3 < inf else zero))
+    return m, _umax(_umax(h0, h1), _umax(h2, h3)) < inf
+
+
+@kjit
+def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32, scales_f32,
+                         scales_u8, ue8m0, whole_block, pitch, col_off, errors, tensor, rank):
+    """Launch: grid (C / 128, R / 128, E), THREADS threads (module docstring).
+
+    x32         uint32 [E*R_in*C/2]  bf16 pairs, E row-major [R_in, C] matrices (16-byte
+                                     aligned)
+    index       int32 [R]         the source row of output column r (``gather``, E = 1; < 0:
+                                  zeros), else unused (R_in = R)
+    row_cap     int32 [1]         with ``capped``: output columns r >= row_cap[0] quantise
+                                  zeros (nothing read), else unused
+    out32       uint32 [E*C*pitch/4]  e4m3 bytes, per matrix C lines of ``pitch`` bytes, its
+                                  columns from ``col_off`` on
+    scales_f32 / scales_u8        as ``quantize_kernel``'s (transposed: lines are columns)
+    A NaN/Inf's row in the error word is the output column (gather) or the flat input row.
+    """
+    tile = cuda.shared.array(8192, uint32)      # 128 rows x 64 words, swizzled (_tile_word)
+    red = cuda.shared.array(8, float32)
+    t = cuda.threadIdx.x
+    lane = t % 32
+    warp = t // 32
+    r0 = int64(cuda.blockIdx.y) * 128
+    c0 = int64(cuda.blockIdx.x) * 128
+    mat = int64(cuda.blockIdx.z)
+    words = C // 2
+    x0 = mat * R_in * words
+    cap = int64(row_cap[0]) if capped else R
+    q = t % 16                                  # the thread's 16-byte chunk of a row ...
+    rb = t // 16                                # ... of rows rb + 16 i
+    col = c0 // 2 + 4 * q
+    row_id = r0 if gather else mat * R + r0     # the error word's row of tile row 0
+    # eight chunks in flight before any is staged (a streaming kernel runs at its bytes in
+    # flight; a load after a shared store could not be moved above it)
+    a0, a1, a2, a3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb, col, words)
+    b0, b1, b2, b3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 16, col, words)
+    c0_, c1, c2, c3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 32, col, words)
+    d0, d1, d2, d3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 48, col, words)
+    e0, e1, e2, e3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 64, col, words)
+    f0, f1, f2, f3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 80, col, words)
+    g0, g1, g2, g3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 96, col, words)
+    h0, h1, h2, h3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 112, col, words)
+    m = uint32(0)
+    bad = int32(0)
+    first = int64(0)
+    m, bad, first = _stage_chunk(tile, rb, q, a0, a1, a2, a3, m, bad, first, row_id + rb)
+    m, bad, first = _stage_chunk(tile, rb + 16, q, b0, b1, b2, b3, m, bad, first,
+                                 row_id + rb + 16)
+    m, bad, first = _stage_chunk(tile, rb + 32, q, c0_, c1, c2, c3, m, bad, first,
+                                 row_id + rb + 32)
+    m, bad, first = _stage_chunk(tile, rb + 48, q, d0, d1, d2, d3, m, bad, first,
+                                 row_id + rb + 48)
+    m, bad, first = _stage_chunk(tile, rb + 64, q, e0, e1, e2, e3, m, bad, first,
+                                 row_id + rb + 64)
+    m, bad, first = _stage_chunk(tile, rb + 80, q, f0, f1, f2, f3, m, bad, first,
+                                 row_id + rb + 80)
+    m, bad, first = _stage_chunk(tile, rb + 96, q, g0, g1, g2, g3, m, bad, first,
+                                 row_id + rb + 96)
+    m, bad, first = _stage_chunk(tile, rb + 112, q, h0, h1, h2, h3, m, bad, first,
+                                 row_id + rb + 112)
+    # NaN/Inf: one vote; a warp that saw one reports its count and smallest row once
+    if not warp_all(bad == 0):
+        n = warp_sum(bad)
+        low = warp_min(int32(first) if bad else int32(err.INT32_MAX))
+        if lane == 0:
+            record_non_finite(errors, tensor, rank, n, low)
+    if whole_block:
+        amax = _warp_max(u32_as_f32(uint32(m << uint32(16))))
+        if lane == 0:
+            red[warp] = amax
+    cuda.syncthreads()
+    n_blk = pitch // 128                        # scales per output line (or block row)
+    col0 = col_off + r0                         # the tile's first output column
+    o0 = mat * C * pitch
+    s0 = mat * (C // 128 if whole_block else C) * n_blk
+    s = float32(1.0)
+    s_f32 = float32(1.0)
+    s_u8 = int32(0)
+    if whole_block:
+        amax = red[0]
+        for w in range(1, 8):
+            amax = max(amax, red[w])
+        s, s_f32, s_u8 = _row_scale(amax, ue8m0)
+        if t == 0:
+            k = s0 + (c0 // 128) * n_blk + col0 // 128
+            if ue8m0:
+                scales_u8[k] = s_u8
+            else:
+                scales_f32[k] = s_f32
+    # warp w: output lines (input columns) 16 w .. 16 w + 15, two a step (one tile word);
+    # lane l: rows 4 l .. 4 l + 3 -- one output word of each line
+    for p in range(8):
+        wc = 8 * warp + p
+        w0 = tile[_tile_word(4 * lane, wc)]
+        w1 = tile[_tile_word(4 * lane + 1, wc)]
+        w2 = tile[_tile_word(4 * lane + 2, wc)]
+        w3 = tile[_tile_word(4 * lane + 3, wc)]
+        lo = uint32(0xFFFF)
+        for half in range(2):                   # line 2 wc (low halves), then 2 wc + 1
+            sh = uint32(16 * half)
+            h0 = uint32((w0 >> sh) & lo)
+            h1 = uint32((w1 >> sh) & lo)
+            h2 = uint32((w2 >> sh) & lo)
+            h3 = uint32((w3 >> sh) & lo)
+            mx, finite = _finite_max(h0 & uint32(_BF16_ABS), h1 & uint32(_BF16_ABS),
+                                     h2 & uint32(_BF16_ABS), h3 & uint32(_BF16_ABS))
+            line = c0 + 2 * wc + half
+            if not whole_block:
+                s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(mx << uint32(16)))),
+                                            ue8m0)
+                if lane == 0:
+                    k = s0 + line * n_blk + col0 // 128
+                    if ue8m0:
+                        scales_u8[k] = s_u8
+                    else:
+                        scales_f32[k] = s_f32
+            out32[uint64((o0 + line * pitch + col0) // 4 + lane)] = _col_quantize(
+                _bf16(h0), _bf16(h1), _bf16(h2), _bf16(h3), s, finite)
+
+
 def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False, *, out=None,
                  scales=None, stream=0, errors=None, tensor: int = err.NF_X, rank: int = 0,
                  index=None, num_rows=None):
@@ -411,15 +558,17 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     multiple of 128, and R too unless ``block=(1, 128)`` without ``transpose``. ``errors``
     (int32 [ERROR_WORDS]) gets NaN/Inf counted as tensor ``tensor`` seen on ``rank``.
 
-    ``index`` (int32 [R_out], ``block=(1, 128)`` without ``transpose`` only): gather on the
-    way -- output row r is x row index[r] (rows may repeat; index[r] < R is the caller's to
-    keep: the device does not check it), and index[r] < 0 gives a zero row with scale 1.0
-    (exponent byte 127 with ``"ue8m0"``: what an all-zero row quantises to), without a read.
-    data is then [R_out, C], scales [R_out, C / 128], for any R_out; a NaN/Inf's row in the
-    error word is the output row. Tokens go into expert-sorted order (padding rows -1) this
-    way in one pass. ``num_rows`` (int32 [1] on the device, the same case only): only output
-    rows below num_rows[0] are written -- the rows a schedule filled this step; the rest keep
-    what they held."""
+    ``index`` (int32 [R_out]; ``block=(1, 128)`` without ``transpose``, or ``transpose``):
+    gather on the way -- output row r (transposed: output column r) is x row index[r] (rows
+    may repeat; index[r] < R is the caller's to keep: the device does not check it), and
+    index[r] < 0 gives zeros without a read (a zero row: scale 1.0, exponent byte 127 with
+    ``"ue8m0"``: what an all-zero line quantises to). data is then [R_out, C] (transposed:
+    [C, R_out], R_out a multiple of 128), for any R_out; a NaN/Inf's row in the error word is
+    the output row (column). Tokens go into expert-sorted order (padding rows -1) this way in
+    one pass. ``num_rows`` (int32 [1] on the device, the same cases): rows at or past
+    num_rows[0] -- past the rows a schedule filled this step -- are not written (rows
+    kernel: they keep what they held) or quantised as zeros (transposed: nothing read; the
+    weight gradients' last slice reads them)."""
     from .gemm import _check_errors, _error_word
     x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
     R, C = x.shape
@@ -428,23 +577,22 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
         raise ValueError(f"block={block}: must be (1, 128) or (128, 128)")
     if scale not in ("fp32", "ue8m0"):
         raise ValueError(f"scale={scale!r}: must be 'fp32' or 'ue8m0'")
-    if C % 128 or ((transpose or block[0] == 128) and R % 128):
-        raise ValueError(f"x: shape [{R}, {C}] -- columns must be a multiple of 128, and rows "
-                         "too for (128, 128) blocks or a transposed output")
     rows_path = block == (1, 128) and not transpose
     R_out = R
-    if index is not None:
-        if not rows_path:
-            raise ValueError(f"index: only with block=(1, 128) and no transpose (got "
+    for name, v in (("index", index), ("num_rows", num_rows)):
+        if v is not None and not (rows_path or transpose):
+            raise ValueError(f"{name}: only with block=(1, 128) or transpose (got "
                              f"block={block}, transpose={bool(transpose)})")
+    if index is not None:
         index = as_device_array(index, "index", dtype=np.int32, ndim=1)
         R_out = index.shape[0]
     if num_rows is not None:
-        if not rows_path:
-            raise ValueError(f"num_rows: only with block=(1, 128) and no transpose (got "
-                             f"block={block}, transpose={bool(transpose)})")
         num_rows = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
-    rows, cols = (C, R) if transpose else (R_out, C)
+    if C % 128 or ((transpose or block[0] == 128) and R_out % 128):
+        what = "index's rows" if index is not None else "rows"
+        raise ValueError(f"x: shape [{R}, {C}] -- columns must be a multiple of 128, and {what} "
+                         f"({R_out}) too for (128, 128) blocks or a transposed output")
+    rows, cols = (C, R_out) if transpose else (R_out, C)
     n_scales = (rows // block[0], cols // 128)
     dtype = np.float32 if scale == "fp32" else np.uint8
     out = device_empty((rows, cols), np.uint8, stream) if out is None else \
@@ -454,6 +602,21 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     errors, tensor = _check_errors(errors, tensor)
     if not (rows and cols):
         return out, scales
+    ue8m0 = scale == "ue8m0"
+    word = _error_word(errors)
+    out32, scales_f32, scales_u8 = _kernel_views(out, scales, ue8m0)
+    if rows_path:
+        if device_address(x) % 8:
+            raise ValueError("x: the row kernel reads 8-byte words: x must start 8-byte aligned")
+        _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
+                     word, tensor, rank)
+    elif transpose:
+        _launch_cols(x, 1, R, R_out, C, index, num_rows, out32, scales_f32, scales_u8, ue8m0,
+                     block[0] == 128, cols, 0, stream, word, tensor, rank)
+    else:
+        _launch_blocks(x, 1, R, C, out32, scales_f32, scales_u8, ue8m0, stream, word, tensor,
+                       rank)
+    return out, scales
     ue8m0 = scale == "ue8m0"
     word = _error_word(errors)
     out32, scales_f32, scales_u8 = _kernel_views(out, scales, ue8m0)
@@ -477,13 +640,25 @@ def _kernel_views(out, scales, ue8m0):
             flat_view(scales) if ue8m0 else flat_view(scales, np.uint8))
 
 
-def _launch_blocks(x, E, R, C, out32, scales_f32, scales_u8, ue8m0, whole_block, transpose,
-                   pitch, col_off, stream, word, tensor, rank):
-    """``quantize_kernel`` over E [R, C] matrices (its docstring)."""
+def _launch_blocks(x, E, R, C, out32, scales_f32, scales_u8, ue8m0, stream, word, tensor,
+                   rank):
+    """``quantize_kernel`` over E [R, C] matrices, (128, 128) blocks (its docstring)."""
     launch(quantize_kernel, (C // 128, -(-R // 128), E), THREADS, stream, 0,
-           flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0,
-           bool(whole_block), bool(transpose), np.int64(pitch), np.int64(col_off), word,
+           flat_view(x), np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0, word,
            np.int32(tensor), np.int32(rank))
+
+
+def _launch_cols(x, E, R_in, R, C, index, num_rows, out32, scales_f32, scales_u8, ue8m0,
+                 whole_block, pitch, col_off, stream, word, tensor, rank):
+    """``quantize_cols_kernel`` over E [R_in, C] matrices, transposed (its docstring)."""
+    if device_address(x) % 16:
+        raise ValueError("x: the transposing kernel reads 16-byte chunks: x must start 16-byte "
+                         "aligned")
+    launch(quantize_cols_kernel, (C // 128, R // 128, E), THREADS, stream, 0,
+           flat_view(x, np.uint32), word if index is None else index, index is not None,
+           word if num_rows is None else num_rows, num_rows is not None, np.int64(R_in),
+           np.int64(R), np.int64(C), out32, scales_f32, scales_u8, ue8m0, bool(whole_block),
+           np.int64(pitch), np.int64(col_off), word, np.int32(tensor), np.int32(rank))
 
 
 def _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
@@ -608,8 +783,12 @@ def quantize_expert_weights(w, scale: str = "fp32", transpose: bool = False, *, 
     errors, tensor = _check_errors(errors, tensor)
     if E and R and C:
         ue8m0 = scale == "ue8m0"
-        _launch_blocks(w, E, R, C, *_kernel_views(out, scales, ue8m0), ue8m0, True, transpose,
-                       pitch, column, stream, _error_word(errors), tensor, rank)
+        views = _kernel_views(out, scales, ue8m0)
+        if transpose:
+            _launch_cols(w, E, R, R, C, None, None, *views, ue8m0, True, pitch, column, stream,
+                         _error_word(errors), tensor, rank)
+        else:
+            _launch_blocks(w, E, R, C, *views, ue8m0, stream, _error_word(errors), tensor, rank)
     return out, scales
 
 

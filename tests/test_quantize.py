@@ -246,6 +246,45 @@ def test_rows_kernel_stops_at_num_rows():
                      num_rows=to_dev(np.array([1], np.int32)))
 
 
+@pytest.mark.parametrize("block,scale", [((1, 128), "fp32"), ((128, 128), "fp32"),
+                                         ((1, 128), "ue8m0"), ((128, 128), "ue8m0")])
+def test_transposed_gathers_and_stops_at_num_rows(block, scale):
+    """Transposed (``quantize_cols_kernel``) with ``index`` and ``num_rows`` -- the weight
+    gradients' operands: output column r is x row index[r] (repeats; -1: zeros), columns at or
+    past num_rows[0] zeros (nothing read), bit for bit the reference of that gathered matrix
+    transposed; NaN/Inf counted per output column, the smallest reported, left out of their
+    line's or block's amax (NaN -> the NaN byte, +-Inf -> +-448)."""
+    rng = np.random.default_rng(9)
+    R_in, cols, R_out, cap = 70, 256, 256, 200       # two row tiles, two column tiles
+    xb = inputs(24, R_in, cols)
+    xb[50, 200] = BF16_NAN
+    xb[20, 130] = BF16_INF
+    xb[20, 5] = BF16_NEG_INF
+    index = rng.integers(0, R_in, R_out).astype(np.int32)
+    index[rng.random(R_out) < 0.2] = -1
+    index[[3, 150, 151, 220]] = [20, 50, 50, 20]      # 220: past num_rows, never read
+    errors = device_full((err.ERROR_WORDS,), 0, np.int32)
+    data, sc = quantize_fp8(to_dev(xb), block, scale, transpose=True, index=to_dev(index),
+                            num_rows=to_dev(np.array([cap], np.int32)), errors=errors,
+                            tensor=err.NF_D_OUT, rank=2)
+    live = (index >= 0) & (np.arange(R_out) < cap)
+    clean = xb.copy()
+    clean[[50, 20, 20], [200, 130, 5]] = 0
+    g = np.where(live[:, None], bf16_values(clean)[np.maximum(index, 0)], 0.0)
+    want_data, want_scales = quantize_fp8_reference(g.astype(np.float32), block, scale, True)
+    for r, c, byte in ((50, 200, 0x7F), (20, 130, 0x7E), (20, 5, 0xFE)):
+        want_data[c, live & (index == r)] = byte
+    assert to_host(data).shape == (cols, R_out)
+    np.testing.assert_array_equal(to_host(data), want_data)
+    np.testing.assert_array_equal(to_host(sc), want_scales)
+    words = to_host(errors)
+    n = int(2 * (live & (index == 20)).sum() + (live & (index == 50)).sum())
+    assert words[err.NAN_COUNT] == n == words[err.NONFINITE + 2 * err.NF_D_OUT]
+    first = np.flatnonzero(live & ((index == 20) | (index == 50)))[0]
+    assert err.INT32_MAX - words[err.NONFINITE + 2 * err.NF_D_OUT + 1] == first
+    assert words[err.NONFINITE_RANK] == 2
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_rows_kernel_nonfinite(gather):
     """NaN/Inf through the row kernel: counted once each (per output row when gathered), the
@@ -307,10 +346,10 @@ def test_bad_index():
         quantize_fp8(x, index=to_dev(np.zeros(4, np.int64)))
     with pytest.raises(ValueError, match="index: expected 1 dimensions"):
         quantize_fp8(x, index=to_dev(np.zeros((4, 1), np.int32)))
-    with pytest.raises(ValueError, match=r"index: only with block=\(1, 128\)"):
+    with pytest.raises(ValueError, match=r"index: only with block=\(1, 128\) or transpose"):
         quantize_fp8(x, (128, 128), index=to_dev(np.zeros(128, np.int32)))
-    with pytest.raises(ValueError, match=r"index: only with .* no transpose"):
-        quantize_fp8(x, transpose=True, index=to_dev(np.zeros(128, np.int32)))
+    with pytest.raises(ValueError, match=r"index's rows \(100\) too"):
+        quantize_fp8(x, transpose=True, index=to_dev(np.zeros(100, np.int32)))
 
 
 def test_bad_arguments():

@@ -4,13 +4,14 @@ the warp amax by redux.sync, nothing in local memory; the row kernel streams (no
 with one vote."""
 from numba import boolean, float32, int32, int64, uint8, uint16, uint32, uint64
 
-from mok_core.quantize import dequantize_mx_kernel, quantize_kernel, quantize_rows_kernel
-from ptx_util import compile_sm90
+from mok_core.quantize import (dequantize_mx_kernel, quantize_cols_kernel, quantize_kernel,
+                               quantize_rows_kernel)
+from ptx_util import compile_sm90, count
 
 
 def test_quantize_kernel_lowers():
-    sig = (uint16[::1], int64, int64, uint32[::1], float32[::1], uint8[::1], boolean, boolean,
-           boolean, int64, int64, int32[::1], int32, int32)
+    sig = (uint16[::1], int64, int64, uint32[::1], float32[::1], uint8[::1], boolean,
+           int32[::1], int32, int32)
     ptx = compile_sm90(quantize_kernel, sig)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx
@@ -34,4 +35,18 @@ def test_quantize_rows_kernel_lowers():
 
 def test_dequantize_mx_kernel_lowers():
     ptx = compile_sm90(dequantize_mx_kernel, (uint32[::1], uint8[::1], int64, uint32[::1]))
+    assert ".local" not in ptx
+
+
+def test_quantize_cols_kernel_lowers():
+    """The transposing kernel: 16-byte loads (eight in flight a thread), the fast quotient,
+    no local memory."""
+    sig = (uint32[::1], int32[::1], boolean, int32[::1], boolean, int64, int64, int64,
+           uint32[::1], float32[::1], uint8[::1], boolean, boolean, int64, int64, int32[::1],
+           int32, int32)
+    ptx = compile_sm90(quantize_cols_kernel, sig)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx
+    assert count(ptx, r"ld\.global\.v4\.u32") == 8
+    assert "redux.sync.min.s32" in ptx
     assert ".local" not in ptx
