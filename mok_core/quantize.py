@@ -617,18 +617,6 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
         _launch_blocks(x, 1, R, C, out32, scales_f32, scales_u8, ue8m0, stream, word, tensor,
                        rank)
     return out, scales
-    ue8m0 = scale == "ue8m0"
-    word = _error_word(errors)
-    out32, scales_f32, scales_u8 = _kernel_views(out, scales, ue8m0)
-    if rows_path:
-        if device_address(x) % 8:
-            raise ValueError("x: the row kernel reads 8-byte words: x must start 8-byte aligned")
-        _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, C, stream,
-                     word, tensor, rank)
-    else:
-        _launch_blocks(x, 1, R, C, out32, scales_f32, scales_u8, ue8m0, block[0] == 128,
-                       transpose, cols, 0, stream, word, tensor, rank)
-    return out, scales
 
 
 def _kernel_views(out, scales, ue8m0):

@@ -258,6 +258,24 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
     np.testing.assert_array_equal(run_wgrad(), got)
 
 
+def test_fp8_kernels_refuse_what_their_table_cannot_hold():
+    """More experts than the shared table holds (``sm90.MAX_EXPERTS``) or K slices past 16
+    bits: a ValueError naming the limit, before any launch."""
+    from mok_core.gemm import sm90
+    E = sm90.MAX_EXPERTS + 1
+    off = to_dev(np.zeros(E + 1, np.int32))
+    nr = to_dev(np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match=f"{E} experts in one launch"):
+        fp8_gemm(to_dev(np.zeros((128, 128), np.uint8)), to_dev(np.ones((128, 1), np.float32)),
+                 to_dev(np.zeros((E, 128, 128), np.uint8)),
+                 to_dev(np.ones((E, 1, 1), np.float32)), off, nr,
+                 to_dev(np.zeros((128, 128), np.uint16)))
+    with pytest.raises(ValueError, match=f"{E} experts in one launch"):
+        fp8_wgrad(to_dev(np.zeros((128, 128), np.uint8)), to_dev(np.ones((128, 1), np.float32)),
+                  to_dev(np.zeros((128, 128), np.uint8)), to_dev(np.ones((1, 1), np.float32)),
+                  off, nr, to_dev(np.zeros((E, 128, 128), np.uint16)))
+
+
 def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     """An Inf scale reaches the error word (count, row, expert); bad inputs raise naming the
     tensor."""

@@ -585,6 +585,7 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
     C = A_rows
     if device_address(a) % 16:
         raise ValueError("a: must be 16-byte aligned (TMA loads)")
+    _check_fp8_table(E, C // 128 + E, "row tiles")
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out, out_name = out
@@ -595,6 +596,16 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
     bn, stages = _fp8_tile(N, swiglu, bn, stages)
     _check_fp8_tile(N, swiglu, bn, stages)
     return a, a_scale, checked, off, nr, out, bn, int(stages)
+
+
+def _check_fp8_table(E, entries, what):
+    """ValueError unless the FP8 kernels' shared table (uint16 [E + 1], ``sm90.MAX_EXPERTS``
+    at most) holds E experts and counts ``entries`` (``what``) in 16 bits."""
+    if E > sm90.MAX_EXPERTS:
+        raise ValueError(f"{E} experts in one launch: the FP8 kernels' table in shared memory "
+                         f"holds {sm90.MAX_EXPERTS}")
+    if entries >= 1 << 16:
+        raise ValueError(f"{entries} {what}: the FP8 kernels' table counts them in 16 bits")
 
 
 def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
@@ -694,6 +705,7 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=N
     E = off.shape[0] - 1
     if E < 1:
         raise ValueError(f"expert_offsets: expected [E + 1] with E >= 1, got {tuple(off.shape)}")
+    _check_fp8_table(E, R // 128, "K slices (R / 128)")
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out = as_device_array(out, "out", dtype=np.uint16, shape=(E, M, N))
     if device_address(out) % 16:

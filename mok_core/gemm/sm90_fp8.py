@@ -73,16 +73,18 @@ num_rows[0])):
 rows (e4m3 wgmma reads K-major only: the reduction's rows must be contiguous), so they take
 the places of the forward's ``a`` and ``w``: the same block, ring, stream, loads, MMA,
 promotion and epilogue, with
-    tiles    = E x (M / 128) x (N / BN) whatever the routing (no tile table), order (expert,
-               column tile, row tile); out row e M + m
+    tiles    = E x (M / 128) x (N / BN) whatever the routing, order (expert, column tile,
+               row tile); out row e M + m
+    K slices = those of [lo_e, hi_e) (lo_e a multiple of 128: a scale block never spans two
+               experts), read from ``slice_table`` (each offset's slice, in shared memory,
+               where the forward keeps its tile table); an expert of no rows runs one slice
+               past the operands' end (TMA zero-fills it, its factors 0): its gradient tile
+               is written as zeros
     epilogue = ``epilogue.make_tma_epilogue``: each compute warp stages its 16 rows as
                BN / 64 swizzled boxes and one lane stores them by TMA (the tensor map over
                out, the fourth of the maps), the warp back to its wgmmas while they leave --
                a gradient tile is a weight-sized write after a few slices; every compute
                warp waits for its stores before the block exits
-    K slices = those of [lo_e, hi_e) (lo_e a multiple of 128: a scale block never spans two
-               experts); an expert of no rows runs one slice past the operands' end (TMA
-               zero-fills it, its factors 0): its gradient tile is written as zeros
 Preconditions (the caller's; the padded layout and the transposed quantisation give them):
 offsets multiples of 128, and both operands zero from hi_e to the end of its last slice --
 the slice is read whole.
@@ -215,6 +217,18 @@ def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at, w1_at, kb, ktiles):
 
 
 @kjit(device=True, inline="always")
+def slice_table(smem, offsets, num_experts, rows_cap):
+    """WGRAD: smem[e] = ceil(min(offsets[e], rows_cap) / 128) for e <= E (uint16; the caller
+    syncs), so expert e's K slices are [smem[e], smem[e + 1]) -- none where they are equal
+    (offsets are multiples of 128, so lo_e is smem[e]'s first row) -- read from shared memory
+    at every tile instead of two global loads on each side's path into it."""
+    e = int64(cuda.threadIdx.x)
+    while e <= num_experts:
+        smem[e] = (min(int64(offsets[e]), rows_cap) + (BK - 1)) // BK
+        e += cuda.blockDim.x
+
+
+@kjit(device=True, inline="always")
 def _a_row(r, row_end):
     """Row r, or -1 at or past the expert's end (``_slice_scales``: factor 0)."""
     return r if r < row_end else int64(-1)
@@ -260,11 +274,11 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             local = t - e * per_expert
             m0 = (local % m_tiles) * bm
             col0 = (local // m_tiles) * col_step
-            hi = min(int64(offsets[e + 1]), rows_cap)
-            lo = min(int64(offsets[e]), hi)
-            k0 = lo // BK if hi > lo else ktiles
-            k_end = k0 + max((hi - lo + (BK - 1)) // BK, 1)
-            return e, m0, col0, m0 + bm if hi > lo else m0, col0, k0, k_end, e * M + m0
+            k0 = int64(smem[e])                # ``slice_table``
+            k_end = int64(smem[e + 1])
+            if k_end > k0:
+                return e, m0, col0, m0 + bm, col0, k0, k_end, e * M + m0
+            return e, m0, col0, m0, col0, ktiles, ktiles + 1, e * M + m0
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm,
                                                   rows_cap)
         col0 = nt * col_step
@@ -315,7 +329,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
-        if not wgrad:
+        if wgrad:
+            slice_table(smem, offsets, num_experts, rows_cap)
+        else:
             tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tid == 0:
             for s in range(stages):

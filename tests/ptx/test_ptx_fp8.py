@@ -76,7 +76,7 @@ def sm90_fp8_make(*args, **kw):
 def test_fp8_wgrad_lowers_unserialised(bn):
     """WGRAD (``make_fp8_gemm(wgrad=True)``): the forward's slice, ring and promotion with its
     own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
-    operands by TMA from the producer (no cp.async), no tile table, the TMA epilogue (a store
+    operands by TMA from the producer (no cp.async), the TMA epilogue (a store
     per 64 columns) -- and ptxas keeps the wgmmas unserialised with no local memory in the K loop."""
     from mok_core.gemm import sm90_fp8
     halves = bn // 128
