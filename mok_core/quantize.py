@@ -216,7 +216,15 @@ def _row_scale(amax, ue8m0):
 
 
 @kjit(device=True, inline="always")
-def _row_load(x64, index, gather, item, items, groups, lane):
+def _row_magic(groups):
+    """M = 2**40 // groups + 1: (n M) >> 40 = n // groups exactly for n groups < 2**40
+    (``_launch_rows`` checks it): n M / 2**40 = n / groups + n e / 2**40 with 0 < e <= 1, and
+    n / 2**40 < 1 / groups keeps that under the next multiple."""
+    return (uint64(1) << uint64(40)) // uint64(groups) + uint64(1)
+
+
+@kjit(device=True, inline="always")
+def _row_load(x64, index, gather, item, items, groups, magic, lane):
     """Lane ``lane``'s 8 bytes (bf16 columns 4 lane .. 4 lane + 3) of item ``item`` as two
     words; zeros past the items or for a padding row (index < 0), which are never read.
     Unsigned indices: numba wraps signed ones around (an add and a select per access)."""
@@ -225,7 +233,9 @@ def _row_load(x64, index, gather, item, items, groups, lane):
         k = item * 32 + lane                     # the row's own: no division
         read = True
         if gather:
-            row = int64(uint32(item) // uint32(groups))   # items < 2**32: a 32-bit division
+            # item // groups by a multiply (``_row_magic``): the division was a third of the
+            # gathering kernel's instructions
+            row = int64((uint64(item) * magic) >> uint64(40))
             src = int64(index[uint64(row)])
             k += (src - row) * (groups * 32)
             read = src >= 0
@@ -349,6 +359,7 @@ def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out
     scales_u8   uint8 [items]     exponent bytes (``ue8m0``), else unused
     """
     lane = int64(cuda.threadIdx.x % 32)
+    magic = _row_magic(groups)
     if capped:
         items = min(items, max(int64(row_cap[0]), int64(0)) * groups)
     warps = int64(cuda.gridDim.x) * (THREADS // 32)
@@ -356,16 +367,16 @@ def quantize_rows_kernel(x64, index, gather, items, groups, row_cap, capped, out
     # a pass's loads are issued before the previous pass is quantized, so a warp always has
     # _ROW_ITEMS x 256 bytes in flight while it computes (a streaming kernel runs at the bytes
     # in flight)
-    a0, b0 = _row_load(x64, index, gather, i, items, groups, lane)
-    a1, b1 = _row_load(x64, index, gather, i + warps, items, groups, lane)
-    a2, b2 = _row_load(x64, index, gather, i + 2 * warps, items, groups, lane)
-    a3, b3 = _row_load(x64, index, gather, i + 3 * warps, items, groups, lane)
+    a0, b0 = _row_load(x64, index, gather, i, items, groups, magic, lane)
+    a1, b1 = _row_load(x64, index, gather, i + warps, items, groups, magic, lane)
+    a2, b2 = _row_load(x64, index, gather, i + 2 * warps, items, groups, magic, lane)
+    a3, b3 = _row_load(x64, index, gather, i + 3 * warps, items, groups, magic, lane)
     while i < items:
         n = i + _ROW_ITEMS * warps
-        c0, d0 = _row_load(x64, index, gather, n, items, groups, lane)
-        c1, d1 = _row_load(x64, index, gather, n + warps, items, groups, lane)
-        c2, d2 = _row_load(x64, index, gather, n + 2 * warps, items, groups, lane)
-        c3, d3 = _row_load(x64, index, gather, n + 3 * warps, items, groups, lane)
+        c0, d0 = _row_load(x64, index, gather, n, items, groups, magic, lane)
+        c1, d1 = _row_load(x64, index, gather, n + warps, items, groups, magic, lane)
+        c2, d2 = _row_load(x64, index, gather, n + 2 * warps, items, groups, magic, lane)
+        c3, d3 = _row_load(x64, index, gather, n + 3 * warps, items, groups, magic, lane)
         row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, scales_f32,
                  scales_u8, ue8m0, errors, tensor, rank, lane)
         a0, b0, a1, b1, a2, b2, a3, b3 = c0, d0, c1, d1, c2, d2, c3, d3
@@ -653,6 +664,9 @@ def _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, 
                  word, tensor, rank):
     groups = C // 128
     items = rows * groups
+    if items * groups >= 1 << 40:
+        raise ValueError(f"x: {rows} rows of {C} columns -- the row kernel's index arithmetic "
+                         "needs rows x (C / 128)**2 < 2**40")
     grid = min(multiprocessor_count() * _ROW_BLOCKS_PER_SM,
                -(-items // (THREADS // 32 * _ROW_ITEMS)))
     launch(quantize_rows_kernel, grid, THREADS, stream, 0,
