@@ -22,7 +22,7 @@
 #        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
 #        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
 #        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS)
-#        probe-quant (the row quantizer direct / gathering / a prefetching candidate, in turns:
+#        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the FP8 layer vs ours in bf16, forward

@@ -405,28 +405,48 @@ def _tile_word(r, w):
 
 
 @kjit(device=True, inline="always")
-def _stage_chunk(tile, r, q, v0, v1, v2, v3, m, bad, first, row_id):
+def _stage_chunk(tile, r, q, v0, v1, v2, v3, m, flags):
     """A loaded chunk into the tile (words 4q .. 4q + 3 of row r), folded into the thread's
-    largest finite |bf16| bit pattern ``m`` and its NaN/Inf count ``bad`` (``first``: the
-    smallest ``row_id`` among them)."""
-    inf = uint32(_BF16_INF)
+    largest |bf16| bit pattern ``m`` (NaN/Inf included) and ``flags``, the OR of each pair's
+    |bits| + 0x0080 per half: bit 15 or 31 set iff a value is NaN/Inf (0x7F80 + 0x80 =
+    0x8000; no carry crosses the halves). Six instructions a word: this kernel is bound by
+    its instructions, and NaN/Inf are the rare path (``_stage_recount``)."""
     for k, v in ((0, v0), (1, v1), (2, v2), (3, v3)):
         tile[_tile_word(r, 4 * q + k)] = v
-        for h in (uint32(v & uint32(_BF16_ABS)), uint32((v >> uint32(16)) & uint32(_BF16_ABS))):
-            if h >= inf:
-                if bad == 0:
-                    first = row_id
-                bad += 1
-            else:
-                m = _umax(m, h)
+        a = uint32(v & uint32(0x7FFF7FFF))
+        flags |= uint32(a + uint32(0x00800080))
+        m = _umax(m, _umax(uint32(a & uint32(0xFFFF)), uint32(a >> uint32(16))))
+    return m, flags
+
+
+@kjit(device=True, inline="always")
+def _stage_recount(tile, rb, q, row_id):
+    """The rare path of a thread whose chunks held NaN/Inf: from its own staged words (rows rb
+    + 16 i, words 4q ..), (the largest finite |bf16| bit pattern, how many NaN/Inf, the
+    smallest ``row_id`` + row among them)."""
+    inf = uint32(_BF16_INF)
+    m = uint32(0)
+    bad = int32(0)
+    first = int64(0)
+    for i in range(8):
+        for k in range(4):
+            v = tile[_tile_word(rb + 16 * i, 4 * q + k)]
+            for h in (uint32(v & uint32(_BF16_ABS)),
+                      uint32((v >> uint32(16)) & uint32(_BF16_ABS))):
+                if h >= inf:
+                    if bad == 0:
+                        first = row_id + rb + 16 * i
+                    bad += 1
+                else:
+                    m = _umax(m, h)
     return m, bad, first
 
 
 @kjit(device=True, inline="always")
-def _col_quantize(a0, a1, a2, a3, s, finite):
-    """Four values -> their e4m3 bytes in one word (the rows kernel's quotients)."""
-    if finite and s >= float32(_FAST_SCALE):
-        r = fdiv_rn(float32(1.0), s)
+def _col_quantize(a0, a1, a2, a3, s, r, fast):
+    """Four values -> their e4m3 bytes in one word: the rows kernel's quotients, ``fast``
+    (the block finite, s >= ``_FAST_SCALE``) by ``_fast_quotient`` with r = RN(1 / s)."""
+    if fast:
         return pack_e4m3x4(_fast_quotient(a0, s, r), _fast_quotient(a1, s, r),
                            _fast_quotient(a2, s, r), _fast_quotient(a3, s, r))
     return pack_e4m3x4(fdiv_rn(a0, s), fdiv_rn(a1, s), fdiv_rn(a2, s), fdiv_rn(a3, s))
@@ -484,24 +504,21 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     g0, g1, g2, g3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 96, col, words)
     h0, h1, h2, h3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 112, col, words)
     m = uint32(0)
+    flags = uint32(0)
+    m, flags = _stage_chunk(tile, rb, q, a0, a1, a2, a3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 16, q, b0, b1, b2, b3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 32, q, c0_, c1, c2, c3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 48, q, d0, d1, d2, d3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 64, q, e0, e1, e2, e3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 80, q, f0, f1, f2, f3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 96, q, g0, g1, g2, g3, m, flags)
+    m, flags = _stage_chunk(tile, rb + 112, q, h0, h1, h2, h3, m, flags)
+    dirty = (flags & uint32(0x80008000)) != 0
     bad = int32(0)
     first = int64(0)
-    m, bad, first = _stage_chunk(tile, rb, q, a0, a1, a2, a3, m, bad, first, row_id + rb)
-    m, bad, first = _stage_chunk(tile, rb + 16, q, b0, b1, b2, b3, m, bad, first,
-                                 row_id + rb + 16)
-    m, bad, first = _stage_chunk(tile, rb + 32, q, c0_, c1, c2, c3, m, bad, first,
-                                 row_id + rb + 32)
-    m, bad, first = _stage_chunk(tile, rb + 48, q, d0, d1, d2, d3, m, bad, first,
-                                 row_id + rb + 48)
-    m, bad, first = _stage_chunk(tile, rb + 64, q, e0, e1, e2, e3, m, bad, first,
-                                 row_id + rb + 64)
-    m, bad, first = _stage_chunk(tile, rb + 80, q, f0, f1, f2, f3, m, bad, first,
-                                 row_id + rb + 80)
-    m, bad, first = _stage_chunk(tile, rb + 96, q, g0, g1, g2, g3, m, bad, first,
-                                 row_id + rb + 96)
-    m, bad, first = _stage_chunk(tile, rb + 112, q, h0, h1, h2, h3, m, bad, first,
-                                 row_id + rb + 112)
-    # NaN/Inf: one vote; a warp that saw one reports its count and smallest row once
+    if dirty:                                   # NaN/Inf: the exact count and finite max
+        m, bad, first = _stage_recount(tile, rb, q, row_id)
+    # one vote; a warp that saw NaN/Inf reports its count and smallest row once
     if not warp_all(bad == 0):
         n = warp_sum(bad)
         low = warp_min(int32(first) if bad else int32(err.INT32_MAX))
@@ -511,7 +528,8 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
         amax = _warp_max(u32_as_f32(uint32(m << uint32(16))))
         if lane == 0:
             red[warp] = amax
-    cuda.syncthreads()
+    # the tile staged; whether any value of the block is NaN/Inf (then every line divides)
+    clean = cuda.syncthreads_or(int32(dirty)) == 0
     n_blk = pitch // 128                        # scales per output line (or block row)
     col0 = col_off + r0                         # the tile's first output column
     o0 = mat * C * pitch
@@ -519,11 +537,13 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     s = float32(1.0)
     s_f32 = float32(1.0)
     s_u8 = int32(0)
+    rcp = float32(1.0)
     if whole_block:
         amax = red[0]
         for w in range(1, 8):
             amax = max(amax, red[w])
         s, s_f32, s_u8 = _row_scale(amax, ue8m0)
+        rcp = fdiv_rn(float32(1.0), s)
         if t == 0:
             k = s0 + (c0 // 128) * n_blk + col0 // 128
             if ue8m0:
@@ -545,12 +565,15 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
             h1 = uint32((w1 >> sh) & lo)
             h2 = uint32((w2 >> sh) & lo)
             h3 = uint32((w3 >> sh) & lo)
-            mx, finite = _finite_max(h0 & uint32(_BF16_ABS), h1 & uint32(_BF16_ABS),
-                                     h2 & uint32(_BF16_ABS), h3 & uint32(_BF16_ABS))
             line = c0 + 2 * wc + half
             if not whole_block:
+                a = uint32(_BF16_ABS)
+                mx = _umax(_umax(h0 & a, h1 & a), _umax(h2 & a, h3 & a))
+                if not clean:
+                    mx, _ = _finite_max(h0 & a, h1 & a, h2 & a, h3 & a)
                 s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(mx << uint32(16)))),
                                             ue8m0)
+                rcp = fdiv_rn(float32(1.0), s)
                 if lane == 0:
                     k = s0 + line * n_blk + col0 // 128
                     if ue8m0:
@@ -558,7 +581,8 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
                     else:
                         scales_f32[k] = s_f32
             out32[uint64((o0 + line * pitch + col0) // 4 + lane)] = _col_quantize(
-                _bf16(h0), _bf16(h1), _bf16(h2), _bf16(h3), s, finite)
+                _bf16(h0), _bf16(h1), _bf16(h2), _bf16(h3), s, rcp,
+                clean and s >= float32(_FAST_SCALE))
 
 
 def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False, *, out=None,
