@@ -53,7 +53,12 @@ banks. Then warp w takes lines 16w .. 16w + 15 two at a time (one tile word hold
 l rows 4l .. 4l + 3: one e4m3 word of each line, stored at once (128 contiguous bytes per
 warp and line). Scales: a (1, 128) line's from a warp reduction of its lanes' largest
 finite |value| (lane 0 stores it); a (128, 128) block's from the CTA's (one shared word per
-warp). The quotients are the rows kernel's (``_fast_quotient``).
+warp), its reciprocal taken once. The quotients are the rows kernel's (``_fast_quotient``).
+The kernel is bound by its instructions, so a staged word costs six: its |bits|' larger half
+into the thread's max and |bits| + 0x00800080 OR-ed into a flag whose bit 15 or 31 is set iff
+a value is NaN/Inf. A thread so flagged recounts its own staged words exactly (the rare path:
+count, smallest row, finite max), and a block holding any NaN/Inf (``syncthreads_or``)
+divides every line by ``fdiv_rn``.
 
 Both: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
 scale; a NaN quantises to the NaN byte, an Inf saturates to +-448) and are counted into the
