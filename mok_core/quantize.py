@@ -60,7 +60,7 @@ a value is NaN/Inf. A thread so flagged recounts its own staged words exactly (t
 count, smallest row, finite max), and a block holding any NaN/Inf (``syncthreads_or``)
 divides every line by ``fdiv_rn``.
 
-Both: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
+All three: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
 scale; a NaN quantises to the NaN byte, an Inf saturates to +-448) and are counted into the
 error word (``record_non_finite``: count, smallest row) as tensor ``tensor``. No atomics on
 the data path, nothing waits, no host sync. With the caller's ``out`` and ``scales`` a launch
@@ -222,9 +222,10 @@ def _row_scale(amax, ue8m0):
 
 @kjit(device=True, inline="always")
 def _row_magic(groups):
-    """M = 2**40 // groups + 1: (n M) >> 40 = n // groups exactly for n groups < 2**40
-    (``_launch_rows`` checks it): n M / 2**40 = n / groups + n e / 2**40 with 0 < e <= 1, and
-    n / 2**40 < 1 / groups keeps that under the next multiple."""
+    """M = 2**40 // groups + 1: (n M) >> 40 = n // groups exactly for an item n < 2**24 groups
+    (``_launch_rows`` checks it: fewer than 2**24 rows): n M / 2**40 = n / groups + n e / 2**40
+    with 0 < e <= 1, n / 2**40 < 1 / groups keeps that under the next multiple, and n M <
+    2**64 does not wrap."""
     return (uint64(1) << uint64(40)) // uint64(groups) + uint64(1)
 
 
@@ -693,9 +694,9 @@ def _launch_rows(x, index, num_rows, out32, scales_f32, scales_u8, ue8m0, rows, 
                  word, tensor, rank):
     groups = C // 128
     items = rows * groups
-    if items * groups >= 1 << 40:
-        raise ValueError(f"x: {rows} rows of {C} columns -- the row kernel's index arithmetic "
-                         "needs rows x (C / 128)**2 < 2**40")
+    if rows >= 1 << 24:
+        raise ValueError(f"x: {rows} output rows -- the row kernel's index arithmetic "
+                         "(``_row_magic``) needs fewer than 2**24")
     grid = min(multiprocessor_count() * _ROW_BLOCKS_PER_SM,
                -(-items // (THREADS // 32 * _ROW_ITEMS)))
     launch(quantize_rows_kernel, grid, THREADS, stream, 0,

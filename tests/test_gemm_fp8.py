@@ -224,11 +224,13 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
     B[n, r] from the operands transposed and quantised along the rows (A 1 x 128, B 128 x
     128) -- segments of 256 / 0 / 128 / 128 / 128 rows, the operands zero past each expert's
     real rows, num_rows 48 rows into the fourth: the fifth's rows (data, not zeros) are past
-    it, so its gradient is zeros like the empty expert's -- within rel-L1 5e-3 of float64 of
-    the dequantised operands, every tile written; a rerun bit for bit."""
+    it, so its gradient is zeros like the empty expert's; M and N of two and more tiles --
+    within rel-L1 5e-3 of float64 of the dequantised operands, every tile written; a rerun bit
+    for bit. Then an Inf scale of A's row m = 200 in expert 2's slice reaches the error word
+    (count: the row's N values, row 200, expert 2)."""
     _hopper()
     rng = np.random.default_rng(12)
-    M, N = 128, 256
+    M, N = 256, 512
     seg = [256, 0, 128, 128, 128]                # padded segments (multiples of 128)
     real = [200, 0, 128, 48, 128]                # the rows each expert really holds
     off = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
@@ -240,22 +242,35 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
         y[off[e] + real[e]:off[e + 1]] = 0
     a, a_scale = quantize_fp8_reference(x, (1, 128), transpose=True)      # [M, R]
     b, b_scale = quantize_fp8_reference(y, (128, 128), transpose=True)    # [N, R]
+    a_scale = a_scale.astype(np.float32)
     nr = np.array([off[3] + 48], np.int32)       # the fifth expert's rows lie past it
     E = len(seg)
 
-    def run_wgrad():
+    def run_wgrad(scale, errors=None):
         out = to_dev(np.full((E, M, N), POISON16, np.uint16))
-        fp8_wgrad(to_dev(a), to_dev(a_scale.astype(np.float32)), to_dev(b),
-                  to_dev(b_scale.astype(np.float32)), to_dev(off), to_dev(nr), out, bn=bn)
+        fp8_wgrad(to_dev(a), to_dev(scale), to_dev(b), to_dev(b_scale.astype(np.float32)),
+                  to_dev(off), to_dev(nr), out, bn=bn, errors=errors)
         return to_host(out)
-    got = run_wgrad()
+    got = run_wgrad(a_scale)
     want = grouped_wgrad_fp8_reference(a, a_scale, b, b_scale, off, nr)
     assert (got[1] == 0).all() and (got[4] == 0).all(), "experts of no rows get zeros"
     g = f64(got)
     assert np.isfinite(g).all()
     rel = np.abs(g - want).sum() / np.abs(want).sum()
     assert rel < 5e-3, rel
-    np.testing.assert_array_equal(run_wgrad(), got)
+    for e in (0, 2, 3):                          # every tile: no row or column tile off
+        assert np.abs(g[e] - want[e]).sum() / np.abs(want[e]).sum() < 5e-3, e
+    np.testing.assert_array_equal(run_wgrad(a_scale), got)
+    bad = a_scale.copy()
+    bad[200, off[2] // 128] = np.inf
+    words = to_dev(err.initial_error_word())
+    run_wgrad(bad, errors=words)
+    w = to_host(words)
+    t = err.NF_HIDDEN
+    assert w[err.FLAGS] & err.ERR_NON_FINITE
+    assert w[err.NONFINITE + 2 * t] == N
+    assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == 200
+    assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 2
 
 
 def test_fp8_kernels_refuse_what_their_table_cannot_hold():

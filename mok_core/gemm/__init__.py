@@ -687,9 +687,11 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=N
     (``quantize_fp8(y, (128, 128), transpose=True)``); M and N multiples of 128, R of 128.
     ``expert_offsets`` int32 [E + 1] (multiples of 128: device values, a precondition),
     ``num_rows`` int32 [1], ``out`` uint16 (bf16) [E, M, N]: every tile is written (an expert
-    of no rows gets zeros). Rows from an expert's last to its segment's end must be zero in
-    both operands (the padded layout's are). ``bn`` / ``stages``: the tile's width and ring
-    depth (None: ``FP8_TILES``'s for N)."""
+    of no rows gets zeros). Each expert's last K slice is read whole: both operands must be
+    zero from its last row -- min(offsets[e + 1], num_rows[0]) -- to the slice's end (the
+    padded layout's padding is; ``quantize_fp8(..., transpose=True, num_rows=)`` writes zeros
+    from num_rows on). ``bn`` / ``stages``: the tile's width and ring depth (None:
+    ``FP8_TILES``'s for N)."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
     M, R = a.shape
@@ -709,7 +711,7 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=N
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out = as_device_array(out, "out", dtype=np.uint16, shape=(E, M, N))
     if device_address(out) % 16:
-        raise ValueError("out: must be 16-byte aligned (16-byte stores)")
+        raise ValueError("out: must be 16-byte aligned (TMA stores)")
     bn, stages = _fp8_tile(N, False, bn, stages)
     _check_fp8_tile(N, False, bn, stages, wgrad=True)
     sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out, stages=int(stages), bn=bn,

@@ -120,7 +120,7 @@ BN = 128                      # tile columns: one 128-wide scale block of W
 BK = 128                      # K slice: 128 e4m3 = 128 bytes = the swizzle atom's row
 SCALE_BLOCK = 128
 ROW_BYTES = BK
-THREADS = 2 * BM              # compute threads (the FP8 wgrad's whole block)
+THREADS = 2 * BM              # compute threads
 GEMM_THREADS = THREADS + 128  # + the producer warpgroup
 LAUNCH_REGS = 168             # registers per thread at launch: 64 Ki / 384, rounded down to 8
 COMPUTE_REGS = 232            # registers per thread: compute warpgroups (setmaxnreg) ...

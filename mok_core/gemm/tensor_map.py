@@ -98,6 +98,8 @@ def tensor_maps(arrays2d, box_rows, stream=0, *, shapes=None):
     shapes = [tuple(int(n) for n in shp) for shp in shapes]
     if isinstance(box_rows, (int, np.integer)):
         box_rows = (int(box_rows),) * len(arrays2d)
+    if len(box_rows) != len(arrays2d):
+        raise ValueError(f"box_rows: {len(box_rows)} for {len(arrays2d)} arrays")
     key = tuple((device_address(a), shp, rows) for a, shp, rows
                 in zip(arrays2d, shapes, box_rows))
     maps = _cache.get(key)
