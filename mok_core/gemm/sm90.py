@@ -207,7 +207,7 @@ def _make_loader(lay, swiglu_epilogue, gather, padding_index, b_kn):
     and K0). Not a tuple: one carried through the tile loop, even a 1-tuple, makes LLVM copy
     the accumulator's zeroing into the path around the K loop, and ptxas serialise every
     wgmma (C7518; module header) -- the forward's kernels too."""
-    bn, bm, stages = lay.bn, lay.bm, lay.stages
+    bn, bm = lay.bn, lay.bm
     a_rows, pass_rows, pass_bytes = lay.a_passes, lay.pass_rows, lay.pass_bytes
     a_stage, stage_bytes, prefetch = lay.a_stage, lay.stage_bytes, lay.prefetch
     half_bytes = (bn // 2) * ROW_BYTES
