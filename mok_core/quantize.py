@@ -280,17 +280,34 @@ def _lane_bits_max(a, b):
 
 
 @kjit(device=True, inline="always")
+def _finite_max(h0, h1, h2, h3):
+    """The largest finite of four |bf16| bit patterns, 0 if none."""
+    inf = uint32(_BF16_INF)
+    zero = uint32(0)
+    return _umax(_umax(h0 if h0 < inf else zero, h1 if h1 < inf else zero),
+                 _umax(h2 if h2 < inf else zero, h3 if h3 < inf else zero))
+
+
+@kjit(device=True, inline="always")
+def _quantize4(a0, a1, a2, a3, s, r, fast):
+    """Four values -> their e4m3 bytes in one word: with ``fast`` (the values finite, s >=
+    ``_FAST_SCALE``) by ``_fast_quotient`` with r = RN(1 / s); else -- NaN/Inf (an Inf's
+    remainder would be NaN) and tiny scales (inexact remainders) -- by division."""
+    if fast:
+        return pack_e4m3x4(_fast_quotient(a0, s, r), _fast_quotient(a1, s, r),
+                           _fast_quotient(a2, s, r), _fast_quotient(a3, s, r))
+    return pack_e4m3x4(fdiv_rn(a0, s), fdiv_rn(a1, s), fdiv_rn(a2, s), fdiv_rn(a3, s))
+
+
+@kjit(device=True, inline="always")
 def _lane_max(a, b):
     """(the largest finite |bf16| bit pattern of a lane's four values, 0 if none; whether all
     four are finite). |bf16| bit patterns order as the values do."""
-    inf = uint32(_BF16_INF)
     m = _lane_bits_max(a, b)
-    finite = m < inf
+    finite = m < uint32(_BF16_INF)
     if not finite:                               # the rare path: leave NaN/Inf out
         h0, h1, h2, h3 = _halves(a, b)
-        zero = uint32(0)
-        m = _umax(_umax(h0 if h0 < inf else zero, h1 if h1 < inf else zero),
-                  _umax(h2 if h2 < inf else zero, h3 if h3 < inf else zero))
+        m = _finite_max(h0, h1, h2, h3)
     return m, finite
 
 
@@ -305,20 +322,12 @@ def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
                 scales_u8[uint64(item)] = s_u8
             else:
                 scales_f32[uint64(item)] = s_f32
-        # a lane divides by s with the fma-corrected product (module docstring); NaN/Inf (an
-        # Inf's remainder would be NaN) and tiny scales (inexact remainders) by division
+        # a lane divides by s with the fma-corrected product (module docstring)
         hi = uint32(0xFFFF0000)
-        v0 = u32_as_f32(uint32(a << uint32(16)))
-        v1 = u32_as_f32(uint32(a & hi))
-        v2 = u32_as_f32(uint32(b << uint32(16)))
-        v3 = u32_as_f32(uint32(b & hi))
-        if finite and s >= float32(_FAST_SCALE):
-            r = fdiv_rn(float32(1.0), s)
-            word = pack_e4m3x4(_fast_quotient(v0, s, r), _fast_quotient(v1, s, r),
-                               _fast_quotient(v2, s, r), _fast_quotient(v3, s, r))
-        else:
-            word = pack_e4m3x4(fdiv_rn(v0, s), fdiv_rn(v1, s), fdiv_rn(v2, s), fdiv_rn(v3, s))
-        out32[uint64(item * 32 + lane)] = word
+        out32[uint64(item * 32 + lane)] = _quantize4(
+            u32_as_f32(uint32(a << uint32(16))), u32_as_f32(uint32(a & hi)),
+            u32_as_f32(uint32(b << uint32(16))), u32_as_f32(uint32(b & hi)), s,
+            fdiv_rn(float32(1.0), s), finite and s >= float32(_FAST_SCALE))
 
 
 @kjit(device=True, inline="always")
@@ -448,26 +457,6 @@ def _stage_recount(tile, rb, q, row_id):
     return m, bad, first
 
 
-@kjit(device=True, inline="always")
-def _col_quantize(a0, a1, a2, a3, s, r, fast):
-    """Four values -> their e4m3 bytes in one word: the rows kernel's quotients, ``fast``
-    (the block finite, s >= ``_FAST_SCALE``) by ``_fast_quotient`` with r = RN(1 / s)."""
-    if fast:
-        return pack_e4m3x4(_fast_quotient(a0, s, r), _fast_quotient(a1, s, r),
-                           _fast_quotient(a2, s, r), _fast_quotient(a3, s, r))
-    return pack_e4m3x4(fdiv_rn(a0, s), fdiv_rn(a1, s), fdiv_rn(a2, s), fdiv_rn(a3, s))
-
-
-@kjit(device=True, inline="always")
-def _finite_max(h0, h1, h2, h3):
-    """(the largest finite of four |bf16| bit patterns, 0 if none; whether all are finite)."""
-    inf = uint32(_BF16_INF)
-    zero = uint32(0)
-    m = _umax(_umax(h0 if h0 < inf else zero, h1 if h1 < inf else zero),
-              _umax(h2 if h2 < inf else zero, h3 if h3 < inf else zero))
-    return m, _umax(_umax(h0, h1), _umax(h2, h3)) < inf
-
-
 @kjit
 def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32, scales_f32,
                          scales_u8, ue8m0, whole_block, pitch, col_off, errors, tensor, rank):
@@ -576,7 +565,7 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
                 a = uint32(_BF16_ABS)
                 mx = _umax(_umax(h0 & a, h1 & a), _umax(h2 & a, h3 & a))
                 if not clean:
-                    mx, _ = _finite_max(h0 & a, h1 & a, h2 & a, h3 & a)
+                    mx = _finite_max(h0 & a, h1 & a, h2 & a, h3 & a)
                 s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(mx << uint32(16)))),
                                             ue8m0)
                 rcp = fdiv_rn(float32(1.0), s)
@@ -586,7 +575,7 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
                         scales_u8[k] = s_u8
                     else:
                         scales_f32[k] = s_f32
-            out32[uint64((o0 + line * pitch + col0) // 4 + lane)] = _col_quantize(
+            out32[uint64((o0 + line * pitch + col0) // 4 + lane)] = _quantize4(
                 _bf16(h0), _bf16(h1), _bf16(h2), _bf16(h3), s, rcp,
                 clean and s >= float32(_FAST_SCALE))
 
