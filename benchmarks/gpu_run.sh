@@ -25,7 +25,8 @@
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
-#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS: the FP8 layer vs ours in bf16, forward
+#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
+#        FP8 too: the FP8 layer vs ours in bf16, forward
 #        and forward+backward in turns, with the torch-native baseline's columns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles, PROBE_PRECISION) probe-wgrad (probe_wgrad_parts:
@@ -141,7 +142,7 @@ for s in "$@"; do
     bench-layer-fp8) step bench-layer-fp8 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --dispatch pull \
-         --precision bf16,fp8 --out "$OUT/bench_layer_fp8.json" ;;
+         --precision "bf16,${LAYER_FP8:-fp8}" --out "$OUT/bench_layer_fp8.json" ;;
     bench-layer-bwd) step bench-layer-bwd torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --out "$OUT/bench_layer_bwd.json" ;;

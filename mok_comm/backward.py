@@ -90,9 +90,10 @@ import numpy as np
 from mok_core import errors as err
 from mok_core.cuda_compat import as_device_array, device_copy, device_empty, flat_view
 from mok_core.errors_kernels import scratch_error_word
-from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_wgrad
-from mok_core.quantize import launch_quantize_rows
+from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
+from mok_core.quantize import launch_quantize_cols, launch_quantize_rows
 from mok_core.swiglu_backward import launch_swiglu_backward
+from mok_core.wgrad_rows import launch_wgrad_rows
 
 from . import combine, dispatch
 from .functional import check_weights, run_phases
@@ -223,6 +224,11 @@ def _fp8(layer: Layer, shared: bool) -> bool:
     return not shared and layer.config.precision == "fp8"
 
 
+def _fp8_wgrad(layer: Layer, shared: bool) -> bool:
+    """... and their weight gradients (``MoKConfig(fp8_wgrad=True)``)."""
+    return not shared and layer.config.fp8_wgrad
+
+
 def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     """p = d_out W_down[e] (unweighted). FP8: the d_out rows quantised 1 x 128 into expert
     order on the way (as the forward's x), then the FP8 GEMM on W_down's transposed copy."""
@@ -275,23 +281,63 @@ def push_d_x(layer: Layer, stream):
     combine.combine(layer.grad.comm, layer.schedule, layer.grad.d_x_rows, stream)
 
 
+def wgrad_rows(layer: Layer, stream):
+    """FP8: the weight gradients' row layout -- each expert's rows from a multiple of 128,
+    their source rows and tokens (``mok_core.wgrad_rows``)."""
+    g, s = layer.grad, layer.schedule
+    launch_wgrad_rows(s.expert_offsets, s.num_rows, layer.gather_index, g.k_offsets, g.k_rows,
+                      g.rows_index, g.tokens_index, stream=stream)
+
+
+def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
+    """FP8 weight gradient D_e = A^T B over the layout's rows (``wgrad_rows``): ``a`` = (rows,
+    index, lines, (flat data, flat scales)) -- A = rows gathered through index, quantised
+    1 x 128 along the rows into [lines, K] of that buffer --, ``b`` likewise 128 x 128; then
+    ``fp8_wgrad`` into ``outs`` = (out0, out1, m_split)."""
+    g, K = layer.grad, layer.grad.k_cols
+    ops = []
+    # (non-finite inputs show in the GEMM's output: the quantizers report to a scratch word)
+    for (rows, index, lines, (flat, scale)), whole in ((a, False), (b, True)):
+        n = K // 128 * (lines // 128 if whole else lines)
+        q = flat[:lines * K].reshape(lines, K)
+        q_s = scale[:n].reshape(lines // 128 if whole else lines, K // 128)
+        launch_quantize_cols(rows, q, q_s, whole_block=whole, index=index, num_rows=g.k_rows,
+                             stream=stream, errors=scratch_error_word())
+        ops += [q, q_s]
+    launch_fp8_wgrad(*ops, g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
+                     stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
+
+
 def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
-    """dW_down[e] = sum_r d_out[t_r]^T (w_r h_r) (the shared expert: w = 1, h itself)."""
+    """dW_down[e] = sum_r d_out[t_r]^T (w_r h_r) (the shared expert: w = 1, h itself). FP8:
+    d_out^T (1 x 128) and (w h)^T (128 x 128) quantised along the layout's rows."""
     o = _rows(layer, shared)
     d_w_down = _weight_grads(layer, G, shared)[2]
+    if _fp8_wgrad(layer, shared):
+        g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
+        _fp8_weight_gradient(layer, (o.d_out, g.tokens_index, H, (g.q_h, g.q_h_scale)),
+                             (o.w_h, g.rows_index, I, (g.q_i, g.q_i_scale)),
+                             (d_w_down, None, H), accumulate, stream)
+        return
     launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
                  layer.shape.hidden, accumulate=accumulate, config=layer.wgrad_gemm,
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
 def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
-    """dW_gate[e] = d_g^T x, dW_up[e] = d_u^T x (one launch, split at I)."""
+    """dW_gate[e] = d_g^T x, dW_up[e] = d_u^T x (one launch, split at I). FP8: [d_g | d_u]^T
+    (1 x 128) and x^T (128 x 128) quantised along the layout's rows."""
     o = _rows(layer, shared)
     d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
+    if _fp8_wgrad(layer, shared):
+        g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
+        _fp8_weight_gradient(layer, (o.d_gu, g.rows_index, 2 * I, (g.q_i, g.q_i_scale)),
+                             (o.x, g.tokens_index, H, (g.q_h, g.q_h_scale)),
+                             (d_w_gate, d_w_up, I), accumulate, stream)
+        return
     launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,
                  o.d_gu.shape[1] // 2, accumulate=accumulate, config=layer.wgrad_gemm,
-                 stream=stream,
-                 **_nan_check(layer, err.NF_WEIGHT_GRADS))
+                 stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
 def pull_d_out(layer: Layer, stream):
@@ -307,6 +353,8 @@ def expert_backward(layer: Layer, W: Weights, G: Grads, accumulate, shared: bool
              partial(dgrad_gate_up, layer, W, shared, stream)]
     if not shared:
         calls.append(partial(push_d_x, layer, stream))
+    if _fp8_wgrad(layer, shared):
+        calls.append(partial(wgrad_rows, layer, stream))
     return calls + [partial(wgrad_down, layer, G, accumulate, shared, stream),
                     partial(wgrad_gate_up, layer, G, accumulate, shared, stream)]
 

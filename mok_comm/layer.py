@@ -69,6 +69,7 @@ from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, uplo
 from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
+from mok_core.wgrad_rows import k_capacity
 
 from .heap import Heap
 from .barrier import barrier
@@ -193,9 +194,20 @@ class BackwardBuffers:
         d_gu        [., 2I]  [d_gate | d_up]
         d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
         d_x_s       [T_pad, H] the shared expert's d_x
-        d_out8, d_gu8  [C, H], [C, 2I] uint8 (``MoKConfig(precision="fp8")`` only): the
-                             routed dgrads' A operands quantised 1 x 128 (e4m3), with float32
-                             scales ``d_out8_scale`` [C, H / 128], ``d_gu8_scale`` [C, 2I / 128]
+    ``MoKConfig(precision="fp8")`` only (K = C, or with ``fp8_wgrad``
+    ``mok_core.wgrad_rows.k_capacity``: the FP8 weight gradient's rows, each expert's from a
+    multiple of 128):
+        q_h, q_i       uint8 [K * H], [K * 2I], with float32 scales ``q_h_scale`` [K * H /
+                             128], ``q_i_scale`` [K * 2I / 128]: e4m3 operands, first the
+                             routed dgrads' A quantised 1 x 128 -- ``d_out8`` [C, H],
+                             ``d_gu8`` [C, 2I] (scales ``d_out8_scale``, ``d_gu8_scale``) --,
+                             then, read by then, the weight gradients' operands transposed
+                             along the rows -- d_out^T and x^T [H, K] in q_h, [d_g | d_u]^T
+                             [2I, K] and (w h)^T [I, K] in q_i (``fp8_wgrad``:
+                             ``mok_comm.backward``)
+        k_offsets, k_rows, rows_index, tokens_index   int32 [E + 1], [1], [K], [K]
+                             (``fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
+                             every backward
     and ``ones`` float32 [T, k] (the d_x epilogue is the forward's with unit weights),
     ``d_x`` uint16 [T, H] / ``d_router_out`` float32 [T, k] (the default outputs), ``grads``
     (the default weight gradients, allocated at the first backward that needs them).
@@ -221,12 +233,28 @@ class BackwardBuffers:
         self.p = device_empty((C, I), u16, stream)
         self.d_gu = device_empty((C, 2 * I), u16, stream)
         self.d_x_rows = device_empty((C, H), u16, stream)
+        self.q_h = self.q_h_scale = self.q_i = self.q_i_scale = None
         self.d_out8 = self.d_out8_scale = self.d_gu8 = self.d_gu8_scale = None
+        self.k_offsets = self.k_rows = self.rows_index = self.tokens_index = None
+        self.k_cols = 0
         if layer.config.precision == "fp8":
-            self.d_out8 = device_empty((C, H), np.uint8, stream)
-            self.d_out8_scale = device_empty((C, H // 128), f32, stream)
-            self.d_gu8 = device_empty((C, 2 * I), np.uint8, stream)
-            self.d_gu8_scale = device_empty((C, 2 * I // 128), f32, stream)
+            # the FP8 weight gradients' operands take K >= C rows of these
+            K = k_capacity(C, s.experts_per_rank, layer.config.row_align) \
+                if layer.config.fp8_wgrad else C
+            self.k_cols = K
+            self.q_h = device_empty((K * H,), np.uint8, stream)
+            self.q_h_scale = device_empty((K * H // 128,), f32, stream)
+            self.q_i = device_empty((K * 2 * I,), np.uint8, stream)
+            self.q_i_scale = device_empty((K * 2 * I // 128,), f32, stream)
+            self.d_out8 = self.q_h[:C * H].reshape(C, H)
+            self.d_out8_scale = self.q_h_scale[:C * H // 128].reshape(C, H // 128)
+            self.d_gu8 = self.q_i[:C * 2 * I].reshape(C, 2 * I)
+            self.d_gu8_scale = self.q_i_scale[:C * 2 * I // 128].reshape(C, 2 * I // 128)
+        if layer.config.fp8_wgrad:
+            self.k_offsets = device_empty((s.experts_per_rank + 1,), np.int32, stream)
+            self.k_rows = device_empty((1,), np.int32, stream)
+            self.rows_index = device_empty((K,), np.int32, stream)
+            self.tokens_index = device_empty((K,), np.int32, stream)
         self.gate_s = self.up_s = self.p_s = self.d_gu_s = self.d_x_s = None
         if I_s:
             self.gate_s, self.up_s = (device_empty((T_pad, I_s), f32, stream)
@@ -246,9 +274,10 @@ class BackwardBuffers:
                 "p": self.p, "d_gu": self.d_gu, "d_x_rows": self.d_x_rows,
                 "gate_s": self.gate_s, "up_s": self.up_s, "p_s": self.p_s,
                 "d_gu_s": self.d_gu_s, "d_x_s": self.d_x_s, "ones": self.ones,
-                "d_x": self.d_x, "d_router_out": self.d_router_out, "d_out8": self.d_out8,
-                "d_out8_scale": self.d_out8_scale, "d_gu8": self.d_gu8,
-                "d_gu8_scale": self.d_gu8_scale}
+                "d_x": self.d_x, "d_router_out": self.d_router_out, "q_h": self.q_h,
+                "q_h_scale": self.q_h_scale, "q_i": self.q_i, "q_i_scale": self.q_i_scale,
+                "k_offsets": self.k_offsets, "k_rows": self.k_rows,
+                "rows_index": self.rows_index, "tokens_index": self.tokens_index}
 
 
 def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:

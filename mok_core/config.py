@@ -142,8 +142,13 @@ class MoKConfig:
             DeepSeek-V3's block scales (Hopper): tokens still travel bf16 and are quantised
             once they have landed, the weights come quantised (``mok_comm.layer.WeightsFP8``),
             the shared expert stays bf16 (docs/design.md, FP8). The backward's two routed data
-            gradients run in FP8 too (on the weights' transposed copies); its weight
-            gradients stay bf16.
+            gradients run in FP8 too (on the weights' transposed copies).
+        fp8_wgrad: with ``precision="fp8"``, the backward's routed weight gradients in FP8 as
+            well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
+            rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: they
+            pay only where each expert gets enough rows per rank (docs/perf.md, FP8) and add
+            e4m3's rounding to the weight gradients; the bf16 ones are TransformerEngine's
+            ``override_linear_precision`` choice.
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0
@@ -154,6 +159,7 @@ class MoKConfig:
     dispatch_ce_share: float = 1.0
     errors: str = "deferred"
     precision: str = "bf16"
+    fp8_wgrad: bool = False
 
     def __post_init__(self):
         _require(_is_int(self.row_align) and _is_pow2(self.row_align)
@@ -178,6 +184,9 @@ class MoKConfig:
                  self.errors)
         _require(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}",
                  self.precision)
+        _require(isinstance(self.fp8_wgrad, bool) and (self.precision == "fp8"
+                                                       or not self.fp8_wgrad),
+                 "fp8_wgrad", "must be a bool, True only with precision='fp8'", self.fp8_wgrad)
         share = self.dispatch_ce_share
         _require(isinstance(share, (int, float)) and not isinstance(share, bool)
                  and 0.0 <= share <= 1.0, "dispatch_ce_share", "must be a number in [0, 1]",

@@ -467,7 +467,8 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     index       int32 [R]         the source row of output column r (``gather``, E = 1; < 0:
                                   zeros), else unused (R_in = R)
     row_cap     int32 [1]         with ``capped``: output columns r >= row_cap[0] quantise
-                                  zeros (nothing read), else unused
+                                  zeros (nothing read) -- a block whose columns all are
+                                  writes nothing --, else unused
     out32       uint32 [E*C*pitch/4]  e4m3 bytes, per matrix C lines of ``pitch`` bytes, its
                                   columns from ``col_off`` on
     scales_f32 / scales_u8        as ``quantize_kernel``'s (transposed: lines are columns)
@@ -484,6 +485,8 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     words = C // 2
     x0 = mat * R_in * words
     cap = int64(row_cap[0]) if capped else R
+    if r0 >= cap:                               # (block-uniform) nothing here is read
+        return
     q = t % 16                                  # the thread's 16-byte chunk of a row ...
     rb = t // 16                                # ... of rows rb + 16 i
     col = c0 // 2 + 4 * q
@@ -597,8 +600,9 @@ def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False
     the output row (column). Tokens go into expert-sorted order (padding rows -1) this way in
     one pass. ``num_rows`` (int32 [1] on the device, the same cases): rows at or past
     num_rows[0] -- past the rows a schedule filled this step -- are not written (rows
-    kernel: they keep what they held) or quantised as zeros (transposed: nothing read; the
-    weight gradients' last slice reads them)."""
+    kernel: they keep what they held; transposed: the 128-column blocks entirely past it)
+    or quantised as zeros (transposed, the rest of the block holding num_rows[0]: nothing
+    read; the weight gradient's last slice reads them)."""
     from .gemm import _check_errors, _error_word
     x = as_device_array(x, "x", dtype=np.uint16, ndim=2)
     R, C = x.shape
@@ -705,6 +709,18 @@ def launch_quantize_rows(x, out, scales, *, index=None, num_rows=None, stream=0,
     if rows and C:
         _launch_rows(x, index, num_rows, flat_view(out, np.uint32), flat_view(scales),
                      flat_view(scales, np.uint8), False, rows, C, stream, errors, tensor, rank)
+
+
+def launch_quantize_cols(x, out, scales, *, whole_block, index=None, num_rows=None, stream=0,
+                         errors, tensor: int = err.NF_X, rank: int = 0):
+    """``quantize_fp8(x, (128, 128) if whole_block else (1, 128), transpose=True, out=out,
+    scales=scales, index=index, num_rows=num_rows)`` with float32 scales, on trusted device
+    views (``launch_quantize_rows``' terms): out [C, R_out], x [R_in, C]."""
+    C, R = out.shape
+    if R and C:
+        _launch_cols(x, 1, x.shape[0], R, C, index, num_rows, flat_view(out, np.uint32),
+                     flat_view(scales), flat_view(scales, np.uint8), False, whole_block, R, 0,
+                     stream, errors, tensor, rank)
 
 
 @kjit(device=True, inline="always")

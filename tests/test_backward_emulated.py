@@ -384,28 +384,32 @@ def test_peer_that_never_arrives_in_the_backward_times_out():
         lws[0].check()
 
 
-def test_fp8_backward_data_gradients_in_fp8():
-    """``MoKConfig(precision="fp8")`` trains in FP8: the forward's routed GEMMs and the
-    backward's two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way,
-    the weights' transposed copies from ``quantize_weights``), the weight gradients in bf16.
-    Each FP8 dgrad against float64 of its own dequantised operands (the GEMM adds almost
-    nothing), its A operand bit for bit the reference quantizer's of the layer's bf16 rows;
-    all 8 gradients within e4m3's rounding of the float64 reference; bitwise repeatable; a
-    forward-only FP8Weights refused by the backward, naming the missing copy."""
+def test_fp8_backward_gradients_in_fp8():
+    """``MoKConfig(precision="fp8")`` trains in FP8: the forward's routed GEMMs, the backward's
+    two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way, the
+    weights' transposed copies from ``quantize_weights``) and its three routed weight
+    gradients (their operands transposed and quantised along the rows, each expert's from a
+    multiple of 128: ``mok_core.wgrad_rows``, here with row_align 32). Each FP8 GEMM against
+    float64 of its own dequantised operands (the GEMM adds almost nothing), the operands bit
+    for bit the reference quantizer's of the layer's bf16 rows; all 8 gradients within
+    e4m3's rounding of the float64 reference; bitwise repeatable; a forward-only FP8Weights
+    refused by the backward, naming the missing copy."""
     from dataclasses import replace
 
     from mok_comm import backward as B
     from mok_comm.functional import check_weights
     from mok_comm.layer import WeightsFP8, quantize_weights
-    from mok_core.quantize_reference import grouped_gemm_fp8_reference, quantize_fp8_reference
+    from mok_core.quantize_reference import (grouped_gemm_fp8_reference,
+                                             grouped_wgrad_fp8_reference, quantize_fp8_reference)
+    from mok_core.wgrad_rows import wgrad_rows_reference
     R, T = 2, 16
     rng = np.random.default_rng(23)
     shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T, masked=0.1)
     d_out = bf16_round(rng.standard_normal((R, T, shape.hidden)))
-    lws = emulated_layers(shape, T, replace(CFG, precision="fp8"), SIM_GEMM)
-    E_l = shape.experts_per_rank
+    lws = emulated_layers(shape, T, replace(CFG, precision="fp8", fp8_wgrad=True), SIM_GEMM)
+    E_l, H, I = shape.experts_per_rank, shape.hidden, shape.intermediate
     W = [WeightsFP8(*w, quantize_weights(w)) for w in (rank_weights(inp, r, E_l)
                                                           for r in range(R))]
 
@@ -416,7 +420,7 @@ def test_fp8_backward_data_gradients_in_fp8():
         for a, b in zip(G, G2):
             assert (a is None and b is None) or np.array_equal(a, b)
     full, _ = reference(inp, d_out, inp["ids"], None)
-    print("fp8 forward and dgrads, bf16 wgrads, rank 0 rel-L1 vs float64: "
+    print("fp8 layer, rank 0 rel-L1 vs float64: "
           f"d_x {rel_l1(f64(got[0].d_x), full.d_x.reshape(R, T, -1)[0]):.4f}, d_w_gate "
           f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
           f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
@@ -428,7 +432,41 @@ def test_fp8_backward_data_gradients_in_fp8():
         off, nr = to_host(s.expert_offsets), to_host(s.num_rows)
         n = int(nr[0])
         assert n > 0
-        # [d_g | d_u] as quantised, and the routed d_x rows its GEMM wrote
+        index = to_host(lw.gather_index)
+        # the weight gradients: their layout, operands (the last launch's: x^T and
+        # [d_g | d_u]^T) and sums. d_out rows through the tokens index, w h (in p) and
+        # [d_g | d_u] through the rows index
+        K = g.k_cols
+        k_off, k_rows, rows_at, tokens_at = wgrad_rows_reference(off, nr, index, K)
+        assert (k_off != off).any(), "row_align 32: the layout differs from the schedule's"
+        np.testing.assert_array_equal(to_host(g.k_offsets), k_off)
+
+        def gathered(src, at):
+            return f32(np.where(at[:, None] >= 0, to_host(src)[np.maximum(at, 0)], 0)
+                       .astype(np.uint16))
+        kr = int(k_rows[0])
+        ops = {}
+        for name, src, at, block in (("d_out", g.comm.x_recv, tokens_at, (1, 128)),
+                                     ("wh", g.p, rows_at, (128, 128)),
+                                     ("d_gu", g.d_gu, rows_at, (1, 128)),
+                                     ("x", lw.comm.x_recv, tokens_at, (128, 128))):
+            ops[name] = quantize_fp8_reference(gathered(src, at), block, transpose=True)
+        a8, a8_s = ops["d_gu"]
+        np.testing.assert_array_equal(to_host(g.q_i).reshape(2 * I, K)[:, :kr], a8[:, :kr])
+        np.testing.assert_array_equal(
+            to_host(g.q_i_scale)[:2 * I * K // 128].reshape(2 * I, K // 128)[:, :kr // 128],
+            a8_s[:, :kr // 128])
+        b8, b8_s = ops["x"]
+        np.testing.assert_array_equal(to_host(g.q_h).reshape(H, K)[:, :kr], b8[:, :kr])
+        want = grouped_wgrad_fp8_reference(a8, a8_s, b8, b8_s, k_off, k_rows)
+        gu = np.concatenate([f64(got[r].d_w_gate), f64(got[r].d_w_up)], 1)
+        assert rel_l1(gu, want) < 5e-3
+        want = grouped_wgrad_fp8_reference(*ops["d_out"], *ops["wh"], k_off, k_rows)
+        assert rel_l1(f64(got[r].d_w_down), want) < 5e-3
+        # [d_g | d_u] as quantised, and the routed d_x rows its GEMM wrote (rerun alone:
+        # the weight gradients' operands overwrote it)
+        Wc = check_weights(lw, W[r], backward=True)
+        B.dgrad_gate_up(lw, Wc, False, 0)
         d_gu8, d_gu8_s = quantize_fp8_reference(f32(to_host(g.d_gu)[:n]))
         np.testing.assert_array_equal(to_host(g.d_gu8)[:n], d_gu8)
         np.testing.assert_array_equal(to_host(g.d_gu8_scale)[:n], d_gu8_s)
@@ -437,12 +475,12 @@ def test_fp8_backward_data_gradients_in_fp8():
         assert rel_l1(f64(to_host(g.d_x_rows)[:n]), want) < 5e-3
         # d_out's rows in expert order, as quantised (padding rows zero), and p = d_out W_down
         # again (the backward overwrote p with w h: the dgrad reruns alone)
-        index = to_host(lw.gather_index)[:n]
+        index = index[:n]
         rows = np.where(index[:, None] >= 0, to_host(g.comm.x_recv)[np.maximum(index, 0)], 0)
         d_out8, d_out8_s = quantize_fp8_reference(f32(rows.astype(np.uint16)))
+        B.dgrad_down(lw, Wc, False, 0)
         np.testing.assert_array_equal(to_host(g.d_out8)[:n], d_out8)
         np.testing.assert_array_equal(to_host(g.d_out8_scale)[:n], d_out8_s)
-        B.dgrad_down(lw, check_weights(lw, W[r], backward=True), False, 0)
         want = grouped_gemm_fp8_reference(d_out8, d_out8_s, to_host(q.w_down_t),
                                           to_host(q.w_down_t_scale), off, [n])
         assert rel_l1(f64(to_host(g.p)[:n]), want) < 5e-3

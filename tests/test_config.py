@@ -23,6 +23,8 @@ def test_defaults_valid():
     ({"dispatch_ce_share": 1.5}, "dispatch_ce_share"),
     ({"dispatch_ce_share": math.nan}, "dispatch_ce_share"),
     ({"dispatch_ce_share": True}, "dispatch_ce_share"),
+    ({"fp8_wgrad": True}, "fp8_wgrad"),                      # FP8 weight gradients, bf16 layer
+    ({"precision": "fp8", "fp8_wgrad": 1}, "fp8_wgrad"),
 ])
 def test_config_rejects_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -3,6 +3,7 @@
 (``mok_core.quantize_reference.grouped_gemm_fp8_reference``): on the simulator at tiny shapes
 (ragged experts, an empty one, one cut by num_rows, rows gathered by the quantizer with zero
 padding rows), unchanged on a Hopper GPU, plus a real shape there with its TFLOP/s."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -266,11 +267,58 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
     words = to_dev(err.initial_error_word())
     run_wgrad(bad, errors=words)
     w = to_host(words)
-    t = err.NF_HIDDEN
+    t = err.NF_WEIGHT_GRADS
     assert w[err.FLAGS] & err.ERR_NON_FINITE
     assert w[err.NONFINITE + 2 * t] == N
     assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == 200
     assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 2
+
+
+def test_fp8_wgrad_splits_and_accumulates_fp32():
+    """``fp8_wgrad``'s outputs as ``wgrad``'s: split at m_split into out0 / out1 (dW_gate /
+    dW_up from one launch) bit for bit the unsplit bf16 gradient; FP32 outputs within 5e-3
+    of float64, rounding to that bf16 gradient; ``accumulate`` adds them to the values there
+    with one FP32 add (an expert of no rows left as it was); bad outputs refused by name."""
+    _hopper()
+    rng = np.random.default_rng(13)
+    M, N, I = 256, 256, 128
+    seg, real = [128, 0, 256], [100, 0, 256]
+    off = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
+    R, E = int(off[-1]), len(seg)
+    x = rng.standard_normal((R, M)).astype(np.float32)
+    y = rng.standard_normal((R, N)).astype(np.float32)
+    for e in range(E):
+        x[off[e] + real[e]:off[e + 1]] = 0
+        y[off[e] + real[e]:off[e + 1]] = 0
+    a, a_s = quantize_fp8_reference(x, (1, 128), transpose=True)
+    b, b_s = quantize_fp8_reference(y, (128, 128), transpose=True)
+    ops = [to_dev(a), to_dev(a_s.astype(np.float32)), to_dev(b), to_dev(b_s.astype(np.float32)),
+           to_dev(off), to_dev(np.array([R], np.int32))]
+    whole = to_dev(np.full((E, M, N), POISON16, np.uint16))
+    fp8_wgrad(*ops, whole)
+    whole = to_host(whole)
+    halves = [to_dev(np.full((E, I, N), POISON16, np.uint16)) for _ in range(2)]
+    fp8_wgrad(*ops, halves[0], halves[1], I)
+    np.testing.assert_array_equal(np.concatenate([to_host(h) for h in halves], 1), whole)
+    f32 = [to_dev(np.full((E, I, N), np.nan, np.float32)) for _ in range(2)]
+    fp8_wgrad(*ops, f32[0], f32[1], I)
+    d = np.concatenate([to_host(h) for h in f32], 1)
+    want = grouped_wgrad_fp8_reference(a, a_s, b, b_s, off, [R])
+    assert np.abs(d - want).sum() / np.abs(want).sum() < 5e-3
+    assert (d[1] == 0).all()
+    np.testing.assert_array_equal(d.astype(ml_dtypes.bfloat16).view(np.uint16), whole)
+    base = rng.standard_normal((E, M, N)).astype(np.float32)
+    acc = [to_dev(base[:, :I].copy()), to_dev(base[:, I:].copy())]
+    fp8_wgrad(*ops, acc[0], acc[1], I, accumulate=True)
+    got = np.concatenate([to_host(h) for h in acc], 1)
+    np.testing.assert_array_equal(got, base + d)
+    np.testing.assert_array_equal(got[1], base[1])
+    with pytest.raises(ValueError, match="accumulate=True needs float32 outputs"):
+        fp8_wgrad(*ops, halves[0], halves[1], I, accumulate=True)
+    with pytest.raises(ValueError, match=r"out1: expected shape \(3, 128, 256\)"):
+        fp8_wgrad(*ops, f32[0], f32[0][:, :64], I)
+    with pytest.raises(ValueError, match="m_split=64"):
+        fp8_wgrad(*ops, f32[0], f32[1], 64)
 
 
 def test_fp8_kernels_refuse_what_their_table_cannot_hold():

@@ -251,11 +251,12 @@ def test_rows_kernel_stops_at_num_rows():
 def test_transposed_gathers_and_stops_at_num_rows(block, scale):
     """Transposed (``quantize_cols_kernel``) with ``index`` and ``num_rows`` -- the weight
     gradients' operands: output column r is x row index[r] (repeats; -1: zeros), columns at or
-    past num_rows[0] zeros (nothing read), bit for bit the reference of that gathered matrix
-    transposed; NaN/Inf counted per output column, the smallest reported, left out of their
-    line's or block's amax (NaN -> the NaN byte, +-Inf -> +-448)."""
+    past num_rows[0] zeros (nothing read) in the 128-column block holding it, the blocks
+    past it not written; bit for bit the reference of that gathered matrix transposed;
+    NaN/Inf counted per output column, the smallest reported, left out of their line's or
+    block's amax (NaN -> the NaN byte, +-Inf -> +-448)."""
     rng = np.random.default_rng(9)
-    R_in, cols, R_out, cap = 70, 256, 256, 200       # two row tiles, two column tiles
+    R_in, cols, R_out, cap = 70, 256, 384, 200       # 3 row tiles (the third past cap), 2 column
     xb = inputs(24, R_in, cols)
     xb[50, 200] = BF16_NAN
     xb[20, 130] = BF16_INF
@@ -264,9 +265,12 @@ def test_transposed_gathers_and_stops_at_num_rows(block, scale):
     index[rng.random(R_out) < 0.2] = -1
     index[[3, 150, 151, 220]] = [20, 50, 50, 20]      # 220: past num_rows, never read
     errors = device_full((err.ERROR_WORDS,), 0, np.int32)
+    dtype = np.float32 if scale == "fp32" else np.uint8
     data, sc = quantize_fp8(to_dev(xb), block, scale, transpose=True, index=to_dev(index),
                             num_rows=to_dev(np.array([cap], np.int32)), errors=errors,
-                            tensor=err.NF_D_OUT, rank=2)
+                            tensor=err.NF_D_OUT, rank=2,
+                            out=to_dev(np.full((cols, R_out), 0xAB, np.uint8)),
+                            scales=to_dev(np.full((cols // block[0], R_out // 128), 7, dtype)))
     live = (index >= 0) & (np.arange(R_out) < cap)
     clean = xb.copy()
     clean[[50, 20, 20], [200, 130, 5]] = 0
@@ -274,9 +278,11 @@ def test_transposed_gathers_and_stops_at_num_rows(block, scale):
     want_data, want_scales = quantize_fp8_reference(g.astype(np.float32), block, scale, True)
     for r, c, byte in ((50, 200, 0x7F), (20, 130, 0x7E), (20, 5, 0xFE)):
         want_data[c, live & (index == r)] = byte
-    assert to_host(data).shape == (cols, R_out)
-    np.testing.assert_array_equal(to_host(data), want_data)
-    np.testing.assert_array_equal(to_host(sc), want_scales)
+    data, sc = to_host(data), to_host(sc)
+    assert data.shape == (cols, R_out)
+    np.testing.assert_array_equal(data[:, :256], want_data[:, :256])
+    np.testing.assert_array_equal(sc[:, :2], want_scales[:, :2])
+    assert (data[:, 256:] == 0xAB).all() and (sc[:, 2:] == 7).all(), "past num_rows: unwritten"
     words = to_host(errors)
     n = int(2 * (live & (index == 20)).sum() + (live & (index == 50)).sum())
     assert words[err.NAN_COUNT] == n == words[err.NONFINITE + 2 * err.NF_D_OUT]

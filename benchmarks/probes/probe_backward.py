@@ -2,6 +2,7 @@
 
     python benchmarks/probes/probe_backward.py --preset qwen3.5-397b --tokens 4096
     python benchmarks/probes/probe_backward.py --precision fp8     # the FP8 layer's
+    python benchmarks/probes/probe_backward.py --precision bf16,fp8,fp8w --tokens 4096,8192
 
 One GPU, EP 1 (``mok_torch.Layer`` on a local heap). Each call of the backward's phases (and
 the barriers between them) runs between CUDA events after one forward; median over --iters,
@@ -9,8 +10,10 @@ then a table of ms per call, largest first. Then what the backward costs the for
 gate/up GEMMs (routed, shared) saving the FP32 pre-activations the backward reads, against
 the same launches of a forward-only layer. ``--precision fp8``: the layer in
 ``MoKConfig(precision="fp8")`` (its routed weights quantised once, ``Layer.with_fp8``; the
-data gradients' calls include their quantisations). A probe: it prints, it does not write
-results.
+data gradients' calls include their quantisations); ``fp8w`` with ``fp8_wgrad=True`` too (the
+weight gradients' calls include theirs, ``wgrad_rows`` their layout). Several precisions and
+token counts: a table each, one layer at a time (EP 1 at 2T tokens gives each expert EP 2's
+rows at T). A probe: it prints, it does not write results.
 """
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-397b")
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096", help="','-separated")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
+    ap.add_argument("--precision", default="bf16", help="','-separated: bf16, fp8, fp8w")
     ap.add_argument("--wgrad-tiles", default="",
                     help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers"
                          "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
@@ -38,19 +41,28 @@ def main(argv=None):
     import mok_torch
     from mok_core.config import MoKConfig, preset
     from mok_testing import synthetic
-    shape, T, dev = preset(args.preset, 1), args.tokens, "cuda"
-    x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
+    from mok_core.gemm import GemmConfig
+    configs = {"bf16": MoKConfig(), "fp8": MoKConfig(precision="fp8"),
+               "fp8w": MoKConfig(precision="fp8", fp8_wgrad=True)}
+    shape, dev = preset(args.preset, 1), "cuda"
     W = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
                           *synthetic.local_expert_weights(shape, 0, dev))
-    d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
-    layer = mok_torch.Layer(shape, T, MoKConfig(precision=args.precision))
-    from mok_core.gemm import GemmConfig
-    for tiles in args.wgrad_tiles.split(";") if args.wgrad_tiles else [""]:
-        if tiles:
-            fields = tiles.split(",")
-            layer.wgrad_gemm = GemmConfig(*map(int, fields[:8]), *fields[8:])
-        _time_backward(args, layer, x, ids, w, W, d_out)
-    _time_gate_up(args, layer, W)
+    for T in map(int, args.tokens.split(",")):
+        x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
+        d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
+        for precision in args.precision.split(","):
+            layer = mok_torch.Layer(shape, T, configs[precision])
+            try:
+                for tiles in args.wgrad_tiles.split(";") if args.wgrad_tiles else [""]:
+                    if tiles:
+                        fields = tiles.split(",")
+                        layer.wgrad_gemm = GemmConfig(*map(int, fields[:8]), *fields[8:])
+                    _time_backward(args, precision, layer, x, ids, w, W, d_out)
+                if "," not in args.tokens + args.precision:
+                    _time_gate_up(args, layer, W)
+            finally:
+                torch.cuda.synchronize()
+                layer.comm.free()
 
 
 def _time_gate_up(args, layer, W):
@@ -87,7 +99,7 @@ def _time_gate_up(args, layer, W):
     layer.check()
 
 
-def _time_backward(args, layer, x, ids, w, W, d_out):
+def _time_backward(args, precision, layer, x, ids, w, W, d_out):
     import torch
 
     from benchmarks.common import numba_stream
@@ -125,7 +137,7 @@ def _time_backward(args, layer, x, ids, w, W, d_out):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1 {args.precision}, backward tiles {layer.backward_gemm}, dgrad "
+    print(f"{args.preset} T={T} EP 1 {precision}, backward tiles {layer.backward_gemm}, dgrad "
           f"{layer.dgrad_gemm}, wgrad {layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")
     for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):

@@ -74,7 +74,7 @@ def _patched_factories(variant):
                          frag_row, frag_col, errors, nf_tensor, nf_rank):
                 pass
             return epilogue
-        return {"_make_epilogues": make_epi}
+        return {"make_epilogues": make_epi}
     if variant == "no-store":
         def make_epi(bm, bn, out_f32, accumulate):
             stage_tile = tuple_fold(epi._stage_swizzled_group, epi._plain_layout)
@@ -91,7 +91,7 @@ def _patched_factories(variant):
                 if (bad[0] | bad[1]) == uint32(0x9E3779B9):     # never: keeps the folds
                     st_shared_u32(smem, epi0, bad[0])
             return epilogue
-        return {"_make_epilogues": make_epi}
+        return {"make_epilogues": make_epi}
     assert variant == "prod", variant
     return {}
 

@@ -58,7 +58,7 @@ from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMM
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
            "launch_gate_up_swiglu", "launch_down", "launch_dgrad", "launch_wgrad", "fp8_gemm",
-           "fp8_gate_up_swiglu", "fp8_wgrad", "launch_fp8_gemm"]
+           "fp8_gate_up_swiglu", "fp8_wgrad", "launch_fp8_gemm", "launch_fp8_wgrad"]
 
 
 # The FP8 GEMM's tile width and ring depth when the caller leaves them (None): 256 columns
@@ -403,7 +403,19 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             and m_split % config.bm == 0):
         raise ValueError(f"m_split={m_split!r}: must be a multiple of bm={config.bm} in "
                          f"[0, M={M}]")
-    m_split = int(m_split)
+    out0, out1 = _wgrad_outputs(out0, out1, int(m_split), E, M, N, accumulate,
+                                config.mma == "wgmma")
+    errors, tensor = _check_errors(errors, tensor)
+    launch_wgrad(a, a_index, b, b_index, off, nr, out0, out1, int(m_split),
+                 accumulate=bool(accumulate), config=config, stream=stream, errors=errors,
+                 tensor=tensor, rank=int(rank))
+
+
+def _wgrad_outputs(out0, out1, m_split, E, M, N, accumulate, staged=True):
+    """``wgrad`` / ``fp8_wgrad``'s outputs checked: (out0, out1), the one holding no rows None;
+    both uint16 (bf16; 16-byte aligned where ``staged``: TMA stores) or both float32 (which
+    ``accumulate`` needs), shaped [E, m_split, N] and [E, M - m_split, N], not the same
+    memory."""
     outs = []
     for out, name, rows in ((out0, "out0", m_split), (out1, "out1", M - m_split)):
         if rows == 0 and (out is None or out is out0):
@@ -425,16 +437,15 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             raise ValueError("out0, out1: both hold rows (0 < m_split < M) but are the same "
                              "memory")
     dtype = np.dtype((out0 if out0 is not None else out1).dtype)
-    if dtype == np.uint16:
+    if dtype == np.uint16 and staged:
         for out, name in ((out0, "out0"), (out1, "out1")):
-            if out is not None:
-                _check_staged_out(config, out, name)
+            if out is not None and device_address(out) % 16:
+                raise ValueError(f"{name}: the wgmma weight gradients write it by TMA "
+                                 f"stores, which need a 16-byte aligned start (this one is "
+                                 f"{device_address(out) % 16} bytes past)")
     if accumulate and dtype != np.float32:
         raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
-    errors, tensor = _check_errors(errors, tensor)
-    launch_wgrad(a, a_index, b, b_index, off, nr, out0, out1, m_split,
-                 accumulate=bool(accumulate), config=config, stream=stream, errors=errors,
-                 tensor=tensor, rank=int(rank))
+    return out0, out1
 
 
 def _checked_pre(pre, C, I):
@@ -608,7 +619,7 @@ def _check_fp8_table(E, entries, what):
         raise ValueError(f"{entries} {what}: the FP8 kernels' table counts them in 16 bits")
 
 
-def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
+def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False, out_f32=False):
     """ValueError unless ``bn`` divides N (with ``swiglu``: twice the output columns) and the
     ring of ``stages`` fits beside the staging."""
     if bn not in (128, 256) or N % (bn // 2 if swiglu else bn):
@@ -616,7 +627,7 @@ def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
                          f"({'twice ' if swiglu else ''}the output columns)")
     if not isinstance(stages, (int, np.integer)) or stages < 2:
         raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad)
+    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad, out_f32)
     if need > 227 * 1024:
         raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
                          "227 KiB")
@@ -678,20 +689,39 @@ def fp8_gate_up_swiglu(a, a_scale, w_gate, w_gate_scale, w_up, w_up_scale, exper
                     errors=errors, tensor=tensor, rank=rank)
 
 
-def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=None, bn=None,
-              stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
-    """``wgrad`` in FP8 (Hopper; ``sm90_fp8``'s WGRAD, read its header): out[e, m, n] =
-    bf16(sum over expert e's rows r of A[m, r] B[n, r]), from the two operands transposed and
-    quantised along the rows -- ``a`` uint8 [M, R] with float32 scales [M, R / 128]
-    (``quantize_fp8(x, (1, 128), transpose=True)``), ``b`` uint8 [N, R] with [N / 128, R / 128]
-    (``quantize_fp8(y, (128, 128), transpose=True)``); M and N multiples of 128, R of 128.
-    ``expert_offsets`` int32 [E + 1] (multiples of 128: device values, a precondition),
-    ``num_rows`` int32 [1], ``out`` uint16 (bf16) [E, M, N]: every tile is written (an expert
-    of no rows gets zeros). Each expert's last K slice is read whole: both operands must be
-    zero from its last row -- min(offsets[e + 1], num_rows[0]) -- to the slice's end (the
-    padded layout's padding is; ``quantize_fp8(..., transpose=True, num_rows=)`` writes zeros
-    from num_rows on). ``bn`` / ``stages``: the tile's width and ring depth (None:
-    ``FP8_TILES``'s for N)."""
+def launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1, m_split, *,
+                     accumulate=False, stages=None, bn=None, stream=0, errors=None,
+                     tensor=err.NF_WEIGHT_GRADS, rank=0):
+    """``fp8_wgrad`` without the checks (arguments as there: the layer's checked views)."""
+    bn, stages = _fp8_tile(b.shape[0], False, bn, stages)
+    sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1,
+                              m_split, accumulate=accumulate, stages=int(stages), bn=bn,
+                              stream=stream, errors=_error_word(errors), tensor=tensor,
+                              rank=rank)
+
+
+def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None, m_split=None,
+              *, accumulate=False, stages=None, bn=None, stream=0, errors=None,
+              tensor=err.NF_WEIGHT_GRADS, rank=0):
+    """``wgrad`` in FP8 (Hopper; ``sm90_fp8``'s WGRAD, read its header): for each expert e,
+
+        D_e[m, n] = sum over its rows r of A[m, r] B[n, r]     (FP32, rows m < m_split of
+                                                                D_e -> out0[e], the rest ->
+                                                                out1[e], as ``wgrad``'s)
+
+    from the two operands transposed and quantised along the rows -- ``a`` uint8 [M, R] with
+    float32 scales [M, R / 128] (``quantize_fp8(x, (1, 128), transpose=True)``), ``b`` uint8
+    [N, R] with [N / 128, R / 128] (``quantize_fp8(y, (128, 128), transpose=True)``); M and N
+    multiples of 128, R of 128. ``expert_offsets`` int32 [E + 1] (multiples of 128: device
+    values, a precondition), ``num_rows`` int32 [1]; ``out0`` [E, m_split, N] and ``out1``
+    [E, M - m_split, N] (``m_split`` None: M, out1 unused), both bf16 (uint16, rounded once
+    from FP32, 16-byte aligned) or both float32 (``accumulate``: out += D, one FP32 add) --
+    every tile is written (an expert of no rows gets zeros; accumulated: left as it was).
+    Each expert's last K slice is read whole: both operands must be zero from its last row --
+    min(offsets[e + 1], num_rows[0]) -- to the slice's end (``quantize_fp8(...,
+    transpose=True, num_rows=)`` quantises zeros from num_rows on). ``bn`` / ``stages``: the
+    tile's width and ring depth (None: ``FP8_TILES``'s for N). ``errors``, ``tensor``,
+    ``rank``: NaN/Inf written, as ``wgrad``'s."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
     M, R = a.shape
@@ -709,11 +739,15 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out, *, stages=N
         raise ValueError(f"expert_offsets: expected [E + 1] with E >= 1, got {tuple(off.shape)}")
     _check_fp8_table(E, R // 128, "K slices (R / 128)")
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
-    out = as_device_array(out, "out", dtype=np.uint16, shape=(E, M, N))
-    if device_address(out) % 16:
-        raise ValueError("out: must be 16-byte aligned (TMA stores)")
+    m_split = M if m_split is None else m_split
+    if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
+            and m_split % 128 == 0):
+        raise ValueError(f"m_split={m_split!r}: must be a multiple of 128 in [0, M={M}]")
+    out0, out1 = _wgrad_outputs(out0, out1, int(m_split), E, M, N, accumulate)
     bn, stages = _fp8_tile(N, False, bn, stages)
-    _check_fp8_tile(N, False, bn, stages, wgrad=True)
-    sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out, stages=int(stages), bn=bn,
-                              stream=stream, errors=_error_word(errors), tensor=tensor,
-                              rank=rank)
+    _check_fp8_tile(N, False, bn, stages, wgrad=True,
+                    out_f32=np.dtype((out1 if out0 is None else out0).dtype) == np.float32)
+    errors, tensor = _check_errors(errors, tensor)
+    launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, int(m_split),
+                     accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,
+                     errors=errors, tensor=tensor, rank=int(rank))

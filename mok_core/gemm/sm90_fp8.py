@@ -65,7 +65,8 @@ WGRAD (``make_fp8_gemm(wgrad=True)``, ``launch_fp8_wgrad``): the weight gradient
 over K -- for each expert e, over its rows r in [lo_e, hi_e) = [offsets[e], min(offsets[e + 1],
 num_rows[0])):
 
-    out[e, m, n] = bf16( sum_r A[m, r] * B[n, r] )
+    D_e[m, n] = sum_r A[m, r] * B[n, r]                      (FP32; rows m < m_split of D_e
+                                                              -> out0[e], the others -> out1[e])
     A[m, r] = a[m, r] * a_scale[m, r // 128]                  (1 x 128 blocks along r)
     B[n, r] = b[n, r] * b_scale[n // 128, r // 128]           (128 x 128 blocks)
 
@@ -74,17 +75,21 @@ rows (e4m3 wgmma reads K-major only: the reduction's rows must be contiguous), s
 the places of the forward's ``a`` and ``w``: the same block, ring, stream, loads, MMA,
 promotion and epilogue, with
     tiles    = E x (M / 128) x (N / BN) whatever the routing, order (expert, column tile,
-               row tile); out row e M + m
+               row tile); a tile lies on one side of m_split (a multiple of 128): D_e's row m
+               is out0's row e m_split + m, or out1's e (M - m_split) + m - m_split
     K slices = those of [lo_e, hi_e) (lo_e a multiple of 128: a scale block never spans two
                experts), read from ``slice_table`` (each offset's slice, in shared memory,
                where the forward keeps its tile table); an expert of no rows runs one slice
                past the operands' end (TMA zero-fills it, its factors 0): its gradient tile
                is written as zeros
-    epilogue = ``epilogue.make_tma_epilogue``: each compute warp stages its 16 rows as
-               BN / 64 swizzled boxes and one lane stores them by TMA (the tensor map over
-               out, the fourth of the maps), the warp back to its wgmmas while they leave --
-               a gradient tile is a weight-sized write after a few slices; every compute
-               warp waits for its stores before the block exits
+    epilogue = ``sm90_wgrad.make_epilogues`` (the bf16 weight gradient's, the same fragment
+               layout): bf16 -- each compute warp stages its 16 rows as BN / 64 swizzled
+               boxes and one lane stores them by TMA (``omaps``: out0's and out1's tensor
+               maps, ``sm90_wgrad.output_maps``), the warp back to its wgmmas while they
+               leave -- a gradient tile is a weight-sized write after a few slices; every
+               compute warp waits for its stores before the block exits. FP32 (OUT_F32) --
+               each thread stores its fragment (ACCUMULATE: added to the value read first,
+               one FP32 add: main-grad accumulation)
 Preconditions (the caller's; the padded layout and the transposed quantisation give them):
 offsets multiples of 128, and both operands zero from hi_e to the end of its last slice --
 the slice is read whole.
@@ -110,9 +115,10 @@ from ..intrinsics import (bulk_wait, f32_zeros, fence_mbarrier_init, mbarrier_ar
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_m64n128k32_e4m3_fresh,
                           wgmma_wait)
-from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_coalesced_epilogue, make_tma_epilogue
+from .epilogue import TMA_BOX_BYTES, make_coalesced_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
+from .sm90_wgrad import make_epilogues, output_maps
 from .tensor_map import MAP_ELEMS, tensor_maps
 
 BM = 128                      # tile rows: 2 warpgroups of 64
@@ -135,12 +141,14 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
     align the ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute
-    warps' TMA boxes)."""
+    warps' TMA boxes; none for FP32 outputs, stored from the fragments)."""
     cols = bn // 2 if swiglu_epilogue else bn
-    staging = 8 * _warp_staging_bytes(bn) if wgrad else BM * (2 * cols + 16)
+    staging = BM * (2 * cols + 16)
+    if wgrad:
+        staging = 0 if out_f32 else 8 * _warp_staging_bytes(bn)
     return _TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES + staging
 
 
@@ -235,7 +243,7 @@ def _a_row(r, row_end):
 
 
 def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False,
-                  wgrad=False):
+                  wgrad=False, out_f32=False, accumulate=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
@@ -244,14 +252,17 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     stored -- what the backward differentiates the SwiGLU at), ``push``
     (not SWIGLU: row r goes to its source rank's combine row, the route's
     ``epilogue.make_coalesced_epilogue``, instead of ``out``) and ``wgrad`` (the weight
-    gradient's tiles and K ranges: module header, "WGRAD")."""
+    gradient's tiles and K ranges: module header, "WGRAD"), with FP32 outputs (``out_f32``)
+    optionally added to (``accumulate``)."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
     assert not wgrad or not (swiglu_epilogue or push)
+    assert not (out_f32 or accumulate) or wgrad
+    assert not accumulate or out_f32
     bm = BM
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
-    store = make_tma_epilogue(bn)            # WGRAD's
+    wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
     warp_staging = _warp_staging_bytes(bn)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (bm + bn) * ROW_BYTES
@@ -265,8 +276,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         """Tile t -> (expert, first A row, first output column -- with SWIGLU the hidden
         column whose gate rows are w0's and up rows w1's --, end of the A rows that count
         (scale factor 0 from there), first B row, its K slices [k0, k_end), first output
-        row). WGRAD: an expert of no rows gets the one slice k0 = ktiles, past the operands
-        (zero-filled, factors 0): its gradient tile is written as zeros."""
+        row -- WGRAD: D_e's row, the epilogue places it). WGRAD: an expert of no rows gets
+        the one slice k0 = ktiles, past the operands (zero-filled, factors 0): its gradient
+        tile is written as zeros."""
         if wgrad:
             m_tiles = M // bm
             per_expert = m_tiles * n_tiles
@@ -277,8 +289,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             k0 = int64(smem[e])                # ``slice_table``
             k_end = int64(smem[e + 1])
             if k_end > k0:
-                return e, m0, col0, m0 + bm, col0, k0, k_end, e * M + m0
-            return e, m0, col0, m0, col0, ktiles, ktiles + 1, e * M + m0
+                return e, m0, col0, m0 + bm, col0, k0, k_end, m0
+            return e, m0, col0, m0, col0, ktiles, ktiles + 1, m0
         e, row0, nt, row_end = find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm,
                                                   rows_cap)
         col0 = nt * col_step
@@ -320,9 +332,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             t += cuda.gridDim.x
 
     @kjit(launch_bounds=(GEMM_THREADS, 1))
-    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, pre_g, pre_u,
-               route_rank, route_token, route_slot, peers, k, C, K, N, M, limit,
-               errors, nf_tensor, nf_rank):
+    def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, out1, omaps, pre_g,
+               pre_u, route_rank, route_token, route_slot, peers, k, C, K, N, M, m_split,
+               limit, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
@@ -357,9 +369,11 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
             ring = ring_start(empty0 + 8 * stages)
             staging = ring + stages * stage_bytes
-            if wgrad:                          # the warp's boxes; the output's map
+            if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
-                tensormap_acquire(tmaps, 3 * MAP_ELEMS)
+                if not out_f32:
+                    tensormap_acquire(omaps, 0)
+                    tensormap_acquire(omaps, MAP_ELEMS)
             desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
             j = int64(0)
             t = int64(cuda.blockIdx.x)
@@ -410,13 +424,26 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                         break
                 syncwarp()                     # every lane past its reads of the staging
                 rows = row_end - row0
-                w_row0 = frag_row - lane // 4  # the warp's first tile row
-                if wgrad and halves == 2:
-                    store(smem, acc0 + acc1, tmaps, 3 * MAP_ELEMS, grow0 + w_row0, col0,
-                          row0 + w_row0, e, staging, lane, errors, nf_tensor, nf_rank)
-                elif wgrad:
-                    store(smem, acc0, tmaps, 3 * MAP_ELEMS, grow0 + w_row0, col0,
-                          row0 + w_row0, e, staging, lane, errors, nf_tensor, nf_rank)
+                if wgrad:
+                    # the tile's side of m_split (block-uniform) and its first output row
+                    o = out
+                    side = 0
+                    first = int64(0)
+                    rows = m_split
+                    if row0 >= m_split:
+                        o = out1
+                        side = 1
+                        first = m_split
+                        rows = M - m_split
+                    grow0 = e * rows + row0 - first
+                    if halves == 2:
+                        wgrad_epilogue(smem, acc0 + acc1, o, omaps, side, grow0, row0, col0,
+                                       e, N, staging, lane, frag_row, frag_col, errors,
+                                       nf_tensor, nf_rank)
+                    else:
+                        wgrad_epilogue(smem, acc0, o, omaps, side, grow0, row0, col0, e, N,
+                                       staging, lane, frag_row, frag_col, errors, nf_tensor,
+                                       nf_rank)
                 elif halves == 2:
                     epilogue(smem, acc0 + acc1, out, grow0, row0, col0, e, N, rows, staging,
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
@@ -426,10 +453,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
                              (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 t += cuda.gridDim.x
-            if wgrad:                          # the warp's last stores land before the exit
+            if wgrad and not out_f32:          # the warp's last stores land before the exit
                 bulk_wait(0)
 
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad)
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad, out_f32)
     return kernel
 
 
@@ -442,9 +469,10 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, save_pre, push, wgrad):
+def _kernel(stages, swiglu_epilogue, bn, save_pre, push, wgrad, out_f32=False, accumulate=False):
     require_hopper()
-    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push, wgrad)
+    return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push, wgrad, out_f32,
+                         accumulate)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
@@ -476,33 +504,40 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
                         flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
-           flat_view(out, np.uint32),
+           flat_view(out, np.uint32), flat_view(out, np.uint32), maps,
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),
            *route, np.int64(rows),
-           np.int64(K), np.int64(N), np.int64(0),
+           np.int64(K), np.int64(N), np.int64(0), np.int64(0),
            np.float32(limit), errors, np.int32(tensor), np.int32(rank))
 
 
-def launch_fp8_wgrad(a, a_scale, b, b_scale, offsets, num_rows, out, *, stages, bn, stream,
-                     errors, tensor, rank):
+def launch_fp8_wgrad(a, a_scale, b, b_scale, offsets, num_rows, out0, out1, m_split, *,
+                     accumulate, stages, bn, stream, errors, tensor, rank):
     """WGRAD's persistent launch on trusted device views: ``a`` uint8 [M, R], ``a_scale``
     float32 [M, R / 128], ``b`` uint8 [N, R], ``b_scale`` float32 [N / 128, R / 128],
-    ``offsets`` int32 [E + 1] (multiples of 128), ``num_rows`` int32 [1], ``out`` uint16
-    (bf16) [E, M, N], 16-byte aligned; M, N (of ``bn``) and R multiples of 128. Tensor maps
-    as ``launch_fp8``'s."""
+    ``offsets`` int32 [E + 1] (multiples of 128), ``num_rows`` int32 [1], ``out0`` [E,
+    m_split, N] and ``out1`` [E, M - m_split, N] (the one holding no rows may be None), both
+    bf16 (uint16, 16-byte aligned: TMA stores) or both float32 (``accumulate``: added to);
+    M, N (of ``bn``), R and m_split multiples of 128. Tensor maps as ``launch_fp8``'s."""
     M, R = a.shape
     N = b.shape[0]
     E = offsets.shape[0] - 1
-    kern = _kernel(stages, False, bn, False, False, True)
+    o0 = out1 if out0 is None else out0
+    o1 = o0 if out1 is None else out1
+    f32 = np.dtype(o0.dtype) == np.float32
+    kern = _kernel(stages, False, bn, False, False, True, f32, bool(accumulate))
     grid = max(1, min(E * (M // BM) * (N // bn), multiprocessor_count()))
     maps = tensor_maps([flat_view(a, np.uint16).reshape(M, R // 2),
                         flat_view(b, np.uint16).reshape(N, R // 2),
-                        flat_view(b, np.uint16).reshape(N, R // 2),
-                        flat_view(out, np.uint16).reshape(E * M, N)],
-                       (BOX_ROWS, BOX_ROWS, BOX_ROWS, TMA_BOX_ROWS), stream)
+                        flat_view(b, np.uint16).reshape(N, R // 2)], BOX_ROWS, stream)
+    if f32:                                 # stored from the fragments: no maps
+        outs, omaps = (flat_view(o0), flat_view(o1)), maps
+    else:                                   # through the maps: the arrays unused
+        outs = (flat_view(a_scale), flat_view(a_scale))
+        omaps = output_maps(out0, out1, E, M, N, m_split, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
-           flat_view(b_scale), flat_view(b_scale), maps, offsets, num_rows,
-           flat_view(out, np.uint32), flat_view(a_scale), flat_view(a_scale), offsets, offsets,
-           offsets,
-           (flat_view(out, np.uint32),), np.int64(0), np.int64(R), np.int64(R), np.int64(N),
-           np.int64(M), np.float32(math.inf), errors, np.int32(tensor), np.int32(rank))
+           flat_view(b_scale), flat_view(b_scale), maps, offsets, num_rows, *outs, omaps,
+           flat_view(a_scale), flat_view(a_scale), offsets, offsets, offsets,
+           (flat_view(a_scale, np.uint32),), np.int64(0), np.int64(R), np.int64(R),
+           np.int64(N), np.int64(M), np.int64(m_split), np.float32(math.inf), errors,
+           np.int32(tensor), np.int32(rank))

@@ -233,7 +233,7 @@ def _plain_layout(count):
     return [[4 * j + i for i in range(4)] for j in range(count // 4)]
 
 
-def _make_epilogues(bm, bn, out_f32, accumulate):
+def make_epilogues(bm, bn, out_f32, accumulate):
     """``epilogue(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
     frag_col, errors, nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i for tile
     rows i, columns n0 ..; D_e's rows m0 + i) written and checked. bf16: this warp's 16 rows
@@ -341,7 +341,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     load_a = _operand_loader(bm, gather_a)
     load_b = _operand_loader(bn, gather_b)
     mma_slice = _make_mma_slice(bn)
-    epilogue = _make_epilogues(bm, bn, out_f32, accumulate)
+    epilogue = make_epilogues(bm, bn, out_f32, accumulate)
     tile_of = _make_tile_walk(bm, bn)
 
     @kjit(device=True, inline="always")

@@ -11,12 +11,13 @@ from numba import float32, int32, int64, types, uint16, uint32, uint64
 from ptx_util import assemble_sm90a, compile_sm90a, count, local_memory_between, sass_sm90a
 
 
-def sig(peers=1):
-    """The FP8 GEMM kernel's argument types, ``peers`` ranks in the push route."""
+def sig(peers=1, out=uint32):
+    """The FP8 GEMM kernel's argument types, ``peers`` ranks in the push route, ``out`` the
+    outputs' element type (WGRAD: float32)."""
     return (float32[::1], float32[::1], float32[::1], uint64[::1], int32[::1], int32[::1],
-            uint32[::1], float32[::1], float32[::1], int32[::1], int32[::1], int32[::1],
-            types.UniTuple(uint32[::1], peers), int64, int64, int64,
-            int64, int64, float32, int32[::1], int32, int32)
+            out[::1], out[::1], uint64[::1], float32[::1], float32[::1], int32[::1],
+            int32[::1], int32[::1], types.UniTuple(uint32[::1], peers), int64, int64, int64,
+            int64, int64, int64, float32, int32[::1], int32, int32)
 NF_CHECK = (r"redux\.sync\.add\.s32", r"redux\.sync\.min\.s32",
             r"atom\.global\.max\.s32|atom\.max\.s32|red\.global\.max\.s32")
 
@@ -72,23 +73,31 @@ def sm90_fp8_make(*args, **kw):
     return make_fp8_gemm(*args, **kw)
 
 
-@pytest.mark.parametrize("bn", [128, 256])
-def test_fp8_wgrad_lowers_unserialised(bn):
+@pytest.mark.parametrize("bn,out", [(128, "bf16"), (256, "bf16"), (256, "f32"), (256, "acc")])
+def test_fp8_wgrad_lowers_unserialised(bn, out):
     """WGRAD (``make_fp8_gemm(wgrad=True)``): the forward's slice, ring and promotion with its
     own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
-    operands by TMA from the producer (no cp.async), the TMA epilogue (a store
-    per 64 columns) -- and ptxas keeps the wgmmas unserialised with no local memory in the K loop."""
+    operands by TMA from the producer (no cp.async), the bf16 TMA epilogue (a store per 64
+    columns) or FP32 stores from the fragments (``acc``: a load first) -- and ptxas keeps the
+    wgmmas unserialised with no local memory in the K loop."""
     from mok_core.gemm import sm90_fp8
     halves = bn // 128
+    f32 = out != "bf16"
     ptx = compile_sm90a(sm90_fp8_make(3 if bn == 256 else 4, False, bn, False, False,
-                                      wgrad=True), sig())
+                                      wgrad=True, out_f32=f32, accumulate=out == "acc"),
+                        sig(out=float32 if f32 else uint32))
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") \
         == 4 * halves
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 0;") == halves
     assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.shared") == 2 + 2 * halves   # loads
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.global") == 2 * halves    # a box each
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.2d\.global") == (0 if f32 else 2 * halves)
     assert count(ptx, r"cp\.async\.cg\.shared\.global") == 0
-    assert count(ptx, r"fma\.rn\.bf16x2") == 32 * halves
+    assert count(ptx, r"fma\.rn\.bf16x2") == (0 if f32 else 32 * halves)
+    # a thread's fragment: 64 values a half, each one store (and with ``acc`` one load more
+    # than the NaN/Inf recount's 16)
+    assert count(ptx, r"st\.(global\.)?f32") == (64 * halves if f32 else 0)
+    loads = count(ptx, r"ld\.f32")
+    assert loads == {"bf16": 0, "f32": 16, "acc": 16 + 64 * halves}[out], loads
     report, sass = sass_sm90a(ptx)
     assert f"Used {sm90_fp8.LAUNCH_REGS} registers" in report, report[-600:]
     assert "C7518" not in report and "serialized" not in report, report[-600:]

@@ -1,9 +1,11 @@
-"""Schedule kernels type-check and lower for sm_90 (no GPU needed)."""
+"""Schedule kernels (and the FP8 weight gradient's row layout) type-check and lower for sm_90
+(no GPU needed)."""
 import pytest
 from numba import int32, types
 
 import mok_core.errors_kernels as ek
 import mok_core.schedule_kernels as sk
+import mok_core.wgrad_rows as wr
 from ptx_util import compile_sm90
 
 a1, a2, a3 = int32[::1], int32[:, ::1], int32[:, :, ::1]
@@ -17,6 +19,7 @@ CASES = {
                      (a3, a1, i64, i64, a3, a2, a2, a1, a1, a1, a3, i64, a1)),
     "reset_error_word": (ek._reset_kernel, (a1,)),
     "token_rows": (sk.token_rows_kernel, (i64, i64, a1, a1, a1)),
+    "wgrad_rows": (wr.wgrad_rows_kernel, (a1, a1, a1, a1, a1, a1, a1)),
 }
 
 
