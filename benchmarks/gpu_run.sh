@@ -21,7 +21,8 @@
 #        sm_90a PTX checks with this host's ptxas: C7518 and spills; PTX_TESTS: which files) probe-fp8 (the FP8 GEMM's
 #        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
 #        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
-#        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS)
+#        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS, PROBE_FP8_VARIANTS
+#        e.g. 256s3,128s4,256s3f32, PROBE_PARTS e.g. prod,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
@@ -138,7 +139,7 @@ for s in "$@"; do
          tests/gpu/test_backward_gpu.py tests/test_backward_emulated.py; rank_logs gpubwd ;;
     gpu-backward-fp8) export SUITE=gpubwd8; STEP_TIMEOUT=${SUITE_TIMEOUT:-500} step gpu-backward-fp8 \
          torchrun --standalone --nproc-per-node="$NGPU" --no-python bash tests/gpu/pytest_rank.sh \
-         tests/gpu/test_backward_gpu.py -k fp8; rank_logs gpubwd8 ;;
+         tests/gpu/test_backward_gpu.py -s -k fp8; rank_logs gpubwd8 ;;
     bench-layer-fp8) step bench-layer-fp8 torchrun --standalone --nproc-per-node="$NGPU" \
          benchmarks/bench_layer.py --presets "${LAYER_PRESETS:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}" \
          --tokens "${LAYER_TOKENS:-4096}" --iters "${LAYER_ITERS:-10}" --dispatch pull \
@@ -160,7 +161,8 @@ for s in "$@"; do
          --out "$OUT/bench_ffn_fp8.json" ;;
     probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_ncu.py --time ;;
     probe-fp8-wgrad) step probe-fp8-wgrad python3 benchmarks/probes/probe_fp8_wgrad.py \
-         --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" ;;
+         --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" \
+         --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \

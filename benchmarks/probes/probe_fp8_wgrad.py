@@ -2,6 +2,8 @@
 
     python benchmarks/probes/probe_fp8_wgrad.py [--presets kimi-k2.7,qwen3.5-397b]
                                                 [--tokens 8192] [--iters 10]
+                                                [--variants 256s3,128s4,256s3f32] [--profile]
+                                                [--parts prod,no-store,no-epi,no-mma,no-load]
 
 Rank 0's routed experts at EP 2 (``bench_ffn.ffn_inputs``: uniform routing of 2T tokens,
 segments padded to 128 rows), its two weight gradients:
@@ -14,15 +16,78 @@ the layer does) and ``fp8`` (``fp8_wgrad`` on the operands already transposed an
 A 1 x 128, B 128 x 128 along the rows), with ``quant`` the two transposed quantisations fp8
 needs (``quantize_fp8(transpose=True)``, x and d_out gathered through the index on the way).
 Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), and rel-L1 of fp8 against bf16 over
-the first expert's gradient. A probe: it prints, it writes nothing.
+the first expert's gradient. ``--variants``: the fp8 kernel's tile width, ring depth and
+(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the same
+turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
+left out (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
+variants that leave a stage out, take differences) -- ``no-store`` (the epilogue stages its
+rows, no TMA store), ``no-epi`` (no epilogue: ``probe_wgrad_parts``' replacements), ``no-mma``
+(the K loop multiplies nothing), ``no-load`` (the producer arrives on each full barrier with no
+TMA load); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
+cudaProfilerStart / Stop, for ``ncu --profile-from-start off -k regex:^kernel``. A probe: it
+prints, it writes nothing; every part but prod writes wrong gradients.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _part_patches(part):
+    """{name: replacement} among ``sm90_fp8``'s globals for ``part`` (module docstring)."""
+    from benchmarks.probes.probe_wgrad_parts import _patched_factories
+    from mok_core.cuda_compat import kjit
+    from mok_core.intrinsics import mbarrier_arrive
+    out = {}
+    for p in part.split("+"):
+        if p in ("no-store", "no-epi"):
+            out.update(_patched_factories(p))          # its make_epilogues
+        elif p == "no-mma":
+            @kjit(device=True, inline="always")
+            def mma_slice(frag, smem, da, db):
+                return frag
+            out["mma_slice"] = mma_slice
+        elif p == "no-load":
+            @kjit(device=True, inline="always")
+            def arrive(smem, bar, nbytes):             # the full barrier's one arrival
+                mbarrier_arrive(smem, bar)
+
+            @kjit(device=True, inline="always")
+            def load(smem, dst, maps, elem, x, y, bar):
+                pass
+            out.update(mbarrier_arrive_expect_tx=arrive, tma_load_2d=load)
+        elif p != "prod":
+            raise SystemExit(f"--parts: unknown part {p!r}")
+    return out
+
+
+def _part_step(part, bn, stages, launch):
+    """A step running ``launch()`` (an ``fp8_wgrad`` call of tile ``bn`` / ``stages``) on the
+    WGRAD kernel built with ``part`` left out: patched while it is built and first compiled,
+    handed to the launch in place of the library's cached kernel."""
+    from mok_core.gemm import sm90_fp8 as F
+    kern = []
+
+    def step():
+        patches = _part_patches(part)
+        saved = {k: getattr(F, k) for k in patches}
+        cached = F._kernel
+        try:
+            for k, v in patches.items():
+                setattr(F, k, v)
+            if not kern:
+                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True))
+            F._kernel = lambda *args: kern[0]
+            launch()                                  # (the first call compiles it here)
+        finally:
+            F._kernel = cached
+            for k, v in saved.items():
+                setattr(F, k, v)
+    return step
 
 
 def main():
@@ -38,7 +103,16 @@ def main():
     ap.add_argument("--presets", default="kimi-k2.7,qwen3.5-397b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", default="256s3")
+    ap.add_argument("--parts", default="")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    variants = {}
+    for v in args.variants.split(","):
+        m = re.fullmatch(r"(\d+)s(\d+)(f32)?", v)
+        if m is None:
+            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32]")
+        variants[v] = (int(m[1]), int(m[2]), bool(m[3]))
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -56,6 +130,9 @@ def main():
         outs = {n: torch.empty(E, *s, device="cuda", dtype=torch.bfloat16)
                 for n, s in (("g16", (I, H)), ("u16", (I, H)), ("d16", (H, I)),
                              ("gu8", (2 * I, H)), ("d8", (H, I)))}
+        if any(f32 for _, _, f32 in variants.values()):
+            outs.update({n: torch.empty(E, *s, device="cuda", dtype=torch.float32)
+                         for n, s in (("gu32", (2 * I, H)), ("d32", (H, I)))})
         q = {}
 
         def quant(name, x, block, gather):   # into the first call's buffers (graph replays)
@@ -78,23 +155,43 @@ def main():
             "bf16 gate|up": lambda: wgrad(
                 d_gu.view(u16), None, x.view(u16), index, off, nr, outs["g16"].view(u16),
                 outs["u16"].view(u16), I, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
-            "fp8 gate|up": lambda: fp8_wgrad(
-                *q["a_gu"], *q["b_gu"], off, nr, outs["gu8"].view(u16),
-                stream=numba_stream()),
             "quant gate|up": quant_gu,
             "bf16 down": lambda: wgrad(
                 d_out.view(u16), index, h.view(u16), None, off, nr, outs["d16"].view(u16), None, H, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
-            "fp8 down": lambda: fp8_wgrad(
-                *q["a_d"], *q["b_d"], off, nr, outs["d8"].view(u16), stream=numba_stream()),
             "quant down": quant_down,
         }
+
+        def fp8_step(a, b, out, bn, stages):
+            return lambda: fp8_wgrad(*q[a], *q[b], off, nr, out, bn=bn, stages=stages,
+                                     stream=numba_stream())
+        for v, (bn, stages, f32) in variants.items():
+            for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
+                out = outs[o + "32"] if f32 else outs[o + "8"].view(u16)
+                steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages)
+        bn0, stages0, _ = next(iter(variants.values()))
+        for p in filter(None, args.parts.split(",")):
+            for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
+                steps[f"part {part} {p}"] = _part_step(
+                    p, bn0, stages0, fp8_step(a, b, outs[o + "8"].view(u16), bn0, stages0))
+        if args.profile:
+            for f in steps.values():             # compiled and run once, outside the profile
+                f()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            for f in steps.values():
+                f()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"{preset}: profiled one launch each of {list(steps)}", flush=True)
+            continue
         t = {n: g for n, (g, _) in interleaved_ms(steps, args.iters, eager=()).items()}
         torch.cuda.synchronize()
         rows = int((index >= 0).sum())
         for part, m in (("gate|up", 2 * I), ("down", H)):
             n = H if part == "gate|up" else I
             flop = 2.0 * rows * m * n
-            b16, f8, qt = t[f"bf16 {part}"], t[f"fp8 {part}"], t[f"quant {part}"]
+            first = next(iter(variants))
+            b16, f8, qt = t[f"bf16 {part}"], t[f"fp8 {part} {first}"], t[f"quant {part}"]
             if part == "gate|up":
                 want = torch.cat([outs["g16"][0], outs["u16"][0]]).double()
                 got = outs["gu8"][0].double()
@@ -106,6 +203,12 @@ def main():
                   f"fp8 {f8:7.3f} ms ({flop / f8 / 1e9:4.0f})  quant {qt:6.3f}  "
                   f"x{b16 / f8:.2f} kernel, x{b16 / (f8 + qt):.2f} with quant  "
                   f"rel-L1 {rel:.4f}", flush=True)
+            for v in variants:
+                ms = t[f"fp8 {part} {v}"]
+                print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
+                      f"x{b16 / ms:.2f}", flush=True)
+            for p in filter(None, args.parts.split(",")):
+                print(f"    {first} {p:16s} {t[f'part {part} {p}']:7.3f} ms", flush=True)
         outs.clear()
         q.clear()
         steps.clear()

@@ -4,7 +4,8 @@ weights, sampled experts and intermediate columns for the weight gradients), 20 
 bitwise identical, forward + backward captured in a CUDA graph equal to eager -- in bf16 and
 with ``MoKConfig(precision="fp8")`` (the layer given the bf16 weights quantises its routed
 experts itself, as ``MoEBlock`` does; checked against the same float64 reference of the bf16
-weights, at FP8's tolerance).
+weights, at FP8's tolerance), and ``fp8w``: that layer with ``fp8_wgrad=True`` (its routed
+weight gradients in FP8 too).
 
 EP 1: one process per GPU, each its own layer (``test_backward_ep1``); EP 2:
 ``torchrun --nproc-per-node=2`` or ``mok_comm.launch`` (``test_backward_ep``)."""
@@ -14,7 +15,9 @@ import pytest
 
 T = 4096
 PRESETS = ["kimi-k2.7", "glm-5.2", "qwen3.5-397b", "deepseek-v4-pro"]
-PRECISIONS = ["bf16", "fp8"]
+PRECISIONS = ["bf16", "fp8", "fp8w"]
+CONFIGS = {"bf16": {}, "fp8": {"precision": "fp8"},
+           "fp8w": {"precision": "fp8", "fp8_wgrad": True}}
 REPEATS = 20
 BF16 = (5e-3, 0.9999)      # the most rel-L1 and the least cosine similarity against float64
 FP8 = (0.03, 0.999)        # FP8: the output and d_x (issue 23's bound) ...
@@ -50,7 +53,7 @@ def _fits(shape, precision, torch):
     quantised copies, plus 12 GiB for the layer's buffers and the rest."""
     s = shape
     routed = 3 * s.experts_per_rank * s.intermediate * s.hidden
-    need = routed * (2 + 2 + (2 if precision == "fp8" else 0)) + (12 << 30)
+    need = routed * (2 + 2 + (0 if precision == "bf16" else 2)) + (12 << 30)
     return need <= torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
@@ -75,7 +78,7 @@ def _check_preset(preset_name, R, me, torch, precision):
     shared = synthetic.shared_weights(shape, dev)
     wg, wu, wd = synthetic.local_expert_weights(shape, me, dev)
     weights = mok_torch.Weights(*shared, wg, wu, wd)
-    layer = mok_torch.Layer(shape, T, MoKConfig(precision=precision))
+    layer = mok_torch.Layer(shape, T, MoKConfig(**CONFIGS[precision]))
     grads = graph = None
     try:
 
