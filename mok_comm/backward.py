@@ -61,9 +61,16 @@ path: ``quantize_fp8(index=gather_index)``), [d_g | d_u] likewise in place, and
 ``fp8_gemm`` multiplies them by the weights' transposed copies (``FP8Weights.w_down_t`` [E, I,
 H] and ``w_gate_up_t`` [E, H, 2I], made with the forward's copies by ``quantize_weights``):
 e4m3 wgmma reads both operands K-major, and these GEMMs reduce over the weights' other side.
-The weight gradients stay bf16: their K is an expert's rows, their output is a weight-sized
-bf16 write either way, and FP8 would first need four transposed quantisations along the tokens
-(d_out, h, [d_g | d_u], x). The shared expert stays bf16, as in the forward.
+The weight gradients stay bf16 unless ``MoKConfig(fp8_wgrad=True)``: then ``wgrad_rows`` lays
+each expert's rows out from a multiple of 128 (``mok_core.wgrad_rows``: a 128-row scale block
+must not hold two experts, and the schedule pads to ``row_align`` only), each weight
+gradient's two operands are quantised transposed along those rows into the buffers the data
+gradients' quantised rows used (read by then: one stream) -- d_out^T and [d_g | d_u]^T 1 x
+128, (w h)^T and x^T 128 x 128, the tokens gathered on the way, zeros past an expert's rows
+-- and ``fp8_wgrad`` reduces them (dW_gate / dW_up from one launch, split at I; FP32 into
+``grads`` with ``accumulate``). Off by default: with K an expert's rows, a few slices a tile,
+the FP8 kernel loses to the bf16 one at the presets measured (docs/perf.md, FP8). The shared
+expert stays bf16, as in the forward.
 
 GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two data gradients
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,
