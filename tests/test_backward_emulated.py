@@ -425,6 +425,20 @@ def test_fp8_backward_gradients_in_fp8():
           f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
           f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
     check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)
+    # FP32 weight gradients accumulated (main-grad): once = the bf16 ones before their
+    # rounding, twice = 2 x once, bit for bit
+    T_, H_, I_, I_s, k = T, shape.hidden, shape.intermediate, shape.shared_intermediate, 2
+    f32_shapes = ((I_s, H_), (I_s, H_), (H_, I_s), (E_l, I_, H_), (E_l, I_, H_), (E_l, H_, I_))
+    acc = [Grads(to_dev(np.zeros((T_, H_), np.uint16)), to_dev(np.zeros((T_, k), np.float32)),
+                 *(to_dev(np.zeros(sh, np.float32)) for sh in f32_shapes)) for _ in range(R)]
+    once = run_backward(lws, inp, d_out, grads=acc, accumulate=True, weights=W)
+    twice = run_backward(lws, inp, d_out, grads=acc, accumulate=True, weights=W)
+    for G1, G2, G in zip(once, twice, got):
+        for name in ("d_w_gate", "d_w_up", "d_w_down"):
+            a = getattr(G1, name)
+            np.testing.assert_array_equal(np.float32(2) * a, getattr(G2, name))
+            np.testing.assert_array_equal(a.astype(ml_dtypes.bfloat16).view(np.uint16),
+                                          getattr(G, name))
 
     f32 = lambda bits: f64(bits).astype(np.float32)                      # noqa: E731
     for r, lw in enumerate(lws):
