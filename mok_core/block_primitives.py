@@ -37,3 +37,33 @@ def block_exclusive_scan(value, scratch):
     total = scratch[n - 1]
     cuda.syncthreads()                # scratch may be reused by the caller right away
     return inclusive - value, total
+
+
+@kjit(device=True)
+def block_scan_in_place(a, n, scratch):
+    """a[0:n] -> its exclusive prefix sums and a[n] -> their total, in index order (chunks of
+    the block's threads, each ``block_exclusive_scan``ned: a fixed order). ``a`` (int32, n + 1
+    slots, shared or global) may be written by any thread of the block before the call (it
+    syncs first); the total is returned to every thread.
+
+    Arguments:
+        a: int32[>= n + 1], scanned in place.
+        n: how many values.
+        scratch: shared int32[>= blockDim.x], clobbered.
+    """
+    cuda.syncthreads()
+    tid = cuda.threadIdx.x
+    carry = 0
+    for base in range(0, n, cuda.blockDim.x):   # uniform trip count: every thread scans
+        i = base + tid
+        v = 0
+        if i < n:
+            v = a[i]
+        before, total = block_exclusive_scan(v, scratch)    # (every read of a chunk first)
+        if i < n:
+            a[i] = carry + before
+        carry += total
+    if tid == 0:
+        a[n] = carry
+    cuda.syncthreads()
+    return carry

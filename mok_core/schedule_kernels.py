@@ -28,7 +28,7 @@ independent of the block size, which the tests check.
 from numba import cuda, int32, int64
 
 from . import errors as err
-from .block_primitives import MAX_BLOCK_THREADS, block_exclusive_scan
+from .block_primitives import MAX_BLOCK_THREADS, block_scan_in_place
 from .cuda_compat import kjit
 from .intrinsics import match_any, syncwarp
 
@@ -137,24 +137,15 @@ def expert_offsets_kernel(rank_counts, experts_per_rank, row_align, capacity, me
     nthreads = cuda.blockDim.x
     E = rank_counts.shape[0]
     R = rank_counts.shape[1]
-    carry = 0
-    for base in range(0, E, nthreads):       # uniform trip count: every thread scans
-        e = base + tid
-        padded = 0
-        if e < E:
-            n = 0
-            for r in range(R):
-                n += rank_counts[e, r]
-            padded = (n + row_align - 1) // row_align * row_align
-            if e // experts_per_rank == me:
-                expert_counts[e - me * experts_per_rank] = n
-        before, total = block_exclusive_scan(padded, scratch)
-        if e < E:
-            expert_scan[e] = carry + before
-        carry += total
-    if tid == 0:
-        expert_scan[E] = carry
-    cuda.syncthreads()   # expert_scan (global) written above is read by other threads below
+    for e in range(tid, E, nthreads):
+        n = 0
+        for r in range(R):
+            n += rank_counts[e, r]
+        expert_scan[e] = (n + row_align - 1) // row_align * row_align
+        if e // experts_per_rank == me:
+            expert_counts[e - me * experts_per_rank] = n
+    # (it syncs after: expert_scan, global, is read by other threads below)
+    block_scan_in_place(expert_scan, E, scratch)
 
     for idx in range(tid, R * (experts_per_rank + 1), nthreads):
         d = idx // (experts_per_rank + 1)

@@ -25,8 +25,8 @@ Where ``row_align`` is a multiple of 128 the layout is the schedule's own (k_off
 clamped to nr). ``k_capacity`` bounds K's length for a layer.
 
 Kernel (``wgrad_rows_kernel``): any grid of THREADS-thread blocks. Every block computes
-k_offsets into shared memory -- E + 1 values, ``block_exclusive_scan`` over the experts in
-chunks of THREADS, a fixed order -- and block 0 writes them and k_rows; then each block takes
+k_offsets into shared memory -- E + 1 values, ``block_scan_in_place`` over the experts: a
+fixed order -- and block 0 writes them and k_rows; then each block takes
 128-column chunks by a grid stride, thread t column t of a chunk: a chunk lies in one expert
 (k_offsets are multiples of 128), found by a binary search of the shared k_offsets. Integer
 work only: deterministic, no atomics, nothing waits, no host sync.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32, int64
 
-from .block_primitives import MAX_BLOCK_THREADS, block_exclusive_scan
+from .block_primitives import MAX_BLOCK_THREADS, block_scan_in_place
 from .cuda_compat import kjit, launch, multiprocessor_count
 
 THREADS = 128           # = the chunk: one column a thread
@@ -70,20 +70,10 @@ def wgrad_rows_kernel(offsets, num_rows, gather_index, k_offsets, k_rows, rows_i
     tid = cuda.threadIdx.x
     E = offsets.shape[0] - 1
     nr = num_rows[0]
-    carry = int32(0)
-    for base in range(0, E, THREADS):            # uniform trip count: every thread scans
-        e = base + tid
-        blocks = int32(0)
-        if e < E:
-            n = min(offsets[e + 1], nr) - min(offsets[e], nr)
-            blocks = int32((max(n, 0) + K_BLOCK - 1) // K_BLOCK * K_BLOCK)
-        before, total = block_exclusive_scan(blocks, scratch)
-        if e < E:
-            koff[e] = carry + before
-        carry += total
-    if tid == 0:
-        koff[E] = carry
-    cuda.syncthreads()
+    for e in range(tid, E, THREADS):
+        n = min(offsets[e + 1], nr) - min(offsets[e], nr)
+        koff[e] = (max(n, 0) + K_BLOCK - 1) // K_BLOCK * K_BLOCK
+    carry = block_scan_in_place(koff, E, scratch)
     if cuda.blockIdx.x == 0:
         for e in range(tid, E + 1, THREADS):
             k_offsets[e] = koff[e]
