@@ -513,7 +513,7 @@ def main(argv=None):
     ap.add_argument("--precision", default="bf16",
                     help="bf16, or bf16,fp8: also the FP8 layer (MoKConfig(precision='fp8'))"
                          " in turns with ours in bf16: fp8_* columns; bf16,fp8w: that layer "
-                         "with fp8_wgrad=True")
+                         "with fp8_wgrad=True instead (its fp8_wgrad column)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep

@@ -78,7 +78,7 @@ weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
 (mma.sync); the weight gradients on ``layer.wgrad_gemm``: the wgmma kernel (``sm90_wgrad``,
 both operands MN-major) where the forward's tiles are wgmma and the shape splits into its
-tile, else mma.sync. The routed d_x rows are written, then pushed home by the combine kernel
+tile, else mma.sync (``fp8_wgrad``: the routed ones on ``sm90_fp8``'s WGRAD, its tile by N). The routed d_x rows are written, then pushed home by the combine kernel
 on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
@@ -272,9 +272,10 @@ def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     report = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
-        # (what is non-finite in d_gu shows in the GEMM's output: a scratch word here)
+        # (the quantiser saturates an Inf to +-448, so it reports d_gu's NaN/Inf itself, as
+        # the d_x rows' the bf16 GEMM would have written)
         launch_quantize_rows(o.d_gu, g.d_gu8, g.d_gu8_scale, num_rows=o.rows, stream=stream,
-                             errors=scratch_error_word())
+                             **report)
         launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
                         o.rows, o.d_x, stream=stream, **report)
         return
@@ -298,21 +299,24 @@ def wgrad_rows(layer: Layer, stream):
 
 def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
     """FP8 weight gradient D_e = A^T B over the layout's rows (``wgrad_rows``): ``a`` = (rows,
-    index, lines, (flat data, flat scales)) -- A = rows gathered through index, quantised
-    1 x 128 along the rows into [lines, K] of that buffer --, ``b`` likewise 128 x 128; then
-    ``fp8_wgrad`` into ``outs`` = (out0, out1, m_split)."""
+    index, lines, (flat data, flat scales), staged) -- A = rows gathered through index,
+    quantised 1 x 128 along the rows into [lines, K] of that buffer --, ``b`` likewise
+    128 x 128; then ``fp8_wgrad`` into ``outs`` = (out0, out1, m_split). The quantiser
+    saturates an Inf to +-448, so it reports the NaN/Inf of its input as the weight
+    gradients' -- but for the staged tokens (``staged``: x, d_out), counted once already."""
     g, K = layer.grad, layer.grad.k_cols
+    report = _nan_check(layer, err.NF_WEIGHT_GRADS)
     ops = []
-    # (non-finite inputs show in the GEMM's output: the quantizers report to a scratch word)
-    for (rows, index, lines, (flat, scale)), whole in ((a, False), (b, True)):
+    for (rows, index, lines, (flat, scale), staged), whole in ((a, False), (b, True)):
         n = K // 128 * (lines // 128 if whole else lines)
         q = flat[:lines * K].reshape(lines, K)
         q_s = scale[:n].reshape(lines // 128 if whole else lines, K // 128)
         launch_quantize_cols(rows, q, q_s, whole_block=whole, index=index, num_rows=g.k_rows,
-                             stream=stream, errors=scratch_error_word())
+                             stream=stream,
+                             **({"errors": scratch_error_word()} if staged else report))
         ops += [q, q_s]
     launch_fp8_wgrad(*ops, g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
-                     stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
+                     stream=stream, **report)
 
 
 def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
@@ -322,8 +326,8 @@ def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     d_w_down = _weight_grads(layer, G, shared)[2]
     if _fp8_wgrad(layer, shared):
         g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
-        _fp8_weight_gradient(layer, (o.d_out, g.tokens_index, H, (g.q_h, g.q_h_scale)),
-                             (o.w_h, g.rows_index, I, (g.q_i, g.q_i_scale)),
+        _fp8_weight_gradient(layer, (o.d_out, g.tokens_index, H, (g.q_h, g.q_h_scale), True),
+                             (o.w_h, g.rows_index, I, (g.q_i, g.q_i_scale), False),
                              (d_w_down, None, H), accumulate, stream)
         return
     launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
@@ -338,8 +342,8 @@ def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
     if _fp8_wgrad(layer, shared):
         g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
-        _fp8_weight_gradient(layer, (o.d_gu, g.rows_index, 2 * I, (g.q_i, g.q_i_scale)),
-                             (o.x, g.tokens_index, H, (g.q_h, g.q_h_scale)),
+        _fp8_weight_gradient(layer, (o.d_gu, g.rows_index, 2 * I, (g.q_i, g.q_i_scale), False),
+                             (o.x, g.tokens_index, H, (g.q_h, g.q_h_scale), True),
                              (d_w_gate, d_w_up, I), accumulate, stream)
         return
     launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,

@@ -370,14 +370,22 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
                      "32; pass backward=False for a forward-only layer")
 
 
-def _check_fp8(shape: LayerShape):
+def _check_fp8(shape: LayerShape, config: MoKConfig, tokens_per_rank: int):
     """What ``MoKConfig(precision="fp8")`` needs of the layer: a Hopper GPU (or the
-    simulator), H and I multiples of 128 (the scale blocks)."""
+    simulator), H and I multiples of 128 (the scale blocks), and the FP8 kernels' tables
+    (in shared memory, 16-bit counts) holding its experts, row tiles and (``fp8_wgrad``) K
+    slices -- checked here, not at a launch inside a step."""
+    from mok_core.gemm import _check_fp8_table
     from mok_core.gemm.sm90_fp8 import require_hopper
     for field, n in (("hidden", shape.hidden), ("intermediate", shape.intermediate)):
         if n % 128:
             raise ValueError(f"LayerShape.{field}={n}: MoKConfig(precision='fp8') needs a "
                              "multiple of 128 (one scale per 128 values)")
+    E = shape.experts_per_rank
+    C = config.schedule_capacity(tokens_per_rank, shape.topk, shape.ep_size, E)
+    _check_fp8_table(E, C // 128 + E, "row tiles")
+    if config.fp8_wgrad:
+        _check_fp8_table(E, k_capacity(C, E, config.row_align) // 128, "K slices")
     require_hopper()
 
 
@@ -444,7 +452,7 @@ class Layer:
                              f"{heap.ep_size} ranks")
         check_swiglu_limit(swiglu_limit)
         if config.precision == "fp8":
-            _check_fp8(shape)
+            _check_fp8(shape, config, tokens_per_rank)
         T = tokens_per_rank
         gemm = gemm or layer_gemm(shape, T)
         gemm_down = gemm_down or gemm

@@ -42,7 +42,8 @@ quantizes tile rows 16w .. 16w + 15, lane l taking elements 4l .. 4l + 3 and sto
 four e4m3 bytes as one word (128 contiguous bytes per warp and row); thread 0 stores the scale.
 
 ``quantize_cols_kernel`` -- transposed outputs, either block: the weight gradients' operands
-(rows gathered through ``index``, zeros from ``num_rows`` on) and the weights' transposed
+(rows gathered through ``index``, zeros from ``num_rows`` to the end of its 128-row block, the
+blocks past it not written) and the weights' transposed
 copies (E matrices, each its own output [C, pitch] from column ``col_off`` on: how the two
 halves of [W_gate; W_up]^T land in one array). Grid (C / 128, R / 128, E), 256 threads; a
 block owns output columns (input rows) r0 .. r0 + 127 and output lines (input columns) c0 ..

@@ -47,7 +47,7 @@ _KOFF_SLOTS = MAX_EXPERTS + 1   # k_offsets in shared memory (a literal for numb
 
 def k_capacity(capacity: int, experts: int, row_align: int) -> int:
     """Columns of K a layer needs at most: each expert's rows, padded to ``row_align`` in the
-    schedule's ``capacity`` rows, grow by less than 128 - row_align when padded to 128 instead
+    schedule's ``capacity`` rows, grow by at most 128 - row_align when padded to 128 instead
     (both are multiples of row_align where row_align divides 128), rounded up to 128."""
     grow = experts * (K_BLOCK - row_align) if row_align < K_BLOCK else 0
     return -(-(capacity + grow) // K_BLOCK) * K_BLOCK

@@ -499,6 +499,15 @@ def test_fp8_backward_gradients_in_fp8():
                                           to_host(q.w_down_t_scale), off, [n])
         assert rel_l1(f64(to_host(g.p)[:n]), want) < 5e-3
 
+    # an Inf in [d_g | d_u] (here from an Inf saved up pre-activation) is reported: the
+    # quantisers saturate it to +-448, so they count it (the d_x rows', the weight gradients')
+    from mok_core.errors import MoKError
+    row = int(np.flatnonzero(to_host(lws[0].gather_index) >= 0)[0])
+    lws[0].grad.up[row, 3] = np.float32(np.inf)
+    with pytest.raises(MoKError, match=r"routed d_x \(backward\) has \d+ NaN/Inf value.*"
+                                       r"weight gradients has \d+ NaN/Inf value"):
+        run_backward(lws, inp, d_out, weights=W)
+
     forward_only = WeightsFP8(*W[0][:6], quantize_weights(rank_weights(inp, 0, E_l),
                                                           backward=False))
     with pytest.raises(ValueError, match=r"weights.fp8.w_down_t: None, but the FP8 backward's "

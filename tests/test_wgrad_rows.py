@@ -37,7 +37,7 @@ def test_wgrad_rows_matches_its_reference(row_align, counts, cut):
 
 
 def test_k_capacity_bounds_every_routing():
-    """K holds the layout whatever the counts: each expert grows by < 128 - row_align."""
+    """K holds the layout whatever the counts: each expert grows by <= 128 - row_align."""
     rng = np.random.default_rng(5)
     for row_align in (16, 32, 64, 128, 256):
         for _ in range(50):

@@ -36,7 +36,10 @@ def main(argv=None):
                          "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
                          "or wgmma, e.g. 128,256,64,2,1,4,1,0,wgmma): one table each")
     args = ap.parse_args(argv)
+    import gc
+
     import torch
+    from numba import cuda as numba_cuda
 
     import mok_torch
     from mok_core.config import MoKConfig, preset
@@ -60,9 +63,13 @@ def main(argv=None):
                     _time_backward(args, precision, layer, x, ids, w, W, d_out)
                 if "," not in args.tokens + args.precision:
                     _time_gate_up(args, layer, W)
-            finally:
+            finally:                     # this layer's memory back before the next one's
                 torch.cuda.synchronize()
                 layer.comm.free()
+                del layer
+                gc.collect()
+                numba_cuda.current_context().deallocations.clear()
+                torch.cuda.empty_cache()
 
 
 def _time_gate_up(args, layer, W):

@@ -7,7 +7,8 @@ float64 emulation of ``MoKConfig(precision="fp8")``'s quantisation at a preset's
 (``mok_core.quantize_reference``, bit-exact to the kernels' quantizer; every GEMM itself in
 float64): x and the d_out rows 1 x 128, the expert weights (and their transposes) 128 x 128, h
 = SiLU(g8) u8 in bf16 then 1 x 128, p = d_out8 W_down8 in bf16, [d_g | d_u] in bf16 then 1 x
-128; the weight gradients' GEMMs on the FP8 path's activations (bf16 GEMMs in the layer); the
+128; the weight gradients' GEMMs on the FP8 path's activations (bf16 GEMMs: the layer's
+default; ``fp8_wgrad`` adds the 0.037 of session 27's FP8 wgrad, docs/perf.md); the
 shared expert exact in both (its bf16 roundings are not modelled: it only dilutes the output's
 and d_x's error). Synthetic operands as ``mok_testing.synthetic`` draws them (x, d_out ~ N(0,
 1), weights scaled by fan-in^-1/2), ``--tokens`` tokens all routed to the same ``topk`` experts
@@ -111,7 +112,7 @@ def budget(H, I, I_s, k, n, seed=0):
                 dg8, du8 = (bf16(a) for a in swiglu_grads(w * p8, g8, u8))
                 got[v]["d_x"] += dg8 @ wg + du8 @ wu
             got[v]["d_router_weights"][:, j] = (p8 * h8).sum(1)
-            # the weight gradients: bf16 GEMMs of the FP8 path's activations
+            # the weight gradients: bf16 GEMMs of the FP8 path's activations (the default)
             weight_errs[v]["d_w_down"].append(((w * d_out).T @ h8, (w * d_out).T @ h))
             weight_errs[v]["d_w_gate"].append((dg8.T @ x, d_g.T @ x))
     table = {}

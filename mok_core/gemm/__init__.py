@@ -719,7 +719,9 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     every tile is written (an expert of no rows gets zeros; accumulated: left as it was).
     Each expert's last K slice is read whole: both operands must be zero from its last row --
     min(offsets[e + 1], num_rows[0]) -- to the slice's end (``quantize_fp8(...,
-    transpose=True, num_rows=)`` quantises zeros from num_rows on). ``bn`` / ``stages``: the
+    transpose=True, num_rows=)`` quantises zeros from num_rows to the end of its 128-row
+    block, and the layer's ``mok_core.wgrad_rows`` layout zeros past each expert's rows through
+    its index). ``bn`` / ``stages``: the
     tile's width and ring depth (None: ``FP8_TILES``'s for N). ``errors``, ``tensor``,
     ``rank``: NaN/Inf written, as ``wgrad``'s."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)

@@ -532,8 +532,8 @@ def launch_fp8_wgrad(a, a_scale, b, b_scale, offsets, num_rows, out0, out1, m_sp
                         flat_view(b, np.uint16).reshape(N, R // 2)], BOX_ROWS, stream)
     if f32:                                 # stored from the fragments: no maps
         outs, omaps = (flat_view(o0), flat_view(o1)), maps
-    else:                                   # through the maps: the arrays unused
-        outs = (flat_view(a_scale), flat_view(a_scale))
+    else:                                   # through the maps: placeholders, typed as
+        outs = (flat_view(a_scale, np.uint32),) * 2   # the forward's out (the PTX checks')
         omaps = output_maps(out0, out1, E, M, N, m_split, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(b_scale), flat_view(b_scale), maps, offsets, num_rows, *outs, omaps,
