@@ -2,7 +2,8 @@
 
     python benchmarks/probes/probe_fp8_wgrad.py [--presets kimi-k2.7,qwen3.5-397b]
                                                 [--tokens 8192] [--iters 10]
-                                                [--variants 256s3,128s4,256s3f32] [--profile]
+                                                [--variants 256s3,128s4,256s3f32,256s3c]
+                                                [--profile]
                                                 [--parts prod,no-store,no-epi,no-mma,no-load]
 
 Rank 0's routed experts at EP 2 (``bench_ffn.ffn_inputs``: uniform routing of 2T tokens,
@@ -17,8 +18,9 @@ A 1 x 128, B 128 x 128 along the rows), with ``quant`` the two transposed quanti
 needs (``quantize_fp8(transpose=True)``, x and d_out gathered through the index on the way).
 Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), and rel-L1 of fp8 against bf16 over
 the first expert's gradient. ``--variants``: the fp8 kernel's tile width, ring depth and
-(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the same
-turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
+(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, or (``c``) the tiles of
+an expert walked column tile first (``make_fp8_gemm(wgrad_walk="cols")``, a probe build), each
+timed in the same turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
 left out (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
 variants that leave a stage out, take differences) -- ``no-store`` (the epilogue stages its
 rows, no TMA store), ``no-epi`` (no epilogue: ``probe_wgrad_parts``' replacements), ``no-mma``
@@ -65,10 +67,10 @@ def _part_patches(part):
     return out
 
 
-def _part_step(part, bn, stages, launch):
-    """A step running ``launch()`` (an ``fp8_wgrad`` call of tile ``bn`` / ``stages``) on the
-    WGRAD kernel built with ``part`` left out: patched while it is built and first compiled,
-    handed to the launch in place of the library's cached kernel."""
+def _part_step(part, bn, stages, launch, walk="rows"):
+    """A step running ``launch()`` (an ``fp8_wgrad`` call of tile ``bn`` / ``stages``, bf16
+    out) on the WGRAD kernel built with ``part`` left out (and ``walk``): patched while it is
+    built and first compiled, handed to the launch in place of the library's cached kernel."""
     from mok_core.gemm import sm90_fp8 as F
     kern = []
 
@@ -80,7 +82,8 @@ def _part_step(part, bn, stages, launch):
             for k, v in patches.items():
                 setattr(F, k, v)
             if not kern:
-                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True))
+                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True,
+                                            wgrad_walk=walk))
             F._kernel = lambda *args: kern[0]
             launch()                                  # (the first call compiles it here)
         finally:
@@ -109,10 +112,10 @@ def main():
     args = ap.parse_args()
     variants = {}
     for v in args.variants.split(","):
-        m = re.fullmatch(r"(\d+)s(\d+)(f32)?", v)
+        m = re.fullmatch(r"(\d+)s(\d+)(f32|c)?", v)
         if m is None:
-            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32]")
-        variants[v] = (int(m[1]), int(m[2]), bool(m[3]))
+            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32|c]")
+        variants[v] = (int(m[1]), int(m[2]), m[3] == "f32", m[3] == "c")
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -130,7 +133,7 @@ def main():
         outs = {n: torch.empty(E, *s, device="cuda", dtype=torch.bfloat16)
                 for n, s in (("g16", (I, H)), ("u16", (I, H)), ("d16", (H, I)),
                              ("gu8", (2 * I, H)), ("d8", (H, I)))}
-        if any(f32 for _, _, f32 in variants.values()):
+        if any(v[2] for v in variants.values()):
             outs.update({n: torch.empty(E, *s, device="cuda", dtype=torch.float32)
                          for n, s in (("gu32", (2 * I, H)), ("d32", (H, I)))})
         q = {}
@@ -164,11 +167,14 @@ def main():
         def fp8_step(a, b, out, bn, stages):
             return lambda: fp8_wgrad(*q[a], *q[b], off, nr, out, bn=bn, stages=stages,
                                      stream=numba_stream())
-        for v, (bn, stages, f32) in variants.items():
+        for v, (bn, stages, f32, cols) in variants.items():
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
                 out = outs[o + "32"] if f32 else outs[o + "8"].view(u16)
                 steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages)
-        bn0, stages0, _ = next(iter(variants.values()))
+                if cols:
+                    steps[f"fp8 {part} {v}"] = _part_step("prod", bn, stages,
+                                                          steps[f"fp8 {part} {v}"], "cols")
+        bn0, stages0 = next(iter(variants.values()))[:2]
         for p in filter(None, args.parts.split(",")):
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
                 steps[f"part {part} {p}"] = _part_step(
