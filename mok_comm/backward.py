@@ -78,8 +78,8 @@ weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
 (mma.sync); the weight gradients on ``layer.wgrad_gemm``: the wgmma kernel (``sm90_wgrad``,
 both operands MN-major) where the forward's tiles are wgmma and the shape splits into its
-tile, else mma.sync (``fp8_wgrad``: the routed ones on ``sm90_fp8``'s WGRAD, its tile by N). The routed d_x rows are written, then pushed home by the combine kernel
-on either path.
+tile, else mma.sync (``fp8_wgrad``: the routed ones on ``sm90_fp8``'s WGRAD, its tile by
+N). The routed d_x rows are written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
@@ -299,23 +299,18 @@ def wgrad_rows(layer: Layer, stream):
 
 def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
     """FP8 weight gradient D_e = A^T B over the layout's rows (``wgrad_rows``): ``a`` = (rows,
-    index, lines, (flat data, flat scales), staged) -- A = rows gathered through index,
-    quantised 1 x 128 along the rows into [lines, K] of that buffer --, ``b`` likewise
-    128 x 128; then ``fp8_wgrad`` into ``outs`` = (out0, out1, m_split). The quantiser
-    saturates an Inf to +-448, so it reports the NaN/Inf of its input as the weight
-    gradients' -- but for the staged tokens (``staged``: x, d_out), counted once already."""
-    g, K = layer.grad, layer.grad.k_cols
+    index, q, q_scale, staged) -- A = rows gathered through index, quantised 1 x 128 along
+    the rows into q [M, K] --, ``b`` likewise 128 x 128 into [N, K]; then ``fp8_wgrad`` into
+    ``outs`` = (out0, out1, m_split). The quantiser saturates an Inf to +-448, so it reports
+    the NaN/Inf of its input as the weight gradients' -- but for the staged tokens
+    (``staged``: x, d_out), counted once already."""
+    g = layer.grad
     report = _nan_check(layer, err.NF_WEIGHT_GRADS)
-    ops = []
-    for (rows, index, lines, (flat, scale), staged), whole in ((a, False), (b, True)):
-        n = K // 128 * (lines // 128 if whole else lines)
-        q = flat[:lines * K].reshape(lines, K)
-        q_s = scale[:n].reshape(lines // 128 if whole else lines, K // 128)
-        launch_quantize_cols(rows, q, q_s, whole_block=whole, index=index, num_rows=g.k_rows,
-                             stream=stream,
+    for (rows, index, q, q_scale, staged), whole in ((a, False), (b, True)):
+        launch_quantize_cols(rows, q, q_scale, whole_block=whole, index=index,
+                             num_rows=g.k_rows, stream=stream,
                              **({"errors": scratch_error_word()} if staged else report))
-        ops += [q, q_s]
-    launch_fp8_wgrad(*ops, g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
+    launch_fp8_wgrad(*a[2:4], *b[2:4], g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
                      stream=stream, **report)
 
 
@@ -325,10 +320,10 @@ def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     o = _rows(layer, shared)
     d_w_down = _weight_grads(layer, G, shared)[2]
     if _fp8_wgrad(layer, shared):
-        g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
-        _fp8_weight_gradient(layer, (o.d_out, g.tokens_index, H, (g.q_h, g.q_h_scale), True),
-                             (o.w_h, g.rows_index, I, (g.q_i, g.q_i_scale), False),
-                             (d_w_down, None, H), accumulate, stream)
+        g = layer.grad
+        _fp8_weight_gradient(layer, (o.d_out, g.tokens_index, g.d_out8t, g.d_out8t_scale, True),
+                             (o.w_h, g.rows_index, g.wh8t, g.wh8t_scale, False),
+                             (d_w_down, None, layer.shape.hidden), accumulate, stream)
         return
     launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
                  layer.shape.hidden, accumulate=accumulate, config=layer.wgrad_gemm,
@@ -341,10 +336,10 @@ def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     o = _rows(layer, shared)
     d_w_gate, d_w_up, _ = _weight_grads(layer, G, shared)
     if _fp8_wgrad(layer, shared):
-        g, H, I = layer.grad, layer.shape.hidden, layer.shape.intermediate
-        _fp8_weight_gradient(layer, (o.d_gu, g.rows_index, 2 * I, (g.q_i, g.q_i_scale), False),
-                             (o.x, g.tokens_index, H, (g.q_h, g.q_h_scale), True),
-                             (d_w_gate, d_w_up, I), accumulate, stream)
+        g = layer.grad
+        _fp8_weight_gradient(layer, (o.d_gu, g.rows_index, g.d_gu8t, g.d_gu8t_scale, False),
+                             (o.x, g.tokens_index, g.x8t, g.x8t_scale, True),
+                             (d_w_gate, d_w_up, layer.shape.intermediate), accumulate, stream)
         return
     launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,
                  o.d_gu.shape[1] // 2, accumulate=accumulate, config=layer.wgrad_gemm,

@@ -202,9 +202,11 @@ class BackwardBuffers:
                              routed dgrads' A quantised 1 x 128 -- ``d_out8`` [C, H],
                              ``d_gu8`` [C, 2I] (scales ``d_out8_scale``, ``d_gu8_scale``) --,
                              then, read by then, the weight gradients' operands transposed
-                             along the rows -- d_out^T and x^T [H, K] in q_h, [d_g | d_u]^T
-                             [2I, K] and (w h)^T [I, K] in q_i (``fp8_wgrad``:
-                             ``mok_comm.backward``)
+                             along the rows (``fp8_wgrad``: ``mok_comm.backward``) --
+                             ``d_out8t`` and ``x8t`` [H, K] in q_h, ``d_gu8t`` [2I, K] and
+                             ``wh8t`` [I, K] in q_i, each with its ``_scale``: [H, K / 128]
+                             and [2I, K / 128] (1 x 128), [H / 128, K / 128] and [I / 128,
+                             K / 128] (128 x 128)
         k_offsets, k_rows, rows_index, tokens_index   int32 [E + 1], [1], [K], [K]
                              (``fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
                              every backward
@@ -236,21 +238,31 @@ class BackwardBuffers:
         self.q_h = self.q_h_scale = self.q_i = self.q_i_scale = None
         self.d_out8 = self.d_out8_scale = self.d_gu8 = self.d_gu8_scale = None
         self.k_offsets = self.k_rows = self.rows_index = self.tokens_index = None
-        self.k_cols = 0
+        self.d_out8t = self.x8t = self.d_gu8t = self.wh8t = None
+        self.d_out8t_scale = self.x8t_scale = self.d_gu8t_scale = self.wh8t_scale = None
+
+        def view(flat, rows, cols):                     # [rows, cols] at the start of flat
+            return flat[:rows * cols].reshape(rows, cols)
         if layer.config.precision == "fp8":
             # the FP8 weight gradients' operands take K >= C rows of these
             K = k_capacity(C, s.experts_per_rank, layer.config.row_align) \
                 if layer.config.fp8_wgrad else C
-            self.k_cols = K
             self.q_h = device_empty((K * H,), np.uint8, stream)
             self.q_h_scale = device_empty((K * H // 128,), f32, stream)
             self.q_i = device_empty((K * 2 * I,), np.uint8, stream)
             self.q_i_scale = device_empty((K * 2 * I // 128,), f32, stream)
-            self.d_out8 = self.q_h[:C * H].reshape(C, H)
-            self.d_out8_scale = self.q_h_scale[:C * H // 128].reshape(C, H // 128)
-            self.d_gu8 = self.q_i[:C * 2 * I].reshape(C, 2 * I)
-            self.d_gu8_scale = self.q_i_scale[:C * 2 * I // 128].reshape(C, 2 * I // 128)
+            self.d_out8 = view(self.q_h, C, H)
+            self.d_out8_scale = view(self.q_h_scale, C, H // 128)
+            self.d_gu8 = view(self.q_i, C, 2 * I)
+            self.d_gu8_scale = view(self.q_i_scale, C, 2 * I // 128)
         if layer.config.fp8_wgrad:
+            self.d_out8t, self.x8t = (view(self.q_h, H, K),) * 2
+            self.d_out8t_scale = view(self.q_h_scale, H, K // 128)
+            self.x8t_scale = view(self.q_h_scale, H // 128, K // 128)
+            self.d_gu8t = view(self.q_i, 2 * I, K)
+            self.d_gu8t_scale = view(self.q_i_scale, 2 * I, K // 128)
+            self.wh8t = view(self.q_i, I, K)
+            self.wh8t_scale = view(self.q_i_scale, I // 128, K // 128)
             self.k_offsets = device_empty((s.experts_per_rank + 1,), np.int32, stream)
             self.k_rows = device_empty((1,), np.int32, stream)
             self.rows_index = device_empty((K,), np.int32, stream)

@@ -147,8 +147,9 @@ class MoKConfig:
             well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
             rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: at the
             shapes measured so far they are slower in the layer than the bf16 ones (few K
-            slices an expert: docs/perf.md, FP8), and they add e4m3's rounding to the weight gradients (TransformerEngine's recipes run wgrad
-            in FP8 too, with ``override_linear_precision`` to keep it in bf16).
+            slices an expert: docs/perf.md, FP8), and they add e4m3's rounding to the weight
+            gradients (TransformerEngine's recipes run wgrad in FP8 too, with
+            ``override_linear_precision`` to keep it in bf16).
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0

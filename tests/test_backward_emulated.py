@@ -450,7 +450,7 @@ def test_fp8_backward_gradients_in_fp8():
         # the weight gradients: their layout, operands (the last launch's: x^T and
         # [d_g | d_u]^T) and sums. d_out rows through the tokens index, w h (in p) and
         # [d_g | d_u] through the rows index
-        K = g.k_cols
+        K = g.rows_index.shape[0]
         k_off, k_rows, rows_at, tokens_at = wgrad_rows_reference(off, nr, index, K)
         assert (k_off != off).any(), "row_align 32: the layout differs from the schedule's"
         np.testing.assert_array_equal(to_host(g.k_offsets), k_off)

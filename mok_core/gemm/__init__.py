@@ -399,23 +399,24 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
         raise ValueError(f"a: M={M} (its columns) must be a multiple of bm={config.bm}")
     if N % config.bn:
         raise ValueError(f"b: N={N} (its columns) must be a multiple of bn={config.bn}")
-    if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
-            and m_split % config.bm == 0):
-        raise ValueError(f"m_split={m_split!r}: must be a multiple of bm={config.bm} in "
-                         f"[0, M={M}]")
-    out0, out1 = _wgrad_outputs(out0, out1, int(m_split), E, M, N, accumulate,
-                                config.mma == "wgmma")
+    m_split, out0, out1 = _wgrad_outputs(out0, out1, m_split, f"bm={config.bm}", config.bm,
+                                         E, M, N, accumulate, config)
     errors, tensor = _check_errors(errors, tensor)
-    launch_wgrad(a, a_index, b, b_index, off, nr, out0, out1, int(m_split),
+    launch_wgrad(a, a_index, b, b_index, off, nr, out0, out1, m_split,
                  accumulate=bool(accumulate), config=config, stream=stream, errors=errors,
                  tensor=tensor, rank=int(rank))
 
 
-def _wgrad_outputs(out0, out1, m_split, E, M, N, accumulate, staged=True):
-    """``wgrad`` / ``fp8_wgrad``'s outputs checked: (out0, out1), the one holding no rows None;
-    both uint16 (bf16; 16-byte aligned where ``staged``: TMA stores) or both float32 (which
-    ``accumulate`` needs), shaped [E, m_split, N] and [E, M - m_split, N], not the same
-    memory."""
+def _wgrad_outputs(out0, out1, m_split, unit_name, unit, E, M, N, accumulate, config):
+    """``wgrad`` / ``fp8_wgrad``'s split and outputs checked: (m_split -- a multiple of
+    ``unit`` in [0, M] --, out0, out1), the one holding no rows None; both uint16 (bf16;
+    ``_check_staged_out`` by ``config``) or both float32 (which ``accumulate`` needs), shaped
+    [E, m_split, N] and [E, M - m_split, N], not the same memory."""
+    if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
+            and m_split % unit == 0):
+        raise ValueError(f"m_split={m_split!r}: must be a multiple of {unit_name} in "
+                         f"[0, M={M}]")
+    m_split = int(m_split)
     outs = []
     for out, name, rows in ((out0, "out0", m_split), (out1, "out1", M - m_split)):
         if rows == 0 and (out is None or out is out0):
@@ -437,15 +438,13 @@ def _wgrad_outputs(out0, out1, m_split, E, M, N, accumulate, staged=True):
             raise ValueError("out0, out1: both hold rows (0 < m_split < M) but are the same "
                              "memory")
     dtype = np.dtype((out0 if out0 is not None else out1).dtype)
-    if dtype == np.uint16 and staged:
+    if dtype == np.uint16:
         for out, name in ((out0, "out0"), (out1, "out1")):
-            if out is not None and device_address(out) % 16:
-                raise ValueError(f"{name}: the wgmma weight gradients write it by TMA "
-                                 f"stores, which need a 16-byte aligned start (this one is "
-                                 f"{device_address(out) % 16} bytes past)")
+            if out is not None:
+                _check_staged_out(config, out, name)
     if accumulate and dtype != np.float32:
         raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
-    return out0, out1
+    return m_split, out0, out1
 
 
 def _checked_pre(pre, C, I):
@@ -741,15 +740,13 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
         raise ValueError(f"expert_offsets: expected [E + 1] with E >= 1, got {tuple(off.shape)}")
     _check_fp8_table(E, R // 128, "K slices (R / 128)")
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
-    m_split = M if m_split is None else m_split
-    if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
-            and m_split % 128 == 0):
-        raise ValueError(f"m_split={m_split!r}: must be a multiple of 128 in [0, M={M}]")
-    out0, out1 = _wgrad_outputs(out0, out1, int(m_split), E, M, N, accumulate)
+    # (its bf16 tiles are stored by TMA, as the wgmma kernels' are: WGMMA_GEMM's checks)
+    m_split, out0, out1 = _wgrad_outputs(out0, out1, M if m_split is None else m_split, "128",
+                                         128, E, M, N, accumulate, WGMMA_GEMM)
     bn, stages = _fp8_tile(N, False, bn, stages)
     _check_fp8_tile(N, False, bn, stages, wgrad=True,
                     out_f32=np.dtype((out1 if out0 is None else out0).dtype) == np.float32)
     errors, tensor = _check_errors(errors, tensor)
-    launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, int(m_split),
+    launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,
                      errors=errors, tensor=tensor, rank=int(rank))

@@ -88,25 +88,19 @@ def encode_2d(arr2d, box_rows: int) -> np.ndarray:
     return out.copy()
 
 
-def tensor_maps(arrays2d, box_rows, stream=0, *, shapes=None):
-    """Device uint64 [16 * len(arrays2d)]: one map per array, cached; ``box_rows`` the boxes'
-    rows, one int for all or one per array. ``shapes``:
+def tensor_maps(arrays2d, box_rows: int, stream=0, *, shapes=None):
+    """Device uint64 [16 * len(arrays2d)]: one map per array (same box), cached. ``shapes``:
     the 2-D [rows, cols] each (contiguous) array is viewed as, as its bf16 bits (default: the
     arrays' own shapes) -- the view is made only when the map is built."""
     if shapes is None:
         shapes = [a.shape for a in arrays2d]
     shapes = [tuple(int(n) for n in shp) for shp in shapes]
-    if isinstance(box_rows, (int, np.integer)):
-        box_rows = (int(box_rows),) * len(arrays2d)
-    if len(box_rows) != len(arrays2d):
-        raise ValueError(f"box_rows: {len(box_rows)} for {len(arrays2d)} arrays")
-    key = tuple((device_address(a), shp, rows) for a, shp, rows
-                in zip(arrays2d, shapes, box_rows))
+    key = tuple((device_address(a), shp) for a, shp in zip(arrays2d, shapes)) + (box_rows,)
     maps = _cache.get(key)
     if maps is None:                         # no reference kept: arrays stay freeable
         views = [a if a.shape == shp else flat_view(a, np.uint16).reshape(shp)
                  for a, shp in zip(arrays2d, shapes)]
-        host = np.concatenate([encode_2d(a, rows) for a, rows in zip(views, box_rows)])
+        host = np.concatenate([encode_2d(a, box_rows) for a in views])
         try:
             maps = upload(host, stream)
         except Exception as exc:             # typically: inside a CUDA-graph capture
