@@ -22,9 +22,10 @@
 #        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
 #        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
 #        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS, PROBE_FP8_VARIANTS
-#        e.g. 256s3,128s4,256s3f32, PROBE_PARTS e.g. prod,no-store,no-epi,no-mma,no-load)
+#        e.g. 256s3,128s4,256s3f32, PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
-#        probe_quantize_gather)
+#        probe_quantize_gather) probe-staged (our bf16 GEMM's staged epilogue with its base
+#        made per tile vs shipped, in turns: probe_staged_base; PROBE_PRESETS, PROBE_TOKENS)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
 #        FP8 too: the FP8 layer vs ours in bf16, forward
@@ -164,6 +165,8 @@ for s in "$@"; do
          --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" \
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
+    probe-staged) step probe-staged python3 benchmarks/probes/probe_staged_base.py \
+         --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \

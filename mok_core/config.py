@@ -145,10 +145,10 @@ class MoKConfig:
             gradients run in FP8 too (on the weights' transposed copies).
         fp8_wgrad: with ``precision="fp8"``, the backward's routed weight gradients in FP8 as
             well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
-            rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: at the
-            shapes measured so far they are slower in the layer than the bf16 ones (few K
-            slices an expert: docs/perf.md, FP8), and they add e4m3's rounding to the weight
-            gradients (TransformerEngine's recipes run wgrad in FP8 too, with
+            rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: with
+            their operands' quantisations they are at best a little faster than the bf16
+            ones at the shapes measured (docs/perf.md, FP8), and they add e4m3's rounding
+            to the weight gradients (TransformerEngine's recipes run wgrad in FP8 too, with
             ``override_linear_precision`` to keep it in bf16).
     """
     minibatch_size: int = 4096

@@ -19,7 +19,8 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                                  ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
                                  pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
-                                 match_any, st_release_sys, st_v2_f32, st_v4, tuple_pick)
+                                 match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
+                                 tuple_pick)
 from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
                                  st_shared_u32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
@@ -170,6 +171,25 @@ def test_tuple_pick_selects_by_runtime_index():
     if SIM:                                 # out of range: a caller's bug, raised here
         with pytest.raises(IndexError, match="index 3 outside a 3-tuple"):
             _pick_write[1, 8](*arrs, to_dev(np.full(8, 3, np.int32)))
+
+
+@kjit
+def _per_iteration_rows(out32, out64, n):
+    """Row i of thread t: t * 1000 + i from a 32-bit base, and the same plus 2^40 from a
+    64-bit one, each made per iteration (``per_iteration``) -- the value must pass unchanged."""
+    t = cuda.threadIdx.x
+    for i in range(n):
+        out32[t * n + i] = per_iteration(int32(t * 1000)) + i
+        out64[t * n + i] = per_iteration(int64(t * 1000) + (int64(1) << 40)) + i
+
+
+def test_per_iteration_passes_the_value():
+    n = 5
+    out32, out64 = to_dev(np.zeros(4 * n, np.int32)), to_dev(np.zeros(4 * n, np.int64))
+    _per_iteration_rows[1, 4](out32, out64, n)
+    want = (np.arange(4)[:, None] * 1000 + np.arange(n)).ravel()
+    np.testing.assert_array_equal(to_host(out32), want)
+    np.testing.assert_array_equal(to_host(out64), want + (1 << 40))
 
 
 @kjit

@@ -2,7 +2,7 @@
 
     python benchmarks/probes/probe_fp8_wgrad.py [--presets kimi-k2.7,qwen3.5-397b]
                                                 [--tokens 8192] [--iters 10]
-                                                [--variants 256s3,128s4,256s3f32,256s3c]
+                                                [--variants 256s3,128s4,256s3f32]
                                                 [--profile]
                                                 [--parts prod,no-store,no-epi,no-mma,no-load]
 
@@ -16,16 +16,17 @@ each as ``bf16`` (``wgrad`` on ``WGRAD_WGMMA_GEMM``, x / d_out gathered as
 the layer does) and ``fp8`` (``fp8_wgrad`` on the operands already transposed and quantised:
 A 1 x 128, B 128 x 128 along the rows), with ``quant`` the two transposed quantisations fp8
 needs (``quantize_fp8(transpose=True)``, x and d_out gathered through the index on the way).
-Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), and rel-L1 of fp8 against bf16 over
-the first expert's gradient. ``--variants``: the fp8 kernel's tile width, ring depth and
-(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, or (``c``) the tiles of
-an expert walked column tile first (``make_fp8_gemm(wgrad_walk="cols")``, a probe build), each
-timed in the same turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
+Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), rel-L1 of fp8 against bf16 over
+the first expert's gradient, and ``fill``: torch zeroing the gradient's bytes, the write
+ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel). ``--variants``: the fp8 kernel's tile width, ring depth and
+(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the
+same turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
 left out (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
 variants that leave a stage out, take differences) -- ``no-store`` (the epilogue stages its
 rows, no TMA store), ``no-epi`` (no epilogue: ``probe_wgrad_parts``' replacements), ``no-mma``
 (the K loop multiplies nothing), ``no-load`` (the producer arrives on each full barrier with no
-TMA load); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
+TMA load), ``hoisted`` (the epilogue's staging addresses left to the compiler, which hoists
+them out of the tile loop: ptxas spilled them); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
 cudaProfilerStart / Stop, for ``ncu --profile-from-start off -k regex:^kernel``. A probe: it
 prints, it writes nothing; every part but prod writes wrong gradients.
 """
@@ -40,13 +41,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def _part_patches(part):
-    """{name: replacement} among ``sm90_fp8``'s globals for ``part`` (module docstring)."""
+    """{name: replacement} among ``sm90_fp8``'s globals for ``part`` (module docstring;
+    ``epilogue.NAME``: among ``mok_core.gemm.epilogue``'s)."""
     from benchmarks.probes.probe_wgrad_parts import _patched_factories
     from mok_core.cuda_compat import kjit
     from mok_core.intrinsics import mbarrier_arrive
     out = {}
     for p in part.split("+"):
-        if p in ("no-store", "no-epi"):
+        if p == "hoisted":
+            @kjit(device=True, inline="always")
+            def per_iteration(x):                      # a plain value: LLVM may hoist
+                return x
+            out["epilogue.per_iteration"] = per_iteration
+        elif p in ("no-store", "no-epi"):
             out.update(_patched_factories(p))          # its make_epilogues
         elif p == "no-mma":
             @kjit(device=True, inline="always")
@@ -67,29 +74,32 @@ def _part_patches(part):
     return out
 
 
-def _part_step(part, bn, stages, launch, walk="rows"):
+def _part_step(part, bn, stages, launch):
     """A step running ``launch()`` (an ``fp8_wgrad`` call of tile ``bn`` / ``stages``, bf16
-    out) on the WGRAD kernel built with ``part`` left out (and ``walk``): patched while it is
+    out) on the WGRAD kernel built with ``part`` left out: patched while it is
     built and first compiled, handed to the launch in place of the library's cached kernel."""
+    from mok_core.gemm import epilogue as EPI
     from mok_core.gemm import sm90_fp8 as F
     kern = []
 
+    def where(k):
+        return (EPI, k.split(".")[1]) if k.startswith("epilogue.") else (F, k)
+
     def step():
-        patches = _part_patches(part)
-        saved = {k: getattr(F, k) for k in patches}
+        patches = {where(k): v for k, v in _part_patches(part).items()}
+        saved = {k: getattr(*k) for k in patches}
         cached = F._kernel
         try:
-            for k, v in patches.items():
-                setattr(F, k, v)
+            for (m, k), v in patches.items():
+                setattr(m, k, v)
             if not kern:
-                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True,
-                                            wgrad_walk=walk))
+                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True))
             F._kernel = lambda *args: kern[0]
             launch()                                  # (the first call compiles it here)
         finally:
             F._kernel = cached
-            for k, v in saved.items():
-                setattr(F, k, v)
+            for (m, k), v in saved.items():
+                setattr(m, k, v)
     return step
 
 
@@ -112,10 +122,10 @@ def main():
     args = ap.parse_args()
     variants = {}
     for v in args.variants.split(","):
-        m = re.fullmatch(r"(\d+)s(\d+)(f32|c)?", v)
+        m = re.fullmatch(r"(\d+)s(\d+)(f32)?", v)
         if m is None:
-            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32|c]")
-        variants[v] = (int(m[1]), int(m[2]), m[3] == "f32", m[3] == "c")
+            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32]")
+        variants[v] = (int(m[1]), int(m[2]), m[3] == "f32")
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -162,18 +172,18 @@ def main():
             "bf16 down": lambda: wgrad(
                 d_out.view(u16), index, h.view(u16), None, off, nr, outs["d16"].view(u16), None, H, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
             "quant down": quant_down,
+            # the write ceiling: torch filling the gradient's bytes (what no kernel beats)
+            "fill gate|up": lambda: outs["gu8"].zero_(),
+            "fill down": lambda: outs["d8"].zero_(),
         }
 
         def fp8_step(a, b, out, bn, stages):
             return lambda: fp8_wgrad(*q[a], *q[b], off, nr, out, bn=bn, stages=stages,
                                      stream=numba_stream())
-        for v, (bn, stages, f32, cols) in variants.items():
+        for v, (bn, stages, f32) in variants.items():
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
                 out = outs[o + "32"] if f32 else outs[o + "8"].view(u16)
                 steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages)
-                if cols:
-                    steps[f"fp8 {part} {v}"] = _part_step("prod", bn, stages,
-                                                          steps[f"fp8 {part} {v}"], "cols")
         bn0, stages0 = next(iter(variants.values()))[:2]
         for p in filter(None, args.parts.split(",")):
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
@@ -212,11 +222,11 @@ def main():
                   f"bf16 {b16:7.3f} ms ({flop / b16 / 1e9:4.0f} TFLOP/s)  "
                   f"fp8 {f8:7.3f} ms ({flop / f8 / 1e9:4.0f})  quant {qt:6.3f}  "
                   f"x{b16 / f8:.2f} kernel, x{b16 / (f8 + qt):.2f} with quant  "
-                  f"rel-L1 {rel:.4f}", flush=True)
+                  f"rel-L1 {rel:.4f}  fill {t[f'fill {part}']:.3f} ms", flush=True)
             for v in variants:
                 ms = t[f"fp8 {part} {v}"]
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
-                      f"x{b16 / ms:.2f}", flush=True)
+                      f"x{b16 / ms:.2f}  fill / it {t[f'fill {part}'] / ms:.2f}", flush=True)
             for p in filter(None, args.parts.split(",")):
                 print(f"    {first} {p:16s} {t[f'part {part} {p}']:7.3f} ms", flush=True)
         outs.clear()

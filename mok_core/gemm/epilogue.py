@@ -59,6 +59,11 @@ their stores), per warp of a finished plain tile, its 16 rows:
     4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows
 The caller acquires the maps before the first store and waits for the last stores
 (``bulk_wait``) before the block exits (every lane, as in step 1).
+
+The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
+compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses
+lived across the K loop beside the FP32 sums and the FP8 fragment, and ptxas spilled them,
+reloaded every tile (the FP8 weight gradient's few-slice tiles paid it most: docs/perf.md).
 """
 from numba import cuda, float32, uint32, uint64
 
@@ -68,8 +73,9 @@ from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
 from ..intrinsics import (bulk_commit, bulk_store, bulk_wait_read, ex2_approx,
                           fence_proxy_async, fold_nonfinite_bf16x2, ld_v4, pack_bf16x2,
-                          rcp_approx, shared_addr, st_shared_u32, st_v2_f32, st_v4, syncwarp,
-                          tma_store_2d, tuple_fold, tuple_pick, warp_all, warp_min, warp_sum)
+                          per_iteration, rcp_approx, shared_addr, st_shared_u32, st_v2_f32,
+                          st_v4, syncwarp, tma_store_2d, tuple_fold, tuple_pick, warp_all,
+                          warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _INT32_MAX = INT32_MAX
@@ -312,6 +318,7 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
                  limit, errors, nf_tensor, nf_rank, pre, route):
+        epi0 = per_iteration(uint32(epi0))      # addresses per tile (module header)
         if save_pre:
             bad = stage_tile(acc, (uint32(0), uint32(0)),
                              (smem, frag_row, frag_col, limit, epi0, stride, pre[0], pre[1],
@@ -372,7 +379,8 @@ def make_tma_epilogue(bn):
         # the only ones; a wait on a branch of lane 0 would make ptxas serialise the wgmmas)
         bulk_wait_read(0)
         syncwarp()
-        base = epi0 + q * 128 + 4 * (lane % 4)
+        # (addresses per tile: module header)
+        base = per_iteration(uint32(epi0 + q * 128 + 4 * (lane % 4)))
         bad = stage_tile(acc, (uint32(0), uint32(0)), (smem, base, q))
         fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
         syncwarp()

@@ -243,7 +243,7 @@ def _a_row(r, row_end):
 
 
 def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False,
-                  wgrad=False, out_f32=False, accumulate=False, wgrad_walk="rows"):
+                  wgrad=False, out_f32=False, accumulate=False):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
@@ -253,17 +253,12 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     (not SWIGLU: row r goes to its source rank's combine row, the route's
     ``epilogue.make_coalesced_epilogue``, instead of ``out``) and ``wgrad`` (the weight
     gradient's tiles and K ranges: module header, "WGRAD"), with FP32 outputs (``out_f32``)
-    optionally added to (``accumulate``). ``wgrad_walk="cols"``: a probe build
-    (``probe_fp8_wgrad.py``'s ``c`` variants), WGRAD's tiles of an expert walked column tile
-    first -- concurrent blocks then store neighbouring columns of the same rows, as the bf16
-    weight gradient's walk does -- instead of row tile first."""
+    optionally added to (``accumulate``)."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
     assert not wgrad or not (swiglu_epilogue or push)
     assert not (out_f32 or accumulate) or wgrad
     assert not accumulate or out_f32
-    assert wgrad_walk in ("rows", "cols")
-    cols_first = wgrad_walk == "cols"
     bm = BM
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
@@ -289,12 +284,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             per_expert = m_tiles * n_tiles
             e = t // per_expert
             local = t - e * per_expert
-            if cols_first:
-                m0 = (local // n_tiles) * bm
-                col0 = (local % n_tiles) * col_step
-            else:
-                m0 = (local % m_tiles) * bm
-                col0 = (local // m_tiles) * col_step
+            m0 = (local % m_tiles) * bm
+            col0 = (local // m_tiles) * col_step
             k0 = int64(smem[e])                # ``slice_table``
             k_end = int64(smem[e + 1])
             if k_end > k0:

@@ -111,8 +111,8 @@ from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 from ..cuda_compat import kjit
 from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                           fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
-                          mbarrier_init, setmaxnreg_dec, setmaxnreg_inc, shared_addr,
-                          tensormap_acquire, tuple_fold, warp_all,
+                          mbarrier_init, per_iteration, setmaxnreg_dec, setmaxnreg_inc,
+                          shared_addr, tensormap_acquire, tuple_fold, warp_all,
                           wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16_tatb,
                           wgmma_m64n128k16_bf16_tatb, wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, report_warp
@@ -253,7 +253,8 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     @kjit(device=True, inline="always")
     def epilogue_f32(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
                      frag_col, errors, nf_tensor, nf_rank):
-        at = (grow0 + frag_row) * N + n0 + frag_col
+        # addresses per tile (``epilogue``'s header: hoisted, ptxas spilled them)
+        at = per_iteration((grow0 + frag_row) * N + n0 + frag_col)
         y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
         # a clean tile costs one vote; else each lane recounts what it wrote, by row
         if warp_all(y[0] + y[1] == float32(0.0)) == 0:

@@ -260,6 +260,23 @@ def nanosleep(typingctx, ns):
     return types.void(ns), codegen
 
 
+@intrinsic
+def per_iteration(typingctx, x):
+    """``x`` (a 32- or 64-bit integer) itself, through a volatile ``mov`` the compiler can
+    neither hoist out of the loop it sits in nor fold: what is computed from it is recomputed
+    there (a few integer adds) instead of held in registers across the loop -- e.g. a
+    staging tile's 32 shared addresses, which ptxas otherwise spills where the accumulators
+    fill the registers."""
+    if not isinstance(x, types.Integer) or x.bitwidth not in (32, 64):
+        return None
+    bits, reg = (32, "r") if x.bitwidth == 32 else (64, "l")
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, ir.IntType(bits), [args[0]], f"mov.b{bits} $0, $1;",
+                    f"={reg},{reg}", True)
+    return x(x), codegen
+
+
 # ---- bf16 bits <-> f32 -------------------------------------------------------------------------
 
 @intrinsic

@@ -75,6 +75,13 @@ def sass_sm90a(ptx):
         return report, r.stdout
 
 
+def spill_bytes(report):
+    """The spill stores ptxas -v reports (bytes; the kernel's one entry)."""
+    found = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(found) == 1, report[-600:]
+    return int(found[0])
+
+
 def local_memory_between(sass, first, last):
     """SASS lines touching local memory (LDL / STL: spills) from the first line matching
     ``first`` to the last matching ``last``."""

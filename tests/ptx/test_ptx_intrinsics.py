@@ -30,6 +30,8 @@ CASES = {
                        r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"]),
     "tuple_pick": (ti._pick_write, (i32, i32, i32, i32), [r"selp\.b64"]),
     "match_any": (ti._match_masks, (i32, u32), [r"match\.any\.sync\.b32"]),
+    "per_iteration": (ti._per_iteration_rows, (i32, int64[::1], int32),
+                      [r"begin inline asm\s+mov\.b32", r"begin inline asm\s+mov\.b64"]),
     "tuple_groups": (ti._tuple_groups_kernel, (f32, f32, int64), [r"fma\.rn\.f32|mul\.f32"]),
     "cp_async": (ti._cp_async_rows, (u16, i32, u16, int32),
                  [r"cp\.async\.cg\.shared\.global", r"cp\.async\.commit_group",

@@ -1,0 +1,108 @@
+"""Our bf16 wgmma GEMM with its staged epilogue's base made per tile, in turns against the
+shipped kernel: a probe.
+
+    python benchmarks/probes/probe_staged_base.py [--presets kimi-k2.7,qwen3.5-397b]
+                                                  [--tokens 4096] [--iters 10]
+
+At 192-row tiles (384 threads, 168 registers a thread; the layer's tile where experts hold
+112-192 rows, e.g. EP 2 at 4096 tokens) ptxas spills 144-232 bytes of the forward's kernels;
+with the staged epilogue's staging base passed through ``per_iteration`` -- what the FP8 and
+TMA epilogues do since session 29 (docs/perf.md, FP8: "spills") -- 16-28. This builds the
+routed FFN's two GEMMs (``bench_ffn.ffn_inputs``: rank 0 at EP 2, uniform routing) at
+``WGMMA_192_GEMM`` and ``WGMMA_GEMM`` both ways -- ``per-tile``: ``sm90.make_staged_epilogue``
+rebuilt from its source with that one line changed -- times them in turns (CUDA-graph
+replays) and checks that each pair wrote the same bits. Prints ms and shipped / per-tile.
+A probe: it writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+SHIPPED = "epi0 = ring + stage_offset"
+PER_TILE = "epi0 = per_iteration(uint32(ring + stage_offset))"
+
+
+def per_tile_factory():
+    """``make_staged_epilogue`` with its staging base made per tile (module docstring)."""
+    from mok_core.gemm import epilogue as EPI
+    src = inspect.getsource(EPI.make_staged_epilogue)
+    if SHIPPED not in src:
+        raise SystemExit(f"probe_staged_base: {SHIPPED!r} is not in make_staged_epilogue "
+                         "(the library changed: update the probe or delete it)")
+    ns = dict(vars(EPI))
+    exec(compile(src.replace(SHIPPED, PER_TILE), EPI.__file__, "exec"), ns)
+    return ns["make_staged_epilogue"]
+
+
+def per_tile_launch(fn):
+    """``fn()`` with ``sm90``'s kernels built through the per-tile epilogue (their own
+    cache; the library's untouched)."""
+    from mok_core.gemm import sm90
+    factory, built = per_tile_factory(), {}
+
+    def kernel(*args, **kw):
+        key = (args, tuple(sorted(kw.items())))
+        if key not in built:
+            saved = sm90.make_staged_epilogue
+            sm90.make_staged_epilogue = factory
+            try:
+                built[key] = sm90._kernel.__wrapped__(*args, **kw)
+            finally:
+                sm90.make_staged_epilogue = saved
+        return built[key]
+
+    def step():
+        cached = sm90._kernel
+        sm90._kernel = kernel
+        try:
+            fn()
+        finally:
+            sm90._kernel = cached
+    return step
+
+
+def main():
+    import numpy as np
+    import torch
+
+    from benchmarks.bench_ffn import ffn_inputs, ffn_steps, interleaved_ms
+    from mok_core.gemm import WGMMA_192_GEMM, WGMMA_GEMM
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="kimi-k2.7,qwen3.5-397b")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    for preset in args.presets.split(","):
+        d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
+        E = len(d["counts"])
+        mine = dict(d, hidden=torch.empty_like(d["hidden"]), y=torch.empty_like(d["y"]))
+        steps = {}
+        for tile, cfg in (("192", WGMMA_192_GEMM), ("128", WGMMA_GEMM)):
+            for side, dd, wrap in (("shipped", d, None), ("per-tile", mine, per_tile_launch)):
+                gate_up, down = ffn_steps(dd, cfg)
+                for name, fn in (("gate|up", gate_up), ("down", down)):
+                    steps[f"{tile} {name} {side}"] = wrap(fn) if wrap else fn
+        t = {n: g for n, (g, _) in interleaved_ms(steps, args.iters, eager=()).items()}
+        for tile, cfg in (("192", WGMMA_192_GEMM), ("128", WGMMA_GEMM)):
+            for side, dd, wrap in (("shipped", d, None), ("per-tile", mine, per_tile_launch)):
+                for fn in ffn_steps(dd, cfg):        # this tile's outputs, both sides
+                    (wrap(fn) if wrap else fn)()
+            torch.cuda.synchronize()
+            same = (torch.equal(d["hidden"].view(torch.int16), mine["hidden"].view(torch.int16))
+                    and torch.equal(d["y"].view(torch.int16), mine["y"].view(torch.int16)))
+            for name in ("gate|up", "down"):
+                a, b = t[f"{tile} {name} shipped"], t[f"{tile} {name} per-tile"]
+                print(f"{preset:15s} T={args.tokens} E={E} rows={d['rows']} {tile}-row tiles "
+                      f"{name:8s} shipped {a:7.3f} ms  per-tile {b:7.3f} ms  x{a / b:.3f}  "
+                      f"bits {'equal' if same else 'DIFFER'}", flush=True)
+        del d, mine, steps
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
