@@ -4,7 +4,7 @@
                                                 [--tokens 8192] [--iters 10]
                                                 [--variants 256s3,128s4,256s3f32]
                                                 [--profile]
-                                                [--parts prod,no-store,no-epi,no-mma,no-load]
+                                                [--parts prod,hoisted,no-store,no-epi,...]
 
 Rank 0's routed experts at EP 2 (``bench_ffn.ffn_inputs``: uniform routing of 2T tokens,
 segments padded to 128 rows), its two weight gradients:
@@ -17,18 +17,20 @@ the layer does) and ``fp8`` (``fp8_wgrad`` on the operands already transposed an
 A 1 x 128, B 128 x 128 along the rows), with ``quant`` the two transposed quantisations fp8
 needs (``quantize_fp8(transpose=True)``, x and d_out gathered through the index on the way).
 Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), rel-L1 of fp8 against bf16 over
-the first expert's gradient, and ``fill``: torch zeroing the gradient's bytes, the write
-ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel). ``--variants``: the fp8 kernel's tile width, ring depth and
-(``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the
-same turns (the first is the table's). ``--parts``: the first variant's kernel built with one part
-left out (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
-variants that leave a stage out, take differences) -- ``no-store`` (the epilogue stages its
+the first expert's gradient, and ``fill``: torch zeroing the gradient's bf16 bytes, the write
+ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel;
+``fill / it`` for the bf16 variants). ``--variants``: the fp8 kernel's tile width, ring depth
+and (``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the
+same turns (the first is the table's). ``--parts``: the first variant's kernel built with one
+part changed (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
+variants that leave a stage out, take differences) -- ``hoisted`` (the epilogue's staging
+addresses left to the compiler, which hoists them out of the tile loop: ptxas spilled them;
+the code before ``per_iteration``), or a part left out: ``no-store`` (the epilogue stages its
 rows, no TMA store), ``no-epi`` (no epilogue: ``probe_wgrad_parts``' replacements), ``no-mma``
-(the K loop multiplies nothing), ``no-load`` (the producer arrives on each full barrier with no
-TMA load), ``hoisted`` (the epilogue's staging addresses left to the compiler, which hoists
-them out of the tile loop: ptxas spilled them); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
+(the K loop multiplies nothing), ``no-load`` (the producer arrives on each full barrier with
+no TMA load); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
 cudaProfilerStart / Stop, for ``ncu --profile-from-start off -k regex:^kernel``. A probe: it
-prints, it writes nothing; every part but prod writes wrong gradients.
+prints, it writes nothing; the parts that leave something out write wrong gradients.
 """
 from __future__ import annotations
 
@@ -225,8 +227,9 @@ def main():
                   f"rel-L1 {rel:.4f}  fill {t[f'fill {part}']:.3f} ms", flush=True)
             for v in variants:
                 ms = t[f"fp8 {part} {v}"]
+                fill = "" if variants[v][2] else f"  fill / it {t[f'fill {part}'] / ms:.2f}"
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
-                      f"x{b16 / ms:.2f}  fill / it {t[f'fill {part}'] / ms:.2f}", flush=True)
+                      f"x{b16 / ms:.2f}{fill}", flush=True)
             for p in filter(None, args.parts.split(",")):
                 print(f"    {first} {p:16s} {t[f'part {part} {p}']:7.3f} ms", flush=True)
         outs.clear()

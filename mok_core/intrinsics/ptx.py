@@ -262,11 +262,12 @@ def nanosleep(typingctx, ns):
 
 @intrinsic
 def per_iteration(typingctx, x):
-    """``x`` (a 32- or 64-bit integer) itself, through a volatile ``mov`` the compiler can
-    neither hoist out of the loop it sits in nor fold: what is computed from it is recomputed
-    there (a few integer adds) instead of held in registers across the loop -- e.g. a
-    staging tile's 32 shared addresses, which ptxas otherwise spills where the accumulators
-    fill the registers."""
+    """``x`` (a 32- or 64-bit integer) itself, through a volatile ``mov`` that LLVM / NVVM
+    can neither hoist out of the loop it sits in nor fold: what is computed from it is
+    recomputed there (a few integer adds) instead of held in registers across the loop --
+    e.g. a staging tile's 32 shared addresses, which ptxas spilled where the accumulators
+    fill the registers (ptxas sees a plain ``mov``; the spill-free kernels show it leaves it
+    in place)."""
     if not isinstance(x, types.Integer) or x.bitwidth not in (32, 64):
         return None
     bits, reg = (32, "r") if x.bitwidth == 32 else (64, "l")
