@@ -22,7 +22,8 @@
 #        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
 #        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
 #        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS, PROBE_FP8_VARIANTS
-#        e.g. 256s3,128s4,256s3f32, PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
+#        e.g. 256s3,128s4,256s3f32,256s3acc (acc: FP32 added to, and the bf16 kernel's the same),
+#        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather) probe-staged (our bf16 GEMM's staged epilogue with its base
 #        made per tile vs shipped, in turns: probe_staged_base; PROBE_PRESETS, PROBE_TOKENS)

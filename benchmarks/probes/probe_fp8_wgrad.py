@@ -2,7 +2,7 @@
 
     python benchmarks/probes/probe_fp8_wgrad.py [--presets kimi-k2.7,qwen3.5-397b]
                                                 [--tokens 8192] [--iters 10]
-                                                [--variants 256s3,128s4,256s3f32]
+                                                [--variants 256s3,128s4,256s3f32,256s3acc]
                                                 [--profile]
                                                 [--parts prod,hoisted,no-store,no-epi,...]
 
@@ -20,17 +20,19 @@ Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), rel-L1 of fp8 against b
 the first expert's gradient, and ``fill``: torch zeroing the gradient's bf16 bytes, the write
 ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel;
 ``fill / it`` for the bf16 variants). ``--variants``: the fp8 kernel's tile width, ring depth
-and (``f32``) FP32 output stored from the fragments instead of bf16 by TMA, each timed in the
-same turns (the first is the table's). ``--parts``: the first variant's kernel built with one
-part changed (``sm90_fp8``'s globals patched while it is built and compiled; HOPPER.md: time
-variants that leave a stage out, take differences) -- ``hoisted`` (the epilogue's staging
-addresses left to the compiler, which hoists them out of the tile loop: ptxas spilled them;
-the code before ``per_iteration``), or a part left out: ``no-store`` (the epilogue stages its
-rows, no TMA store), ``no-epi`` (no epilogue: ``probe_wgrad_parts``' replacements), ``no-mma``
-(the K loop multiplies nothing), ``no-load`` (the producer arrives on each full barrier with
-no TMA load); ``a+b`` both. ``--profile``: instead of timing, one launch of each between
-cudaProfilerStart / Stop, for ``ncu --profile-from-start off -k regex:^kernel``. A probe: it
-prints, it writes nothing; the parts that leave something out write wrong gradients.
+and FP32 output stored from the fragments instead of bf16 by TMA -- ``f32``, or ``acc``: added
+to (main-grad; then our bf16 kernel's FP32 accumulation, ``bf16acc``, is timed too) --, each
+timed in the same turns (the first is the table's, and not ``acc``). ``--parts``: the first
+variant's kernel built with one part changed (``sm90_fp8``'s globals patched while it is built
+and compiled; HOPPER.md: time variants that leave a stage out, take differences) --
+``hoisted`` (the epilogue's staging addresses left to the compiler, which hoists them out of
+the tile loop: ptxas spilled them; the code before ``per_iteration``), or a part left out:
+``no-store`` (the epilogue stages its rows, no TMA store), ``no-epi`` (no epilogue:
+``probe_wgrad_parts``' replacements), ``no-mma`` (the K loop multiplies nothing), ``no-load``
+(the producer arrives on each full barrier with no TMA load); ``a+b`` both. ``--profile``:
+instead of timing, one launch of each between cudaProfilerStart / Stop, for ``ncu
+--profile-from-start off -k regex:^kernel``. A probe: it prints, it writes nothing; the parts
+that leave something out write wrong gradients.
 """
 from __future__ import annotations
 
@@ -124,10 +126,13 @@ def main():
     args = ap.parse_args()
     variants = {}
     for v in args.variants.split(","):
-        m = re.fullmatch(r"(\d+)s(\d+)(f32)?", v)
+        m = re.fullmatch(r"(\d+)s(\d+)(f32|acc)?", v)
         if m is None:
-            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32]")
-        variants[v] = (int(m[1]), int(m[2]), m[3] == "f32")
+            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32|acc]")
+        variants[v] = (int(m[1]), int(m[2]), m[3] or "bf16")
+    if next(iter(variants.values()))[2] == "acc":
+        raise SystemExit("--variants: the first (the rel-L1's) must not accumulate")
+    acc = any(v[2] == "acc" for v in variants.values())
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -145,9 +150,12 @@ def main():
         outs = {n: torch.empty(E, *s, device="cuda", dtype=torch.bfloat16)
                 for n, s in (("g16", (I, H)), ("u16", (I, H)), ("d16", (H, I)),
                              ("gu8", (2 * I, H)), ("d8", (H, I)))}
-        if any(v[2] for v in variants.values()):
-            outs.update({n: torch.empty(E, *s, device="cuda", dtype=torch.float32)
+        if any(v[2] != "bf16" for v in variants.values()):
+            outs.update({n: torch.zeros(E, *s, device="cuda", dtype=torch.float32)
                          for n, s in (("gu32", (2 * I, H)), ("d32", (H, I)))})
+        if acc:                               # the bf16 kernel's FP32 outputs, split at I
+            outs.update({n: torch.zeros(E, I, H, device="cuda", dtype=torch.float32)
+                         for n in ("g32", "u32")})
         q = {}
 
         def quant(name, x, block, gather):   # into the first call's buffers (graph replays)
@@ -172,20 +180,29 @@ def main():
                 outs["u16"].view(u16), I, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
             "quant gate|up": quant_gu,
             "bf16 down": lambda: wgrad(
-                d_out.view(u16), index, h.view(u16), None, off, nr, outs["d16"].view(u16), None, H, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
+                d_out.view(u16), index, h.view(u16), None, off, nr, outs["d16"].view(u16),
+                None, H, config=WGRAD_WGMMA_GEMM, stream=numba_stream()),
             "quant down": quant_down,
             # the write ceiling: torch filling the gradient's bytes (what no kernel beats)
             "fill gate|up": lambda: outs["gu8"].zero_(),
             "fill down": lambda: outs["d8"].zero_(),
         }
 
-        def fp8_step(a, b, out, bn, stages):
+        if acc:                               # main-grad: FP32 outputs added to
+            steps["bf16acc gate|up"] = lambda: wgrad(
+                d_gu.view(u16), None, x.view(u16), index, off, nr, outs["g32"], outs["u32"], I,
+                accumulate=True, config=WGRAD_WGMMA_GEMM, stream=numba_stream())
+            steps["bf16acc down"] = lambda: wgrad(
+                d_out.view(u16), index, h.view(u16), None, off, nr, outs["d32"], None, H,
+                accumulate=True, config=WGRAD_WGMMA_GEMM, stream=numba_stream())
+
+        def fp8_step(a, b, out, bn, stages, accumulate=False):
             return lambda: fp8_wgrad(*q[a], *q[b], off, nr, out, bn=bn, stages=stages,
-                                     stream=numba_stream())
-        for v, (bn, stages, f32) in variants.items():
+                                     accumulate=accumulate, stream=numba_stream())
+        for v, (bn, stages, kind) in variants.items():
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
-                out = outs[o + "32"] if f32 else outs[o + "8"].view(u16)
-                steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages)
+                out = outs[o + "8"].view(u16) if kind == "bf16" else outs[o + "32"]
+                steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages, kind == "acc")
         bn0, stages0 = next(iter(variants.values()))[:2]
         for p in filter(None, args.parts.split(",")):
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
@@ -204,7 +221,7 @@ def main():
             continue
         t = {n: g for n, (g, _) in interleaved_ms(steps, args.iters, eager=()).items()}
         first = next(iter(variants))
-        f32_first = variants[first][2]
+        f32_first = variants[first][2] == "f32"
         for part in ("gate|up", "down"):       # the rel-L1's: the first variant's again (the
             steps[f"fp8 {part} {first}"]()    # parts and later variants share its buffers)
         torch.cuda.synchronize()
@@ -225,11 +242,17 @@ def main():
                   f"fp8 {f8:7.3f} ms ({flop / f8 / 1e9:4.0f})  quant {qt:6.3f}  "
                   f"x{b16 / f8:.2f} kernel, x{b16 / (f8 + qt):.2f} with quant  "
                   f"rel-L1 {rel:.4f}  fill {t[f'fill {part}']:.3f} ms", flush=True)
+            if acc:
+                ba = t[f"bf16acc {part}"]
+                print(f"    bf16acc   {ba:7.3f} ms ({flop / ba / 1e9:4.0f} TFLOP/s)  "
+                      f"x{b16 / ba:.2f} (FP32 added to: twice the bytes, read and written)",
+                      flush=True)
             for v in variants:
-                ms = t[f"fp8 {part} {v}"]
-                fill = "" if variants[v][2] else f"  fill / it {t[f'fill {part}'] / ms:.2f}"
+                ms, kind = t[f"fp8 {part} {v}"], variants[v][2]
+                note = {"bf16": f"  fill / it {t[f'fill {part}'] / ms:.2f}", "f32": "",
+                        "acc": f"  bf16acc / it {t.get(f'bf16acc {part}', 0) / ms:.2f}"}[kind]
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
-                      f"x{b16 / ms:.2f}{fill}", flush=True)
+                      f"x{b16 / ms:.2f}{note}", flush=True)
             for p in filter(None, args.parts.split(",")):
                 print(f"    {first} {p:16s} {t[f'part {part} {p}']:7.3f} ms", flush=True)
         outs.clear()
