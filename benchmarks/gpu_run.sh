@@ -32,7 +32,8 @@
 #        FP8 too: the FP8 layer vs ours in bf16, forward
 #        and forward+backward in turns, with the torch-native baseline's columns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
-#        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles, PROBE_PRECISION) probe-wgrad (probe_wgrad_parts:
+#        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles, PROBE_PRECISION, PROBE_MAIN_GRAD=1: FP32
+#        weight gradients added to) probe-wgrad (probe_wgrad_parts:
 #        PROBE_PRESETS, PROBE_VARIANTS, PROBE_TILES, e.g. 128x128s4,128x256s3)
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
 #        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS, TRAIN_PRECISION)
@@ -171,7 +172,8 @@ for s in "$@"; do
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
-         --wgrad-tiles "${PROBE_WGRAD_TILES:-}" --precision "${PROBE_PRECISION:-bf16}" ;;
+         --wgrad-tiles "${PROBE_WGRAD_TILES:-}" --precision "${PROBE_PRECISION:-bf16}" \
+         ${PROBE_MAIN_GRAD:+--main-grad} ;;
     probe-wgrad) step probe-wgrad python3 benchmarks/probes/probe_wgrad_parts.py \
          --presets "${PROBE_PRESETS:-glm-5.2,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
          --variants "${PROBE_VARIANTS:-prod}" --tiles "${PROBE_TILES:-}" --iters 8 ;;

@@ -13,7 +13,9 @@ the same launches of a forward-only layer. ``--precision fp8``: the layer in
 data gradients' calls include their quantisations); ``fp8w`` with ``fp8_wgrad=True`` too (the
 weight gradients' calls include theirs, ``wgrad_rows`` their layout). Several precisions and
 token counts: a table each, one layer at a time (EP 1 at 2T tokens gives each expert EP 2's
-rows at T). A probe: it prints, it does not write results.
+rows at T). ``--main-grad``: the six weight gradients added into FP32 buffers
+(``accumulate=True``, what ``MoEBlock(main_grad=True)`` runs every backward) instead of
+written in bf16. A probe: it prints, it does not write results.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="4096", help="','-separated")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--precision", default="bf16", help="','-separated: bf16, fp8, fp8w")
+    ap.add_argument("--main-grad", action="store_true",
+                    help="weight gradients accumulated into FP32 buffers")
     ap.add_argument("--wgrad-tiles", default="",
                     help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers"
                          "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
@@ -116,13 +120,17 @@ def _time_backward(args, precision, layer, x, ids, w, W, d_out):
     T = layer.tokens_per_rank
     ctx = layer.forward(x, ids, w, W)[1]
     grads = layer.backward(ctx, d_out, w, W)
+    if args.main_grad:                   # FP32 weight gradients, added to (main-grad)
+        grads = B.Grads(*(g if g is None or n in ("d_x", "d_router_weights")
+                          else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+                          for g, n in zip(grads, B.Grads._fields)))
     s = numba_stream()
     views = B.Grads(*(None if g is None else tensor_view(g, n, (torch.bfloat16, torch.float32))
                       for g, n in zip(grads, B.Grads._fields)))
     phases, _ = B.backward_phases(layer, ctx, tensor_view(d_out, "d_out"),
                                   tensor_view(w, "w", (torch.float32,)),
                                   weight_views(layer, layer.with_fp8(W)),
-                                  grads=views, stream=s)
+                                  grads=views, accumulate=args.main_grad, stream=s)
     calls = []
     for i, phase in enumerate(phases):
         if i:
@@ -144,7 +152,8 @@ def _time_backward(args, precision, layer, x, ids, w, W, d_out):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1 {precision}, backward tiles {layer.backward_gemm}, dgrad "
+    print(f"{args.preset} T={T} EP 1 {precision}{' main-grad' if args.main_grad else ''}, "
+          f"backward tiles {layer.backward_gemm}, dgrad "
           f"{layer.dgrad_gemm}, wgrad {layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")
     for n, ms in sorted(med.items(), key=lambda kv: -kv[1]):
