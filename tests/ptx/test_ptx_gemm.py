@@ -7,7 +7,8 @@ import pytest
 from numba import float32, int32, int64, types, uint16, uint32, uint64
 
 from mok_core.gemm.sm80 import make_grouped_gemm
-from ptx_util import assemble_sm90a, compile_sm90, compile_sm90a, count, require_ptxas
+from ptx_util import (assemble_sm90a, compile_sm90, compile_sm90a, count, require_ptxas,
+                      spill_bytes)
 
 # out, then ``pre``: the saved gate / up pre-activations (a placeholder without SAVE_PRE)
 _BASE = (uint16[::1], int32[::1], uint16[::1], uint16[::1], int32[::1], int32[::1], uint32[::1],
@@ -117,6 +118,10 @@ def test_production_wgmma_kernels_lower_unserialised(bm, kind):
     assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
     report = assemble_sm90a(ptx)
     assert "C7518" not in report and "serialized" not in report, report[-600:]
+    # 128 rows: no spills; 192 rows (384 threads, 168 registers) spill 144-232 bytes, the
+    # staged epilogue's addresses among them (``benchmarks/probes/probe_staged_base.py``
+    # times a per-tile base, 16-28 bytes) -- a bound, so that neither grows unseen
+    assert spill_bytes(report) <= (0 if bm == 128 else 240), report[-600:]
 
 
 @pytest.mark.parametrize("bn,stages", [(128, 5), (64, 3)])
