@@ -69,8 +69,8 @@ gradients' quantised rows used (read by then: one stream) -- d_out^T and [d_g | 
 128, (w h)^T and x^T 128 x 128, the tokens gathered on the way, zeros past an expert's rows
 -- and ``fp8_wgrad`` reduces them (dW_gate / dW_up from one launch, split at I; FP32 into
 ``grads`` with ``accumulate``). Off by default: with K an expert's rows, a few slices a tile,
-the FP8 kernel loses to the bf16 one at the presets measured (docs/perf.md, FP8). The shared
-expert stays bf16, as in the forward.
+the FP8 kernel wins only where experts hold enough rows, and its operands' quantisations take
+most of that (docs/perf.md, FP8). The shared expert stays bf16, as in the forward.
 
 GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two data gradients
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,

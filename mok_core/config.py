@@ -146,10 +146,10 @@ class MoKConfig:
         fp8_wgrad: with ``precision="fp8"``, the backward's routed weight gradients in FP8 as
             well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
             rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: with
-            their operands' quantisations, 0.68-1.18x the bf16 ones in the kernel probe
-            (80-340 rows an expert; not re-measured in the layer: docs/perf.md, FP8), and
-            they add e4m3's rounding to the weight gradients (TransformerEngine's recipes
-            run wgrad in FP8 too, with ``override_linear_precision`` to keep it in bf16).
+            their operands' quantisations they gain little over the bf16 ones, and lose
+            where experts hold few rows (docs/perf.md, FP8), and they add e4m3's rounding to
+            the weight gradients (TransformerEngine's recipes run wgrad in FP8 too, with
+            ``override_linear_precision`` to keep it in bf16).
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0
