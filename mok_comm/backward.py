@@ -95,7 +95,8 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core import errors as err
-from mok_core.cuda_compat import as_device_array, device_copy, device_empty, flat_view
+from mok_core.cuda_compat import (as_device_array, device_address, device_copy, device_empty,
+                                  flat_view)
 from mok_core.errors_kernels import scratch_error_word
 from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
 from mok_core.quantize import launch_quantize_cols, launch_quantize_rows
@@ -163,6 +164,12 @@ def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None
         weights.append(a)
     if len({a.dtype for a in weights if a is not None}) > 1:
         raise TypeError("grads: the weight gradients must share one dtype (bf16 or float32)")
+    if layer.wgrad_gemm.mma == "wgmma" or layer.config.fp8_wgrad:
+        for a, name in zip(weights, Grads._fields[2:]):
+            if a is not None and device_address(a) % 16:
+                raise ValueError(f"grads.{name}: the weight-gradient GEMMs write it by TMA "
+                                 f"stores, which need a 16-byte aligned start (this one is "
+                                 f"{device_address(a) % 16} bytes past; rank {layer.rank})")
     return Grads(as_device_array(grads[0], "grads.d_x", dtype=np.uint16, shape=(T, H)),
                  as_device_array(grads[1], "grads.d_router_weights", dtype=np.float32,
                                  shape=(T, k)), *weights)

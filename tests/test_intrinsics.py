@@ -22,9 +22,10 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
                                  tuple_pick)
 from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
-                                 st_shared_u32, syncwarp,
+                                 st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
-                                 tensormap_acquire, tma_load_2d, tma_store_2d)
+                                 tensormap_acquire, tma_load_2d, tma_reduce_add_2d,
+                                 tma_store_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
                                  wgmma_fence, wgmma_m64n64k16_bf16, wgmma_m64n64k16_bf16_tb,
@@ -834,6 +835,62 @@ def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
     r1 = min(y + box, rows)
     want[y:r1, x:x + 64] = data[:r1 - y]
     np.testing.assert_array_equal(to_host(dst), want)
+
+
+@kjit
+def _tma_f32_box(tmaps, box, x, y, rows, add):
+    """Every thread writes pairs of the float32 box [rows, 32] into shared memory with the
+    128-byte swizzle (``st_shared_v2_f32``); thread 0 stores it by TMA at (x, y) of the map
+    -- or adds it (``add``: ``tma_reduce_add_2d``) -- and waits."""
+    buf = cuda.shared.array(2048 + 256, float32)      # 8 KB box + alignment slack
+    s = shared_addr(buf)
+    ring = s + (1024 - s % 1024) % 1024
+    for i in range(cuda.threadIdx.x, rows * 16, cuda.blockDim.x):
+        r = i // 16
+        c = 2 * (i % 16)                               # the pair's first column
+        chunk = (c * 4) // 16
+        st_shared_v2_f32(buf, ring + r * 128 + ((chunk ^ (r % 8)) * 16) + (c * 4) % 16,
+                         box[r * 32 + c], box[r * 32 + c + 1])
+    fence_proxy_async()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        tensormap_acquire(tmaps, 0)
+        if add:
+            tma_reduce_add_2d(tmaps, 0, buf, ring, x, y)
+        else:
+            tma_store_2d(tmaps, 0, buf, ring, x, y)
+        bulk_commit()
+        bulk_wait(0)
+
+
+def _ftz(v):
+    v = np.asarray(v, np.float32)
+    return np.where(np.abs(v) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), v), v)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["store", "reduce_add"])
+def test_tma_f32_box_stores_or_adds_and_clips(add):
+    """A float32 map ([16, 32] boxes: 128-byte rows): the box lands un-swizzled at (x, y) --
+    or, ``tma_reduce_add_2d``, is added to what is there, one float32 add an element with
+    subnormal inputs and results flushed to zero (``red.add.f32``'s rule: the twin models it,
+    the GPU run checks it) --, rows past the tensor's end untouched."""
+    from mok_core.gemm.tensor_map import tensor_maps
+    rows, cols, box, x, y = 20, 64, 16, 32, 10
+    rng = np.random.default_rng(3)
+    init = rng.standard_normal((rows, cols)).astype(np.float32)
+    data = rng.standard_normal((box, 32)).astype(np.float32)
+    tiny = np.float32(2.0 ** -126)
+    init[y, x:x + 4] = [1.5 * tiny, 1e-40, 3.0, -0.0]      # a sum falling below the normals,
+    data[0, :4] = [-tiny, 2.0, 1e-41, 0.0]                  # subnormal inputs, signed zeros
+    dst = to_dev(init.copy())
+    _tma_f32_box[1, 128](tensor_maps([dst], box), to_dev(data.reshape(-1)), x, y, box, add)
+    want = init.copy()
+    r1 = min(y + box, rows)
+    new = data[:r1 - y]
+    if add:
+        new = _ftz(_ftz(init[y:r1, x:x + 32]) + _ftz(new))
+    want[y:r1, x:x + 32] = new
+    np.testing.assert_array_equal(to_host(dst).view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.skipif(not SIM, reason="the twin's check: the GPU faults instead")

@@ -20,8 +20,8 @@ Prints ms, TFLOP/s, bf16 / fp8 and bf16 / (fp8 + quant), rel-L1 of fp8 against b
 the first expert's gradient, and ``fill``: torch zeroing the gradient's bf16 bytes, the write
 ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel;
 ``fill / it`` for the bf16 variants). ``--variants``: the fp8 kernel's tile width, ring depth
-and FP32 output stored from the fragments instead of bf16 by TMA -- ``f32``, or ``acc``: added
-to (main-grad; then our bf16 kernel's FP32 accumulation, ``bf16acc``, is timed too) --, each
+and FP32 output instead of bf16 -- ``f32``, or ``acc``: added to (main-grad; then our bf16
+kernel's FP32 accumulation, ``bf16acc``, is timed too) --, each
 timed in the same turns (the first is the table's, and not ``acc``). ``--parts``: the first
 variant's kernel built with one part changed (``sm90_fp8``'s globals patched while it is built
 and compiled; HOPPER.md: time variants that leave a stage out, take differences) --

@@ -70,8 +70,8 @@ def _patched_factories(variant):
     if variant == "no-epi":
         def make_epi(bm, bn, out_f32, accumulate):
             @kjit(device=True, inline="always")
-            def epilogue(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane,
-                         frag_row, frag_col, errors, nf_tensor, nf_rank):
+            def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
+                         errors, nf_tensor, nf_rank):
                 pass
             return epilogue
         return {"make_epilogues": make_epi}
@@ -80,8 +80,8 @@ def _patched_factories(variant):
             stage_tile = tuple_fold(epi._stage_swizzled_group, epi._plain_layout)
 
             @kjit(device=True, inline="always")
-            def epilogue(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane,
-                         frag_row, frag_col, errors, nf_tensor, nf_rank):
+            def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
+                         errors, nf_tensor, nf_rank):
                 q = lane // 4
                 syncwarp()
                 bad = stage_tile(acc, (uint32(0), uint32(0)),

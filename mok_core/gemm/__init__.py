@@ -409,9 +409,9 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
 
 def _wgrad_outputs(out0, out1, m_split, unit_name, unit, E, M, N, accumulate, config):
     """``wgrad`` / ``fp8_wgrad``'s split and outputs checked: (m_split -- a multiple of
-    ``unit`` in [0, M] --, out0, out1), the one holding no rows None; both uint16 (bf16;
-    ``_check_staged_out`` by ``config``) or both float32 (which ``accumulate`` needs), shaped
-    [E, m_split, N] and [E, M - m_split, N], not the same memory."""
+    ``unit`` in [0, M] --, out0, out1), the one holding no rows None; both uint16 (bf16) or
+    both float32 (which ``accumulate`` needs), ``_check_staged_out`` by ``config`` (TMA
+    stores), shaped [E, m_split, N] and [E, M - m_split, N], not the same memory."""
     if not (isinstance(m_split, (int, np.integer)) and 0 <= m_split <= M
             and m_split % unit == 0):
         raise ValueError(f"m_split={m_split!r}: must be a multiple of {unit_name} in "
@@ -438,10 +438,9 @@ def _wgrad_outputs(out0, out1, m_split, unit_name, unit, E, M, N, accumulate, co
             raise ValueError("out0, out1: both hold rows (0 < m_split < M) but are the same "
                              "memory")
     dtype = np.dtype((out0 if out0 is not None else out1).dtype)
-    if dtype == np.uint16:
-        for out, name in ((out0, "out0"), (out1, "out1")):
-            if out is not None:
-                _check_staged_out(config, out, name)
+    for out, name in ((out0, "out0"), (out1, "out1")):
+        if out is not None:
+            _check_staged_out(config, out, name)
     if accumulate and dtype != np.float32:
         raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
     return m_split, out0, out1
@@ -618,7 +617,7 @@ def _check_fp8_table(E, entries, what):
         raise ValueError(f"{entries} {what}: the FP8 kernels' table counts them in 16 bits")
 
 
-def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False, out_f32=False):
+def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
     """ValueError unless ``bn`` divides N (with ``swiglu``: twice the output columns) and the
     ring of ``stages`` fits beside the staging."""
     if bn not in (128, 256) or N % (bn // 2 if swiglu else bn):
@@ -626,7 +625,7 @@ def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False, out_f32=False):
                          f"({'twice ' if swiglu else ''}the output columns)")
     if not isinstance(stages, (int, np.integer)) or stages < 2:
         raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad, out_f32)
+    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad)
     if need > 227 * 1024:
         raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
                          "227 KiB")
@@ -744,8 +743,7 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     m_split, out0, out1 = _wgrad_outputs(out0, out1, M if m_split is None else m_split, "128",
                                          128, E, M, N, accumulate, WGMMA_GEMM)
     bn, stages = _fp8_tile(N, False, bn, stages)
-    _check_fp8_tile(N, False, bn, stages, wgrad=True,
-                    out_f32=np.dtype((out1 if out0 is None else out0).dtype) == np.float32)
+    _check_fp8_tile(N, False, bn, stages, wgrad=True)
     errors, tensor = _check_errors(errors, tensor)
     launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,

@@ -60,12 +60,22 @@ their stores), per warp of a finished plain tile, its 16 rows:
 The caller acquires the maps before the first store and waits for the last stores
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
+FP32 TMA epilogue (``make_tma_epilogue_f32``: the weight gradients' FP32 outputs, stored or --
+main-grad -- added to): steps 1-3 twice, a half tile's columns at a time (the warp's FP32
+rows are twice the bf16 staging), [16][32] boxes of the same swizzle (one thread's pair an
+8-byte ``st.shared.v2.f32``), and with ``accumulate`` a TMA reduce-add per box instead of a
+store: the adds happen at L2, no warp loads the old values. Each output element gets one add
+a launch (one tile owns it), so the sums are deterministic. Step 4 folds the FP32 values
+(one fma each) and a bad tile recounts from the registers.
+
 The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
 compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses
 lived across the K loop beside the FP32 sums and the FP8 fragment, and ptxas spilled them,
 reloaded every tile (the FP8 weight gradient's few-slice tiles paid it most: docs/perf.md).
 """
-from numba import cuda, float32, uint32, uint64
+import math
+
+from numba import cuda, float32, int32, uint32, uint64
 
 from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
@@ -73,11 +83,12 @@ from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
 from ..intrinsics import (bulk_commit, bulk_store, bulk_wait_read, ex2_approx,
                           fence_proxy_async, fold_nonfinite_bf16x2, ld_v4, pack_bf16x2,
-                          per_iteration, rcp_approx, shared_addr, st_shared_u32, st_v2_f32,
-                          st_v4, syncwarp, tma_store_2d, tuple_fold, tuple_pick, warp_all,
-                          warp_min, warp_sum)
+                          per_iteration, rcp_approx, shared_addr, st_shared_u32,
+                          st_shared_v2_f32, st_v2_f32, st_v4, syncwarp, tma_reduce_add_2d,
+                          tma_store_2d, tuple_fold, tuple_pick, warp_all, warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
+_F32_INF = float32(math.inf)
 _INT32_MAX = INT32_MAX
 TMA_BOX_ROWS = 16              # a warp's rows of a tile: the TMA epilogue's box
 TMA_BOX_BYTES = TMA_BOX_ROWS * 128      # [16 rows][64 bf16], 128-byte swizzle
@@ -151,6 +162,34 @@ def _stage_swizzled_group(j, bad, smem, base, q, a0, a1, a2, a3):
     st_shared_u32(smem, at, lo)
     st_shared_u32(smem, at + 8 * 128, hi)
     return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
+
+
+def _stage_swizzled_f32_group(j, y, smem, base, hq, a0, a1, a2, a3):
+    """8-column group j of a half tile's FP32 fragment -> the thread's pairs in rows q and
+    q + 8 of the half's 128-byte-swizzled [16][32] boxes: box j // 4, 16-byte chunk
+    2 (j % 4) + (lane % 4) // 2 of the row, stored at chunk (2 (j % 4)) ^ hq, hq = ((lane % 4)
+    // 2) ^ q (``base``: the thread's byte in chunk 0 of row q of box 0); the values folded
+    into the NaN/Inf chains ``y`` (z + v * 0 stays zero while every v is finite)."""
+    at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
+    st_shared_v2_f32(smem, at, a0, a1)
+    st_shared_v2_f32(smem, at + 8 * 128, a2, a3)
+    zero = float32(0.0)
+    return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+
+
+def _count_nonfinite_f32_group(j, n, lane, a0, a1, a2, a3):
+    """Group j's NaN/Inf values, added to ``n`` = (row r's, row r + 8's) counts (the bad
+    path: ``lane`` unused, the fold's extra argument)."""
+    return (n[0] + (0 if abs(a0) < _F32_INF else 1) + (0 if abs(a1) < _F32_INF else 1),
+            n[1] + (0 if abs(a2) < _F32_INF else 1) + (0 if abs(a3) < _F32_INF else 1))
+
+
+def _half_layout(half):
+    """Groups of the fragment's columns half ``half`` of 2 (the FP32 TMA epilogue's)."""
+    def layout(count):
+        per = count // 8
+        return [[4 * j + i for i in range(4)] for j in range(half * per, (half + 1) * per)]
+    return layout
 
 
 def _swiglu_layout(count):      # group j: gate elements 4j.., up elements 4(j + half)..
@@ -398,5 +437,58 @@ def make_tma_epilogue(bn):
             for b in range(boxes):
                 n += bf16_nonfinite_count(smem, rel + b * TMA_BOX_BYTES, 64)
             report_warp(errors, nf_tensor, nf_rank, n if lane < 16 else 0, m + lane % 16, e)
+
+    return epilogue
+
+
+def make_tma_epilogue_f32(bn, accumulate):
+    """``make_tma_epilogue``'s ``epilogue`` for FP32 outputs (same arguments; the maps float32,
+    ``[TMA_BOX_ROWS, 32]`` boxes): the warp's 16 rows x BN columns are twice the bf16 staging
+    (which holds half a tile beside the ring), so they go in two halves, each staged into
+    BN / 64 swizzled [16][32] boxes and sent by one TMA instruction a box -- a store, or with
+    ``accumulate`` a reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so
+    the sum is the one ``out + acc`` rounds to, and deterministic) -- the second half staged
+    once the first's have read the staging. The NaN/Inf check folds the values staged (with
+    ``accumulate``: the addends -- a NaN/Inf already in the buffer was reported by the call
+    that wrote it); a bad tile recounts from the registers."""
+    boxes = bn // 64                        # a half's [16][32] boxes
+    assert bn % 64 == 0
+    stage_halves = (tuple_fold(_stage_swizzled_f32_group, _half_layout(0)),
+                    tuple_fold(_stage_swizzled_f32_group, _half_layout(1)))
+    stage0, stage1 = stage_halves
+    count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
+    to_global = tma_reduce_add_2d if accumulate else tma_store_2d
+
+    @kjit(device=True, inline="always")
+    def send_half(smem, maps, elem, grow, col0, epi0, lane):
+        fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
+        syncwarp()
+        if lane == 0:
+            for b in range(boxes):
+                to_global(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + 32 * b, grow)
+            bulk_commit()
+
+    @kjit(device=True, inline="always")
+    def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
+                 nf_rank):
+        q = lane // 4
+        base = per_iteration(uint32(epi0 + q * 128 + 8 * (lane % 2)))
+        hq = uint32(((lane % 4) // 2) ^ q)
+        zero = float32(0.0)
+        # (every lane waits: lane 0's groups are the warp's only ones, and a wait on a branch
+        # of lane 0 would make ptxas serialise the wgmmas)
+        bulk_wait_read(0)              # the previous tile's second half has read the staging
+        syncwarp()
+        y = stage0(acc, (zero, zero), (smem, base, hq))
+        send_half(smem, maps, elem, grow, col0, epi0, lane)
+        bulk_wait_read(0)              # ... and this tile's first half
+        syncwarp()
+        y = stage1(acc, y, (smem, base, hq))
+        send_half(smem, maps, elem, grow, col0 + bn // 2, epi0, lane)
+        # a clean tile costs one vote; else each lane counts its values, by row
+        if warp_all(y[0] + y[1] == zero) == 0:
+            n = count_tile(acc, (int32(0), int32(0)), (lane,))
+            first = m + q if n[0] > 0 else m + q + 8
+            report_warp(errors, nf_tensor, nf_rank, n[0] + n[1], first, e)
 
     return epilogue

@@ -87,9 +87,9 @@ promotion and epilogue, with
                boxes and one lane stores them by TMA (``omaps``: out0's and out1's tensor
                maps, ``sm90_wgrad.output_maps``), the warp back to its wgmmas while they
                leave -- a gradient tile is a weight-sized write after a few slices; every
-               compute warp waits for its stores before the block exits. FP32 (OUT_F32) --
-               each thread stores its fragment (ACCUMULATE: added to the value read first,
-               one FP32 add: main-grad accumulation)
+               compute warp waits for its stores before the block exits. FP32 (OUT_F32):
+               the same through FP32 maps, half a tile at a time (ACCUMULATE: TMA
+               reduce-adds, one FP32 add an element at L2: main-grad accumulation)
 Preconditions (the caller's; the padded layout and the transposed quantisation give them):
 offsets multiples of 128, and both operands zero from hi_e to the end of its last slice --
 the slice is read whole.
@@ -141,19 +141,20 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
     align the ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute
-    warps' TMA boxes; none for FP32 outputs, stored from the fragments)."""
+    warps' TMA boxes: a bf16 tile, or half an FP32 one)."""
     cols = bn // 2 if swiglu_epilogue else bn
     staging = BM * (2 * cols + 16)
     if wgrad:
-        staging = 0 if out_f32 else 8 * _warp_staging_bytes(bn)
+        staging = 8 * _warp_staging_bytes(bn)
     return _TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES + staging
 
 
 def _warp_staging_bytes(bn):
-    """WGRAD: one warp's staging, its 16 rows of the tile as BN / 64 swizzled TMA boxes."""
+    """WGRAD: one warp's staging, its 16 rows of a bf16 tile (half an FP32 one) as BN / 64
+    swizzled TMA boxes."""
     return (bn // 64) * TMA_BOX_BYTES
 
 
@@ -371,9 +372,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             staging = ring + stages * stage_bytes
             if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
-                if not out_f32:
-                    tensormap_acquire(omaps, 0)
-                    tensormap_acquire(omaps, MAP_ELEMS)
+                tensormap_acquire(omaps, 0)
+                tensormap_acquire(omaps, MAP_ELEMS)
             desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
             j = int64(0)
             t = int64(cuda.blockIdx.x)
@@ -426,24 +426,20 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 rows = row_end - row0
                 if wgrad:
                     # the tile's side of m_split (block-uniform) and its first output row
-                    o = out
                     side = 0
                     first = int64(0)
                     rows = m_split
                     if row0 >= m_split:
-                        o = out1
                         side = 1
                         first = m_split
                         rows = M - m_split
                     grow0 = e * rows + row0 - first
                     if halves == 2:
-                        wgrad_epilogue(smem, acc0 + acc1, o, omaps, side, grow0, row0, col0,
-                                       e, N, staging, lane, frag_row, frag_col, errors,
-                                       nf_tensor, nf_rank)
+                        wgrad_epilogue(smem, acc0 + acc1, omaps, side, grow0, row0, col0, e,
+                                       staging, lane, frag_row, errors, nf_tensor, nf_rank)
                     else:
-                        wgrad_epilogue(smem, acc0, o, omaps, side, grow0, row0, col0, e, N,
-                                       staging, lane, frag_row, frag_col, errors, nf_tensor,
-                                       nf_rank)
+                        wgrad_epilogue(smem, acc0, omaps, side, grow0, row0, col0, e,
+                                       staging, lane, frag_row, errors, nf_tensor, nf_rank)
                 elif halves == 2:
                     epilogue(smem, acc0 + acc1, out, grow0, row0, col0, e, N, rows, staging,
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
@@ -453,10 +449,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,
                              (pre_g, pre_u), (route_rank, route_token, route_slot, peers, k))
                 t += cuda.gridDim.x
-            if wgrad and not out_f32:          # the warp's last stores land before the exit
+            if wgrad:                          # the warp's last stores land before the exit
                 bulk_wait(0)
 
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad, out_f32)
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad)
     return kernel
 
 
@@ -517,24 +513,22 @@ def launch_fp8_wgrad(a, a_scale, b, b_scale, offsets, num_rows, out0, out1, m_sp
     float32 [M, R / 128], ``b`` uint8 [N, R], ``b_scale`` float32 [N / 128, R / 128],
     ``offsets`` int32 [E + 1] (multiples of 128), ``num_rows`` int32 [1], ``out0`` [E,
     m_split, N] and ``out1`` [E, M - m_split, N] (the one holding no rows may be None), both
-    bf16 (uint16, 16-byte aligned: TMA stores) or both float32 (``accumulate``: added to);
+    bf16 (uint16) or both float32 (``accumulate``: added to), 16-byte aligned (TMA stores);
     M, N (of ``bn``), R and m_split multiples of 128. Tensor maps as ``launch_fp8``'s."""
     M, R = a.shape
     N = b.shape[0]
     E = offsets.shape[0] - 1
     o0 = out1 if out0 is None else out0
-    o1 = o0 if out1 is None else out1
     f32 = np.dtype(o0.dtype) == np.float32
     kern = _kernel(stages, False, bn, False, False, True, f32, bool(accumulate))
     grid = max(1, min(E * (M // BM) * (N // bn), multiprocessor_count()))
     maps = tensor_maps([flat_view(a, np.uint16).reshape(M, R // 2),
                         flat_view(b, np.uint16).reshape(N, R // 2),
                         flat_view(b, np.uint16).reshape(N, R // 2)], BOX_ROWS, stream)
-    if f32:                                 # stored from the fragments: no maps
-        outs, omaps = (flat_view(o0), flat_view(o1)), maps
-    else:                                   # through the maps: placeholders, typed as
-        outs = (flat_view(a_scale, np.uint32),) * 2   # the forward's out (the PTX checks')
-        omaps = output_maps(out0, out1, E, M, N, m_split, stream)
+    # written through the outputs' maps: ``out`` / ``out1`` are placeholders, typed as the
+    # forward's out (the PTX checks')
+    outs = (flat_view(a_scale, np.uint32),) * 2
+    omaps = output_maps(out0, out1, E, M, N, m_split, stream)
     launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(b_scale), flat_view(b_scale), maps, offsets, num_rows, *outs, omaps,
            flat_view(a_scale), flat_view(a_scale), offsets, offsets, offsets,

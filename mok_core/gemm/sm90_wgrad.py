@@ -62,10 +62,13 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                cached); the warp goes back to its wgmmas while the TMA unit writes -- with K
                an expert's rows, a tile's multiply is shorter than its store of a weight-sized
                output, and staging, reading back and storing by the warps themselves left the
-               tensor cores idle for longer than they worked (docs/perf.md). FP32: each
-               thread stores its fragment (ACCUMULATE: adds it to the value read first, one
-               FP32 add). What is written is checked for NaN/Inf on the way (a clean tile:
-               one fold per written value or pair and one warp vote)
+               tensor cores idle for longer than they worked (docs/perf.md). FP32:
+               ``epilogue.make_tma_epilogue_f32``, the same through FP32 maps ([16][32]
+               boxes) half a tile at a time -- the staging holds half an FP32 tile -- and
+               with ACCUMULATE a TMA reduce-add a box (each element added once at L2: no
+               warp reads the old values; main-grad). What is written is checked for NaN/Inf
+               on the way (a clean tile: one fold per written value or pair and one warp
+               vote; with ACCUMULATE the addends)
 
 Order:
 
@@ -102,20 +105,18 @@ the grid (the FP32 sums differ from mma.sync's in rounding: a different MMA tree
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
-import numpy as np
-from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba import cuda, int32, int64, uint16, uint32, uint64
 
 from ..cuda_compat import kjit
 from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
                           fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
-                          mbarrier_init, per_iteration, setmaxnreg_dec, setmaxnreg_inc,
-                          shared_addr, tensormap_acquire, tuple_fold, warp_all,
-                          wgmma_commit, wgmma_fence, wgmma_m64n64k16_bf16_tatb,
-                          wgmma_m64n128k16_bf16_tatb, wgmma_m64n256k16_bf16_tatb, wgmma_wait)
-from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, report_warp
+                          mbarrier_init, setmaxnreg_dec, setmaxnreg_inc, shared_addr,
+                          tensormap_acquire, warp_all, wgmma_commit, wgmma_fence,
+                          wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
+                          wgmma_m64n256k16_bf16_tatb, wgmma_wait)
+from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, make_tma_epilogue_f32
 from .sm80_wgrad import launch_with as _launch_with
 from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, ROW_BYTES, _require_arch, wait_phase,
                    warpgroup_fragment)
@@ -207,95 +208,37 @@ def _make_mma_slice(bn):
     return mma_slice
 
 
-def _store_f32_group(accumulate):
-    """Group j of a thread's fragment (rows r and r + 8 of the output, columns col + 8j,
-    col + 8j + 1) -> ``out`` (float32, flat, N columns; row r at element ``at``), each value
-    added to the one read first with ``accumulate``; the values folded into the NaN/Inf
-    chains ``y`` (z + v * 0: stays zero while every v is finite)."""
-    def group(j, y, out, at, N, a0, a1, a2, a3):
-        lo = at + 8 * j
-        hi = lo + 8 * N
-        if accumulate:
-            a0 = out[lo] + a0
-            a1 = out[lo + 1] + a1
-            a2 = out[hi] + a2
-            a3 = out[hi + 1] + a3
-        out[lo] = a0
-        out[lo + 1] = a1
-        out[hi] = a2
-        out[hi + 1] = a3
-        zero = float32(0.0)
-        return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
-    return group
-
-
-def _plain_layout(count):
-    return [[4 * j + i for i in range(4)] for j in range(count // 4)]
-
-
 def make_epilogues(bm, bn, out_f32, accumulate):
-    """``epilogue(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
-    frag_col, errors, nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i for tile
-    rows i, columns n0 ..; D_e's rows m0 + i) written and checked. bf16: this warp's 16 rows
-    by ``epilogue.make_tma_epilogue`` through map ``side`` of ``maps`` (``out`` unused),
-    staged at the shared byte address ``epi0``; FP32: each thread its fragment into ``out``
-    (``maps``, ``side``, ``epi0`` unused)."""
-    store_f32 = tuple_fold(_store_f32_group(accumulate), _plain_layout)
-    tma_epilogue = make_tma_epilogue(bn)
+    """``epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
+    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i for tile rows i, columns
+    n0 ..; D_e's rows m0 + i) written and checked: this warp's 16 rows through map ``side``
+    of ``maps``, staged at the shared byte address ``epi0`` -- bf16 by
+    ``epilogue.make_tma_epilogue``, FP32 by ``make_tma_epilogue_f32`` (stored, or added to
+    with ``accumulate``)."""
+    tma_epilogue = make_tma_epilogue_f32(bn, accumulate) if out_f32 else make_tma_epilogue(bn)
 
     @kjit(device=True, inline="always")
-    def epilogue_bf16(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
-                      frag_col, errors, nf_tensor, nf_rank):
+    def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
+                 nf_tensor, nf_rank):
         row0 = frag_row - lane // 4             # the warp's first tile row
         tma_epilogue(smem, acc, maps, 16 * side, grow0 + row0, n0, m0 + row0, e, epi0, lane,
                      errors, nf_tensor, nf_rank)
 
-    @kjit(device=True, inline="always")
-    def epilogue_f32(smem, acc, out, maps, side, grow0, m0, n0, e, N, epi0, lane, frag_row,
-                     frag_col, errors, nf_tensor, nf_rank):
-        # addresses per tile (``epilogue``'s header: hoisted, ptxas spilled them)
-        at = per_iteration((grow0 + frag_row) * N + n0 + frag_col)
-        y = store_f32(acc, (float32(0.0), float32(0.0)), (out, at, N))
-        # a clean tile costs one vote; else each lane recounts what it wrote, by row
-        if warp_all(y[0] + y[1] == float32(0.0)) == 0:
-            bad = 0
-            first_m = 0
-            for h in range(2):                 # rows ascending: the first is the smallest
-                n = 0
-                for j in range(bn // 8):
-                    x = at + h * 8 * N + 8 * j
-                    n += _nonfinite_f32(out[x]) + _nonfinite_f32(out[x + 1])
-                if n > 0 and bad == 0:
-                    first_m = m0 + frag_row + 8 * h
-                bad += n
-            report_warp(errors, nf_tensor, nf_rank, bad, first_m, e)
-
-    return epilogue_f32 if out_f32 else epilogue_bf16
-
-
-@kjit(device=True, inline="always")
-def _nonfinite_f32(v):
-    """1 if the float32 ``v`` is NaN or Inf, else 0 (the bad path's recount)."""
-    return 1 if math.isnan(v) or math.isinf(v) else 0
+    return epilogue
 
 
 def _warp_staging_bytes(bn):
-    """One warp's staging of a bf16 tile: its 16 rows as BN / 64 swizzled TMA boxes."""
+    """One warp's staging: its 16 rows of a bf16 tile (or half an FP32 one) as BN / 64
+    swizzled TMA boxes."""
     return (bn // 64) * TMA_BOX_BYTES
 
 
-def _staging_bytes(bn, out_f32):
-    """The bf16 tile's staging: the 8 compute warps' (FP32 tiles are stored from their
-    fragments: none)."""
-    return 0 if out_f32 else 8 * _warp_staging_bytes(bn)
-
-
-def smem_bytes(bn, stages, out_f32=False):
+def smem_bytes(bn, stages):
     """Dynamic shared memory of one block: the full and empty mbarriers, slack to align the
-    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of BK 128-byte rows a stage), the
-    staging."""
+    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of BK 128-byte rows a stage), the 8
+    compute warps' staging (a bf16 tile, or half an FP32 one)."""
     return (16 * stages + 1024 + stages * (128 + bn) // 64 * BK * ROW_BYTES
-            + _staging_bytes(bn, out_f32))
+            + 8 * _warp_staging_bytes(bn))
 
 
 def _make_tile_walk(bm, bn):
@@ -335,7 +278,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     warp_staging = _warp_staging_bytes(bn)
     cpr_a = _operand_map(bm)[0]
     cpr_b = _operand_map(bn)[0]
-    nbytes = smem_bytes(bn, stages, out_f32)
+    nbytes = smem_bytes(bn, stages)
     if nbytes > 227 * 1024:
         raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
                          f"{nbytes} bytes of shared memory per block: over 227 KiB")
@@ -417,9 +360,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             setmaxnreg_inc(COMPUTE_REGS)
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
             staging = ring + stages * stage_bytes + (tid // 32) * warp_staging
-            if not out_f32:                 # the host wrote the maps: acquire them once
-                tensormap_acquire(maps, 0)
-                tensormap_acquire(maps, 16)
+            tensormap_acquire(maps, 0)      # the host wrote the maps: acquired once
+            tensormap_acquire(maps, 16)
             desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * box) >> 4)
             desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
             j = int64(0)                    # the stream's slice being computed
@@ -450,20 +392,17 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
                 # This tile's place in the outputs: the whole tile lies on one side of m_split
                 # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
                 # output.
-                out = out0
                 side = 0
                 rows = m_split
                 first = int64(0)
                 if m0 >= m_split:
-                    out = out1
                     side = 1
                     rows = M - m_split
                     first = m_split
-                epilogue(smem, acc, out, maps, side, e * rows + m0 - first, m0, n0, e, N,
-                         staging, lane, frag_row, frag_col, errors, nf_tensor, nf_rank)
+                epilogue(smem, acc, maps, side, e * rows + m0 - first, m0, n0, e, staging,
+                         lane, frag_row, errors, nf_tensor, nf_rank)
                 t += cuda.gridDim.x
-            if not out_f32:                 # the warp's last stores land before the exit
-                bulk_wait(0)
+            bulk_wait(0)                    # the warp's last stores land before the exit
 
     kernel.threads = threads
     kernel.smem_bytes = nbytes
@@ -478,9 +417,9 @@ def _kernel(cfg, gather_a, gather_b, out_f32, accumulate):
 
 
 def output_maps(out0, out1, E, M, N, m_split, stream=0):
-    """The bf16 outputs' tensor maps (device uint64 [32], cached: ``tensor_map``): out0 as
+    """The outputs' tensor maps (device uint64 [32], cached: ``tensor_map``): out0 as
     [E m_split, N] and out1 as [E (M - m_split), N] (the other's again where one holds no
-    rows: it may then be None), [TMA_BOX_ROWS, 64] boxes."""
+    rows: it may then be None), [TMA_BOX_ROWS, 128 bytes] boxes (64 bf16 or 32 float32)."""
     rows0, rows1 = E * m_split, E * (M - m_split)
     if rows0 == 0:
         out0, rows0 = out1, rows1
@@ -492,10 +431,9 @@ def output_maps(out0, out1, E, M, N, m_split, stream=0):
 def launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
                 m_split, *, accumulate, errors, tensor, rank):
     """``sm80_wgrad.launch_with`` (arguments as there) for kernels of this module's signature:
-    the bf16 outputs' tensor maps (``output_maps``) go last."""
-    maps = nr                               # FP32 outputs: a placeholder, never read
-    if np.dtype((out1 if out0 is None else out0).dtype) != np.float32:
-        maps = output_maps(out0, out1, off.shape[0] - 1, M, N, m_split, stream)
+    the outputs' tensor maps (``output_maps``) go last (the kernel writes through them only:
+    ``out0`` / ``out1`` themselves are not read)."""
+    maps = output_maps(out0, out1, off.shape[0] - 1, M, N, m_split, stream)
     _launch_with(kernel_for, cfg, stream, a, a_index, b, b_index, off, nr, out0, out1, M, N,
                  m_split, accumulate=accumulate, errors=errors, tensor=tensor, rank=rank,
                  extra=(maps,))

@@ -526,6 +526,23 @@ st_shared_u32 = _shared_u32_statement(
     "offset) -- e.g. a bf16 pair staged for a bulk store.")
 
 
+@intrinsic
+def st_shared_v2_f32(typingctx, smem, addr, v0, v1):
+    """Store two float32 as 8 bytes at the shared byte address ``addr`` (8-byte aligned;
+    ``shared_addr`` + offset): one vector store -- e.g. an FP32 pair staged for a TMA store."""
+    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        v = [context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+             for i in range(2)]
+        _asm(builder, ir.VoidType(), [a, *v], "st.shared.v2.f32 [$0], {$1, $2};",
+             "r,f,f,~{memory}", True)
+        return context.get_dummy_value()
+    return types.void(smem, addr, types.float32, types.float32), codegen
+
+
 cp_async_commit = _statement(
     "cp_async_commit", "cp.async.commit_group;",
     "Close this thread's cp.async copies issued so far into one group.")
@@ -1009,16 +1026,23 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
     return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen
 
 
-def _tma_store_2d_codegen(context, builder, sig, args):
-    """Codegen of ``tma_store_2d`` (args: tmaps, elem, smem, saddr, x, y)."""
-    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-    s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
-    cx = context.cast(builder, args[4], sig.args[4], types.int32)
-    cy = context.cast(builder, args[5], sig.args[5], types.int32)
-    _asm(builder, ir.VoidType(), [p, s32, cx, cy],
-         "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [$0, {$2, $3}], [$1];",
-         "l,r,r,r,~{memory}", True)
-    return context.get_dummy_value()
+def _tma_to_global_codegen(op):
+    """Codegen of a shared -> global TMA box instruction ``op`` (args: tmaps, elem, smem,
+    saddr, x, y)."""
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
+        cx = context.cast(builder, args[4], sig.args[4], types.int32)
+        cy = context.cast(builder, args[5], sig.args[5], types.int32)
+        _asm(builder, ir.VoidType(), [p, s32, cx, cy],
+             f"{op}.2d.global.shared::cta{'.add.tile' if 'reduce' in op else ''}.bulk_group "
+             "[$0, {$2, $3}], [$1];", "l,r,r,r,~{memory}", True)
+        return context.get_dummy_value()
+    return codegen
+
+
+_tma_store_2d_codegen = _tma_to_global_codegen("cp.async.bulk.tensor")
+_tma_reduce_add_2d_codegen = _tma_to_global_codegen("cp.reduce.async.bulk.tensor")
 
 
 @intrinsic
@@ -1032,6 +1056,19 @@ def tma_store_2d(typingctx, tmaps, elem, smem, saddr, x, y):
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
         return None
     return types.void(tmaps, elem, smem, saddr, x, y), _tma_store_2d_codegen
+
+
+@intrinsic
+def tma_reduce_add_2d(typingctx, tmaps, elem, smem, saddr, x, y):
+    """``tma_store_2d``, but each element of the box is added to the one in global memory
+    (float32 maps: one IEEE add, round to nearest, subnormal inputs and results flushed to
+    zero as ``red.add.f32`` does; the read and the add happen at L2, no thread waits for
+    them). Each element gets one add per instruction: where every element has one owner the
+    result does not depend on the order of the stores -- deterministic. A bulk store as
+    ``tma_store_2d`` (``bulk_commit``, ``bulk_wait_read``, ``bulk_wait``)."""
+    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
+        return None
+    return types.void(tmaps, elem, smem, saddr, x, y), _tma_reduce_add_2d_codegen
 
 
 fence_mbarrier_init = _statement(

@@ -326,12 +326,33 @@ def _groups(kind):
 
 def _land(groups, pending):
     """Land the oldest closed groups until at most ``pending`` stay in flight (an entry starts
-    with dst, slice, data)."""
+    with dst, slice, data; a sixth element, if any, is ``_ADD``: the data is added, FP32
+    ``tma_reduce_add_2d``)."""
     closed = groups[:-1]
     while len(closed) > pending:
         for entry in closed.pop(0):
-            entry[0][entry[1]] = entry[2]
+            if len(entry) > 5:
+                entry[0][entry[1]] = _add_ftz(entry[0][entry[1]], entry[2])
+            else:
+                entry[0][entry[1]] = entry[2]
     groups[:-1] = closed
+
+
+_ADD = "add"
+
+
+def _ftz_array(v):
+    """``_ftz`` of a float32 array."""
+    v = np.asarray(v, np.float32)
+    tiny = np.abs(v) < np.finfo(np.float32).tiny
+    return np.where(tiny, np.copysign(np.float32(0.0), v), v).astype(np.float32)
+
+
+def _add_ftz(a, b):
+    """The TMA unit's float32 add (``red.add.f32``'s): subnormal inputs and results flushed
+    to sign-preserving zero, one round to nearest."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _ftz_array(_ftz_array(a) + _ftz_array(b))
 
 
 def _cp_async_16(smem, sidx, gmem, gidx, src_bytes):
@@ -705,6 +726,15 @@ def st_shared_u32(smem, saddr, value):
     raw.view(np.uint32)[(int(saddr) // 4)] = np.uint32(value)
 
 
+def st_shared_v2_f32(smem, saddr, v0, v1):
+    saddr = int(saddr)
+    if saddr % 8:
+        raise ValueError(f"st_shared_v2_f32: byte {saddr} is not 8-byte aligned")
+    f = _raw(smem).view(np.float32)
+    f[saddr // 4] = np.float32(v0)
+    f[saddr // 4 + 1] = np.float32(v1)
+
+
 # ---- TMA (tensor-map box loads and stores) -----------------------------------------------------
 #
 # On the simulator a "tensor map" is a handle into this registry (``mok_core.tensor_map``
@@ -717,8 +747,8 @@ TMAP_MAGIC = 0x4D4F4B544D4150          # "MOKTMAP": element 0 of a simulator ten
 
 
 def register_tensor_map(array2d, box_rows, box_cols):
-    """Handle of a simulator tensor map over ``array2d`` (uint16 [rows, cols]) and a
-    [box_rows, box_cols] box."""
+    """Handle of a simulator tensor map over ``array2d`` (uint16 [rows, cols]: bf16 bits, or
+    float32) and a [box_rows, box_cols] box."""
     with _lock:
         handle = len(_tensor_maps) + 1
         _tensor_maps[handle] = (array2d, int(box_rows), int(box_cols))
@@ -768,23 +798,36 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
-def tma_store_2d(tmaps, elem, smem, saddr, x, y):
+def _tma_to_global(op, tmaps, elem, smem, saddr, x, y, *add):
     # A bulk store (``bulk_store``'s groups): the box's in-bounds elements, un-swizzled, are
-    # read from shared memory at the covering bulk_wait_read / bulk_wait and land at bulk_wait.
-    dst, rows, cols = _tensor_map(tmaps, elem, "tma_store_2d")
+    # read from shared memory at the covering bulk_wait_read / bulk_wait and land (or are
+    # added: ``add``) at bulk_wait.
+    dst, rows, cols = _tensor_map(tmaps, elem, op)
     saddr, x, y = int(saddr), int(x), int(y)
     if saddr % 1024:
-        raise ValueError(f"tma_store_2d: source byte {saddr} is not 1024-byte aligned")
+        raise ValueError(f"{op}: source byte {saddr} is not 1024-byte aligned")
     if x < 0 or y < 0:                  # the H200 faults (illegal instruction) on these
-        raise ValueError(f"tma_store_2d: box origin ({x}, {y}) before the tensor's start")
+        raise ValueError(f"{op}: box origin ({x}, {y}) before the tensor's start")
+    size = dst.itemsize
     r = np.arange(rows)[:, None]
     c = np.arange(cols)[None, :]
     ok = (y + r < dst.shape[0]) & (x + c < dst.shape[1])          # (x, y >= 0: above)
     rr, cc = np.broadcast_to(r, ok.shape)[ok], np.broadcast_to(c, ok.shape)[ok]
-    s_idx = _swizzle_addresses(saddr + rr * 128 + cc * 2) // 2     # (saddr 1024-aligned)
+    s_idx = _swizzle_addresses(saddr + rr * 128 + cc * size) // size   # (saddr 1024-aligned)
     g_idx = (y + rr) * dst.shape[1] + (x + cc)
-    src = _raw(smem).reshape(-1).view(np.uint16)
-    _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx])
+    src = _raw(smem).reshape(-1).view(dst.dtype)
+    _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx, *add])
+
+
+def tma_store_2d(tmaps, elem, smem, saddr, x, y):
+    _tma_to_global("tma_store_2d", tmaps, elem, smem, saddr, x, y)
+
+
+def tma_reduce_add_2d(tmaps, elem, smem, saddr, x, y):
+    dst = _tensor_map(tmaps, elem, "tma_reduce_add_2d")[0]
+    if dst.dtype != np.float32:
+        raise ValueError(f"tma_reduce_add_2d twin: float32 maps only, not {dst.dtype}")
+    _tma_to_global("tma_reduce_add_2d", tmaps, elem, smem, saddr, x, y, _ADD)
 
 
 def trap():

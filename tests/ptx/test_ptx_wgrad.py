@@ -19,10 +19,9 @@ def wgrad_sig(out):
 
 
 def wgmma_wgrad_sig(out_f32):
-    """``sm90_wgrad``'s: the wgrad signature + the bf16 outputs' tensor maps (FP32: a
-    placeholder int32 array, never read)."""
-    return (wgrad_sig(float32 if out_f32 else uint32)
-            + ((int32 if out_f32 else uint64)[::1],))
+    """``sm90_wgrad``'s: the wgrad signature + the outputs' tensor maps (the outputs
+    themselves are not read: every tile leaves through the maps)."""
+    return wgrad_sig(float32 if out_f32 else uint32) + (uint64[::1],)
 
 
 # (gather A, gather B, FP32 out, accumulate): dW_down's form (A gathered, bf16 out) and
@@ -76,11 +75,13 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     meeting at mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas
     per slice carrying imm-trans-a 1 and imm-trans-b 1
     (both operands MN-major), one group left in flight in the K loop, the operands' rows by
-    cp.async; bf16: the TMA epilogue (st.shared pairs, a proxy fence, TMA stores of the boxes
-    -- the maps acquired first --, the staging reused after a wait for their reads, the
-    stores waited before the exit) with one fold per staged pair, FP32: each value stored
-    once (read first: accumulate); the NaN/Inf check; no local memory anywhere -- and ptxas
-    keeps the wgmmas unserialised (C7518) without spills."""
+    cp.async; the TMA epilogue (staged values, a proxy fence, TMA instructions a box -- the
+    maps acquired first --, the staging reused after a wait for their reads, the stores
+    waited before the exit; the warps store nor load no output themselves): bf16 pairs with
+    one fold each, or FP32 pairs by 8-byte shared stores in two halves (two waits for the
+    reads) and with ``accumulate`` TMA reduce-adds instead of stores; the NaN/Inf check; no
+    local memory anywhere -- and ptxas keeps the wgmmas unserialised (C7518) without
+    spills."""
     from ptx_util import assemble_sm90a
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
@@ -98,20 +99,25 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     for p in NF_CHECK:
         assert count(ptx, p) >= 1, p
     values = 64 * bn // 128                  # accumulator values per thread
+    assert count(ptx, r"cp\.async\.bulk\.global") == 0            # no per-row bulk copies
+    # the warps neither store output nor read it (accumulate: the adds happen at L2)
+    assert count(ptx, r"st\.(global\.)?(v4\.u32|v2\.f32|f32)") == 0
+    assert count(ptx, r"ld\.(global\.)?(v2\.)?f32") == 0
+    assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") >= 2     # both maps
+    assert count(ptx, r"fence\.proxy\.async") >= 2                  # loads' and stores'
+    assert count(ptx, r"cp\.async\.bulk\.wait_group 0;") >= 1            # before the exit
+    store = r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"
+    add = r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\.bulk_group"
     if out_f32:
-        assert count(ptx, r"st\.(global\.)?f32") == values
-        assert count(ptx, r"ld\.(global\.)?f32") >= (values if accumulate else 0)
-        assert count(ptx, r"cp\.async\.bulk\.global") == 0
+        assert count(ptx, r"st\.shared\.v2\.f32") == values // 2    # a pair each
+        assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 2   # between halves
+        assert 2 <= count(ptx, add if accumulate else store) <= bn // 32  # a box each (may roll)
+        assert count(ptx, store if accumulate else add) == 0
     else:
         assert count(ptx, r"st\.shared\.u32") >= 1
-        tma = r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"
-        assert 1 <= count(ptx, tma) <= bn // 64                   # a box each (may roll)
-        assert count(ptx, r"cp\.async\.bulk\.global") == 0        # no per-row bulk copies
-        assert count(ptx, r"st\.(global\.)?v4\.u32") == 0          # the warps store nothing
-        assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") >= 2     # both maps
-        assert count(ptx, r"fence\.proxy\.async") >= 2              # loads' and stores'
+        assert 1 <= count(ptx, store) <= bn // 64                 # a box each (may roll)
+        assert count(ptx, add) == 0
         assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 1   # staging reuse
-        assert count(ptx, r"cp\.async\.bulk\.wait_group 0;") >= 1        # before the exit
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
     report = assemble_sm90a(ptx)
