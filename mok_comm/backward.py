@@ -133,8 +133,8 @@ def _grad_shapes(layer: Layer):
 
 def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None) -> Grads:
     """Checked views of caller-owned gradient buffers (the layer's own when ``grads`` is None;
-    ``accumulate`` needs the caller's float32 buffers); d_x and d_router_weights have
-    ``tokens`` rows (the step's T; default T_max)."""
+    ``accumulate`` needs the caller's float32 buffers; the weight gradients 16-byte aligned);
+    d_x and d_router_weights have ``tokens`` rows (the step's T; default T_max)."""
     T = layer.tokens_per_rank if tokens is None else tokens
     H, k = layer.shape.hidden, layer.shape.topk
     I_s = layer.shape.shared_intermediate
@@ -164,12 +164,11 @@ def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None
         weights.append(a)
     if len({a.dtype for a in weights if a is not None}) > 1:
         raise TypeError("grads: the weight gradients must share one dtype (bf16 or float32)")
-    if layer.wgrad_gemm.mma == "wgmma" or layer.config.fp8_wgrad:
-        for a, name in zip(weights, Grads._fields[2:]):
-            if a is not None and device_address(a) % 16:
-                raise ValueError(f"grads.{name}: the weight-gradient GEMMs write it by TMA "
-                                 f"stores, which need a 16-byte aligned start (this one is "
-                                 f"{device_address(a) % 16} bytes past; rank {layer.rank})")
+    for a, name in zip(weights, Grads._fields[2:]):
+        if a is not None and device_address(a) % 16:     # (Hopper's kernels: TMA stores)
+            raise ValueError(f"grads.{name}: must start 16-byte aligned (the weight-gradient "
+                             f"GEMMs write it by TMA); this one is {device_address(a) % 16} "
+                             f"bytes past, on rank {layer.rank}")
     return Grads(as_device_array(grads[0], "grads.d_x", dtype=np.uint16, shape=(T, H)),
                  as_device_array(grads[1], "grads.d_router_weights", dtype=np.float32,
                                  shape=(T, k)), *weights)

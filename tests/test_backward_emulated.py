@@ -272,6 +272,16 @@ def test_bad_inputs_raise_before_launch():
                         W)
     with pytest.raises(ValueError, match="accumulate=True"):
         backward_phases(lw, ctx, to_dev(u16(d_out[0])), w, W, accumulate=True)
+    H, I, I_s, E_l, k = 64, 32, 32, shape.experts_per_rank, shape.topk
+    shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
+    grads = [to_dev(np.zeros((T, H), np.uint16)), to_dev(np.zeros((T, k), np.float32)),
+             *(to_dev(np.zeros(s, np.float32)) for s in shapes)]
+    n = int(np.prod(shapes[5]))
+    grads[7] = to_dev(np.zeros(n + 1, np.float32))[1:].reshape(shapes[5])     # 4 bytes past
+    with pytest.raises(ValueError, match=r"grads\.d_w_down: must start 16-byte aligned .*"
+                                         r"4 bytes past, on rank 0"):
+        backward_phases(lw, ctx, to_dev(u16(d_out[0])), w, W, grads=Grads(*grads),
+                        accumulate=True)
     with pytest.raises(ValueError, match="ForwardContext"):
         backward_phases(lw, None, to_dev(u16(d_out[0])), w, W)
     with pytest.raises(ValueError, match=r"x: 17 tokens on rank 0, but the layer holds at most "
