@@ -332,8 +332,9 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     tokens: ~80 rows each, padded to 64, one expert empty): dW_gate | dW_up = d_gu^T x (A =
     d_gu [C, 2I] direct, B = x gathered, split at I) or dW_down = d_out^T (w h) (A = d_out
     gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` vs
-    float64 on 3 whole experts (the largest, the empty one, the last); then the TFLOP/s (useful
-    rows) and output GB/s of the wgmma and the mma.sync wgrad (``WGRAD_GEMM``), printed."""
+    float64 on 3 whole experts (the largest, the empty one, the last), and FP32 added to
+    (main-grad) likewise; then the TFLOP/s (useful rows) and output GB/s of the wgmma and the
+    mma.sync wgrad (``WGRAD_GEMM``) and the main-grad launch's time, printed."""
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         pytest.skip("the wgmma wgrad needs sm_90")
@@ -376,23 +377,36 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         cuda.synchronize()
         np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
         _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E)
+    # main-grad: FP32 added to (the layer's accumulate=True: TMA reduce-adds) on the layer's
+    # tile, into buffers holding 0.5
+    acc0 = device_full((E, m_split, N), 0.5, np.float32)          # (17 GB for gate/up)
+    acc1 = acc0 if m_split == M else device_full((E, M - m_split, N), 0.5, np.float32)
+    word = cuda.to_device(err.initial_error_word())
+    wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"], dev["off"], dev["nr"], acc0, acc1,
+          m_split, accumulate=True, config=cfg, errors=word)
+    cuda.synchronize()
+    np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
+    _check_experts(acc0, acc1, a, a_index, b, b_index, off, counts, E, added_to=0.5)
     flop = 2.0 * counts.sum() * M * N
     gbytes = 2.0 * E * M * N / 1e9                          # the bf16 output written
 
-    def timed(c):              # the trusted entry: no host checks in what is timed
+    def timed(c, outs=(out0, out1), accumulate=False):   # the trusted entry: no host checks
         return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
-                                           dev["off"], dev["nr"], out0, out1, m_split,
-                                           config=c), 10, 1)
+                                           dev["off"], dev["nr"], *outs, m_split,
+                                           accumulate=accumulate, config=c), 10, 1)
     ms = {"wgmma": timed(cfg), "128x128 s4": timed(cfg2), "mma_sync": timed(WGRAD_GEMM)}
+    acc_ms = timed(cfg, (acc0, acc1), True)
     with capsys.disabled():
         print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
             f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"
-            for name, v in ms.items()) + f" (wgmma x{ms['mma_sync'] / ms['wgmma']:.2f})")
+            for name, v in ms.items()) + f" (wgmma x{ms['mma_sync'] / ms['wgmma']:.2f}); "
+            f"FP32 added to: {acc_ms:.3f} ms = {4 * gbytes / acc_ms * 1e3:.0f} GB/s read + "
+            f"written (x{acc_ms / ms['wgmma']:.2f} the bf16 output's time)")
 
 
-def _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E):
+def _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E, added_to=None):
     """The real-shape test's outputs vs float64 on 3 whole experts (the largest, the empty
-    one, the last)."""
+    one, the last); ``added_to``: FP32 outputs that held this value before."""
     for e in (int(np.argmax(counts)), 7, E - 1):
         rows = np.arange(off[e], off[e] + counts[e])
 
@@ -403,7 +417,12 @@ def _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E):
         got = out0[e].copy_to_host()
         if out1 is not out0:
             got = np.concatenate([got, out1[e].copy_to_host()])
-        if counts[e] == 0:
+        if added_to is not None:               # FP32: one rounding of added_to + D
+            got = got.astype(np.float64) - added_to
+            assert np.isfinite(got).all()
+            bound = 2.0 ** -23 * (np.abs(D) + added_to) + 1e-5 * S
+            assert np.all(np.abs(got - D) <= bound), f"expert {e}"
+        elif counts[e] == 0:
             assert np.all(got == 0), f"expert {e} (no rows) must get zeros"
         else:
             check_bf16(got, D, S)
