@@ -398,6 +398,22 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     return epilogue
 
 
+def _make_box_sender(boxes, box_cols, to_global):
+    """``send(smem, maps, elem, grow, col0, epi0, lane)``: the warp's staged boxes (its lanes'
+    generic-proxy writes) fenced for the TMA unit, then lane 0 sends ``boxes`` boxes of
+    ``box_cols`` columns from ``epi0`` on to (col0 + box_cols b, grow) of map ``elem`` by
+    ``to_global`` (a TMA store or reduce-add), one bulk group."""
+    @kjit(device=True, inline="always")
+    def send(smem, maps, elem, grow, col0, epi0, lane):
+        fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
+        syncwarp()
+        if lane == 0:
+            for b in range(boxes):
+                to_global(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + box_cols * b, grow)
+            bulk_commit()
+    return send
+
+
 def make_tma_epilogue(bn):
     """``epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
     nf_rank)``: the warp's 16 rows of a finished plain tile, bf16, staged at the shared byte
@@ -409,6 +425,7 @@ def make_tma_epilogue(bn):
     boxes = bn // 64
     assert bn % 64 == 0
     stage_tile = tuple_fold(_stage_swizzled_group, _plain_layout)
+    send = _make_box_sender(boxes, 64, tma_store_2d)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
@@ -421,12 +438,7 @@ def make_tma_epilogue(bn):
         # (addresses per tile: module header)
         base = per_iteration(uint32(epi0 + q * 128 + 4 * (lane % 4)))
         bad = stage_tile(acc, (uint32(0), uint32(0)), (smem, base, q))
-        fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
-        syncwarp()
-        if lane == 0:
-            for b in range(boxes):
-                tma_store_2d(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + 64 * b, grow)
-            bulk_commit()
+        send(smem, maps, elem, grow, col0, epi0, lane)
         # a clean tile costs one vote; else lanes 0..15 recount one staged row each (its
         # chunks swizzled within the row: a count does not care) and the warp reports. Every
         # lane counts (16..31 a row again, not reported): shared loads on a branch of some
@@ -457,16 +469,7 @@ def make_tma_epilogue_f32(bn, accumulate):
                     tuple_fold(_stage_swizzled_f32_group, _half_layout(1)))
     stage0, stage1 = stage_halves
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
-    to_global = tma_reduce_add_2d if accumulate else tma_store_2d
-
-    @kjit(device=True, inline="always")
-    def send_half(smem, maps, elem, grow, col0, epi0, lane):
-        fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
-        syncwarp()
-        if lane == 0:
-            for b in range(boxes):
-                to_global(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + 32 * b, grow)
-            bulk_commit()
+    send_half = _make_box_sender(boxes, 32, tma_reduce_add_2d if accumulate else tma_store_2d)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
