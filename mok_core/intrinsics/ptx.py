@@ -1061,9 +1061,9 @@ def tma_store_2d(typingctx, tmaps, elem, smem, saddr, x, y):
 @intrinsic
 def tma_reduce_add_2d(typingctx, tmaps, elem, smem, saddr, x, y):
     """``tma_store_2d``, but each element of the box is added to the one in global memory
-    (float32 maps: one IEEE add, round to nearest, subnormal inputs and results flushed to
-    zero as ``red.add.f32`` does; the read and the add happen at L2, no thread waits for
-    them). Each element gets one add per instruction: where every element has one owner the
+    (float32 maps: one IEEE add, round to nearest, subnormals kept -- an H100 keeps a
+    subnormal sum --: the value ``out + acc`` gives; the read and the add happen at L2, no
+    thread waits for them). Each element gets one add per instruction: where every element has one owner the
     result does not depend on the order of the stores -- deterministic. A bulk store as
     ``tma_store_2d`` (``bulk_commit``, ``bulk_wait_read``, ``bulk_wait``)."""
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
