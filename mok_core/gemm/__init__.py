@@ -345,8 +345,8 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             values as they are) -- main-grad accumulation.
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
-            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages); bf16 outputs
-            16-byte aligned (TMA stores). None: ``default_gemm()`` where that is mma.sync, else
+            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages); outputs 16-byte
+            aligned (TMA stores, and for ``accumulate`` TMA reduce-adds). None: ``default_gemm()`` where that is mma.sync, else
             ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
             backward does on Hopper where the shape fits its tile:
             ``mok_comm.layer.wgrad_gemm``).
@@ -712,8 +712,8 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     [N, R] with [N / 128, R / 128] (``quantize_fp8(y, (128, 128), transpose=True)``); M and N
     multiples of 128, R of 128. ``expert_offsets`` int32 [E + 1] (multiples of 128: device
     values, a precondition), ``num_rows`` int32 [1]; ``out0`` [E, m_split, N] and ``out1``
-    [E, M - m_split, N] (``m_split`` None: M, out1 unused), both bf16 (uint16, rounded once
-    from FP32, 16-byte aligned) or both float32 (``accumulate``: out += D, one FP32 add) --
+    [E, M - m_split, N] (``m_split`` None: M, out1 unused), 16-byte aligned (TMA), both bf16
+    (uint16, rounded once from FP32) or both float32 (``accumulate``: out += D, one FP32 add) --
     every tile is written (an expert of no rows gets zeros; accumulated: left as it was).
     Each expert's last K slice is read whole: both operands must be zero from its last row --
     min(offsets[e + 1], num_rows[0]) -- to the slice's end (``quantize_fp8(...,
