@@ -461,13 +461,13 @@ def make_tma_epilogue_f32(bn, accumulate):
     ``accumulate`` a reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so
     the sum is the one ``out + acc`` rounds to, and deterministic) -- the second half staged
     once the first's have read the staging. The NaN/Inf check folds the values staged (with
-    ``accumulate``: the addends -- a NaN/Inf already in the buffer was reported by the call
-    that wrote it); a bad tile recounts from the registers."""
+    ``accumulate``: the addends -- a NaN/Inf already in the buffer came from an earlier call,
+    which reported it, or from the caller; an FP32 overflow of the add itself goes unseen);
+    a bad tile recounts from the registers."""
     boxes = bn // 64                        # a half's [16][32] boxes
     assert bn % 64 == 0
-    stage_halves = (tuple_fold(_stage_swizzled_f32_group, _half_layout(0)),
-                    tuple_fold(_stage_swizzled_f32_group, _half_layout(1)))
-    stage0, stage1 = stage_halves
+    stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
+    stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
     send_half = _make_box_sender(boxes, 32, tma_reduce_add_2d if accumulate else tma_store_2d)
 
