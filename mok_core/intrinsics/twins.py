@@ -339,8 +339,8 @@ def _land(groups, pending):
 
 
 def _add_f32(a, b):
-    """The TMA unit's float32 add: one IEEE add, round to nearest, subnormals kept (an H100
-    keeps a subnormal sum: session 30)."""
+    """The TMA unit's float32 add: one IEEE add, round to nearest, subnormals kept (as an
+    H100 keeps them: ``tests/test_intrinsics.py``'s reduce-add case)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(np.float32)
 
