@@ -3,7 +3,8 @@
 # a short table last. Usage (on the GPU host, from the repo root):
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite (gpu-suite-gemm + gpu-suite-rest: the same in two
-#        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics
+#        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics pytest / pytest2 (one process:
+#        $PYTEST_ARGS / $PYTEST_ARGS2, e.g. "tests/test_gemm_fp8.py -k wgrad")
 #        launch-suite layer-suite demo bench-schedule bench-schedule-kernels bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
@@ -22,7 +23,8 @@
 #        tiles 128x256 / 128x128 vs our bf16 GEMM in turns, bits compared: probe_fp8_ncu
 #        --time; NCU_SHAPES, FP8_TILES) probe-fp8-wgrad (the routed weight gradients in FP8
 #        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS, PROBE_FP8_VARIANTS
-#        e.g. 256s3,128s4,256s3f32,256s3acc (acc: FP32 added to, and the bf16 kernel's the same),
+#        e.g. 256s3,128s4,256s3f32,256s3acc (acc: FP32 added to, and the bf16 kernel's the same
+#        at PROBE_ACC_TILES, e.g. 256s3,128s4),
 #        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather) probe-staged (our bf16 GEMM's staged epilogue with its base
@@ -91,6 +93,8 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
+    pytest) step pytest $PYT -s $PYTEST_ARGS ;;   # one process: PYTEST_ARGS="files -k ..."
+    pytest2) step pytest2 $PYT -s $PYTEST_ARGS2 ;;
     probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
          --nproc-per-node="$NGPU" benchmarks/probes/probe_host.py --preset "$p" \
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # eager vs compiled; launcher vs numba's dispatcher
@@ -165,7 +169,8 @@ for s in "$@"; do
     probe-fp8) step probe-fp8 python3 benchmarks/probes/probe_fp8_ncu.py --time ;;
     probe-fp8-wgrad) step probe-fp8-wgrad python3 benchmarks/probes/probe_fp8_wgrad.py \
          --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" \
-         --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" ;;
+         --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
+         --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     probe-staged) step probe-staged python3 benchmarks/probes/probe_staged_base.py \
          --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" ;;

@@ -3,6 +3,7 @@
     python benchmarks/probes/probe_fp8_wgrad.py [--presets kimi-k2.7,qwen3.5-397b]
                                                 [--tokens 8192] [--iters 10]
                                                 [--variants 256s3,128s4,256s3f32,256s3acc]
+                                                [--acc-tiles 256s3,128s4]
                                                 [--profile]
                                                 [--parts prod,hoisted,no-store,no-epi,...]
 
@@ -21,8 +22,10 @@ the first expert's gradient, and ``fill``: torch zeroing the gradient's bf16 byt
 ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel;
 ``fill / it`` for the bf16 variants). ``--variants``: the fp8 kernel's tile width, ring depth
 and FP32 output instead of bf16 -- ``f32``, or ``acc``: added to (main-grad; then our bf16
-kernel's FP32 accumulation, ``bf16acc``, is timed too) --, each
-timed in the same turns (the first is the table's, and not ``acc``). ``--parts``: the first
+kernel's FP32 accumulation, ``bf16acc``, is timed too, at ``WGRAD_WGMMA_GEMM``'s tile or
+each of ``--acc-tiles``, beside ``add32``: torch adding to the FP32 gradient in place, the
+same bytes read and written) --, each timed in the same turns (the first is the table's,
+and not ``acc``). ``--parts``: the first
 variant's kernel built with one part changed (``sm90_fp8``'s globals patched while it is built
 and compiled; HOPPER.md: time variants that leave a stage out, take differences) --
 ``hoisted`` (the epilogue's staging addresses left to the compiler, which hoists them out of
@@ -113,7 +116,7 @@ def main():
 
     from benchmarks.bench_ffn import ffn_inputs, interleaved_ms
     from benchmarks.common import numba_stream
-    from mok_core.gemm import fp8_wgrad, wgrad
+    from mok_core.gemm import GemmConfig, fp8_wgrad, wgrad
     from mok_core.quantize import quantize_fp8
     from mok_comm.layer import WGRAD_WGMMA_GEMM
     ap = argparse.ArgumentParser()
@@ -121,6 +124,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default="256s3")
+    ap.add_argument("--acc-tiles", default="")
     ap.add_argument("--parts", default="")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
@@ -133,6 +137,14 @@ def main():
     if next(iter(variants.values()))[2] == "acc":
         raise SystemExit("--variants: the first (the rel-L1's) must not accumulate")
     acc = any(v[2] == "acc" for v in variants.values())
+    acc_tiles = {}                            # the bf16 kernel's tiles for FP32 added to
+    for v in filter(None, args.acc_tiles.split(",")):
+        m = re.fullmatch(r"(\d+)s(\d+)", v)
+        if m is None:
+            raise SystemExit(f"--acc-tiles: {v!r} is not BNsSTAGES")
+        acc_tiles[v] = GemmConfig(bm=128, bn=int(m[1]), bk=64, wm=2, wn=1, stages=int(m[2]),
+                                  mma="wgmma")
+    acc_tiles = acc_tiles or {"": WGRAD_WGMMA_GEMM}
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -189,12 +201,20 @@ def main():
         }
 
         if acc:                               # main-grad: FP32 outputs added to
-            steps["bf16acc gate|up"] = lambda: wgrad(
-                d_gu.view(u16), None, x.view(u16), index, off, nr, outs["g32"], outs["u32"], I,
-                accumulate=True, config=WGRAD_WGMMA_GEMM, stream=numba_stream())
-            steps["bf16acc down"] = lambda: wgrad(
-                d_out.view(u16), index, h.view(u16), None, off, nr, outs["d32"], None, H,
-                accumulate=True, config=WGRAD_WGMMA_GEMM, stream=numba_stream())
+            def bf16acc(part, cfg):
+                if part == "gate|up":
+                    return lambda: wgrad(
+                        d_gu.view(u16), None, x.view(u16), index, off, nr, outs["g32"],
+                        outs["u32"], I, accumulate=True, config=cfg, stream=numba_stream())
+                return lambda: wgrad(
+                    d_out.view(u16), index, h.view(u16), None, off, nr, outs["d32"], None, H,
+                    accumulate=True, config=cfg, stream=numba_stream())
+            for tile, cfg in acc_tiles.items():
+                for part in ("gate|up", "down"):
+                    steps[f"bf16acc{tile} {part}"] = bf16acc(part, cfg)
+            # the ceiling: torch adding to the FP32 gradient in place (its bytes read, written)
+            steps["add32 gate|up"] = lambda: (outs["g32"].add_(1.0), outs["u32"].add_(1.0))
+            steps["add32 down"] = lambda: outs["d32"].add_(1.0)
 
         def fp8_step(a, b, out, bn, stages, accumulate=False):
             return lambda: fp8_wgrad(*q[a], *q[b], off, nr, out, bn=bn, stages=stages,
@@ -243,14 +263,15 @@ def main():
                   f"x{b16 / f8:.2f} kernel, x{b16 / (f8 + qt):.2f} with quant  "
                   f"rel-L1 {rel:.4f}  fill {t[f'fill {part}']:.3f} ms", flush=True)
             if acc:
-                ba = t[f"bf16acc {part}"]
-                print(f"    bf16acc   {ba:7.3f} ms ({flop / ba / 1e9:4.0f} TFLOP/s)  "
-                      f"x{b16 / ba:.2f} (FP32 added to: twice the bytes, read and written)",
-                      flush=True)
+                for tile in acc_tiles:
+                    ba = t[f"bf16acc{tile} {part}"]
+                    print(f"    bf16acc{tile:6s} {ba:7.3f} ms ({flop / ba / 1e9:4.0f} TFLOP/s)  "
+                          f"x{b16 / ba:.2f} (FP32 added to)  add32 / it "
+                          f"{t[f'add32 {part}'] / ba:.2f}", flush=True)
             for v in variants:
                 ms, kind = t[f"fp8 {part} {v}"], variants[v][2]
                 note = {"bf16": f"  fill / it {t[f'fill {part}'] / ms:.2f}", "f32": "",
-                        "acc": f"  bf16acc / it {t.get(f'bf16acc {part}', 0) / ms:.2f}"}[kind]
+                        "acc": f"  add32 / it {t[f'add32 {part}'] / ms:.2f}"}[kind]
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
                       f"x{b16 / ms:.2f}{note}", flush=True)
             for p in filter(None, args.parts.split(",")):

@@ -617,15 +617,15 @@ def _check_fp8_table(E, entries, what):
         raise ValueError(f"{entries} {what}: the FP8 kernels' table counts them in 16 bits")
 
 
-def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False):
+def _check_fp8_tile(N, swiglu, bn, stages, wgrad=False, out_f32=False):
     """ValueError unless ``bn`` divides N (with ``swiglu``: twice the output columns) and the
-    ring of ``stages`` fits beside the staging."""
+    ring of ``stages`` fits beside the staging (WGRAD: of bf16 or, ``out_f32``, FP32 tiles)."""
     if bn not in (128, 256) or N % (bn // 2 if swiglu else bn):
         raise ValueError(f"bn={bn!r}: the tile width must be 128 or 256 and divide N={N} "
                          f"({'twice ' if swiglu else ''}the output columns)")
     if not isinstance(stages, (int, np.integer)) or stages < 2:
         raise ValueError(f"stages={stages!r}: must be an int >= 2")
-    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad)
+    need = sm90_fp8.smem_bytes(int(stages), bn, swiglu, wgrad, out_f32)
     if need > 227 * 1024:
         raise ValueError(f"stages={stages}, bn={bn}: {need} bytes of shared memory, over "
                          "227 KiB")
@@ -743,7 +743,8 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     m_split, out0, out1 = _wgrad_outputs(out0, out1, M if m_split is None else m_split, "128",
                                          128, E, M, N, accumulate, WGMMA_GEMM)
     bn, stages = _fp8_tile(N, False, bn, stages)
-    _check_fp8_tile(N, False, bn, stages, wgrad=True)
+    f32 = np.dtype((out1 if out0 is None else out0).dtype) == np.float32
+    _check_fp8_tile(N, False, bn, stages, wgrad=True, out_f32=f32)
     errors, tensor = _check_errors(errors, tensor)
     launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,

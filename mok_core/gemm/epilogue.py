@@ -453,23 +453,29 @@ def make_tma_epilogue(bn):
     return epilogue
 
 
-def make_tma_epilogue_f32(bn, accumulate):
+def make_tma_epilogue_f32(bn, accumulate, whole):
     """``make_tma_epilogue``'s ``epilogue`` for FP32 outputs (same arguments; the maps float32,
-    ``[TMA_BOX_ROWS, 32]`` boxes): the warp's 16 rows x BN columns are twice the bf16 staging
-    (which holds half a tile beside the ring), so they go in two halves, each staged into
-    BN / 64 swizzled [16][32] boxes and sent by one TMA instruction a box -- a store, or with
-    ``accumulate`` a reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so
-    the sum is the one ``out + acc`` rounds to, and deterministic) -- the second half staged
-    once the first's have read the staging. The NaN/Inf check folds the values staged (with
-    ``accumulate``: the addends -- a NaN/Inf already in the buffer came from an earlier call,
-    which reported it, or from the caller; an FP32 overflow of the add itself goes unseen);
-    a bad tile recounts from the registers."""
-    boxes = bn // 64                        # a half's [16][32] boxes
+    ``[TMA_BOX_ROWS, 32]`` boxes): the warp's 16 rows x BN columns staged into swizzled
+    [16][32] boxes and sent by one TMA instruction a box -- a store, or with ``accumulate`` a
+    reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so the sum is the one
+    ``out + acc`` rounds to, and deterministic). ``whole``: the staging holds the warp's
+    whole FP32 tile (BN / 32 boxes), sent at once; else half of it (BN / 64 boxes, what the
+    bf16 tile takes), the second half staged once the first's have read the staging -- a wait
+    in the middle of the epilogue on the TMA unit, which the reduce-adds' L2 traffic backs up.
+    The NaN/Inf check folds the values staged (with ``accumulate``: the addends -- a NaN/Inf
+    already in the buffer came from an earlier call, which reported it, or from the caller;
+    an FP32 overflow of the add itself goes unseen); a bad tile recounts from the
+    registers."""
     assert bn % 64 == 0
-    stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
-    stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
+    to_global = tma_reduce_add_2d if accumulate else tma_store_2d
+    if whole:
+        stage_all = tuple_fold(_stage_swizzled_f32_group, _plain_layout)
+        send_all = _make_box_sender(bn // 32, 32, to_global)
+    else:
+        stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
+        stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
+        send_half = _make_box_sender(bn // 64, 32, to_global)
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
-    send_half = _make_box_sender(boxes, 32, tma_reduce_add_2d if accumulate else tma_store_2d)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
@@ -480,14 +486,18 @@ def make_tma_epilogue_f32(bn, accumulate):
         zero = float32(0.0)
         # (every lane waits: lane 0's groups are the warp's only ones, and a wait on a branch
         # of lane 0 would make ptxas serialise the wgmmas)
-        bulk_wait_read(0)              # the previous tile's second half has read the staging
+        bulk_wait_read(0)              # the previous tile's boxes have read the staging
         syncwarp()
-        y = stage0(acc, (zero, zero), (smem, base, hq))
-        send_half(smem, maps, elem, grow, col0, epi0, lane)
-        bulk_wait_read(0)              # ... and this tile's first half
-        syncwarp()
-        y = stage1(acc, y, (smem, base, hq))
-        send_half(smem, maps, elem, grow, col0 + bn // 2, epi0, lane)
+        if whole:
+            y = stage_all(acc, (zero, zero), (smem, base, hq))
+            send_all(smem, maps, elem, grow, col0, epi0, lane)
+        else:
+            y = stage0(acc, (zero, zero), (smem, base, hq))
+            send_half(smem, maps, elem, grow, col0, epi0, lane)
+            bulk_wait_read(0)          # ... and this tile's first half
+            syncwarp()
+            y = stage1(acc, y, (smem, base, hq))
+            send_half(smem, maps, elem, grow, col0 + bn // 2, epi0, lane)
         # a clean tile costs one vote; else each lane counts its values, by row
         if warp_all(y[0] + y[1] == zero) == 0:
             n = count_tile(acc, (int32(0), int32(0)), (lane,))

@@ -115,10 +115,10 @@ from ..intrinsics import (bulk_wait, f32_zeros, fence_mbarrier_init, mbarrier_ar
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
                           wgmma_fence, wgmma_m64n128k32_e4m3, wgmma_m64n128k32_e4m3_fresh,
                           wgmma_wait)
-from .epilogue import TMA_BOX_BYTES, make_coalesced_epilogue
+from .epilogue import make_coalesced_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
-from .sm90_wgrad import make_epilogues, output_maps
+from .sm90_wgrad import make_epilogues, output_maps, warp_staging_bytes
 from .tensor_map import MAP_ELEMS, tensor_maps
 
 BM = 128                      # tile rows: 2 warpgroups of 64
@@ -141,21 +141,15 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
     align the ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute
-    warps' TMA boxes: a bf16 tile, or half an FP32 one)."""
+    warps' TMA boxes, ``sm90_wgrad.warp_staging_bytes``)."""
     cols = bn // 2 if swiglu_epilogue else bn
     staging = BM * (2 * cols + 16)
     if wgrad:
-        staging = 8 * _warp_staging_bytes(bn)
+        staging = 8 * warp_staging_bytes(bn, out_f32)
     return _TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES + staging
-
-
-def _warp_staging_bytes(bn):
-    """WGRAD: one warp's staging, its 16 rows of a bf16 tile (half an FP32 one) as BN / 64
-    swizzled TMA boxes."""
-    return (bn // 64) * TMA_BOX_BYTES
 
 
 @kjit(device=True, inline="always")
@@ -264,7 +258,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
-    warp_staging = _warp_staging_bytes(bn)
+    warp_staging = warp_staging_bytes(bn, out_f32)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (bm + bn) * ROW_BYTES
     a_boxes = bm // BOX_ROWS
@@ -452,7 +446,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             if wgrad:                          # the warp's last stores land before the exit
                 bulk_wait(0)
 
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad)
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad, out_f32)
     return kernel
 
 

@@ -215,7 +215,8 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     of ``maps``, staged at the shared byte address ``epi0`` -- bf16 by
     ``epilogue.make_tma_epilogue``, FP32 by ``make_tma_epilogue_f32`` (stored, or added to
     with ``accumulate``)."""
-    tma_epilogue = make_tma_epilogue_f32(bn, accumulate) if out_f32 else make_tma_epilogue(bn)
+    tma_epilogue = (make_tma_epilogue_f32(bn, accumulate, f32_whole(bn)) if out_f32
+                    else make_tma_epilogue(bn))
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
@@ -227,18 +228,25 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     return epilogue
 
 
-def _warp_staging_bytes(bn):
-    """One warp's staging: its 16 rows of a bf16 tile (or half an FP32 one) as BN / 64
-    swizzled TMA boxes."""
-    return (bn // 64) * TMA_BOX_BYTES
+def f32_whole(bn):
+    """Whether a warp stages its rows of an FP32 tile ``bn`` wide whole (BN / 32 boxes: at
+    128 columns what a 256-wide bf16 tile takes) rather than half at a time."""
+    return bn <= 128
 
 
-def smem_bytes(bn, stages):
+def warp_staging_bytes(bn, out_f32):
+    """One warp's staging: its 16 rows of a bf16 tile, or of an FP32 one (whole or half:
+    ``f32_whole``), as swizzled TMA boxes of 128-byte rows."""
+    boxes = bn // 32 if out_f32 and f32_whole(bn) else bn // 64
+    return boxes * TMA_BOX_BYTES
+
+
+def smem_bytes(bn, stages, out_f32=False):
     """Dynamic shared memory of one block: the full and empty mbarriers, slack to align the
     ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of BK 128-byte rows a stage), the 8
-    compute warps' staging (a bf16 tile, or half an FP32 one)."""
+    compute warps' staging (``warp_staging_bytes``)."""
     return (16 * stages + 1024 + stages * (128 + bn) // 64 * BK * ROW_BYTES
-            + 8 * _warp_staging_bytes(bn))
+            + 8 * warp_staging_bytes(bn, out_f32))
 
 
 def _make_tile_walk(bm, bn):
@@ -275,10 +283,10 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     box = BK * ROW_BYTES                    # one [BK][64] box of the ring
     stage_bytes = (bm + bn) // 64 * box
     a_stage = bm // 64 * box
-    warp_staging = _warp_staging_bytes(bn)
+    warp_staging = warp_staging_bytes(bn, out_f32)
     cpr_a = _operand_map(bm)[0]
     cpr_b = _operand_map(bn)[0]
-    nbytes = smem_bytes(bn, stages)
+    nbytes = smem_bytes(bn, stages, out_f32)
     if nbytes > 227 * 1024:
         raise ValueError(f"the wgmma wgrad's {bm} x {bn} tile with {stages} stages needs "
                          f"{nbytes} bytes of shared memory per block: over 227 KiB")

@@ -70,15 +70,18 @@ def sm90_fp8_make(*args, **kw):
     return make_fp8_gemm(*args, **kw)
 
 
-@pytest.mark.parametrize("bn,out", [(128, "bf16"), (256, "bf16"), (256, "f32"), (256, "acc")])
+@pytest.mark.parametrize("bn,out", [(128, "bf16"), (256, "bf16"), (256, "f32"), (256, "acc"),
+                                    (128, "acc")])
 def test_fp8_wgrad_lowers_unserialised(bn, out):
     """WGRAD (``make_fp8_gemm(wgrad=True)``): the forward's slice, ring and promotion with its
     own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
     operands by TMA from the producer (no cp.async), the TMA epilogue: bf16 (a store per 64
     columns, one fold a pair) or FP32 (8-byte shared stores, a store -- ``acc``: a reduce-add
-    -- per 32 columns, in two halves; the warps neither store nor load the output) -- and
+    -- per 32 columns, in two halves at 256 columns, whole at 128: ``sm90_wgrad.f32_whole``;
+    the warps neither store nor load the output) -- and
     ptxas keeps the wgmmas unserialised with no local memory in the K loop."""
     from mok_core.gemm import sm90_fp8
+    from mok_core.gemm.sm90_wgrad import f32_whole
     halves = bn // 128
     f32 = out != "bf16"
     ptx = compile_sm90a(sm90_fp8_make(3 if bn == 256 else 4, False, bn, False, False,
@@ -91,10 +94,12 @@ def test_fp8_wgrad_lowers_unserialised(bn, out):
     assert count(ptx, r"cp\.async\.cg\.shared\.global") == 0
     store = r"cp\.async\.bulk\.tensor\.2d\.global"
     add = r"cp\.reduce\.async\.bulk\.tensor\.2d\.global"
-    if f32:                     # two halves of BN / 64 boxes (the loops may roll)
+    if f32:                     # BN / 32 boxes, in two halves at 256 (the loops may roll)
         assert 2 <= count(ptx, add if out == "acc" else store) <= bn // 32
         assert count(ptx, store if out == "acc" else add) == 0
         assert count(ptx, r"st\.shared\.v2\.f32") == 32 * halves
+        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")
+        assert waits == (1 if f32_whole(bn) else 2), waits
     else:
         assert count(ptx, store) == 2 * halves
         assert count(ptx, add) == 0

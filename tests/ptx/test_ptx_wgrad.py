@@ -68,21 +68,24 @@ def _wgmma_wgrad_ptx(bm, bn, stages, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("bn,stages", [(256, 3), (64, 2)])
+@pytest.mark.parametrize("bn,stages", [(256, 3), (128, 4), (64, 2)])
 def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
-    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages) and the
-    narrowest one (2 stages, the shallowest ring): the arch-specific target, the two roles
+    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages), 128 x
+    128 (4 stages beside a whole FP32 tile's staging) and the narrowest one (2 stages, the
+    shallowest ring): the arch-specific target, the two roles
     meeting at mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas
     per slice carrying imm-trans-a 1 and imm-trans-b 1
     (both operands MN-major), one group left in flight in the K loop, the operands' rows by
     cp.async; the TMA epilogue (staged values, a proxy fence, TMA instructions a box -- the
     maps acquired first --, the staging reused after a wait for their reads, the stores
     waited before the exit; the warps store nor load no output themselves): bf16 pairs with
-    one fold each, or FP32 pairs by 8-byte shared stores in two halves (two waits for the
-    reads) and with ``accumulate`` TMA reduce-adds instead of stores; the NaN/Inf check; no
+    one fold each, or FP32 pairs by 8-byte shared stores (at 256 columns in two halves: two
+    waits for the reads; ``f32_whole``: one) and with ``accumulate`` TMA reduce-adds instead of stores; the NaN/Inf check; no
     local memory anywhere -- and ptxas keeps the wgmmas unserialised (C7518) without
     spills."""
     from ptx_util import assemble_sm90a
+
+    from mok_core.gemm.sm90_wgrad import f32_whole
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
@@ -110,7 +113,8 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     add = r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\.bulk_group"
     if out_f32:
         assert count(ptx, r"st\.shared\.v2\.f32") == values // 2    # a pair each
-        assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 2   # between halves
+        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")   # (+1 between halves)
+        assert waits == (1 if f32_whole(bn) else 2), waits
         assert 2 <= count(ptx, add if accumulate else store) <= bn // 32  # a box each (may roll)
         assert count(ptx, store if accumulate else add) == 0
     else:
