@@ -4,7 +4,7 @@
 #   source .gpu-kit/setup.sh && bash benchmarks/gpu_run.sh env cpu-suite gpu-suite bench-ffn ...
 # Steps: env cpu-suite cpu-core gpu-suite (gpu-suite-gemm + gpu-suite-rest: the same in two
 #        calls) gpu-k (tests/gpu -k "$PYTEST_K") intrinsics pytest / pytest2 (one process:
-#        $PYTEST_ARGS / $PYTEST_ARGS2, e.g. "tests/test_gemm_fp8.py -k wgrad")
+#        files $PYTEST_ARGS / $PYTEST_ARGS2, -k $PYTEST_KX / $PYTEST_KX2)
 #        launch-suite layer-suite demo bench-schedule bench-schedule-kernels bench-ffn bench-ffn-sweep bench-ffn-quick
 #        bench-layer-4096 bench-layer-symm bench-layer bench-layer-t (LAYER_TOKENS) bench-comm
 #        bench-layer-dispatch (LAYER_PRESETS, LAYER_TOKENS, LAYER_DISPATCH: the layer with the
@@ -93,8 +93,8 @@ for s in "$@"; do
     gpu-k) export SUITE=gpuk; step gpu-k torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu -k "${PYTEST_K:-tma}"; rank_logs gpuk ;;
     intrinsics) step intrinsics $PYT tests/test_intrinsics.py ;;
-    pytest) step pytest $PYT -s $PYTEST_ARGS ;;   # one process: PYTEST_ARGS="files -k ..."
-    pytest2) step pytest2 $PYT -s $PYTEST_ARGS2 ;;
+    pytest) step pytest $PYT -s $PYTEST_ARGS ${PYTEST_KX:+-k "$PYTEST_KX"} ;;   # one process
+    pytest2) step pytest2 $PYT -s $PYTEST_ARGS2 ${PYTEST_KX2:+-k "$PYTEST_KX2"} ;;
     probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
          --nproc-per-node="$NGPU" benchmarks/probes/probe_host.py --preset "$p" \
          --tokens "${PROBE_TOKENS:-4096}"; done ;;   # eager vs compiled; launcher vs numba's dispatcher
