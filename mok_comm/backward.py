@@ -76,10 +76,10 @@ GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two da
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,
 weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
-(mma.sync); the weight gradients on ``layer.wgrad_gemm``: the wgmma kernel (``sm90_wgrad``,
-both operands MN-major) where the forward's tiles are wgmma and the shape splits into its
-tile, else mma.sync (``fp8_wgrad``: the routed ones on ``sm90_fp8``'s WGRAD, its tile by
-N). The routed d_x rows are written, then pushed home by the combine kernel on either path.
+(mma.sync); the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
+``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
+forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
+the routed ones on ``sm90_fp8``'s WGRAD, its tile by N, 128 wide into FP32). The routed d_x rows are written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
@@ -320,6 +320,11 @@ def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
                      stream=stream, **report)
 
 
+def _wgrad_tiles(layer: Layer, accumulate):
+    """The bf16 weight gradients' tiles: FP32 added to (main-grad) has its own."""
+    return layer.main_grad_gemm if accumulate else layer.wgrad_gemm
+
+
 def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
     """dW_down[e] = sum_r d_out[t_r]^T (w_r h_r) (the shared expert: w = 1, h itself). FP8:
     d_out^T (1 x 128) and (w h)^T (128 x 128) quantised along the layout's rows."""
@@ -332,7 +337,8 @@ def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
                              (d_w_down, None, layer.shape.hidden), accumulate, stream)
         return
     launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
-                 layer.shape.hidden, accumulate=accumulate, config=layer.wgrad_gemm,
+                 layer.shape.hidden, accumulate=accumulate,
+                 config=_wgrad_tiles(layer, accumulate),
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
@@ -348,7 +354,8 @@ def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
                              (d_w_gate, d_w_up, layer.shape.intermediate), accumulate, stream)
         return
     launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,
-                 o.d_gu.shape[1] // 2, accumulate=accumulate, config=layer.wgrad_gemm,
+                 o.d_gu.shape[1] // 2, accumulate=accumulate,
+                 config=_wgrad_tiles(layer, accumulate),
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 

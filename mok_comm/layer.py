@@ -46,7 +46,8 @@ fingerprint): ``backward_gemm`` (mma.sync: where the next two pick none of their
 ``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the forward's tiles are
 wgmma and the shape splits into it; else ``backward_gemm``) and ``wgrad_gemm`` (the weight
 gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are wgmma and the
-shape splits into it; else mma.sync). ``nbytes`` sums the buffers by name.
+shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients added to:
+``WGRAD_MAIN_GRAD_GEMM``). ``nbytes`` sums the buffers by name.
 ``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
 call (forward and backward calls alike).
 
@@ -317,19 +318,25 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB with
 # the staging apart; 4 do not fit). Not 192 rows: 384-thread wgmma kernels spill.
 WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
+# ... and with FP32 weight gradients added to (main-grad): 128 x 128, so a warp stages its
+# rows of the FP32 tile whole (no wait for the TMA unit's reads mid-epilogue) beside a
+# 4-slice ring; measured faster than 128 x 256 in halves (docs/perf.md, "Main-grad").
+WGRAD_MAIN_GRAD_GEMM = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 
 
-def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = ()) -> GemmConfig:
+def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = (),
+               main_grad: bool = False) -> GemmConfig:
     """The tiles of the backward's weight-gradient GEMMs (``wgrad``: dW_gate | dW_up, M = 2I
     split at I (2 I_s at I_s), N = H; dW_down, M = H, N = I or I_s; K = an expert's rows).
 
-    ``WGRAD_WGMMA_GEMM`` (wgmma) on a GPU when the forward's tiles ``forward`` are wgmma -- the
-    forward runs on Hopper -- and H, I and I_s are multiples of its bm and bn (M, N and the
-    split; no row alignment: the rows are its K, zero-filled past each expert). Else
-    ``WGRAD_GEMM`` (mma.sync) where they split into its tiles (on a GPU), else ``backward``
-    (the rest of the backward's tiles; the simulator's ``SIM_GEMM``: it cannot run wgmma)."""
+    ``WGRAD_WGMMA_GEMM`` (``main_grad``: FP32 added to, ``WGRAD_MAIN_GRAD_GEMM``; wgmma) on a
+    GPU when the forward's tiles ``forward`` are wgmma -- the forward runs on Hopper -- and H,
+    I and I_s are multiples of its bm and bn (M, N and the split; no row alignment: the rows
+    are its K, zero-filled past each expert). Else ``WGRAD_GEMM`` (mma.sync) where they split
+    into its tiles (on a GPU), else ``backward`` (the rest of the backward's tiles; the
+    simulator's ``SIM_GEMM``: it cannot run wgmma)."""
     dims = (shape.hidden, shape.intermediate, shape.shared_intermediate)
-    g = WGRAD_WGMMA_GEMM
+    g = WGRAD_MAIN_GRAD_GEMM if main_grad else WGRAD_WGMMA_GEMM
     if (not SIM and forward and all(f.mma == "wgmma" for f in forward)
             and all(not n % t for n in dims for t in (g.bm, g.bn))):
         return g
@@ -509,6 +516,8 @@ class Layer:
         # where the forward's are (derived like dgrad_gemm: not in the fingerprint)
         self.wgrad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down))
                            if backward else None)
+        self.main_grad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down), True)
+                               if backward else None)
         # the data gradients': wgmma where the forward's are and the shape splits into them
         # (derived from the shape, config and forward tiles: not in the fingerprint)
         self.dgrad_gemm = (dgrad_gemm(shape, config, (gemm, gemm_down), self.backward_gemm)
@@ -594,6 +603,7 @@ def agreement_phases(layer: Layer, stream=0):
 
 
 __all__ = ["BackwardBuffers", "DGRAD_GEMM", "FP8Weights", "ForwardContext", "Layer",
-           "WGRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "WeightsFP8", "agreement_phases",
+           "WGRAD_GEMM", "WGRAD_MAIN_GRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "WeightsFP8",
+           "agreement_phases",
            "backward_gemm", "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights",
            "wgrad_gemm"]

@@ -333,12 +333,13 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     d_gu [C, 2I] direct, B = x gathered, split at I) or dW_down = d_out^T (w h) (A = d_out
     gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` vs
     float64 on 3 whole experts (the largest, the empty one, the last), and FP32 added to
-    (main-grad) likewise; then the TFLOP/s (useful rows) and output GB/s of the wgmma and the
-    mma.sync wgrad (``WGRAD_GEMM``) and the main-grad launch's time, printed."""
+    (main-grad, on ``WGRAD_MAIN_GRAD_GEMM``) likewise; then the TFLOP/s (useful rows) and
+    output GB/s of the wgmma and the mma.sync wgrad (``WGRAD_GEMM``) and the main-grad
+    launch's time, printed."""
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         pytest.skip("the wgmma wgrad needs sm_90")
-    from mok_comm.layer import WGRAD_WGMMA_GEMM
+    from mok_comm.layer import WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM
     from mok_core.cuda_compat import device_full
     from mok_core.gemm import launch_wgrad
     H, I, E, T, k = 4096, 1024, 512, 4096, 10
@@ -378,12 +379,12 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
         _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E)
     # main-grad: FP32 added to (the layer's accumulate=True: TMA reduce-adds) on the layer's
-    # tile, into buffers holding 0.5
+    # main-grad tile, into buffers holding 0.5
     acc0 = device_full((E, m_split, N), 0.5, np.float32)          # (17 GB for gate/up)
     acc1 = acc0 if m_split == M else device_full((E, M - m_split, N), 0.5, np.float32)
     word = cuda.to_device(err.initial_error_word())
     wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"], dev["off"], dev["nr"], acc0, acc1,
-          m_split, accumulate=True, config=cfg, errors=word)
+          m_split, accumulate=True, config=WGRAD_MAIN_GRAD_GEMM, errors=word)
     cuda.synchronize()
     np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
     _check_experts(acc0, acc1, a, a_index, b, b_index, off, counts, E, added_to=0.5)
@@ -395,7 +396,7 @@ def test_wgmma_wgrad_real_shape(use, capsys):
                                            dev["off"], dev["nr"], *outs, m_split,
                                            accumulate=accumulate, config=c), 10, 1)
     ms = {"wgmma": timed(cfg), "128x128 s4": timed(cfg2), "mma_sync": timed(WGRAD_GEMM)}
-    acc_ms = timed(cfg, (acc0, acc1), True)
+    acc_ms = timed(WGRAD_MAIN_GRAD_GEMM, (acc0, acc1), True)
     with capsys.disabled():
         print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(
             f"{name}: {v:.3f} ms = {flop / v / 1e9:.0f} TFLOP/s, {gbytes / v * 1e3:.0f} GB/s out"

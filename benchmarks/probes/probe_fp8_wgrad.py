@@ -22,8 +22,8 @@ the first expert's gradient, and ``fill``: torch zeroing the gradient's bf16 byt
 ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds the kernel;
 ``fill / it`` for the bf16 variants). ``--variants``: the fp8 kernel's tile width, ring depth
 and FP32 output instead of bf16 -- ``f32``, or ``acc``: added to (main-grad; then our bf16
-kernel's FP32 accumulation, ``bf16acc``, is timed too, at ``WGRAD_WGMMA_GEMM``'s tile or
-each of ``--acc-tiles``, beside ``add32``: torch adding to the FP32 gradient in place, the
+kernel's FP32 accumulation, ``bf16acc``, is timed too, at ``WGRAD_MAIN_GRAD_GEMM``'s tile
+or each of ``--acc-tiles``, beside ``add32``: torch adding to the FP32 gradient in place, the
 same bytes read and written) --, each timed in the same turns (the first is the table's,
 and not ``acc``). ``--parts``: the first
 variant's kernel built with one part changed (``sm90_fp8``'s globals patched while it is built
@@ -118,7 +118,7 @@ def main():
     from benchmarks.common import numba_stream
     from mok_core.gemm import GemmConfig, fp8_wgrad, wgrad
     from mok_core.quantize import quantize_fp8
-    from mok_comm.layer import WGRAD_WGMMA_GEMM
+    from mok_comm.layer import WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="kimi-k2.7,qwen3.5-397b")
     ap.add_argument("--tokens", type=int, default=8192)
@@ -144,7 +144,7 @@ def main():
             raise SystemExit(f"--acc-tiles: {v!r} is not BNsSTAGES")
         acc_tiles[v] = GemmConfig(bm=128, bn=int(m[1]), bk=64, wm=2, wn=1, stages=int(m[2]),
                                   mma="wgmma")
-    acc_tiles = acc_tiles or {"": WGRAD_WGMMA_GEMM}
+    acc_tiles = acc_tiles or {"": WGRAD_MAIN_GRAD_GEMM}
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))

@@ -40,6 +40,7 @@ def per_tile_factory():
 
 
 _BUILT = {}                   # the per-tile kernels, built once a process
+_LIBRARY = []                 # sm90._kernel as the library has it (patched while a step runs)
 
 
 def _per_tile_kernel(*args, **kw):
@@ -51,7 +52,7 @@ def _per_tile_kernel(*args, **kw):
         saved = sm90.make_staged_epilogue
         sm90.make_staged_epilogue = per_tile_factory()
         try:
-            _BUILT[key] = sm90._kernel.__wrapped__(*args, **kw)
+            _BUILT[key] = _LIBRARY[0].__wrapped__(*args, **kw)
         finally:
             sm90.make_staged_epilogue = saved
     return _BUILT[key]
@@ -63,6 +64,7 @@ def per_tile_launch(fn):
 
     def step():
         cached = sm90._kernel
+        _LIBRARY[:] = [cached]
         sm90._kernel = _per_tile_kernel
         try:
             fn()

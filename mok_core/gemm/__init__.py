@@ -74,6 +74,14 @@ def _fp8_tile(N, swiglu, bn, stages):
     return bn, FP8_TILES.get(bn, 4) if stages is None else stages
 
 
+def _fp8_wgrad_tile(N, out, bn, stages):
+    """``_fp8_tile`` of the FP8 weight gradient into ``out``: float32 outputs take 128-wide
+    tiles by default (a warp's rows of one staged whole: measured faster, docs/perf.md)."""
+    if bn is None and np.dtype(out.dtype) == np.float32:
+        bn = 128
+    return _fp8_tile(N, False, bn, stages)
+
+
 def _error_word(errors):
     """``errors``, or (None) this device's scratch word that nobody reads: the kernels always
     check, so there is one production path."""
@@ -691,7 +699,7 @@ def launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out
                      accumulate=False, stages=None, bn=None, stream=0, errors=None,
                      tensor=err.NF_WEIGHT_GRADS, rank=0):
     """``fp8_wgrad`` without the checks (arguments as there: the layer's checked views)."""
-    bn, stages = _fp8_tile(b.shape[0], False, bn, stages)
+    bn, stages = _fp8_wgrad_tile(b.shape[0], out1 if out0 is None else out0, bn, stages)
     sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1,
                               m_split, accumulate=accumulate, stages=int(stages), bn=bn,
                               stream=stream, errors=_error_word(errors), tensor=tensor,
@@ -720,8 +728,8 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     transpose=True, num_rows=)`` quantises zeros from num_rows to the end of its 128-row
     block, and the layer's ``mok_core.wgrad_rows`` layout zeros past each expert's rows through
     its index). ``bn`` / ``stages``: the
-    tile's width and ring depth (None: ``FP8_TILES``'s for N). ``errors``, ``tensor``,
-    ``rank``: NaN/Inf written, as ``wgrad``'s."""
+    tile's width and ring depth (None: ``FP8_TILES``'s for N, 128 wide for float32 outputs).
+    ``errors``, ``tensor``, ``rank``: NaN/Inf written, as ``wgrad``'s."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
     M, R = a.shape
@@ -742,9 +750,10 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     # (its bf16 tiles are stored by TMA, as the wgmma kernels' are: WGMMA_GEMM's checks)
     m_split, out0, out1 = _wgrad_outputs(out0, out1, M if m_split is None else m_split, "128",
                                          128, E, M, N, accumulate, WGMMA_GEMM)
-    bn, stages = _fp8_tile(N, False, bn, stages)
-    f32 = np.dtype((out1 if out0 is None else out0).dtype) == np.float32
-    _check_fp8_tile(N, False, bn, stages, wgrad=True, out_f32=f32)
+    out = out1 if out0 is None else out0
+    bn, stages = _fp8_wgrad_tile(N, out, bn, stages)
+    _check_fp8_tile(N, False, bn, stages, wgrad=True,
+                    out_f32=np.dtype(out.dtype) == np.float32)
     errors, tensor = _check_errors(errors, tensor)
     launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,

@@ -130,16 +130,21 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
 
 
 def test_layer_wgrad_gemm_choice():
-    """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256) behind a wgmma forward at the presets' shapes,
-    a tile ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync forward or
-    where H, I or I_s is no multiple of the wgmma tile's sides (and the backward's tiles where
-    not even that one fits)."""
-    from mok_comm.layer import WGRAD_GEMM, WGRAD_WGMMA_GEMM, backward_gemm, wgrad_gemm
+    """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256; main-grad's ``WGRAD_MAIN_GRAD_GEMM``, 128 x 128
+    staging a whole FP32 tile) behind a wgmma forward at the presets' shapes, tiles
+    ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync forward or where H, I
+    or I_s is no multiple of the wgmma tile's sides (and the backward's tiles where not even
+    that one fits)."""
+    from mok_comm.layer import (WGRAD_GEMM, WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM,
+                                backward_gemm, wgrad_gemm)
     from mok_core.config import LayerShape, MoKConfig, preset
     from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM
-    from mok_core.gemm.sm90_wgrad import tile_ok
+    from mok_core.gemm.sm90_wgrad import f32_whole, smem_bytes, tile_ok
     g = WGRAD_WGMMA_GEMM
+    mg = WGRAD_MAIN_GRAD_GEMM
     assert g.mma == "wgmma" and tile_ok(g.bm, g.bn)
+    assert mg.mma == "wgmma" and tile_ok(mg.bm, mg.bn) and f32_whole(mg.bn)
+    assert smem_bytes(mg.bn, mg.stages, True) <= 227 * 1024
     cfg = MoKConfig()
     for name in ("qwen3.5-397b", "kimi-k2.7", "glm-5.2"):
         for ep in (1, 8):
@@ -147,6 +152,7 @@ def test_layer_wgrad_gemm_choice():
             bwd = backward_gemm(shape, cfg)
             for fwd in (WGMMA_GEMM, WGMMA_192_GEMM):
                 assert wgrad_gemm(shape, bwd, (fwd, fwd)) is g, (name, ep, fwd)
+                assert wgrad_gemm(shape, bwd, (fwd, fwd), main_grad=True) is mg
             assert wgrad_gemm(shape, bwd, (MMA_SYNC_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd, (WGMMA_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd) is WGRAD_GEMM
