@@ -61,10 +61,10 @@ The caller acquires the maps before the first store and waits for the last store
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
 FP32 TMA epilogue (``make_tma_epilogue_f32``: the weight gradients' FP32 outputs, stored or --
-main-grad -- added to): steps 1-3 twice, a half tile's columns at a time (the warp's FP32
-rows are twice the bf16 staging), [16][32] boxes of the same swizzle (one thread's pair an
-8-byte ``st.shared.v2.f32``), and with ``accumulate`` a TMA reduce-add per box instead of a
-store: the adds happen at L2, no warp loads the old values. Each output element gets one add
+main-grad -- added to): steps 1-3 once up to 128 columns (a warp's FP32 rows staged whole),
+else twice, a half tile's columns at a time (at 256 they are twice the bf16 staging), [16][32]
+boxes of the same swizzle (one thread's pair an 8-byte ``st.shared.v2.f32``), and with
+``accumulate`` a TMA reduce-add per box instead of a store: the adds happen at L2, no warp loads the old values. Each output element gets one add
 a launch (one tile owns it), so the sums are deterministic. Step 4 folds the FP32 values
 (one fma each) and a bad tile recounts from the registers.
 

@@ -64,7 +64,8 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                output, and staging, reading back and storing by the warps themselves left the
                tensor cores idle for longer than they worked (docs/perf.md). FP32:
                ``epilogue.make_tma_epilogue_f32``, the same through FP32 maps ([16][32]
-               boxes) half a tile at a time -- the staging holds half an FP32 tile -- and
+               boxes), a warp's rows whole up to BN = 128 (``f32_whole``), else half a
+               tile at a time -- the staging holds half a 256-wide FP32 tile -- and
                with ACCUMULATE a TMA reduce-add a box (each element added once at L2: no
                warp reads the old values; main-grad). What is written is checked for NaN/Inf
                on the way (a clean tile: one fold per written value or pair and one warp
