@@ -64,9 +64,10 @@ FP32 TMA epilogue (``make_tma_epilogue_f32``: the weight gradients' FP32 outputs
 main-grad -- added to): steps 1-3 once up to 128 columns (a warp's FP32 rows staged whole),
 else twice, a half tile's columns at a time (at 256 they are twice the bf16 staging), [16][32]
 boxes of the same swizzle (one thread's pair an 8-byte ``st.shared.v2.f32``), and with
-``accumulate`` a TMA reduce-add per box instead of a store: the adds happen at L2, no warp loads the old values. Each output element gets one add
-a launch (one tile owns it), so the sums are deterministic. Step 4 folds the FP32 values
-(one fma each) and a bad tile recounts from the registers.
+``accumulate`` a TMA reduce-add per box instead of a store: the adds happen at L2, no warp
+loads the old values. Each output element gets one add a launch (one tile owns it), so the
+sums are deterministic. Step 4 folds the FP32 values (one fma each) and a bad tile recounts
+from the registers.
 
 The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
 compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses
@@ -460,9 +461,8 @@ def make_tma_epilogue_f32(bn, accumulate, whole):
     reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so the sum is the one
     ``out + acc`` rounds to, and deterministic). ``whole``: the staging holds the warp's
     whole FP32 tile (BN / 32 boxes), sent at once; else half of it (BN / 64 boxes, what the
-    bf16 tile takes), the second half staged once the first's have read the staging -- a wait
-    in the middle of the epilogue on the TMA unit, which the reduce-adds' L2 traffic backs up.
-    The NaN/Inf check folds the values staged (with ``accumulate``: the addends -- a NaN/Inf
+    bf16 tile takes), the second half staged once the first's have read the staging (a wait
+    on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged (with ``accumulate``: the addends -- a NaN/Inf
     already in the buffer came from an earlier call, which reported it, or from the caller;
     an FP32 overflow of the add itself goes unseen); a bad tile recounts from the
     registers."""
