@@ -355,9 +355,9 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
             with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages); outputs 16-byte
             aligned (TMA stores, and for ``accumulate`` TMA reduce-adds). None:
-            ``default_gemm()`` where that is mma.sync, else ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel, as the layer's
-            backward does on Hopper where the shape fits its tile:
-            ``mok_comm.layer.wgrad_gemm``).
+            ``default_gemm()`` where that is mma.sync, else ``MMA_SYNC_GEMM`` (pass a wgmma
+            config for the wgmma kernel, as the layer's backward does on Hopper where the
+            shape fits its tile: ``mok_comm.layer.wgrad_gemm``).
         errors, tensor, rank: NaN/Inf written (checked always) are recorded in the error word
             ``errors`` (None: a scratch word nobody reads) as tensor id ``tensor`` seen on
             ``rank``, with the smallest output row m (of D_e) and the local expert.

@@ -462,10 +462,10 @@ def make_tma_epilogue_f32(bn, accumulate, whole):
     ``out + acc`` rounds to, and deterministic). ``whole``: the staging holds the warp's
     whole FP32 tile (BN / 32 boxes), sent at once; else half of it (BN / 64 boxes, what the
     bf16 tile takes), the second half staged once the first's have read the staging (a wait
-    on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged (with ``accumulate``: the addends -- a NaN/Inf
-    already in the buffer came from an earlier call, which reported it, or from the caller;
-    an FP32 overflow of the add itself goes unseen); a bad tile recounts from the
-    registers."""
+    on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged
+    (with ``accumulate``: the addends -- a NaN/Inf already in the buffer came from an earlier
+    call, which reported it, or from the caller; an FP32 overflow of the add itself goes
+    unseen); a bad tile recounts from the registers."""
     assert bn % 64 == 0
     to_global = tma_reduce_add_2d if accumulate else tma_store_2d
     if whole:

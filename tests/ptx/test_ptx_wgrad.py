@@ -80,9 +80,9 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     maps acquired first --, the staging reused after a wait for their reads, the stores
     waited before the exit; the warps store nor load no output themselves): bf16 pairs with
     one fold each, or FP32 pairs by 8-byte shared stores (at 256 columns in two halves: two
-    waits for the reads; ``f32_whole``: one) and with ``accumulate`` TMA reduce-adds instead of stores; the NaN/Inf check; no
-    local memory anywhere -- and ptxas keeps the wgmmas unserialised (C7518) without
-    spills."""
+    waits for the reads; ``f32_whole``: one) and with ``accumulate`` TMA reduce-adds instead
+    of stores; the NaN/Inf check; no local memory anywhere -- and ptxas keeps the wgmmas
+    unserialised (C7518) without spills."""
     from ptx_util import assemble_sm90a
 
     from mok_core.gemm.sm90_wgrad import f32_whole
