@@ -42,7 +42,8 @@
 #        -- the probes live in benchmarks/probes/
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
-#        gpu-suite-gemm and gpu-suite-rest in calls of their own)
+#        gpu-suite-gemm and gpu-suite-rest in calls of their own; gpu-train: SUITE_TIMEOUT,
+#        default 300 -- a fresh machine compiles its kernels: over 170 s in session 31)
 set -u
 OUT=${OUT:-/tmp/mok-gpu-out}
 mkdir -p "$OUT"
@@ -182,7 +183,7 @@ for s in "$@"; do
     probe-wgrad) step probe-wgrad python3 benchmarks/probes/probe_wgrad_parts.py \
          --presets "${PROBE_PRESETS:-glm-5.2,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
          --variants "${PROBE_VARIANTS:-prod}" --tiles "${PROBE_TILES:-}" --iters 8 ;;
-    gpu-train) export SUITE=gputrain; step gpu-train torchrun --standalone --nproc-per-node="$NGPU" \
+    gpu-train) export SUITE=gputrain; STEP_TIMEOUT=${SUITE_TIMEOUT:-300} step gpu-train torchrun --standalone --nproc-per-node="$NGPU" \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_module_gpu.py \
          tests/test_torch_module.py tests/test_torch_op.py; rank_logs gputrain ;;
     train-example) step train-example torchrun --standalone --nproc-per-node="$NGPU" \

@@ -10,8 +10,9 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
        [0, BN/2) and up columns [BN/2, BN) of the tile pair up into BN/2 hidden columns). The
        accumulator tuple is read at constant indices group by group (``tuple_fold``), never
        copied to local memory; each bf16 pair written is also folded into a running NaN/Inf
-       check (``fold_nonfinite_bf16x2``: one fma.rn.bf16x2, two chains: rows r and r + 8). ``stride`` = row bytes + 16, so the 8 rows of a store land in 8
-       different bank groups. ``save_pre`` (SWIGLU): the same pass also stores the FP32 gate
+       check (``fold_nonfinite_bf16x2``: one fma.rn.bf16x2, two chains: rows r and r + 8).
+       ``stride`` = row bytes + 16, so the 8 rows of a store land in 8 different bank
+       groups. ``save_pre`` (SWIGLU): the same pass also stores the FP32 gate
        and up values it reads, unclamped, straight from the registers into ``pre`` = (gate,
        up) float32 [C * N_out] (one 8-byte st_v2_f32 per pair: a warp's store covers 8 rows x
        32 contiguous bytes, whole sectors). Not staged: FP32 gate and up of a tile are 4x the
@@ -264,8 +265,8 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
     (``save_pre``: g and u into ``pre`` on the way, else ``pre`` is unused); ``stores``: this
     warp's rows are the expert's (else it does nothing); then step 4 with ``nf`` = (tensor id,
     rank, B's first weight row, weight rows per expert): the expert is their quotient,
-    computed on the bad path only. Returns it and the staging's bytes per tile row (the caller checks they
-    fit)."""
+    computed on the bad path only. Returns it and the staging's bytes per tile row (the
+    caller checks they fit)."""
     assert swiglu_epilogue or not save_pre
     out_row_bytes = (bn // 2 if swiglu_epilogue else bn) * 2     # bf16 of one output row
     stride = out_row_bytes + 16             # +16: a warp's 8 rows land in 8 bank groups
