@@ -315,7 +315,7 @@ def test_fp8_wgrad_splits_and_accumulates_fp32():
     np.testing.assert_array_equal(got, base + d)
     np.testing.assert_array_equal(got[1], base[1])
     # FP32 outputs take 128-wide tiles by default, a warp's rows staged whole
-    # (``sm90_wgrad.f32_whole``); 256-wide ones stage them half at a time: the same sums
+    # (``epilogue.f32_whole``); 256-wide ones stage them half at a time: the same sums
     f32_256 = to_dev(np.full((E, M, N), np.nan, np.float32))
     fp8_wgrad(*ops, f32_256, bn=256)
     np.testing.assert_array_equal(to_host(f32_256), d)

@@ -74,12 +74,14 @@ def _fp8_tile(N, swiglu, bn, stages):
     return bn, FP8_TILES.get(bn, 4) if stages is None else stages
 
 
-def _fp8_wgrad_tile(N, out, bn, stages):
-    """``_fp8_tile`` of the FP8 weight gradient into ``out``: float32 outputs take 128-wide
-    tiles by default (a warp's rows of one staged whole: measured faster, docs/perf.md)."""
-    if bn is None and np.dtype(out.dtype) == np.float32:
+def _fp8_wgrad_tile(N, out0, out1, bn, stages):
+    """(bn, stages, FP32 outputs) of the FP8 weight gradient into ``out0`` / ``out1`` (one may
+    be None): ``_fp8_tile``'s, but float32 outputs take 128-wide tiles by default (a warp's
+    rows of one staged whole: measured faster, docs/perf.md)."""
+    f32 = np.dtype((out1 if out0 is None else out0).dtype) == np.float32
+    if bn is None and f32:
         bn = 128
-    return _fp8_tile(N, False, bn, stages)
+    return (*_fp8_tile(N, False, bn, stages), f32)
 
 
 def _error_word(errors):
@@ -699,7 +701,7 @@ def launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out
                      accumulate=False, stages=None, bn=None, stream=0, errors=None,
                      tensor=err.NF_WEIGHT_GRADS, rank=0):
     """``fp8_wgrad`` without the checks (arguments as there: the layer's checked views)."""
-    bn, stages = _fp8_wgrad_tile(b.shape[0], out1 if out0 is None else out0, bn, stages)
+    bn, stages, _ = _fp8_wgrad_tile(b.shape[0], out0, out1, bn, stages)
     sm90_fp8.launch_fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1,
                               m_split, accumulate=accumulate, stages=int(stages), bn=bn,
                               stream=stream, errors=_error_word(errors), tensor=tensor,
@@ -750,10 +752,8 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     # (its bf16 tiles are stored by TMA, as the wgmma kernels' are: WGMMA_GEMM's checks)
     m_split, out0, out1 = _wgrad_outputs(out0, out1, M if m_split is None else m_split, "128",
                                          128, E, M, N, accumulate, WGMMA_GEMM)
-    out = out1 if out0 is None else out0
-    bn, stages = _fp8_wgrad_tile(N, out, bn, stages)
-    _check_fp8_tile(N, False, bn, stages, wgrad=True,
-                    out_f32=np.dtype(out.dtype) == np.float32)
+    bn, stages, f32 = _fp8_wgrad_tile(N, out0, out1, bn, stages)
+    _check_fp8_tile(N, False, bn, stages, wgrad=True, out_f32=f32)
     errors, tensor = _check_errors(errors, tensor)
     launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,

@@ -455,19 +455,26 @@ def make_tma_epilogue(bn):
     return epilogue
 
 
-def make_tma_epilogue_f32(bn, accumulate, whole):
+def f32_whole(bn):
+    """Whether a warp stages its rows of an FP32 tile ``bn`` wide whole (BN / 32 boxes: at
+    128 columns what a 256-wide bf16 tile takes) rather than half at a time."""
+    return bn <= 128
+
+
+def make_tma_epilogue_f32(bn, accumulate):
     """``make_tma_epilogue``'s ``epilogue`` for FP32 outputs (same arguments; the maps float32,
     ``[TMA_BOX_ROWS, 32]`` boxes): the warp's 16 rows x BN columns staged into swizzled
     [16][32] boxes and sent by one TMA instruction a box -- a store, or with ``accumulate`` a
     reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so the sum is the one
-    ``out + acc`` rounds to, and deterministic). ``whole``: the staging holds the warp's
-    whole FP32 tile (BN / 32 boxes), sent at once; else half of it (BN / 64 boxes, what the
-    bf16 tile takes), the second half staged once the first's have read the staging (a wait
-    on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged
+    ``out + acc`` rounds to, and deterministic). Up to 128 columns (``f32_whole``) the
+    staging holds the warp's whole FP32 tile (BN / 32 boxes), sent at once; else half of it
+    (BN / 64 boxes, what the bf16 tile takes), the second half staged once the first's have
+    read the staging (a wait on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged
     (with ``accumulate``: the addends -- a NaN/Inf already in the buffer came from an earlier
     call, which reported it, or from the caller; an FP32 overflow of the add itself goes
     unseen); a bad tile recounts from the registers."""
     assert bn % 64 == 0
+    whole = f32_whole(bn)
     to_global = tma_reduce_add_2d if accumulate else tma_store_2d
     if whole:
         stage_all = tuple_fold(_stage_swizzled_f32_group, _plain_layout)

@@ -64,7 +64,7 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                output, and staging, reading back and storing by the warps themselves left the
                tensor cores idle for longer than they worked (docs/perf.md). FP32:
                ``epilogue.make_tma_epilogue_f32``, the same through FP32 maps ([16][32]
-               boxes), a warp's rows whole up to BN = 128 (``f32_whole``), else half a
+               boxes), a warp's rows whole up to BN = 128 (``epilogue.f32_whole``), else half a
                tile at a time -- the staging holds half a 256-wide FP32 tile -- and
                with ACCUMULATE a TMA reduce-add a box (each element added once at L2: no
                warp reads the old values; main-grad). What is written is checked for NaN/Inf
@@ -117,7 +117,8 @@ from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_w
                           tensormap_acquire, warp_all, wgmma_commit, wgmma_fence,
                           wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
-from .epilogue import TMA_BOX_BYTES, TMA_BOX_ROWS, make_tma_epilogue, make_tma_epilogue_f32
+from .epilogue import (TMA_BOX_BYTES, TMA_BOX_ROWS, f32_whole, make_tma_epilogue,
+                       make_tma_epilogue_f32)
 from .sm80_wgrad import launch_with as _launch_with
 from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, ROW_BYTES, _require_arch, wait_phase,
                    warpgroup_fragment)
@@ -216,8 +217,7 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     of ``maps``, staged at the shared byte address ``epi0`` -- bf16 by
     ``epilogue.make_tma_epilogue``, FP32 by ``make_tma_epilogue_f32`` (stored, or added to
     with ``accumulate``)."""
-    tma_epilogue = (make_tma_epilogue_f32(bn, accumulate, f32_whole(bn)) if out_f32
-                    else make_tma_epilogue(bn))
+    tma_epilogue = make_tma_epilogue_f32(bn, accumulate) if out_f32 else make_tma_epilogue(bn)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
@@ -229,15 +229,9 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     return epilogue
 
 
-def f32_whole(bn):
-    """Whether a warp stages its rows of an FP32 tile ``bn`` wide whole (BN / 32 boxes: at
-    128 columns what a 256-wide bf16 tile takes) rather than half at a time."""
-    return bn <= 128
-
-
 def warp_staging_bytes(bn, out_f32):
     """One warp's staging: its 16 rows of a bf16 tile, or of an FP32 one (whole or half:
-    ``f32_whole``), as swizzled TMA boxes of 128-byte rows."""
+    ``epilogue.f32_whole``), as swizzled TMA boxes of 128-byte rows."""
     boxes = bn // 32 if out_f32 and f32_whole(bn) else bn // 64
     return boxes * TMA_BOX_BYTES
 

@@ -77,11 +77,11 @@ def test_fp8_wgrad_lowers_unserialised(bn, out):
     own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
     operands by TMA from the producer (no cp.async), the TMA epilogue: bf16 (a store per 64
     columns, one fold a pair) or FP32 (8-byte shared stores, a store -- ``acc``: a reduce-add
-    -- per 32 columns, in two halves at 256 columns, whole at 128: ``sm90_wgrad.f32_whole``;
+    -- per 32 columns, in two halves at 256 columns, whole at 128: ``epilogue.f32_whole``;
     the warps neither store nor load the output) -- and
     ptxas keeps the wgmmas unserialised with no local memory in the K loop."""
     from mok_core.gemm import sm90_fp8
-    from mok_core.gemm.sm90_wgrad import f32_whole
+    from mok_core.gemm.epilogue import f32_whole
     halves = bn // 128
     f32 = out != "bf16"
     ptx = compile_sm90a(sm90_fp8_make(3 if bn == 256 else 4, False, bn, False, False,

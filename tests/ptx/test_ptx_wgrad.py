@@ -85,7 +85,7 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     unserialised (C7518) without spills."""
     from ptx_util import assemble_sm90a
 
-    from mok_core.gemm.sm90_wgrad import f32_whole
+    from mok_core.gemm.epilogue import f32_whole
     gather_a, gather_b, out_f32, accumulate = KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
@@ -139,7 +139,8 @@ def test_layer_wgrad_gemm_choice():
                                 backward_gemm, wgrad_gemm)
     from mok_core.config import LayerShape, MoKConfig, preset
     from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM
-    from mok_core.gemm.sm90_wgrad import f32_whole, smem_bytes, tile_ok
+    from mok_core.gemm.epilogue import f32_whole
+    from mok_core.gemm.sm90_wgrad import smem_bytes, tile_ok
     g = WGRAD_WGMMA_GEMM
     mg = WGRAD_MAIN_GRAD_GEMM
     assert g.mma == "wgmma" and tile_ok(g.bm, g.bn)
