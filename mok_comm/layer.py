@@ -318,9 +318,8 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB with
 # the staging apart; 4 do not fit). Not 192 rows: 384-thread wgmma kernels spill.
 WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
-# ... and with FP32 weight gradients added to (main-grad): 128 x 128, so a warp stages its
-# rows of the FP32 tile whole (no wait for the TMA unit's reads mid-epilogue) beside a
-# 4-slice ring; measured faster than 128 x 256 in halves (docs/perf.md, "Main-grad").
+# ... and with FP32 weight gradients added to (main-grad): 128 x 128, a warp's rows of the
+# output tile loaded into its staging (a whole FP32 tile, 64 KiB) beside a 4-slice ring.
 WGRAD_MAIN_GRAD_GEMM = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 
 

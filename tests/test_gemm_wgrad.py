@@ -300,6 +300,8 @@ def _good():
     (dict(config=WGMMA_192_GEMM), ValueError,
      "the wgmma wgrad takes bm=128 \\(two compute warpgroups\\) with bn=64, 128 or 256"),
     (dict(config=WG64), ValueError, "a: M=32 .* multiple of bm=128"),
+    (dict(config=replace(WG64, bn=256), accumulate=True), ValueError,
+     "accumulate=True: bn=256, but the tiles it adds to are at most 128 columns wide"),
     (dict(config=GemmConfig(bm=96, bn=32, bk=32, wm=2, wn=1, stages=2)), ValueError,
      "wgrad needs bm = 16, 32 or a multiple of 64"),
     (dict(tensor=99), ValueError, "tensor=99"),
@@ -333,9 +335,8 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     d_gu [C, 2I] direct, B = x gathered, split at I) or dW_down = d_out^T (w h) (A = d_out
     gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` vs
     float64 on 3 whole experts (the largest, the empty one, the last), and FP32 added to
-    (main-grad, on ``WGRAD_MAIN_GRAD_GEMM``) likewise; then the TFLOP/s (useful rows) and
-    output GB/s of the wgmma and the mma.sync wgrad (``WGRAD_GEMM``) and the main-grad
-    launch's time, printed."""
+    (main-grad, on ``WGRAD_MAIN_GRAD_GEMM``) likewise; then the TFLOP/s (useful rows) and output GB/s of the wgmma and the
+    mma.sync wgrad (``WGRAD_GEMM``) and the main-grad launch's time, printed."""
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         pytest.skip("the wgmma wgrad needs sm_90")
@@ -378,8 +379,8 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         cuda.synchronize()
         np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
         _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E)
-    # main-grad: FP32 added to (the layer's accumulate=True: TMA reduce-adds) on the layer's
-    # main-grad tile, into buffers holding 0.5
+    # main-grad: FP32 added to (the layer's accumulate=True: the output's tile loaded, added
+    # to, stored) on the layer's main-grad tile, into buffers holding 0.5
     acc0 = device_full((E, m_split, N), 0.5, np.float32)          # (17 GB for gate/up)
     acc1 = acc0 if m_split == M else device_full((E, M - m_split, N), 0.5, np.float32)
     word = cuda.to_device(err.initial_error_word())

@@ -21,8 +21,8 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
                                  red_add_release_gpu, shared_addr,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
                                  tuple_pick)
-from mok_core.intrinsics import (bulk_commit, bulk_store, bulk_wait, bulk_wait_read,
-                                 st_shared_u32, st_shared_v2_f32, syncwarp,
+from mok_core.intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait,
+                                 bulk_wait_read, st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
                                  tensormap_acquire, tma_load_2d, tma_reduce_add_2d,
                                  tma_store_2d)
@@ -838,24 +838,39 @@ def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
 
 
 @kjit
-def _tma_f32_box(tmaps, box, x, y, rows, add):
-    """Every thread writes pairs of the float32 box [rows, 32] into shared memory with the
-    128-byte swizzle (``st_shared_v2_f32``); thread 0 stores it by TMA at (x, y) of the map
-    -- or adds it (``add``: ``tma_reduce_add_2d``) -- and waits."""
-    buf = cuda.shared.array(2048 + 256, float32)      # 8 KB box + alignment slack
+def _tma_f32_box(tmaps, box, x, y, rows, mode):
+    """The float32 box [rows, 32] through shared memory (the 128-byte swizzle) to (x, y) of the
+    map: mode 0 -- every thread stores its pairs (``st_shared_v2_f32``), thread 0 stores the
+    box by TMA; 1 -- the same, added by TMA (``tma_reduce_add_2d``); 2 -- thread 0 loads the
+    map's box at (x, y) by TMA (an mbarrier), every thread adds its pairs to it
+    (``add_shared_v2_f32``), thread 0 stores the box; thread 0 waits."""
+    buf = cuda.shared.array(2048 + 256 + 4, float32)  # 8 KB box + alignment slack + mbarrier
     s = shared_addr(buf)
     ring = s + (1024 - s % 1024) % 1024
+    bar = ring + 8192
+    if mode == 2 and cuda.threadIdx.x == 0:
+        mbarrier_init(buf, bar, 1)
+        fence_mbarrier_init()
+        tensormap_acquire(tmaps, 0)
+        mbarrier_arrive_expect_tx(buf, bar, 16 * 128)
+        tma_load_2d(buf, ring, tmaps, 0, x, y, bar)
+        while mbarrier_try_wait(buf, bar, 0) == 0:
+            pass
+    cuda.syncthreads()
     for i in range(cuda.threadIdx.x, rows * 16, cuda.blockDim.x):
         r = i // 16
         c = 2 * (i % 16)                               # the pair's first column
         chunk = (c * 4) // 16
-        st_shared_v2_f32(buf, ring + r * 128 + ((chunk ^ (r % 8)) * 16) + (c * 4) % 16,
-                         box[r * 32 + c], box[r * 32 + c + 1])
+        at = ring + r * 128 + ((chunk ^ (r % 8)) * 16) + (c * 4) % 16
+        if mode == 2:
+            add_shared_v2_f32(buf, at, box[r * 32 + c], box[r * 32 + c + 1])
+        else:
+            st_shared_v2_f32(buf, at, box[r * 32 + c], box[r * 32 + c + 1])
     fence_proxy_async()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         tensormap_acquire(tmaps, 0)
-        if add:
+        if mode == 1:
             tma_reduce_add_2d(tmaps, 0, buf, ring, x, y)
         else:
             tma_store_2d(tmaps, 0, buf, ring, x, y)
@@ -863,12 +878,13 @@ def _tma_f32_box(tmaps, box, x, y, rows, add):
         bulk_wait(0)
 
 
-@pytest.mark.parametrize("add", [False, True], ids=["store", "reduce_add"])
-def test_tma_f32_box_stores_or_adds_and_clips(add):
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["store", "reduce_add", "load_add"])
+def test_tma_f32_box_stores_or_adds_and_clips(mode):
     """A float32 map ([16, 32] boxes: 128-byte rows): the box lands un-swizzled at (x, y) --
-    or, ``tma_reduce_add_2d``, is added to what is there, one IEEE float32 add an element,
-    subnormal inputs and sums kept (an H100 keeps them: the twin does the same) --, rows past
-    the tensor's end untouched."""
+    or is added to what is there, one IEEE float32 add an element, subnormal inputs and sums
+    kept (an H100 keeps them: the twin does the same): at L2 (``tma_reduce_add_2d``), or
+    loaded by TMA and added to in shared memory (``add_shared_v2_f32``) --, rows past the
+    tensor's end untouched (a load zero-fills them; the store clips)."""
     from mok_core.gemm.tensor_map import tensor_maps
     rows, cols, box, x, y = 20, 64, 16, 32, 10
     rng = np.random.default_rng(3)
@@ -878,11 +894,11 @@ def test_tma_f32_box_stores_or_adds_and_clips(add):
     init[y, x:x + 4] = [1.5 * tiny, 1e-40, 3.0, -0.0]      # a sum falling below the normals,
     data[0, :4] = [-tiny, 1e-41, 1e-41, 0.0]                # subnormal inputs, signed zeros
     dst = to_dev(init.copy())
-    _tma_f32_box[1, 128](tensor_maps([dst], box), to_dev(data.reshape(-1)), x, y, box, add)
+    _tma_f32_box[1, 128](tensor_maps([dst], box), to_dev(data.reshape(-1)), x, y, box, mode)
     want = init.copy()
     r1 = min(y + box, rows)
     new = data[:r1 - y]
-    if add:
+    if mode:
         new = init[y:r1, x:x + 32] + new
     want[y:r1, x:x + 32] = new
     np.testing.assert_array_equal(to_host(dst).view(np.uint32), want.view(np.uint32))

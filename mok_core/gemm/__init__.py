@@ -54,6 +54,7 @@ from . import sm80, sm90
 from . import sm80_wgrad, sm90_fp8, sm90_wgrad
 from .config import (MMA_SYNC_GEMM, ROWS_FOR_192, SIM_GEMM, WGMMA_192_GEMM, WGMMA_GEMM,
                      GemmConfig, default_gemm)
+from .epilogue import f32_whole
 
 __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SYNC_GEMM",
            "SIM_GEMM", "ROWS_FOR_192", "gate_up_swiglu", "down", "dgrad", "wgrad",
@@ -355,11 +356,11 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             values as they are) -- main-grad accumulation.
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
-            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages); outputs 16-byte
-            aligned (TMA stores, and for ``accumulate`` TMA reduce-adds). None:
-            ``default_gemm()`` where that is mma.sync, else ``MMA_SYNC_GEMM`` (pass a wgmma
-            config for the wgmma kernel, as the layer's backward does on Hopper where the
-            shape fits its tile: ``mok_comm.layer.wgrad_gemm``).
+            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages; ``accumulate``: 128
+            at most); outputs 16-byte aligned (TMA). None: ``default_gemm()`` where that
+            is mma.sync, else ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel,
+            as the layer's backward does on Hopper where the shape fits its tile:
+            ``mok_comm.layer.wgrad_gemm``).
         errors, tensor, rank: NaN/Inf written (checked always) are recorded in the error word
             ``errors`` (None: a scratch word nobody reads) as tensor id ``tensor`` seen on
             ``rank``, with the smallest output row m (of D_e) and the local expert.
@@ -378,6 +379,7 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             raise ValueError(f"config: the wgmma wgrad takes bm=128 (two compute warpgroups) "
                              f"with bn=64, 128 or 256 (one wgmma's N), got "
                              f"bm={config.bm}, bn={config.bn}")
+        _check_accumulate_tile(accumulate, config.bn)
     for name, size in (("bm", config.bm), ("bn", config.bn)):
         if config.mma == "mma_sync" and not sm80_wgrad.swizzle_ok(size):
             raise ValueError(f"config: wgrad needs {name} = 16, 32 or a multiple of 64 (its "
@@ -454,6 +456,16 @@ def _wgrad_outputs(out0, out1, m_split, unit_name, unit, E, M, N, accumulate, co
     if accumulate and dtype != np.float32:
         raise ValueError(f"accumulate=True needs float32 outputs, got {dtype}")
     return m_split, out0, out1
+
+
+def _check_accumulate_tile(accumulate, bn):
+    """ValueError where ``accumulate`` meets a TMA kernel's tile ``bn`` over 128 columns wide
+    (``epilogue.f32_whole``: a warp's staging holds its rows of the output tile, loaded
+    before the add)."""
+    if accumulate and not f32_whole(bn):
+        raise ValueError(f"accumulate=True: bn={bn}, but the tiles it adds to are at most 128 "
+                         "columns wide (a warp's staging holds its rows of the output tile, "
+                         "loaded before the add)")
 
 
 def _checked_pre(pre, C, I):
@@ -730,8 +742,9 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
     transpose=True, num_rows=)`` quantises zeros from num_rows to the end of its 128-row
     block, and the layer's ``mok_core.wgrad_rows`` layout zeros past each expert's rows through
     its index). ``bn`` / ``stages``: the
-    tile's width and ring depth (None: ``FP8_TILES``'s for N, 128 wide for float32 outputs).
-    ``errors``, ``tensor``, ``rank``: NaN/Inf written, as ``wgrad``'s."""
+    tile's width and ring depth (None: ``FP8_TILES``'s for N, 128 wide for float32 outputs;
+    ``accumulate`` takes 128 at most). ``errors``, ``tensor``, ``rank``: NaN/Inf written, as
+    ``wgrad``'s."""
     a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
     b = as_device_array(b, "b", dtype=np.uint8, ndim=2)
     M, R = a.shape
@@ -754,6 +767,7 @@ def fp8_wgrad(a, a_scale, b, b_scale, expert_offsets, num_rows, out0, out1=None,
                                          128, E, M, N, accumulate, WGMMA_GEMM)
     bn, stages, f32 = _fp8_wgrad_tile(N, out0, out1, bn, stages)
     _check_fp8_tile(N, False, bn, stages, wgrad=True, out_f32=f32)
+    _check_accumulate_tile(accumulate, bn)
     errors, tensor = _check_errors(errors, tensor)
     launch_fp8_wgrad(a, a_scale, b, b_scale, off, nr, out0, out1, m_split,
                      accumulate=bool(accumulate), stages=stages, bn=bn, stream=stream,

@@ -62,13 +62,12 @@ The caller acquires the maps before the first store and waits for the last store
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
 FP32 TMA epilogue (``make_tma_epilogue_f32``: the weight gradients' FP32 outputs, stored or --
-main-grad -- added to): steps 1-3 once up to 128 columns (a warp's FP32 rows staged whole),
-else twice, a half tile's columns at a time (at 256 they are twice the bf16 staging), [16][32]
-boxes of the same swizzle (one thread's pair an 8-byte ``st.shared.v2.f32``), and with
-``accumulate`` a TMA reduce-add per box instead of a store: the adds happen at L2, no warp
-loads the old values. Each output element gets one add a launch (one tile owns it), so the
-sums are deterministic. Step 4 folds the FP32 values (one fma each) and a bad tile recounts
-from the registers.
+main-grad -- added to): steps 1-3 twice, a half tile's columns at a time (the warp's FP32
+rows are twice the bf16 staging), [16][32] boxes of the same swizzle (one thread's pair an
+8-byte ``st.shared.v2.f32``), and with ``accumulate`` a TMA reduce-add per box instead of a
+store: the adds happen at L2, no warp loads the old values. Each output element gets one add
+a launch (one tile owns it), so the sums are deterministic. Step 4 folds the FP32 values
+(one fma each) and a bad tile recounts from the registers.
 
 The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
 compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses
@@ -83,11 +82,12 @@ from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
 from ..errors import INT32_MAX
 from ..errors_record import record_gemm_non_finite
-from ..intrinsics import (bulk_commit, bulk_store, bulk_wait_read, ex2_approx,
-                          fence_proxy_async, fold_nonfinite_bf16x2, ld_v4, pack_bf16x2,
-                          per_iteration, rcp_approx, shared_addr, st_shared_u32,
-                          st_shared_v2_f32, st_v2_f32, st_v4, syncwarp, tma_reduce_add_2d,
-                          tma_store_2d, tuple_fold, tuple_pick, warp_all, warp_min, warp_sum)
+from ..intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait_read,
+                          ex2_approx, fence_proxy_async, fold_nonfinite_bf16x2, ld_v4,
+                          mbarrier_arrive_expect_tx, pack_bf16x2, per_iteration, rcp_approx,
+                          shared_addr, st_shared_u32, st_shared_v2_f32, st_v2_f32, st_v4,
+                          syncwarp, tma_load_2d, tma_store_2d, tuple_fold,
+                          tuple_pick, warp_all, warp_min, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _F32_INF = float32(math.inf)
@@ -175,6 +175,16 @@ def _stage_swizzled_f32_group(j, y, smem, base, hq, a0, a1, a2, a3):
     at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
     st_shared_v2_f32(smem, at, a0, a1)
     st_shared_v2_f32(smem, at + 8 * 128, a2, a3)
+    zero = float32(0.0)
+    return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+
+
+def _add_swizzled_f32_group(j, y, smem, base, hq, a0, a1, a2, a3):
+    """``_stage_swizzled_f32_group`` adding the values to those already staged there (the
+    prefetched output: main-grad) instead of storing them."""
+    at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
+    add_shared_v2_f32(smem, at, a0, a1)
+    add_shared_v2_f32(smem, at + 8 * 128, a2, a3)
     zero = float32(0.0)
     return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
 
@@ -461,28 +471,54 @@ def f32_whole(bn):
     return bn <= 128
 
 
+def make_tma_prefetch_f32(bn):
+    """``prefetch(smem, maps, elem, grow, col0, epi0, lane, bar)``: main-grad's first step, at
+    a tile's start: once the warp's previous TMA stores have read its staging, lane 0 loads
+    the warp's 16 rows x BN FP32 columns of the output (rows grow .., columns col0 .., map
+    ``maps[elem:]``) into it by TMA, BN / 32 swizzled [16][32] boxes -- the layout
+    ``make_tma_epilogue_f32`` stages its values in -- completing the mbarrier at ``bar``
+    (expecting their bytes), so the loads run under the tile's MMAs."""
+    boxes = bn // 32
+
+    @kjit(device=True, inline="always")
+    def prefetch(smem, maps, elem, grow, col0, epi0, lane, bar):
+        # (every lane waits: a wait on a branch of lane 0 would make ptxas serialise the
+        # wgmmas)
+        bulk_wait_read(0)
+        syncwarp()
+        if lane == 0:
+            mbarrier_arrive_expect_tx(smem, bar, boxes * TMA_BOX_BYTES)
+            for b in range(boxes):
+                tma_load_2d(smem, epi0 + b * TMA_BOX_BYTES, maps, elem, col0 + 32 * b, grow, bar)
+
+    return prefetch
+
+
 def make_tma_epilogue_f32(bn, accumulate):
     """``make_tma_epilogue``'s ``epilogue`` for FP32 outputs (same arguments; the maps float32,
     ``[TMA_BOX_ROWS, 32]`` boxes): the warp's 16 rows x BN columns staged into swizzled
-    [16][32] boxes and sent by one TMA instruction a box -- a store, or with ``accumulate`` a
-    reduce-add (``tma_reduce_add_2d``: each element added at L2 once, so the sum is the one
-    ``out + acc`` rounds to, and deterministic). Up to 128 columns (``f32_whole``) the
-    staging holds the warp's whole FP32 tile (BN / 32 boxes), sent at once; else half of it
-    (BN / 64 boxes, what the bf16 tile takes), the second half staged once the first's have
-    read the staging (a wait on the TMA unit in the middle of the epilogue). The NaN/Inf check folds the values staged
-    (with ``accumulate``: the addends -- a NaN/Inf already in the buffer came from an earlier
-    call, which reported it, or from the caller; an FP32 overflow of the add itself goes
-    unseen); a bad tile recounts from the registers."""
-    assert bn % 64 == 0
+    [16][32] boxes and stored by one TMA store a box. Up to 128 columns (``f32_whole``) the
+    staging holds the warp's whole FP32 tile (BN / 32 boxes), stored at once; else half of it
+    (BN / 64 boxes, what the bf16 tile takes), the second half staged once the first's stores
+    have read the staging (a wait in the middle of the epilogue). ``accumulate`` (main-grad,
+    whole tiles only): the
+    staging already holds the output's values (``make_tma_prefetch_f32``, completed: the
+    caller waited on its mbarrier) and each thread adds its pairs to them in place
+    (``add_shared_v2_f32``: ``out + acc`` rounded once, IEEE), so the tile leaves as plain
+    stores and each element gets one add a launch -- deterministic. The NaN/Inf check folds
+    the values staged (with ``accumulate``: the addends -- a NaN/Inf already in the buffer
+    came from an earlier call, which reported it, or from the caller; an FP32 overflow of the
+    add itself goes unseen); a bad tile recounts from the registers."""
     whole = f32_whole(bn)
-    to_global = tma_reduce_add_2d if accumulate else tma_store_2d
+    assert bn % 64 == 0 and (whole or not accumulate)
     if whole:
-        stage_all = tuple_fold(_stage_swizzled_f32_group, _plain_layout)
-        send_all = _make_box_sender(bn // 32, 32, to_global)
+        stage_all = tuple_fold(_add_swizzled_f32_group if accumulate
+                               else _stage_swizzled_f32_group, _plain_layout)
+        send_all = _make_box_sender(bn // 32, 32, tma_store_2d)
     else:
         stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
         stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
-        send_half = _make_box_sender(bn // 64, 32, to_global)
+        send_half = _make_box_sender(bn // 64, 32, tma_store_2d)
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
 
     @kjit(device=True, inline="always")
@@ -492,10 +528,11 @@ def make_tma_epilogue_f32(bn, accumulate):
         base = per_iteration(uint32(epi0 + q * 128 + 8 * (lane % 2)))
         hq = uint32(((lane % 4) // 2) ^ q)
         zero = float32(0.0)
-        # (every lane waits: lane 0's groups are the warp's only ones, and a wait on a branch
-        # of lane 0 would make ptxas serialise the wgmmas)
-        bulk_wait_read(0)              # the previous tile's boxes have read the staging
-        syncwarp()
+        if not accumulate:
+            # (every lane waits: lane 0's groups are the warp's only ones, and a wait on a
+            # branch of lane 0 would make ptxas serialise the wgmmas)
+            bulk_wait_read(0)          # the previous tile's stores have read the staging
+            syncwarp()
         if whole:
             y = stage_all(acc, (zero, zero), (smem, base, hq))
             send_all(smem, maps, elem, grow, col0, epi0, lane)

@@ -143,14 +143,15 @@ NACC = BN // 2                # fp32 accumulators per thread (and as many for a 
 
 
 def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
-    """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers, slack to
-    align the ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute
-    warps' TMA boxes, ``sm90_wgrad.warp_staging_bytes``)."""
+    """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers and the 8
+    compute warps' (WGRAD's main-grad prefetch), slack to align the ring to 1024 bytes, the
+    ring, the staged output tile (WGRAD: the 8 compute warps' TMA boxes,
+    ``sm90_wgrad.warp_staging_bytes``)."""
     cols = bn // 2 if swiglu_epilogue else bn
     staging = BM * (2 * cols + 16)
     if wgrad:
         staging = 8 * warp_staging_bytes(bn, out_f32)
-    return _TABLE_BYTES + 16 * stages + 1024 + stages * (BM + bn) * ROW_BYTES + staging
+    return _TABLE_BYTES + 16 * stages + 64 + 1024 + stages * (BM + bn) * ROW_BYTES + staging
 
 
 @kjit(device=True, inline="always")
@@ -258,7 +259,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     bm = BM
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
-    wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
+    wgrad_prefetch, wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
     warp_staging = warp_staging_bytes(bn, out_f32)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (bm + bn) * ROW_BYTES
@@ -337,6 +338,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
+        warp0 = empty0 + 8 * stages            # the compute warps' (WGRAD's prefetch)
         if wgrad:
             slice_table(smem, offsets, num_experts, rows_cap)
         else:
@@ -345,6 +347,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, 1)
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
+            for w in range(8):
+                mbarrier_init(smem, warp0 + 8 * w, 1)
             fence_mbarrier_init()
         cuda.syncthreads()
         n_tiles = N // col_step
@@ -354,7 +358,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             setmaxnreg_dec(PRODUCER_REGS)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
-            ring = ring_start(empty0 + 8 * stages)          # past the mbarriers
+            ring = ring_start(warp0 + 64)                  # past the mbarriers
             if tid == THREADS:
                 produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
                         total, n_tiles, ktiles, M)
@@ -363,7 +367,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            ring = ring_start(empty0 + 8 * stages)
+            ring = ring_start(warp0 + 64)
             staging = ring + stages * stage_bytes
             if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
@@ -371,11 +375,25 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 tensormap_acquire(omaps, MAP_ELEMS)
             desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
             j = int64(0)
+            bar = warp0 + 8 * (tid // 32)      # WGRAD: this warp's prefetch mbarrier ...
+            phase = 0                          # ... and the phase its tile completes
             t = int64(cuda.blockIdx.x)
             part = f32_zeros(NACC)             # (its input is never read: scale-d 0 first)
             while t < total:
                 e, row0, col0, row_end, w_row, kb, k_end, grow0 = tile_of(
                     smem, offsets, num_experts, t, n_tiles, rows_cap, ktiles, M)
+                side = 0
+                if wgrad:
+                    # the tile's side of m_split (block-uniform) and its first output row
+                    first = int64(0)
+                    rows = m_split
+                    if row0 >= m_split:
+                        side = 1
+                        first = m_split
+                        rows = M - m_split
+                    grow0 = e * rows + row0 - first
+                    wgrad_prefetch(smem, omaps, side, grow0, col0, staging, lane, frag_row,
+                                   bar)
                 lo = _a_row(row0 + frag_row, row_end)
                 hi = _a_row(row0 + frag_row + 8, row_end)
                 # the scale block of W's row w_row (WGRAD: b's, its blocks [N / 128, K / 128])
@@ -420,21 +438,15 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 syncwarp()                     # every lane past its reads of the staging
                 rows = row_end - row0
                 if wgrad:
-                    # the tile's side of m_split (block-uniform) and its first output row
-                    side = 0
-                    first = int64(0)
-                    rows = m_split
-                    if row0 >= m_split:
-                        side = 1
-                        first = m_split
-                        rows = M - m_split
-                    grow0 = e * rows + row0 - first
                     if halves == 2:
                         wgrad_epilogue(smem, acc0 + acc1, omaps, side, grow0, row0, col0, e,
-                                       staging, lane, frag_row, errors, nf_tensor, nf_rank)
+                                       staging, lane, frag_row, errors, nf_tensor, nf_rank,
+                                       bar, phase)
                     else:
                         wgrad_epilogue(smem, acc0, omaps, side, grow0, row0, col0, e,
-                                       staging, lane, frag_row, errors, nf_tensor, nf_rank)
+                                       staging, lane, frag_row, errors, nf_tensor, nf_rank,
+                                       bar, phase)
+                    phase ^= 1
                 elif halves == 2:
                     epilogue(smem, acc0 + acc1, out, grow0, row0, col0, e, N, rows, staging,
                              lane, frag_row, frag_col, limit, errors, nf_tensor, nf_rank,

@@ -118,7 +118,7 @@ from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_w
                           wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import (TMA_BOX_BYTES, TMA_BOX_ROWS, f32_whole, make_tma_epilogue,
-                       make_tma_epilogue_f32)
+                       make_tma_epilogue_f32, make_tma_prefetch_f32)
 from .sm80_wgrad import launch_with as _launch_with
 from .sm90 import (_DESC_HIGH_MN, _K16_MN, BK, ROW_BYTES, _require_arch, wait_phase,
                    warpgroup_fragment)
@@ -211,22 +211,40 @@ def _make_mma_slice(bn):
 
 
 def make_epilogues(bm, bn, out_f32, accumulate):
-    """``epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
-    nf_tensor, nf_rank)``: the finished tile (output rows grow0 + i for tile rows i, columns
-    n0 ..; D_e's rows m0 + i) written and checked: this warp's 16 rows through map ``side``
-    of ``maps``, staged at the shared byte address ``epi0`` -- bf16 by
-    ``epilogue.make_tma_epilogue``, FP32 by ``make_tma_epilogue_f32`` (stored, or added to
-    with ``accumulate``)."""
-    tma_epilogue = make_tma_epilogue_f32(bn, accumulate) if out_f32 else make_tma_epilogue(bn)
+    """(``prefetch``, ``epilogue``) of a tile (output rows grow0 + i for tile rows i, columns
+    n0 ..; D_e's rows m0 + i), each warp its 16 rows through map ``side`` of ``maps``, staged
+    at the shared byte address ``epi0``:
+
+    ``prefetch(smem, maps, side, grow0, n0, epi0, lane, frag_row, bar)`` at the tile's start
+    -- with ``accumulate`` (main-grad) the output's FP32 values loaded into the staging by TMA
+    (``epilogue.make_tma_prefetch_f32``), completing the warp's mbarrier ``bar``; else
+    nothing.
+    ``epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
+    nf_tensor, nf_rank, bar, phase)`` after its K loop: the tile written and checked -- bf16
+    by ``epilogue.make_tma_epilogue``, FP32 by ``make_tma_epilogue_f32`` (stored; with
+    ``accumulate`` once ``bar`` completed phase ``phase``, added to the prefetched values and
+    stored)."""
+    fetch = out_f32 and accumulate
+    tma_epilogue = (make_tma_epilogue_f32(bn, accumulate) if out_f32
+                    else make_tma_epilogue(bn))
+    tma_prefetch = make_tma_prefetch_f32(bn) if fetch else None
+
+    @kjit(device=True, inline="always")
+    def prefetch(smem, maps, side, grow0, n0, epi0, lane, frag_row, bar):
+        if fetch:
+            tma_prefetch(smem, maps, 16 * side, grow0 + frag_row - lane // 4, n0, epi0, lane,
+                         bar)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
-                 nf_tensor, nf_rank):
+                 nf_tensor, nf_rank, bar, phase):
         row0 = frag_row - lane // 4             # the warp's first tile row
+        if fetch:
+            wait_phase(smem, bar, phase)        # the prefetched output landed
         tma_epilogue(smem, acc, maps, 16 * side, grow0 + row0, n0, m0 + row0, e, epi0, lane,
                      errors, nf_tensor, nf_rank)
 
-    return epilogue
+    return prefetch, epilogue
 
 
 def warp_staging_bytes(bn, out_f32):
@@ -237,10 +255,11 @@ def warp_staging_bytes(bn, out_f32):
 
 
 def smem_bytes(bn, stages, out_f32=False):
-    """Dynamic shared memory of one block: the full and empty mbarriers, slack to align the
-    ring to 1024 bytes, the ring ((128 + BN) / 64 boxes of BK 128-byte rows a stage), the 8
-    compute warps' staging (``warp_staging_bytes``)."""
-    return (16 * stages + 1024 + stages * (128 + bn) // 64 * BK * ROW_BYTES
+    """Dynamic shared memory of one block: the full and empty mbarriers, the 8 compute warps'
+    (main-grad's prefetch), slack to align the ring to 1024 bytes, the ring ((128 + BN) / 64
+    boxes of BK 128-byte rows a stage), the 8 compute warps' staging
+    (``warp_staging_bytes``)."""
+    return (16 * stages + 64 + 1024 + stages * (128 + bn) // 64 * BK * ROW_BYTES
             + 8 * warp_staging_bytes(bn, out_f32))
 
 
@@ -288,7 +307,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     load_a = _operand_loader(bm, gather_a)
     load_b = _operand_loader(bn, gather_b)
     mma_slice = _make_mma_slice(bn)
-    epilogue = make_epilogues(bm, bn, out_f32, accumulate)
+    prefetch, epilogue = make_epilogues(bm, bn, out_f32, accumulate)
     tile_of = _make_tile_walk(bm, bn)
 
     @kjit(device=True, inline="always")
@@ -344,12 +363,15 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         total = num_experts * tiles_per_expert
         full0 = shared_addr(smem)
         empty0 = full0 + 8 * stages
-        area = empty0 + 8 * stages
+        warp0 = empty0 + 8 * stages             # the compute warps' prefetch mbarriers
+        area = warp0 + 64
         ring = area + (1024 - area % 1024) % 1024
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, PRODUCER_THREADS)
                 mbarrier_init(smem, empty0 + 8 * s, compute)
+            for w in range(8):
+                mbarrier_init(smem, warp0 + 8 * w, 1)
             fence_mbarrier_init()
         cuda.syncthreads()
         # No block barrier from here on: the roles meet only at the mbarriers. Each role works
@@ -368,10 +390,24 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             desc_a0 = int64(_DESC_HIGH_MN) + int64((ring + wg * box) >> 4)
             desc_b0 = int64(_DESC_HIGH_MN) + int64((ring + a_stage) >> 4)
             j = int64(0)                    # the stream's slice being computed
+            bar = warp0 + 8 * (tid // 32)   # this warp's prefetch mbarrier ...
+            phase = 0                       # ... and the phase its tile completes
             t = int64(cuda.blockIdx.x)
             while t < total:
                 e, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, n_tiles, offsets,
                                                     num_rows)
+                # This tile's place in the outputs: the whole tile lies on one side of m_split
+                # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
+                # output.
+                side = 0
+                rows = m_split
+                first = int64(0)
+                if m0 >= m_split:
+                    side = 1
+                    rows = M - m_split
+                    first = m_split
+                grow0 = e * rows + m0 - first
+                prefetch(smem, maps, side, grow0, n0, staging, lane, frag_row, bar)
                 acc = f32_zeros(nacc)
                 # At least one step, the exit tested at the end (``ktiles`` >= 1): a guarded
                 # loop makes LLVM copy the zeroed accumulators into the path that skips it
@@ -391,19 +427,9 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
                         break
                 acc = wgmma_wait(acc, 0)
                 mbarrier_arrive(smem, empty0 + 8 * ((j - 1) % stages))
-
-                # This tile's place in the outputs: the whole tile lies on one side of m_split
-                # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
-                # output.
-                side = 0
-                rows = m_split
-                first = int64(0)
-                if m0 >= m_split:
-                    side = 1
-                    rows = M - m_split
-                    first = m_split
-                epilogue(smem, acc, maps, side, e * rows + m0 - first, m0, n0, e, staging,
-                         lane, frag_row, errors, nf_tensor, nf_rank)
+                epilogue(smem, acc, maps, side, grow0, m0, n0, e, staging, lane, frag_row,
+                         errors, nf_tensor, nf_rank, bar, phase)
+                phase ^= 1
                 t += cuda.gridDim.x
             bulk_wait(0)                    # the warp's last stores land before the exit
 

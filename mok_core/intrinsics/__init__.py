@@ -16,7 +16,8 @@
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
                   ldmatrix_x4_at (and ``_trans_at``: the
                   operand stored transposed) / cp_async_16_at (32-bit shared byte addresses for hot
-                  loops), st_shared_u32, st_shared_v2_f32
+                  loops), st_shared_u32, st_shared_v2_f32, add_shared_v2_f32 (two float32
+                  added to shared memory's, IEEE)
     wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
                   transposed, the weights as stored for dgrad) and ``_tatb`` (A and B
                   MN-major: both operands stored k-major, the weight gradients),
@@ -66,7 +67,7 @@ __all__ = [
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "trap",
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
-    "bulk_wait_read", "st_shared_u32", "st_shared_v2_f32",
+    "bulk_wait_read", "st_shared_u32", "st_shared_v2_f32", "add_shared_v2_f32",
     "tensormap_acquire", "tma_load_2d", "tma_store_2d", "tma_reduce_add_2d",
     "fence_mbarrier_init",
 ]

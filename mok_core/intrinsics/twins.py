@@ -725,6 +725,16 @@ def st_shared_v2_f32(smem, saddr, v0, v1):
     f[saddr // 4 + 1] = np.float32(v1)
 
 
+def add_shared_v2_f32(smem, saddr, v0, v1):
+    saddr = int(saddr)
+    if saddr % 8:
+        raise ValueError(f"add_shared_v2_f32: byte {saddr} is not 8-byte aligned")
+    f = _raw(smem).view(np.float32)
+    i = saddr // 4
+    f[i] = f[i] + np.float32(v0)                 # float32 + float32: IEEE, subnormals kept
+    f[i + 1] = f[i + 1] + np.float32(v1)
+
+
 # ---- TMA (tensor-map box loads and stores) -----------------------------------------------------
 #
 # On the simulator a "tensor map" is a handle into this registry (``mok_core.tensor_map``

@@ -59,68 +59,75 @@ def test_wgrad_lowers_without_local_memory(tile, kind):
 
 # ---- the wgmma wgrad (``sm90_wgrad``) -----------------------------------------------------------
 
+# the wgmma wgrad's: KINDS' and plain FP32 outputs; ``accumulate`` at tiles up to 128 wide
+WGMMA_KINDS = dict(KINDS, f32=(False, True, True, False))
+WGMMA_CASES = [(256, 3, "bf16"), (256, 3, "f32")] + [
+    (bn, stages, kind) for bn, stages in ((128, 4), (64, 2)) for kind in WGMMA_KINDS]
+
+
 def _wgmma_wgrad_ptx(bm, bn, stages, kind):
     """PTX of the wgmma wgrad as ``sm90_wgrad._kernel`` builds it (launch bounds included)."""
     from mok_core.gemm.sm90_wgrad import make_wgmma_wgrad
-    gather_a, gather_b, out_f32, accumulate = KINDS[kind]
+    gather_a, gather_b, out_f32, accumulate = WGMMA_KINDS[kind]
     kern = make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate)
     return compile_sm90a(kern, wgmma_wgrad_sig(out_f32))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("bn,stages", [(256, 3), (128, 4), (64, 2)])
+@pytest.mark.parametrize("bn,stages,kind", WGMMA_CASES)
 def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages), 128 x
-    128 (4 stages beside a whole FP32 tile's staging) and the narrowest one (2 stages, the
-    shallowest ring): the arch-specific target, the two roles
-    meeting at mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas
-    per slice carrying imm-trans-a 1 and imm-trans-b 1
-    (both operands MN-major), one group left in flight in the K loop, the operands' rows by
-    cp.async; the TMA epilogue (staged values, a proxy fence, TMA instructions a box -- the
-    maps acquired first --, the staging reused after a wait for their reads, the stores
-    waited before the exit; the warps store nor load no output themselves): bf16 pairs with
-    one fold each, or FP32 pairs by 8-byte shared stores (at 256 columns in two halves: two
-    waits for the reads; ``f32_whole``: one) and with ``accumulate`` TMA reduce-adds instead
-    of stores; the NaN/Inf check; no local memory anywhere -- and ptxas keeps the wgmmas
-    unserialised (C7518) without spills."""
+    128 (4 stages beside a whole FP32 tile's staging: main-grad's) and the narrowest one (2
+    stages, the shallowest ring): the arch-specific target, the two roles meeting at
+    mbarriers (the producer's announcements after its cp.async waits), 4 wgmmas per slice
+    carrying imm-trans-a 1 and imm-trans-b 1 (both operands MN-major), one group left in
+    flight in the K loop, the operands' rows by cp.async; the TMA epilogue (staged values, a
+    proxy fence, a TMA store a box -- the maps acquired first --, the staging reused after a
+    wait for their reads, the stores waited before the exit; the warps neither store nor load
+    output themselves): bf16 pairs with one fold each, or FP32 pairs by 8-byte shared stores
+    (at 256 columns in two halves: two waits for the reads; ``f32_whole``: one) -- with
+    ``accumulate`` added (IEEE adds) to the output's values, TMA-loaded into the staging at
+    the tile's start on the warp's own mbarrier; the NaN/Inf check; no local memory anywhere
+    -- and ptxas keeps the wgmmas unserialised (C7518) without spills."""
     from ptx_util import assemble_sm90a
 
     from mok_core.gemm.epilogue import f32_whole
-    gather_a, gather_b, out_f32, accumulate = KINDS[kind]
+    gather_a, gather_b, out_f32, accumulate = WGMMA_KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
     assert count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") == 4
     assert count(ptx, r"wgmma\.mma_async[^;]*, p, 1, 1, 1, 1;") == 4
     assert count(ptx, r"wgmma\.wait_group\.sync\.aligned 1;") == 1
     assert count(ptx, r"cp\.async\.cg\.shared\.global") >= 2            # A and B rows
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared") == 0       # no TMA loads
-    assert count(ptx, r"mbarrier\.init") >= 2                          # full[] and empty[]
+    tma_loads = count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared")  # main-grad's output
+    assert (1 <= tma_loads <= bn // 32) if accumulate else tma_loads == 0
+    assert count(ptx, r"mbarrier\.init") >= 3                # full[], empty[], the warps'
     assert count(ptx, r"mbarrier\.arrive\.shared") >= 3                # both roles, the drain
-    assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2             # both roles wait
+    assert count(ptx, r"mbarrier\.try_wait\.parity") >= 2 + accumulate   # + the prefetch's
+    assert count(ptx, r"mbarrier\.arrive\.expect_tx") == (1 if accumulate else 0)
     assert count(ptx, r"cp\.async\.wait_group") >= 2                   # LAG in flight, the drain
     assert count(ptx, r"bar\.sync|barrier\.sync") == 1                 # the block's one barrier
     for p in NF_CHECK:
         assert count(ptx, p) >= 1, p
     values = 64 * bn // 128                  # accumulator values per thread
     assert count(ptx, r"cp\.async\.bulk\.global") == 0            # no per-row bulk copies
-    # the warps neither store output nor read it (accumulate: the adds happen at L2)
+    # the warps neither store output nor read it
     assert count(ptx, r"st\.(global\.)?(v4\.u32|v2\.f32|f32)") == 0
     assert count(ptx, r"ld\.(global\.)?(v2\.)?f32") == 0
     assert count(ptx, r"fence\.proxy\.tensormap::generic\.acquire") >= 2     # both maps
     assert count(ptx, r"fence\.proxy\.async") >= 2                  # loads' and stores'
     assert count(ptx, r"cp\.async\.bulk\.wait_group 0;") >= 1            # before the exit
     store = r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"
-    add = r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\.bulk_group"
+    assert count(ptx, r"cp\.reduce\.async\.bulk") == 0
     if out_f32:
         assert count(ptx, r"st\.shared\.v2\.f32") == values // 2    # a pair each
+        assert count(ptx, r"ld\.shared\.v2\.f32") == (values // 2 if accumulate else 0)
+        assert count(ptx, r"add\.rn\.f32") == (values if accumulate else 0)
         waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")   # (+1 between halves)
         assert waits == (1 if f32_whole(bn) else 2), waits
-        assert 2 <= count(ptx, add if accumulate else store) <= bn // 32  # a box each (may roll)
-        assert count(ptx, store if accumulate else add) == 0
+        assert 2 <= count(ptx, store) <= bn // 32               # a box each (may roll)
     else:
         assert count(ptx, r"st\.shared\.u32") >= 1
         assert 1 <= count(ptx, store) <= bn // 64                 # a box each (may roll)
-        assert count(ptx, add) == 0
         assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 1   # staging reuse
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
@@ -131,10 +138,10 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
 
 def test_layer_wgrad_gemm_choice():
     """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256; main-grad's ``WGRAD_MAIN_GRAD_GEMM``, 128 x 128
-    staging a whole FP32 tile) behind a wgmma forward at the presets' shapes, tiles
-    ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync forward or where H, I
-    or I_s is no multiple of the wgmma tile's sides (and the backward's tiles where not even
-    that one fits)."""
+    with a whole FP32 tile's staging, which it needs) behind a wgmma forward at the presets'
+    shapes, tiles ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync
+    forward or where H, I or I_s is no multiple of the wgmma tile's sides (and the backward's
+    tiles where not even that one fits)."""
     from mok_comm.layer import (WGRAD_GEMM, WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM,
                                 backward_gemm, wgrad_gemm)
     from mok_core.config import LayerShape, MoKConfig, preset
