@@ -62,12 +62,16 @@ The caller acquires the maps before the first store and waits for the last store
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
 FP32 TMA epilogue (``make_tma_epilogue_f32``: the weight gradients' FP32 outputs, stored or --
-main-grad -- added to): steps 1-3 twice, a half tile's columns at a time (the warp's FP32
-rows are twice the bf16 staging), [16][32] boxes of the same swizzle (one thread's pair an
-8-byte ``st.shared.v2.f32``), and with ``accumulate`` a TMA reduce-add per box instead of a
-store: the adds happen at L2, no warp loads the old values. Each output element gets one add
-a launch (one tile owns it), so the sums are deterministic. Step 4 folds the FP32 values
-(one fma each) and a bad tile recounts from the registers.
+main-grad -- added to): steps 1-3 over [16][32] boxes of the same swizzle (one thread's pair
+an 8-byte ``st.shared.v2.f32``), the warp's rows whole where the staging holds them (tiles up
+to 128 wide), else twice, a half tile's columns at a time. Main-grad (``accumulate``, whole
+tiles only): at the tile's start, before its K loop, lane 0 TMA-loads the output's values of
+the warp's rows into its staging (``make_tma_prefetch_f32``, on the warp's own mbarrier,
+once the previous tile's stores have read the staging: step 1 moves there), so the loads run
+under the tile's MMAs; the epilogue waits for them, each thread adds its pairs to them in
+place (``add_shared_v2_f32``: IEEE adds) and the tile leaves by plain TMA stores. Each output
+element gets one add a launch (one tile owns it), so the sums are deterministic. Step 4 folds
+the FP32 values (the addends; one fma each) and a bad tile recounts from the registers.
 
 The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
 compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses

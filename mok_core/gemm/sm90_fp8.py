@@ -88,9 +88,10 @@ promotion and epilogue, with
                maps, ``sm90_wgrad.output_maps``), the warp back to its wgmmas while they
                leave -- a gradient tile is a weight-sized write after a few slices; every
                compute warp waits for its stores before the block exits. FP32 (OUT_F32):
-               the same through FP32 maps, a warp's rows whole at BN = 128, half a tile
-               at a time at 256 (ACCUMULATE: TMA reduce-adds, one FP32 add an element at
-               L2: main-grad accumulation)
+               the same through FP32 maps, whole at BN = 128, half a tile at a time at 256;
+               ACCUMULATE (main-grad, BN = 128): the output's values TMA-loaded into each
+               warp's staging as the tile starts (its mbarrier of the 8 after empty[]),
+               the tile added to them there, stored
 Preconditions (the caller's; the padded layout and the transposed quantisation give them):
 offsets multiples of 128, and both operands zero from hi_e to the end of its last slice --
 the slice is read whole.

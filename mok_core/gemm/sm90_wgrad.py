@@ -64,16 +64,20 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                output, and staging, reading back and storing by the warps themselves left the
                tensor cores idle for longer than they worked (docs/perf.md). FP32:
                ``epilogue.make_tma_epilogue_f32``, the same through FP32 maps ([16][32]
-               boxes), a warp's rows whole up to BN = 128 (``epilogue.f32_whole``), else half a
-               tile at a time -- the staging holds half a 256-wide FP32 tile -- and
-               with ACCUMULATE a TMA reduce-add a box (each element added once at L2: no
-               warp reads the old values; main-grad). What is written is checked for NaN/Inf
-               on the way (a clean tile: one fold per written value or pair and one warp
-               vote; with ACCUMULATE the addends)
+               boxes), the warp's rows whole up to BN = 128 (``epilogue.f32_whole``: the staging
+               holds them), else half a tile at a time. ACCUMULATE (main-grad; BN <= 128):
+               at the tile's start each warp TMA-loads the output's values of its rows into
+               its staging (``epilogue.make_tma_prefetch_f32``, its own mbarrier in
+               ``warp[w]``), under the tile's MMAs; the epilogue adds the tile to them there
+               (one IEEE add an element) and stores them -- TMA reduce-adds at L2 measured
+               slower (docs/perf.md). What is written is checked for NaN/Inf on the way (a
+               clean tile: one fold per written value or pair and one warp vote; with
+               ACCUMULATE the addends)
 
 Order:
 
-    start:     thread 0 initialises the mbarriers; the block's one __syncthreads
+    start:     thread 0 initialises the mbarriers (full[], empty[], warp[8]: the compute
+               warps' prefetch); the block's one __syncthreads
     producer, per slice j of the stream:
     1. j >= STAGES: wait empty[j % STAGES] -> both warpgroups retired slice j - STAGES
     2. issue my chunks of slice j into stage j % STAGES; commit (one cp.async group a slice)
@@ -84,14 +88,17 @@ Order:
        they issue and the one retiring), so the slice after the one step 1 waits on must be
        announced before step 1, or both roles wait on each other
     compute, per tile, its slices j (at least one step):
+    0. ACCUMULATE: each warp waits until its previous stores read its staging; lane 0:
+       arrive.expect_tx(warp[w], the rows' bytes), the output's boxes by TMA into the staging
     1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed
     2. wgmma.fence; BK / 16 wgmmas on slice j; commit (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains; retiring
        each slice before issuing the next, wait(0), measured slower: docs/perf.md)
     after: wgmma.wait(0); arrive empty[] for the tile's last slice; the epilogue (each warp:
-           waits until its previous stores read the staging, stages, fences, __syncwarp,
-           lane 0 issues the TMA stores)
+           waits until its previous stores read the staging -- ACCUMULATE: for warp[w]'s
+           phase, the tile's parity --, stages (adds), fences, __syncwarp, lane 0 issues the
+           TMA stores)
     exit:  each compute warp waits for its stores (bulk_wait; lane 0's are the only ones)
 
 C7518 (ptxas serialising every wgmma of the kernel): no wgmma or warp barrier sits on a path
