@@ -79,7 +79,8 @@ forward's tiles are wgmma and the shape splits into its tile, else ``layer.backw
 (mma.sync); the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
 ``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
-the routed ones on ``sm90_fp8``'s WGRAD, its tile by N, 128 wide into FP32). The routed d_x rows are written, then pushed home by the combine kernel on either path.
+the routed ones on ``sm90_fp8``'s WGRAD, its tile by N, 128 wide into FP32). The routed d_x
+rows are written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
