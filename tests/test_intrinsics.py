@@ -24,7 +24,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
 from mok_core.intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait,
                                  bulk_wait_read, st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
-                                 tensormap_acquire, tma_load_2d, tma_reduce_add_2d,
+                                 tensormap_acquire, tma_load_2d,
                                  tma_store_2d)
 from mok_core.intrinsics import (f32_zeros, fence_proxy_async, mbarrier_init,
                                  mbarrier_try_wait, tuple_groups, wgmma_commit,
@@ -841,14 +841,14 @@ def test_tma_store_unswizzles_and_clips_at_the_tensor(x, y):
 def _tma_f32_box(tmaps, box, x, y, rows, mode):
     """The float32 box [rows, 32] through shared memory (the 128-byte swizzle) to (x, y) of the
     map: mode 0 -- every thread stores its pairs (``st_shared_v2_f32``), thread 0 stores the
-    box by TMA; 1 -- the same, added by TMA (``tma_reduce_add_2d``); 2 -- thread 0 loads the
-    map's box at (x, y) by TMA (an mbarrier), every thread adds its pairs to it
-    (``add_shared_v2_f32``), thread 0 stores the box; thread 0 waits."""
+    box by TMA; 1 -- thread 0 loads the map's box at (x, y) by TMA (an mbarrier), every
+    thread adds its pairs to it (``add_shared_v2_f32``), thread 0 stores the box; thread 0
+    waits."""
     buf = cuda.shared.array(2048 + 256 + 4, float32)  # 8 KB box + alignment slack + mbarrier
     s = shared_addr(buf)
     ring = s + (1024 - s % 1024) % 1024
     bar = ring + 8192
-    if mode == 2 and cuda.threadIdx.x == 0:
+    if mode == 1 and cuda.threadIdx.x == 0:
         mbarrier_init(buf, bar, 1)
         fence_mbarrier_init()
         tensormap_acquire(tmaps, 0)
@@ -862,7 +862,7 @@ def _tma_f32_box(tmaps, box, x, y, rows, mode):
         c = 2 * (i % 16)                               # the pair's first column
         chunk = (c * 4) // 16
         at = ring + r * 128 + ((chunk ^ (r % 8)) * 16) + (c * 4) % 16
-        if mode == 2:
+        if mode == 1:
             add_shared_v2_f32(buf, at, box[r * 32 + c], box[r * 32 + c + 1])
         else:
             st_shared_v2_f32(buf, at, box[r * 32 + c], box[r * 32 + c + 1])
@@ -870,21 +870,18 @@ def _tma_f32_box(tmaps, box, x, y, rows, mode):
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         tensormap_acquire(tmaps, 0)
-        if mode == 1:
-            tma_reduce_add_2d(tmaps, 0, buf, ring, x, y)
-        else:
-            tma_store_2d(tmaps, 0, buf, ring, x, y)
+        tma_store_2d(tmaps, 0, buf, ring, x, y)
         bulk_commit()
         bulk_wait(0)
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2], ids=["store", "reduce_add", "load_add"])
+@pytest.mark.parametrize("mode", [0, 1], ids=["store", "load_add"])
 def test_tma_f32_box_stores_or_adds_and_clips(mode):
     """A float32 map ([16, 32] boxes: 128-byte rows): the box lands un-swizzled at (x, y) --
     or is added to what is there, one IEEE float32 add an element, subnormal inputs and sums
-    kept (an H100 keeps them: the twin does the same): at L2 (``tma_reduce_add_2d``), or
-    loaded by TMA and added to in shared memory (``add_shared_v2_f32``) --, rows past the
-    tensor's end untouched (a load zero-fills them; the store clips)."""
+    kept (an H100 keeps them: the twin does the same), loaded by TMA and added to in shared
+    memory (``add_shared_v2_f32``) --, rows past the tensor's end untouched (a load
+    zero-fills them; the store clips)."""
     from mok_core.gemm.tensor_map import tensor_maps
     rows, cols, box, x, y = 20, 64, 16, 32, 10
     rng = np.random.default_rng(3)

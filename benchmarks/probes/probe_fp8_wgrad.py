@@ -24,9 +24,8 @@ ceiling (at a few slices an expert the gradient's write, not its MMAs, bounds th
 and FP32 output instead of bf16 -- ``f32``, or ``acc``: added to (main-grad; then our bf16
 kernel's FP32 accumulation, ``bf16acc``, is timed too, at ``WGRAD_MAIN_GRAD_GEMM``'s tile
 or each of ``--acc-tiles``, beside ``add32``: torch adding to the FP32 gradient in place, the
-same bytes read and written; ``accr`` and an ``r`` tile: built as main-grad was before its
-output was prefetched, TMA reduce-adds) --, each timed in the same turns (the first is the
-table's, and not ``acc``). ``--parts``: the first
+same bytes read and written) --, each timed in the same turns (the first is the table's,
+and not ``acc``). ``--parts``: the first
 variant's kernel built with one part changed (``sm90_fp8``'s globals patched while it is built
 and compiled; HOPPER.md: time variants that leave a stage out, take differences) --
 ``hoisted`` (the epilogue's staging addresses left to the compiler, which hoists them out of
@@ -111,54 +110,6 @@ def _part_step(part, bn, stages, launch):
     return step
 
 
-def _reduce_add_patches():
-    """{(module, name): replacement} building main-grad's kernels as they were before the
-    prefetch: no load of the output, the tile's values TMA-reduce-added at L2
-    (``tma_reduce_add_2d``) -- the prefetch only waits for the staging's reads and completes
-    the warp's mbarrier."""
-    from mok_core.cuda_compat import kjit
-    from mok_core.gemm import epilogue as EPI
-    from mok_core.gemm import sm90_wgrad as W
-    from mok_core.intrinsics import bulk_wait_read, mbarrier_arrive, syncwarp, tma_reduce_add_2d
-
-    def make_prefetch(bn):
-        @kjit(device=True, inline="always")
-        def prefetch(smem, maps, elem, grow, col0, epi0, lane, bar):
-            bulk_wait_read(0)
-            syncwarp()
-            if lane == 0:
-                mbarrier_arrive(smem, bar)
-        return prefetch
-    return {(EPI, "_add_swizzled_f32_group"): EPI._stage_swizzled_f32_group,
-            (EPI, "tma_store_2d"): tma_reduce_add_2d,
-            (W, "make_tma_prefetch_f32"): make_prefetch}
-
-
-def _patched_step(module, patches, launch):
-    """A step running ``launch()`` with ``module._kernel``'s kernels built while ``patches``
-    apply (their own cache; the library's untouched)."""
-    original = module._kernel
-    built = {}
-
-    def kernel(*args):
-        if args not in built:
-            built[args] = original.__wrapped__(*args)
-        return built[args]
-
-    def step():
-        saved = {k: getattr(*k) for k in patches}
-        try:
-            for (m, name), v in patches.items():
-                setattr(m, name, v)
-            module._kernel = kernel
-            launch()                                  # (the first call compiles it here)
-        finally:
-            module._kernel = original
-            for (m, name), v in saved.items():
-                setattr(m, name, v)
-    return step
-
-
 def main():
     import numpy as np
     import torch
@@ -168,8 +119,6 @@ def main():
     from mok_core.gemm import GemmConfig, fp8_wgrad, wgrad
     from mok_core.quantize import quantize_fp8
     from mok_comm.layer import WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM
-    from mok_core.gemm import sm90_fp8 as F
-    from mok_core.gemm import sm90_wgrad as W
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="kimi-k2.7,qwen3.5-397b")
     ap.add_argument("--tokens", type=int, default=8192)
@@ -181,21 +130,21 @@ def main():
     args = ap.parse_args()
     variants = {}
     for v in args.variants.split(","):
-        m = re.fullmatch(r"(\d+)s(\d+)(f32|acc|accr)?", v)
+        m = re.fullmatch(r"(\d+)s(\d+)(f32|acc)?", v)
         if m is None:
-            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32|acc|accr]")
+            raise SystemExit(f"--variants: {v!r} is not BNsSTAGES[f32|acc]")
         variants[v] = (int(m[1]), int(m[2]), m[3] or "bf16")
-    if next(iter(variants.values()))[2] in ("acc", "accr"):
+    if next(iter(variants.values()))[2] == "acc":
         raise SystemExit("--variants: the first (the rel-L1's) must not accumulate")
-    acc = any(v[2] in ("acc", "accr") for v in variants.values())
+    acc = any(v[2] == "acc" for v in variants.values())
     acc_tiles = {}                            # the bf16 kernel's tiles for FP32 added to
     for v in filter(None, args.acc_tiles.split(",")):
-        m = re.fullmatch(r"(\d+)s(\d+)(r?)", v)
+        m = re.fullmatch(r"(\d+)s(\d+)", v)
         if m is None:
-            raise SystemExit(f"--acc-tiles: {v!r} is not BNsSTAGES[r]")
-        acc_tiles[v] = (GemmConfig(bm=128, bn=int(m[1]), bk=64, wm=2, wn=1,
-                                   stages=int(m[2]), mma="wgmma"), m[3] == "r")
-    acc_tiles = acc_tiles or {"": (WGRAD_MAIN_GRAD_GEMM, False)}
+            raise SystemExit(f"--acc-tiles: {v!r} is not BNsSTAGES")
+        acc_tiles[v] = GemmConfig(bm=128, bn=int(m[1]), bk=64, wm=2, wn=1,
+                                  stages=int(m[2]), mma="wgmma")
+    acc_tiles = acc_tiles or {"": WGRAD_MAIN_GRAD_GEMM}
     u16 = torch.uint16
     for preset in args.presets.split(","):
         d = ffn_inputs(preset, args.tokens, "uniform", 128, np.random.default_rng(0))
@@ -260,11 +209,9 @@ def main():
                 return lambda: wgrad(
                     d_out.view(u16), index, h.view(u16), None, off, nr, outs["d32"], None, H,
                     accumulate=True, config=cfg, stream=numba_stream())
-            for tile, (cfg, reduce_add) in acc_tiles.items():
+            for tile, cfg in acc_tiles.items():
                 for part in ("gate|up", "down"):
-                    f = bf16acc(part, cfg)
-                    steps[f"bf16acc{tile} {part}"] = (
-                        _patched_step(W, _reduce_add_patches(), f) if reduce_add else f)
+                    steps[f"bf16acc{tile} {part}"] = bf16acc(part, cfg)
             # the ceiling: torch adding to the FP32 gradient in place (its bytes read, written)
             steps["add32 gate|up"] = lambda: (outs["g32"].add_(1.0), outs["u32"].add_(1.0))
             steps["add32 down"] = lambda: outs["d32"].add_(1.0)
@@ -275,9 +222,7 @@ def main():
         for v, (bn, stages, kind) in variants.items():
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
                 out = outs[o + "8"].view(u16) if kind == "bf16" else outs[o + "32"]
-                f = fp8_step(a, b, out, bn, stages, kind in ("acc", "accr"))
-                steps[f"fp8 {part} {v}"] = (_patched_step(F, _reduce_add_patches(), f)
-                                            if kind == "accr" else f)
+                steps[f"fp8 {part} {v}"] = fp8_step(a, b, out, bn, stages, kind == "acc")
         bn0, stages0 = next(iter(variants.values()))[:2]
         for p in filter(None, args.parts.split(",")):
             for part, a, b, o in (("gate|up", "a_gu", "b_gu", "gu"), ("down", "a_d", "b_d", "d")):
@@ -326,8 +271,7 @@ def main():
             for v in variants:
                 ms, kind = t[f"fp8 {part} {v}"], variants[v][2]
                 note = {"bf16": f"  fill / it {t[f'fill {part}'] / ms:.2f}", "f32": "",
-                        "acc": f"  add32 / it {t[f'add32 {part}'] / ms:.2f}",
-                        "accr": f"  add32 / it {t[f'add32 {part}'] / ms:.2f}"}[kind]
+                        "acc": f"  add32 / it {t[f'add32 {part}'] / ms:.2f}"}[kind]
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
                       f"x{b16 / ms:.2f}{note}", flush=True)
             for p in filter(None, args.parts.split(",")):

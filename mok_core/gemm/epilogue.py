@@ -414,18 +414,19 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     return epilogue
 
 
-def _make_box_sender(boxes, box_cols, to_global):
+def _make_box_sender(boxes, box_cols):
     """``send(smem, maps, elem, grow, col0, epi0, lane)``: the warp's staged boxes (its lanes'
-    generic-proxy writes) fenced for the TMA unit, then lane 0 sends ``boxes`` boxes of
+    generic-proxy writes) fenced for the TMA unit, then lane 0 stores ``boxes`` boxes of
     ``box_cols`` columns from ``epi0`` on to (col0 + box_cols b, grow) of map ``elem`` by
-    ``to_global`` (a TMA store or reduce-add), one bulk group."""
+    TMA, one bulk group."""
     @kjit(device=True, inline="always")
     def send(smem, maps, elem, grow, col0, epi0, lane):
         fence_proxy_async()            # generic-proxy writes -> the TMA unit's reads
         syncwarp()
         if lane == 0:
             for b in range(boxes):
-                to_global(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + box_cols * b, grow)
+                tma_store_2d(maps, elem, smem, epi0 + b * TMA_BOX_BYTES, col0 + box_cols * b,
+                             grow)
             bulk_commit()
     return send
 
@@ -441,7 +442,7 @@ def make_tma_epilogue(bn):
     boxes = bn // 64
     assert bn % 64 == 0
     stage_tile = tuple_fold(_stage_swizzled_group, _plain_layout)
-    send = _make_box_sender(boxes, 64, tma_store_2d)
+    send = _make_box_sender(boxes, 64)
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
@@ -518,11 +519,11 @@ def make_tma_epilogue_f32(bn, accumulate):
     if whole:
         stage_all = tuple_fold(_add_swizzled_f32_group if accumulate
                                else _stage_swizzled_f32_group, _plain_layout)
-        send_all = _make_box_sender(bn // 32, 32, tma_store_2d)
+        send_all = _make_box_sender(bn // 32, 32)
     else:
         stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
         stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
-        send_half = _make_box_sender(bn // 64, 32, tma_store_2d)
+        send_half = _make_box_sender(bn // 64, 32)
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
 
     @kjit(device=True, inline="always")

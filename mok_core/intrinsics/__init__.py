@@ -36,9 +36,7 @@
                   global), bulk_wait_read (the shared source may be reused)
     TMA:          tensormap_acquire, tma_load_2d (a swizzled box of a 2-D tensor map -> shared,
                   completes an mbarrier's byte count), tma_store_2d (shared -> a box of the
-                  map, clipped at its end; a bulk store), tma_reduce_add_2d (the same, each
-                  element added to global memory's: the FP32 weight gradients' main-grad),
-                  fence_mbarrier_init
+                  map, clipped at its end; a bulk store), fence_mbarrier_init
 
 GPU versions: ``ptx.py`` (inline PTX via ``@intrinsic``); twins: ``twins.py``.
 """
@@ -68,7 +66,7 @@ __all__ = [
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32", "st_shared_v2_f32", "add_shared_v2_f32",
-    "tensormap_acquire", "tma_load_2d", "tma_store_2d", "tma_reduce_add_2d",
+    "tensormap_acquire", "tma_load_2d", "tma_store_2d",
     "fence_mbarrier_init",
 ]
 

@@ -1047,24 +1047,16 @@ def tma_load_2d(typingctx, smem, saddr, tmaps, elem, x, y, bar):
     return types.void(smem, saddr, tmaps, elem, x, y, bar), _tma_load_2d_codegen
 
 
-def _tma_to_global_codegen(op):
-    """Codegen of the shared -> global TMA box instruction ``op`` (its opcode and
-    qualifiers; args: tmaps, elem, smem, saddr, x, y)."""
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
-        s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
-        cx = context.cast(builder, args[4], sig.args[4], types.int32)
-        cy = context.cast(builder, args[5], sig.args[5], types.int32)
-        _asm(builder, ir.VoidType(), [p, s32, cx, cy], f"{op} [$0, {{$2, $3}}], [$1];",
-             "l,r,r,r,~{memory}", True)
-        return context.get_dummy_value()
-    return codegen
-
-
-_tma_store_2d_codegen = _tma_to_global_codegen(
-    "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group")
-_tma_reduce_add_2d_codegen = _tma_to_global_codegen(
-    "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group")
+def _tma_store_2d_codegen(context, builder, sig, args):
+    # args: tmaps, elem, smem, saddr, x, y
+    p = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+    s32 = context.cast(builder, args[3], sig.args[3], types.uint32)
+    cx = context.cast(builder, args[4], sig.args[4], types.int32)
+    cy = context.cast(builder, args[5], sig.args[5], types.int32)
+    _asm(builder, ir.VoidType(), [p, s32, cx, cy],
+         "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [$0, {$2, $3}], [$1];",
+         "l,r,r,r,~{memory}", True)
+    return context.get_dummy_value()
 
 
 @intrinsic
@@ -1078,19 +1070,6 @@ def tma_store_2d(typingctx, tmaps, elem, smem, saddr, x, y):
     if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
         return None
     return types.void(tmaps, elem, smem, saddr, x, y), _tma_store_2d_codegen
-
-
-@intrinsic
-def tma_reduce_add_2d(typingctx, tmaps, elem, smem, saddr, x, y):
-    """``tma_store_2d``, but each element of the box is added to the one in global memory
-    (float32 maps: one IEEE add, round to nearest, subnormals kept -- an H100 keeps a
-    subnormal sum --: the value ``out + acc`` gives; the read and the add happen at L2, no
-    thread waits for them). Each element gets one add per instruction: where every element
-    has one owner the result does not depend on the order of the stores -- deterministic. A
-    bulk store as ``tma_store_2d`` (``bulk_commit``, ``bulk_wait_read``, ``bulk_wait``)."""
-    if not (_is_1d(smem) and _is_1d(tmaps) and _integers(elem, saddr, x, y)):
-        return None
-    return types.void(tmaps, elem, smem, saddr, x, y), _tma_reduce_add_2d_codegen
 
 
 fence_mbarrier_init = _statement(

@@ -326,23 +326,12 @@ def _groups(kind):
 
 def _land(groups, pending):
     """Land the oldest closed groups until at most ``pending`` stay in flight (an entry starts
-    with dst, slice, data; a bulk entry's sixth element says the data is added: FP32
-    ``tma_reduce_add_2d``)."""
+    with dst, slice, data)."""
     closed = groups[:-1]
     while len(closed) > pending:
         for entry in closed.pop(0):
-            if len(entry) > 5 and entry[5]:
-                entry[0][entry[1]] = _add_f32(entry[0][entry[1]], entry[2])
-            else:
-                entry[0][entry[1]] = entry[2]
+            entry[0][entry[1]] = entry[2]
     groups[:-1] = closed
-
-
-def _add_f32(a, b):
-    """The TMA unit's float32 add: one IEEE add, round to nearest, subnormals kept (as an
-    H100 keeps them: ``tests/test_intrinsics.py``'s reduce-add case)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return (np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(np.float32)
 
 
 def _cp_async_16(smem, sidx, gmem, gidx, src_bytes):
@@ -798,10 +787,11 @@ def tma_load_2d(smem, saddr, tmaps, elem, x, y, bar):
         _settle(b)
 
 
-def _tma_to_global(op, tmaps, elem, smem, saddr, x, y, add=False):
+def tma_store_2d(tmaps, elem, smem, saddr, x, y):
     # A bulk store (``bulk_store``'s groups): the box's in-bounds elements, un-swizzled, are
-    # read from shared memory at the covering bulk_wait_read / bulk_wait and land (or, with
-    # ``add``, are added) at bulk_wait.
+    # read from shared memory at the covering bulk_wait_read / bulk_wait and land at
+    # bulk_wait.
+    op = "tma_store_2d"
     dst, rows, cols = _tensor_map(tmaps, elem, op)
     saddr, x, y = int(saddr), int(x), int(y)
     if saddr % 1024:
@@ -816,18 +806,7 @@ def _tma_to_global(op, tmaps, elem, smem, saddr, x, y, add=False):
     s_idx = _swizzle_addresses(saddr + rr * 128 + cc * size) // size   # (saddr 1024-aligned)
     g_idx = (y + rr) * dst.shape[1] + (x + cc)
     src = _raw(smem).reshape(-1).view(dst.dtype)
-    _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx, add])
-
-
-def tma_store_2d(tmaps, elem, smem, saddr, x, y):
-    _tma_to_global("tma_store_2d", tmaps, elem, smem, saddr, x, y)
-
-
-def tma_reduce_add_2d(tmaps, elem, smem, saddr, x, y):
-    dst = _tensor_map(tmaps, elem, "tma_reduce_add_2d")[0]
-    if dst.dtype != np.float32:
-        raise ValueError(f"tma_reduce_add_2d twin: float32 maps only, not {dst.dtype}")
-    _tma_to_global("tma_reduce_add_2d", tmaps, elem, smem, saddr, x, y, add=True)
+    _groups("bulk")[-1].append([dst.reshape(-1), g_idx, None, src, s_idx])
 
 
 def trap():
