@@ -28,7 +28,7 @@
 #        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather) probe-staged (our bf16 GEMM's staged epilogue with its base
-#        made per tile vs shipped, in turns: probe_staged_base; PROBE_PRESETS, PROBE_TOKENS)
+#        hoisted vs shipped (per tile), in turns: probe_staged_base; PROBE_PRESETS, PROBE_TOKENS)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
 #        FP8 too: the FP8 layer vs ours in bf16, forward

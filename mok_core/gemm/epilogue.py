@@ -73,7 +73,7 @@ place (``add_shared_v2_f32``: IEEE adds) and the tile leaves by plain TMA stores
 element gets one add a launch (one tile owns it), so the sums are deterministic. Step 4 folds
 the FP32 values (the addends; one fma each) and a bad tile recounts from the registers.
 
-The coalesced and the TMA epilogues make their staging addresses per tile, from a base the
+The staged, coalesced and TMA epilogues make their staging addresses per tile, from a base the
 compiler cannot hoist out of the tile loop (``per_iteration``): hoisted, the 32 addresses
 lived across the K loop beside the FP32 sums and the FP8 fragment, and ptxas spilled them,
 reloaded every tile (the FP8 weight gradient's few-slice tiles paid it most: docs/perf.md).
@@ -294,7 +294,7 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
         # The vote makes the branch warp-uniform to ptxas: a warp barrier on a path it thinks
         # divergent serialises every wgmma of the kernel (C7518).
         if warp_all(stores) != 0:
-            epi0 = ring + stage_offset
+            epi0 = per_iteration(uint32(ring + stage_offset))   # (module header)
             if save_pre:                   # this thread's first element of g / u
                 bad = stage_tile(acc, (uint32(0), uint32(0)),
                                  (smem, frag_row, frag_col, limit, epi0, stride, pre[0],

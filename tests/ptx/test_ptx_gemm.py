@@ -118,10 +118,10 @@ def test_production_wgmma_kernels_lower_unserialised(bm, kind):
     assert count(loop, r"ld\.local|st\.local") == 0, "accumulator in local memory in the K loop"
     report = assemble_sm90a(ptx)
     assert "C7518" not in report and "serialized" not in report, report[-600:]
-    # 128 rows: no spills; 192 rows (384 threads, 168 registers) spill 144-232 bytes, the
-    # staged epilogue's addresses among them (``benchmarks/probes/probe_staged_base.py``
-    # times a per-tile base, 16-28 bytes) -- a bound, so that neither grows unseen
-    assert spill_bytes(report) <= (0 if bm == 128 else 240), report[-600:]
+    # 128 rows: no spills; 192 rows (384 threads, 168 registers): the staging's base made per
+    # tile (``per_iteration``) keeps ptxas's spills to a few registers -- a bound, so that
+    # they do not grow unseen
+    assert spill_bytes(report) <= (0 if bm == 128 else 32), report[-600:]
 
 
 @pytest.mark.parametrize("bn,stages", [(128, 5), (64, 3)])

@@ -28,10 +28,10 @@ CASES = {
     "staged_stores": (ti._staged_stores, (u32, int32),
                       [r"st\.shared\.u32", r"cp\.async\.bulk\.global\.shared::cta\.bulk_group",
                        r"cp\.async\.bulk\.wait_group\.read 0", r"cp\.async\.bulk\.wait_group 0"]),
-    "tma_f32": (ti._tma_f32_box, (uint64[::1], f32, int32, int32, int32, types.boolean),
+    "tma_f32": (ti._tma_f32_box, (uint64[::1], f32, int32, int32, int32, int32),
                 [r"st\.shared\.v2\.f32", r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta"
-                 r"\.bulk_group", r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta"
-                 r"\.add\.tile\.bulk_group"]),
+                 r"\.bulk_group", r"ld\.shared\.v2\.f32 \{o0, o1\}", r"add\.rn\.f32 o0, o0",
+                 r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"]),
     "tuple_pick": (ti._pick_write, (i32, i32, i32, i32), [r"selp\.b64"]),
     "match_any": (ti._match_masks, (i32, u32), [r"match\.any\.sync\.b32"]),
     "per_iteration": (ti._per_iteration_rows, (i32, int64[::1], int32),
