@@ -27,8 +27,7 @@
 #        at PROBE_ACC_TILES, e.g. 256s3,128s4),
 #        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
-#        probe_quantize_gather) probe-staged (our bf16 GEMM's staged epilogue with its base
-#        hoisted vs shipped (per tile), in turns: probe_staged_base; PROBE_PRESETS, PROBE_TOKENS)
+#        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
 #        FP8 too: the FP8 layer vs ours in bf16, forward
@@ -173,8 +172,6 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    probe-staged) step probe-staged python3 benchmarks/probes/probe_staged_base.py \
-         --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
