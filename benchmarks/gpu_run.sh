@@ -27,8 +27,7 @@
 #        at PROBE_ACC_TILES, e.g. 256s3,128s4),
 #        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
-#        probe_quantize_gather) probe-n192 (the FP8 GEMM on 128 x 192 tiles vs 128 x 256 and
-#        128 x 128, in turns: probe_fp8_n192; PROBE_STAGES e.g. 4,3)
+#        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
 #        FP8 too: the FP8 layer vs ours in bf16, forward
@@ -173,8 +172,6 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    probe-n192) for s in $(echo "${PROBE_STAGES:-4}" | tr , " "); do step probe-n192-s$s \
-         python3 benchmarks/probes/probe_fp8_n192.py --stages "$s"; done ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
@@ -199,7 +196,7 @@ for f in "$OUT"/*.json; do [ -f "$f" ] && echo "$f" && python3 -c "
 import json,sys; rows=json.load(open('$f'))
 keys=[k for k in rows[0] if k not in ('gpu','gemm')][:11]
 print(' '.join(f'{k[:14]:>14}' for k in keys))
-for r in rows: print(' '.join(f'{r[k]:>14.3f}' if isinstance(r[k], float) else f'{str(r[k])[:14]:>14}' for k in keys))
+for r in rows: print(' '.join(f'{r[k]:>14.3f}' if isinstance(r.get(k), float) else f'{str(r.get(k, \"-\"))[:14]:>14}' for k in keys))
 "; done
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
