@@ -503,27 +503,6 @@ def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
     return types.void(smem, saddr, gmem, gidx, src_bytes), codegen
 
 
-@intrinsic
-def add_shared_v2_f32(typingctx, smem, addr, v0, v1):
-    """Add two float32 to the 8 bytes at the shared byte address ``addr`` (8-byte aligned):
-    one vector load, two ``add.rn.f32`` (IEEE, subnormals kept: no flush, no contraction --
-    the bits of ``out + acc`` whatever the compiler's flags), one vector store. E.g. a
-    prefetched FP32 output pair plus this tile's (main-grad)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        v = [context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
-             for i in range(2)]
-        _asm(builder, ir.VoidType(), [a, *v],
-             "{ .reg .f32 o0, o1; ld.shared.v2.f32 {o0, o1}, [$0]; add.rn.f32 o0, o0, $1; "
-             "add.rn.f32 o1, o1, $2; st.shared.v2.f32 [$0], {o0, o1}; }",
-             "r,f,f,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr, types.float32, types.float32), codegen
-
-
 def _shared_u32_statement(name, text, doc):
     """An asm statement ``text`` on a shared byte address ($0) and a 32-bit operand ($1), as
     ``name(smem, addr, value)``, ordered against memory."""
@@ -547,21 +526,37 @@ st_shared_u32 = _shared_u32_statement(
     "offset) -- e.g. a bf16 pair staged for a bulk store.")
 
 
-@intrinsic
-def st_shared_v2_f32(typingctx, smem, addr, v0, v1):
-    """Store two float32 as 8 bytes at the shared byte address ``addr`` (8-byte aligned;
-    ``shared_addr`` + offset): one vector store -- e.g. an FP32 pair staged for a TMA store."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
+def _shared_v2_f32_statement(name, text, doc):
+    """An asm statement ``text`` on a shared byte address ($0, 8-byte aligned) and two float32
+    ($1, $2), as ``name(smem, addr, v0, v1)``, ordered against memory."""
+    def impl(typingctx, smem, addr, v0, v1):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        v = [context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
-             for i in range(2)]
-        _asm(builder, ir.VoidType(), [a, *v], "st.shared.v2.f32 [$0], {$1, $2};",
-             "r,f,f,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr, types.float32, types.float32), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            v = [context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+                 for i in range(2)]
+            _asm(builder, ir.VoidType(), [a, *v], text, "r,f,f,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(smem, addr, types.float32, types.float32), codegen
+    return _named(impl, name, doc)
+
+
+st_shared_v2_f32 = _shared_v2_f32_statement(
+    "st_shared_v2_f32", "st.shared.v2.f32 [$0], {$1, $2};",
+    "Store two float32 as 8 bytes at the shared byte address (8-byte aligned; ``shared_addr`` "
+    "+ offset): one vector store -- e.g. an FP32 pair staged for a TMA store.")
+
+
+add_shared_v2_f32 = _shared_v2_f32_statement(
+    "add_shared_v2_f32",
+    "{ .reg .f32 o0, o1; ld.shared.v2.f32 {o0, o1}, [$0]; add.rn.f32 o0, o0, $1; "
+    "add.rn.f32 o1, o1, $2; st.shared.v2.f32 [$0], {o0, o1}; }",
+    "Add two float32 to the 8 bytes at the shared byte address (8-byte aligned): one vector "
+    "load, two ``add.rn.f32`` (IEEE, subnormals kept: no flush, no contraction -- the bits of "
+    "``out + acc`` whatever the compiler's flags), one vector store. E.g. a prefetched FP32 "
+    "output pair plus this tile's (main-grad).")
 
 
 cp_async_commit = _statement(
