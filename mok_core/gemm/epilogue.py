@@ -506,11 +506,11 @@ def make_tma_epilogue_f32(bn, accumulate):
     staging holds the warp's whole FP32 tile (BN / 32 boxes), stored at once; else half of it
     (BN / 64 boxes, what the bf16 tile takes), the second half staged once the first's stores
     have read the staging (a wait in the middle of the epilogue). ``accumulate`` (main-grad,
-    whole tiles only): the
-    staging already holds the output's values (``make_tma_prefetch_f32``, completed: the
-    caller waited on its mbarrier) and each thread adds its pairs to them in place
-    (``add_shared_v2_f32``: ``out + acc`` rounded once, IEEE), so the tile leaves as plain
-    stores and each element gets one add a launch -- deterministic. The NaN/Inf check folds
+    whole tiles only): the staging already holds the output's values
+    (``make_tma_prefetch_f32``, completed: the caller waited on its mbarrier) and each thread
+    adds its pairs to them in place (``add_shared_v2_f32``: ``out + acc`` rounded once,
+    IEEE), so the tile leaves as plain stores and each element gets one add a launch --
+    deterministic. The NaN/Inf check folds
     the values staged (with ``accumulate``: the addends -- a NaN/Inf already in the buffer
     came from an earlier call, which reported it, or from the caller; an FP32 overflow of the
     add itself goes unseen); a bad tile recounts from the registers."""
