@@ -67,13 +67,17 @@ def _patched_factories(variant):
                 return acc
             return mma_slice
         return {"_make_mma_slice": make_mma}
+    @kjit(device=True, inline="always")
+    def no_prefetch(smem, maps, side, grow0, n0, epi0, lane, frag_row, bar):
+        pass                           # (bf16 outputs: ``make_epilogues``' is a no-op too)
+
     if variant == "no-epi":
         def make_epi(bm, bn, out_f32, accumulate):
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
-                         errors, nf_tensor, nf_rank):
+                         errors, nf_tensor, nf_rank, bar, phase):
                 pass
-            return epilogue
+            return no_prefetch, epilogue
         return {"make_epilogues": make_epi}
     if variant == "no-store":
         def make_epi(bm, bn, out_f32, accumulate):
@@ -81,7 +85,7 @@ def _patched_factories(variant):
 
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
-                         errors, nf_tensor, nf_rank):
+                         errors, nf_tensor, nf_rank, bar, phase):
                 q = lane // 4
                 syncwarp()
                 bad = stage_tile(acc, (uint32(0), uint32(0)),
@@ -90,7 +94,7 @@ def _patched_factories(variant):
                 syncwarp()
                 if (bad[0] | bad[1]) == uint32(0x9E3779B9):     # never: keeps the folds
                     st_shared_u32(smem, epi0, bad[0])
-            return epilogue
+            return no_prefetch, epilogue
         return {"make_epilogues": make_epi}
     assert variant == "prod", variant
     return {}
