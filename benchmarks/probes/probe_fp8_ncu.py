@@ -8,12 +8,18 @@
 Shapes (``NCU_SHAPES``, default ``long,ffn``; rows padded to 128): ``long`` = gate|up (K =
 7168, N = 2I = 4096) over 16 experts x ~1365 rows (kimi-k2.7's at EP 8, 8192 tokens/rank),
 ``ffn`` = the same over 48 experts x ~373 rows (kimi-k2.7 at EP 2, 8192 tokens/rank: 3 row
-tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts. Per shape: ``fp8_gemm``
+tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts; qwen3.5-397b's at EP 2,
+8192 tokens/rank (256 experts x ~320 rows): ``qgu`` K = 4096, N = 2048 and ``qdown`` K = 1024,
+N = 4096. Per shape: ``fp8_gemm``
 and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (default
 ``256,128``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4), each into its own
 output (``--time`` prints whether it is bit-equal to the first tile's), and our bf16 wgmma
 GEMM (``down``) on
-bf16 operands of the same size. A probe: it prints, it writes nothing. Its findings:
+bf16 operands of the same size. ``FP8_PARTS`` (``--time``; e.g. ``no-epi,no-store``): the
+plain kernel on the first tile built again with its epilogue left out (``no-epi``) or staging
+its tile without storing it (``no-store``) -- ``sm90_fp8``'s ``make_coalesced_epilogue``
+replaced while it is built --, timed in the same turns (HOPPER.md: time variants that leave a
+stage out); they write nothing. A probe: it prints, it writes nothing. Its findings:
 docs/perf.md, "What bounds the FP8 GEMM".
 """
 from __future__ import annotations
@@ -22,6 +28,54 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _epilogue_factory(part):
+    """A stand-in for ``make_coalesced_epilogue`` leaving the epilogue (``no-epi``) or its
+    stores (``no-store``: the tile staged, its NaN/Inf fold kept alive) out."""
+    from numba import uint32
+
+    from mok_core.cuda_compat import kjit
+    from mok_core.gemm.epilogue import make_stage_tile
+    from mok_core.intrinsics import st_shared_u32, syncwarp
+
+    def make(bn, swiglu_epilogue=False, save_pre=False, push=False):
+        stage_tile = make_stage_tile(False)
+        stride = 2 * bn + 16
+
+        @kjit(device=True, inline="always")
+        def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row,
+                     frag_col, limit, errors, nf_tensor, nf_rank, pre, route):
+            if part == "no-store":
+                bad = stage_tile(acc, (uint32(0), uint32(0)),
+                                 (smem, frag_row, frag_col, limit, epi0, stride))
+                syncwarp()
+                if (bad[0] | bad[1]) == uint32(0x9E3779B9):     # never: keeps the folds
+                    st_shared_u32(smem, epi0, bad[0])
+        return epilogue
+    if part not in ("no-epi", "no-store"):
+        raise SystemExit(f"FP8_PARTS: unknown part {part!r}")
+    return make
+
+
+def _part_step(part, bn, stages, launch):
+    """``launch()`` (a plain ``fp8_gemm`` of tile ``bn`` / ``stages``) on the kernel built
+    with ``part``'s epilogue, handed to it in place of the library's cached kernel."""
+    from mok_core.gemm import sm90_fp8 as F
+    kern = []
+
+    def step():
+        cached, factory = F._kernel, F.make_coalesced_epilogue
+        try:
+            if not kern:
+                F.make_coalesced_epilogue = _epilogue_factory(part)
+                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, False))
+                F.make_coalesced_epilogue = factory
+            F._kernel = lambda *args: kern[0]
+            launch()                                  # (the first call compiles it here)
+        finally:
+            F._kernel, F.make_coalesced_epilogue = cached, factory
+    return step
 
 
 def main():
@@ -33,6 +87,7 @@ def main():
     from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm
     TIME = "--time" in sys.argv
     TILES = os.environ.get("FP8_TILES", "256,128").split(",")
+    PARTS = [p for p in os.environ.get("FP8_PARTS", "").split(",") if p]
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def e4m3(*shape):                       # random finite e4m3 bytes (no 0x7F / 0xFF)
@@ -42,7 +97,8 @@ def main():
     shapes = [s for s in os.environ.get("NCU_SHAPES", "long,ffn").split(",") if s]
     for shape in shapes:
         E, per, K, N = {"long": (16, 1365, 7168, 4096), "ffn": (48, 373, 7168, 4096),
-                        "down": (48, 373, 2048, 7168)}[shape]
+                        "down": (48, 373, 2048, 7168), "qgu": (256, 320, 4096, 2048),
+                        "qdown": (256, 320, 1024, 4096)}[shape]
         rng = np.random.default_rng(0)
         counts = -(-rng.multinomial(E * per, np.ones(E) / E) // 128) * 128
         off = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32,
@@ -76,8 +132,12 @@ def main():
                              stream=numba_stream())
             return step
         steps = {f"fp8 {'swiglu' if sw else 'plain'} {tile}": variant(sw, tile)
-                 for sw in ((False,) if shape == "down" else (False, True))
+                 for sw in ((False,) if shape.endswith("down") else (False, True))
                  for tile in TILES}
+        bn0, stages0 = (256, 3) if TILES[0] == "256" else (128, 4)
+        for part in PARTS:
+            steps[f"fp8 plain {TILES[0]} {part}"] = _part_step(
+                part, bn0, stages0, steps[f"fp8 plain {TILES[0]}"])
         steps["bf16 down"] = lambda: down(x16, w16, off, nr, out, config=cfg,
                                           stream=numba_stream())
         flop = 2.0 * C * K * N
