@@ -39,6 +39,11 @@
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
 #        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS, TRAIN_PRECISION)
 #        -- the probes live in benchmarks/probes/
+#        ab-probe (another tree against this one, in alternating processes: AB_PROBE, a
+#        script's path in both trees, run with AB_ARGS, AB_ROUNDS times each -- default 2 --,
+#        the other tree first each round; the other tree at ab_base/, made here by
+#        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
+#        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
 #        gpu-suite-gemm and gpu-suite-rest in calls of their own; gpu-train: SUITE_TIMEOUT,
@@ -172,6 +177,10 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
+    ab-probe) for r in $(seq "${AB_ROUNDS:-2}"); do
+         step "ab-base-$r" env PYTHONPATH="$PWD/ab_base:${PYTHONPATH:-}" python3 \
+              "ab_base/$AB_PROBE" ${AB_ARGS:-}
+         step "ab-this-$r" python3 "$AB_PROBE" ${AB_ARGS:-}; done ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
