@@ -16,10 +16,11 @@ and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (def
 output (``--time`` prints whether it is bit-equal to the first tile's), and our bf16 wgmma
 GEMM (``down``) on
 bf16 operands of the same size. ``FP8_PARTS`` (``--time``; e.g. ``no-epi,no-store``): the
-plain kernel on the first tile built again with its epilogue left out (``no-epi``) or staging
-its tile without storing it (``no-store``) -- ``sm90_fp8``'s ``make_coalesced_epilogue``
-replaced while it is built --, timed in the same turns (HOPPER.md: time variants that leave a
-stage out); they write nothing. A probe: it prints, it writes nothing. Its findings:
+plain kernel on the first tile built again with its epilogue left out (``no-epi``: the
+promotions and scale reads then go too, dead code), staging its tile without storing it
+(``no-store``) or promoting with every factor 1 (``no-scale``: no scale read in the compute
+warps) -- ``sm90_fp8``'s globals replaced while it is built and compiled --, timed in the same
+turns (HOPPER.md: time variants that leave a stage out); they write nothing, or wrong values. A probe: it prints, it writes nothing. Its findings:
 docs/perf.md, "What bounds the FP8 GEMM".
 """
 from __future__ import annotations
@@ -53,28 +54,56 @@ def _epilogue_factory(part):
                 if (bad[0] | bad[1]) == uint32(0x9E3779B9):     # never: keeps the folds
                     st_shared_u32(smem, epi0, bad[0])
         return epilogue
-    if part not in ("no-epi", "no-store"):
-        raise SystemExit(f"FP8_PARTS: unknown part {part!r}")
     return make
+
+
+def _unit_scales(arity):
+    """A stand-in for ``sm90_fp8._slice_scales`` (of ``arity`` arguments, whichever tree's)
+    that reads nothing: every factor 1."""
+    from numba import float32
+
+    from mok_core.cuda_compat import kjit
+    args = ", ".join(f"a{i}" for i in range(arity))
+    ns = {"float32": float32}
+    exec(f"def unit({args}):\n    one = float32(1.0)\n    return one, one, one, one", ns)
+    return kjit(device=True, inline="always")(ns["unit"])
+
+
+def _part_patches(part):
+    """{name: replacement} among ``sm90_fp8``'s globals for ``part`` (module docstring)."""
+    import inspect
+
+    from mok_core.gemm import sm90_fp8 as F
+    if part in ("no-epi", "no-store"):
+        return {"make_coalesced_epilogue": _epilogue_factory(part)}
+    if part == "no-scale":
+        arity = len(inspect.signature(F._slice_scales.py_func).parameters)
+        return {"_slice_scales": _unit_scales(arity)}
+    raise SystemExit(f"FP8_PARTS: unknown part {part!r}")
 
 
 def _part_step(part, bn, stages, launch):
     """``launch()`` (a plain ``fp8_gemm`` of tile ``bn`` / ``stages``) on the kernel built
-    with ``part``'s epilogue, handed to it in place of the library's cached kernel."""
+    with ``part``'s replacements (patched while it is built and first compiled), handed to
+    it in place of the library's cached kernel."""
     from mok_core.gemm import sm90_fp8 as F
     kern = []
 
     def step():
-        cached, factory = F._kernel, F.make_coalesced_epilogue
+        patches = _part_patches(part) if not kern else {}
+        saved = {k: getattr(F, k) for k in patches}
+        cached = F._kernel
         try:
+            for k, v in patches.items():
+                setattr(F, k, v)
             if not kern:
-                F.make_coalesced_epilogue = _epilogue_factory(part)
                 kern.append(F.make_fp8_gemm(stages, False, bn, False, False, False))
-                F.make_coalesced_epilogue = factory
             F._kernel = lambda *args: kern[0]
             launch()                                  # (the first call compiles it here)
         finally:
-            F._kernel, F.make_coalesced_epilogue = cached, factory
+            F._kernel = cached
+            for k, v in saved.items():
+                setattr(F, k, v)
     return step
 
 
