@@ -84,27 +84,11 @@ def _part_patches(part):
 
 def _part_step(part, bn, stages, launch):
     """``launch()`` (a plain ``fp8_gemm`` of tile ``bn`` / ``stages``) on the kernel built
-    with ``part``'s replacements (patched while it is built and first compiled), handed to
-    it in place of the library's cached kernel."""
+    with ``part``'s replacements (``probe_fp8_wgrad.patched_fp8_step``)."""
+    from benchmarks.probes.probe_fp8_wgrad import patched_fp8_step
     from mok_core.gemm import sm90_fp8 as F
-    kern = []
-
-    def step():
-        patches = _part_patches(part) if not kern else {}
-        saved = {k: getattr(F, k) for k in patches}
-        cached = F._kernel
-        try:
-            for k, v in patches.items():
-                setattr(F, k, v)
-            if not kern:
-                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, False))
-            F._kernel = lambda *args: kern[0]
-            launch()                                  # (the first call compiles it here)
-        finally:
-            F._kernel = cached
-            for k, v in saved.items():
-                setattr(F, k, v)
-    return step
+    return patched_fp8_step({(F, k): v for k, v in _part_patches(part).items()}, bn, stages,
+                            False, launch)
 
 
 def main():

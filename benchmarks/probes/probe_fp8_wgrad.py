@@ -81,26 +81,23 @@ def _part_patches(part):
     return out
 
 
-def _part_step(part, bn, stages, launch):
-    """A step running ``launch()`` (an ``fp8_wgrad`` call of tile ``bn`` / ``stages``, bf16
-    out) on the WGRAD kernel built with ``part`` left out: patched while it is
-    built and first compiled, handed to the launch in place of the library's cached kernel."""
-    from mok_core.gemm import epilogue as EPI
+def patched_fp8_step(patches, bn, stages, wgrad, launch):
+    """A step running ``launch()`` (an ``sm90_fp8`` GEMM call of tile ``bn`` / ``stages``,
+    bf16 out; WGRAD's with ``wgrad``) on the kernel built while ``patches`` ({(module, name):
+    value}) apply -- set while it is built and first compiled --, handed to the launch in
+    place of the library's cached kernel."""
     from mok_core.gemm import sm90_fp8 as F
     kern = []
 
-    def where(k):
-        return (EPI, k.split(".")[1]) if k.startswith("epilogue.") else (F, k)
-
     def step():
-        patches = {where(k): v for k, v in _part_patches(part).items()}
-        saved = {k: getattr(*k) for k in patches}
+        active = {} if kern else patches
+        saved = {k: getattr(*k) for k in active}
         cached = F._kernel
         try:
-            for (m, k), v in patches.items():
+            for (m, k), v in active.items():
                 setattr(m, k, v)
             if not kern:
-                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, True))
+                kern.append(F.make_fp8_gemm(stages, False, bn, False, False, wgrad))
             F._kernel = lambda *args: kern[0]
             launch()                                  # (the first call compiles it here)
         finally:
@@ -108,6 +105,17 @@ def _part_step(part, bn, stages, launch):
             for (m, k), v in saved.items():
                 setattr(m, k, v)
     return step
+
+
+def _part_step(part, bn, stages, launch):
+    """``patched_fp8_step`` of the WGRAD kernel with ``part`` left out."""
+    from mok_core.gemm import epilogue as EPI
+    from mok_core.gemm import sm90_fp8 as F
+
+    def where(k):
+        return (EPI, k.split(".")[1]) if k.startswith("epilogue.") else (F, k)
+    return patched_fp8_step({where(k): v for k, v in _part_patches(part).items()}, bn, stages,
+                            True, launch)
 
 
 def main():
