@@ -39,9 +39,10 @@
 #        gpu-train (MoEBlock, autograd, variable tokens: tests/gpu/test_module_gpu.py and the
 #        module / op tests on the GPU) train-example (examples/train_moe.py, TRAIN_STEPS, TRAIN_PRECISION)
 #        -- the probes live in benchmarks/probes/
-#        ab-probe (another tree against this one, in alternating processes: AB_PROBE, a
-#        script's path in both trees, run with AB_ARGS, AB_ROUNDS times each -- default 2 --,
-#        the other tree first each round; the other tree at ab_base/, made here by
+#        ab-probe (another tree against this one, in alternating processes: AB_RUNS, one or
+#        more "script args" separated by ';' -- a script's path in both trees and its
+#        arguments --, each run AB_ROUNDS times in each tree -- default 2 --, the other tree
+#        first each round; the other tree at ab_base/, made here by
 #        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
 #        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of)
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
@@ -177,10 +178,13 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    ab-probe) for r in $(seq "${AB_ROUNDS:-2}"); do
-         step "ab-base-$r" env PYTHONPATH="$PWD/ab_base:${PYTHONPATH:-}" python3 \
-              "ab_base/$AB_PROBE" ${AB_ARGS:-}
-         step "ab-this-$r" python3 "$AB_PROBE" ${AB_ARGS:-}; done ;;
+    ab-probe) IFS=';' read -ra runs <<< "$AB_RUNS"
+         for i in "${!runs[@]}"; do
+           read -ra run <<< "${runs[$i]}"             # the script, then its arguments
+           for r in $(seq "${AB_ROUNDS:-2}"); do
+             step "ab-base-$i.$r" env PYTHONPATH="$PWD/ab_base:${PYTHONPATH:-}" python3 \
+                  "ab_base/${run[0]}" "${run[@]:1}"
+             step "ab-this-$i.$r" python3 "${run[@]}"; done; done ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
