@@ -45,6 +45,9 @@
 #        first each round; the other tree at ab_base/, made here by
 #        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
 #        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of)
+#        Compiled kernels persist across calls when .kernel-cache/ travels (carry) and the
+#        call's $OUT/kernel-cache.tar is untarred into it here afterwards (mok_core.kernel_cache;
+#        KCACHE=0: compile everything afresh).
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
 #        gpu-suite-gemm and gpu-suite-rest in calls of their own; gpu-train: SUITE_TIMEOUT,
@@ -58,6 +61,15 @@ export NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1 OUT
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 rm -f /tmp/nvshmem-socket-* 2>/dev/null
 summary=()
+# compiled kernels kept across calls (mok_core.kernel_cache): .kernel-cache/ (ignored) comes
+# in through carry and goes back as $OUT/kernel-cache.tar (untar it into .kernel-cache/ here
+# for the next call); KCACHE=0 compiles everything afresh
+if [ "${KCACHE:-1}" != 0 ]; then
+  export MOK_KERNEL_CACHE="$PWD/.kernel-cache"
+  mkdir -p "$MOK_KERNEL_CACHE"
+fi
+kcache_count() { ls "${MOK_KERNEL_CACHE:-/nonexistent}"/*.xz 2>/dev/null | wc -l; }
+KCACHE_START=$(kcache_count)
 
 step() {
   local name=$1; shift
@@ -211,5 +223,15 @@ keys=[k for k in rows[0] if k not in ('gpu','gemm')][:11]
 print(' '.join(f'{k[:14]:>14}' for k in keys))
 for r in rows: print(' '.join(f'{r[k]:>14.3f}' if isinstance(r.get(k), float) else f'{str(r.get(k, \"-\"))[:14]:>14}' for k in keys))
 "; done
+if [ -n "${MOK_KERNEL_CACHE:-}" ]; then  # the newest entries up to 15 MiB go back
+  total=0; : > "$OUT/.kcache-list"
+  for f in $(ls -t "$MOK_KERNEL_CACHE"/*.xz 2>/dev/null); do
+    total=$((total + $(stat -c %s "$f")))
+    [ "$total" -le $((15 * 1024 * 1024)) ] && basename "$f" >> "$OUT/.kcache-list"
+  done
+  tar -cf "$OUT/kernel-cache.tar" -C "$MOK_KERNEL_CACHE" -T "$OUT/.kcache-list" 2>/dev/null
+  rm -f "$OUT/.kcache-list"
+  summary+=("kernel cache: $KCACHE_START entries carried in, $(kcache_count) after the run")
+fi
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"

@@ -33,13 +33,22 @@ _GPU_ONLY_OPTIONS = ("lto", "lineinfo", "max_registers", "launch_bounds", "force
 
 
 def kjit(*args, **kwargs):
-    """``cuda.jit`` that also runs under the simulator (GPU-only options are dropped there)."""
+    """``cuda.jit`` that also runs under the simulator (GPU-only options are dropped there); on
+    the GPU a kernel (not a device function) gets ``mok_core.kernel_cache``'s disk cache when
+    ``MOK_KERNEL_CACHE`` is set."""
     if SIM:
         for key in _GPU_ONLY_OPTIONS:
             kwargs.pop(key, None)
         if kwargs.get("inline") == "always":
             kwargs["inline"] = True
-    return cuda.jit(*args, **kwargs)
+        return cuda.jit(*args, **kwargs)
+    made = cuda.jit(*args, **kwargs)
+    if kwargs.get("device"):
+        return made
+    from .kernel_cache import attach
+    if hasattr(made, "py_func"):                # kjit(fn): the dispatcher
+        return attach(made)
+    return lambda fn: attach(made(fn))          # kjit(options)(fn)
 
 
 def default_stream():

@@ -1,0 +1,149 @@
+"""``mok_core.kernel_cache`` without a GPU: the key of a compiled kernel changes with
+everything its code depends on (factory arguments, a patched global, a source file's bytes),
+stays the same from process to process, and an entry round-trips a kernel's cubin and
+launch metadata. (Loading an entry onto a device is the GPU suite's: ``gpu_run.sh`` carries the
+cache from call to call.)"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _fp8_fingerprint(stages=3, bn=256):
+    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
+    from mok_core.kernel_cache import fingerprint
+    return fingerprint(make_fp8_gemm(stages, False, bn).py_func)
+
+
+def test_fingerprint_follows_factory_arguments_and_is_stable_across_processes():
+    a, b, c = _fp8_fingerprint(3, 256), _fp8_fingerprint(4, 256), _fp8_fingerprint(4, 128)
+    assert len({a, b, c}) == 3 and None not in (a, b, c)
+    assert _fp8_fingerprint(3, 256) == a                       # a second build: the same key
+    code = ("import sys; sys.path.insert(0, %r); from tests.ptx.test_kernel_cache import "
+            "_fp8_fingerprint; print(_fp8_fingerprint(3, 256))" % ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}, check=True)
+    assert out.stdout.split()[-1] == a                         # another process: the same
+
+
+def test_fingerprint_sees_a_patched_global(monkeypatch):
+    """A probe builds kernels with a global of ``sm90_fp8`` replaced: not the cached one's."""
+    from mok_core.cuda_compat import kjit
+    from mok_core.gemm import sm90_fp8
+    want = _fp8_fingerprint()
+
+    @kjit(device=True, inline="always")
+    def unit(*args):
+        return 1.0, 1.0, 1.0, 1.0
+    monkeypatch.setattr(sm90_fp8, "_slice_scales", unit)
+    assert _fp8_fingerprint() not in (want, None)
+    monkeypatch.undo()
+    assert _fp8_fingerprint() == want
+
+
+def test_fingerprint_sees_a_source_edit_and_refuses_unknown_values(tmp_path, monkeypatch):
+    from mok_core.kernel_cache import fingerprint
+    src = tmp_path / "kc_probe_mod.py"
+    body = textwrap.dedent("""
+        SCALE = 2
+        def helper(x):
+            return x * SCALE
+        def kernel(a):
+            a[0] = helper(a[0])
+    """)
+    src.write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kc_probe_mod
+    first = fingerprint(kc_probe_mod.kernel)
+    src.write_text(body + "# an edit the kernel does not read: the file's bytes changed\n")
+    os.utime(src, ns=(1, 1))                    # a new stamp whatever the clock's resolution
+    assert fingerprint(kc_probe_mod.kernel) not in (first, None)
+    monkeypatch.setattr(kc_probe_mod, "SCALE", 3)
+    third = fingerprint(kc_probe_mod.kernel)
+    assert third is not None
+    monkeypatch.setattr(kc_probe_mod, "SCALE", {"no": "key"})  # a dict: no stable identity
+    assert fingerprint(kc_probe_mod.kernel) is None
+
+
+def _fake_kernel():
+    """A compiled-kernel object as numba rebuilds one from its cache (no driver here): a
+    code library holding IR, PTX and a cubin."""
+    from cuda.core import ObjectCode
+    from numba import types
+    from numba.core.typing import signature
+    from numba.cuda.codegen import CUDACodeLibrary
+    from numba.cuda.dispatcher import _Kernel
+    lib = CUDACodeLibrary._rebuild(
+        codegen=None, name="k", entry_name="_Z1kPf", llvm_strs=["; IR"],
+        ptx_cache={(9, 0): ".version 8.0"},
+        cubin_cache={(9, 0): ObjectCode.from_cubin(b"\x7fELF" + bytes(range(200)))},
+        linkerinfo_cache={(9, 0): ""}, max_registers=None, nvvm_options={"opt": 3},
+        needs_cudadevrt=False, nrt=False, use_cooperative=False, lto=False)
+    sig = signature(types.none, types.float32[::1], types.int64)
+    return _Kernel._rebuild(cooperative=False, name="_Z1kPf", signature=sig, codelibrary=lib,
+                            debug=False, lineinfo=False, call_helper=None, extensions=[])
+
+
+def test_entry_round_trips_a_kernel_without_its_ir(tmp_path, monkeypatch):
+    from numba import types
+
+    from mok_core import kernel_cache
+    from mok_core.cuda_compat import kjit
+    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 13000))
+
+    @kjit
+    def k(a, n):
+        a[0] = n
+    cache = kernel_cache.KernelCache(k, str(tmp_path))
+    sig = (types.float32[::1], types.int64)
+    assert cache.load_overload(sig, None) is None               # empty: a miss
+    kernel = _fake_kernel()
+    cache.save_overload(sig, kernel)
+    (entry,) = os.listdir(tmp_path)
+    got = cache.load_overload(sig, None)
+    lib, want = got._codelibrary, kernel._codelibrary
+    assert got.signature == kernel.signature and got.entry_name == kernel.entry_name
+    assert got.argument_types == (types.float32[::1], types.int64)
+    assert bytes(lib._cubin_cache[(9, 0)].code) == bytes(want._cubin_cache[(9, 0)].code)
+    assert lib._ptx_cache == {} and lib._llvm_strs == []        # a cubin serves its device
+    assert lib._entry_name == "_Z1kPf" and lib._nvvm_options == {"opt": 3}
+    # another signature, device or compile environment: another entry
+    assert cache.load_overload((types.float64[::1], types.int64), None) is None
+    other = kernel_cache.KernelCache(k, str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 12080))
+    assert other.load_overload(sig, None) is None
+    # a torn entry is a miss, not an error
+    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 13000))
+    (tmp_path / entry).write_bytes(b"torn")
+    assert kernel_cache.KernelCache(k, str(tmp_path)).load_overload(sig, None) is None
+
+
+def test_kjit_attaches_the_cache_to_kernels_only(tmp_path, monkeypatch):
+    from mok_core.cuda_compat import kjit
+    from mok_core.kernel_cache import KernelCache
+    monkeypatch.setenv("MOK_KERNEL_CACHE", str(tmp_path))
+
+    @kjit(launch_bounds=(128, 1))
+    def kern(a):
+        a[0] = 1
+
+    @kjit
+    def kern2(a):
+        a[0] = 2
+
+    @kjit(device=True)
+    def dev(a):
+        return a
+    assert isinstance(kern._cache, KernelCache) and isinstance(kern2._cache, KernelCache)
+    assert kern._cache.cache_path == str(tmp_path)
+    assert not isinstance(getattr(dev, "_cache", None), KernelCache)
+    monkeypatch.delenv("MOK_KERNEL_CACHE")
+
+    @kjit
+    def kern3(a):
+        a[0] = 3
+    assert not isinstance(kern3._cache, KernelCache)
