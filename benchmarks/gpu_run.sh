@@ -45,9 +45,11 @@
 #        first each round; the other tree at ab_base/, made here by
 #        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
 #        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of)
-#        Compiled kernels persist across calls when .kernel-cache/ travels (carry) and the
-#        call's $OUT/kernel-cache.tar is untarred into it here afterwards (mok_core.kernel_cache;
-#        KCACHE=0: compile everything afresh).
+#        Compiled kernels persist across calls when .kernel-cache/ travels (carry) and is
+#        replaced here afterwards by the call's $OUT/kernel-cache.tar (`rm -rf .kernel-cache &&
+#        mkdir .kernel-cache && tar -xf FILES_AT/kernel-cache.tar -C .kernel-cache`): the
+#        entries used last, 15 MiB at most (mok_core.kernel_cache; KCACHE=0: compile afresh).
+#        The tar is one of the 8 files a call brings back.
 #        (STEP_TIMEOUT seconds each, default 240; gpu-suite: SUITE_TIMEOUT, default 560 --
 #        76 tests took 533 s on 2 GPUs in session 8, and 15 GEMM tests came after: run
 #        gpu-suite-gemm and gpu-suite-rest in calls of their own; gpu-train: SUITE_TIMEOUT,
@@ -62,8 +64,7 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 rm -f /tmp/nvshmem-socket-* 2>/dev/null
 summary=()
 # compiled kernels kept across calls (mok_core.kernel_cache): .kernel-cache/ (ignored) comes
-# in through carry and goes back as $OUT/kernel-cache.tar (untar it into .kernel-cache/ here
-# for the next call); KCACHE=0 compiles everything afresh
+# in through carry and goes back as $OUT/kernel-cache.tar (header); KCACHE=0: compile afresh
 if [ "${KCACHE:-1}" != 0 ]; then
   export MOK_KERNEL_CACHE="$PWD/.kernel-cache"
   mkdir -p "$MOK_KERNEL_CACHE"
@@ -225,9 +226,9 @@ for r in rows: print(' '.join(f'{r[k]:>14.3f}' if isinstance(r.get(k), float) el
 "; done
 if [ -n "${MOK_KERNEL_CACHE:-}" ]; then  # the newest entries up to 15 MiB go back
   total=0; : > "$OUT/.kcache-list"
-  for f in $(ls -t "$MOK_KERNEL_CACHE"/*.xz 2>/dev/null); do
-    total=$((total + $(stat -c %s "$f")))
-    [ "$total" -le $((15 * 1024 * 1024)) ] && basename "$f" >> "$OUT/.kcache-list"
+  for f in $(cd "$MOK_KERNEL_CACHE" && ls -t -- *.xz 2>/dev/null); do   # (hex names)
+    total=$((total + $(stat -c %s "$MOK_KERNEL_CACHE/$f")))
+    [ "$total" -le $((15 * 1024 * 1024)) ] && echo "$f" >> "$OUT/.kcache-list"
   done
   tar -cf "$OUT/kernel-cache.tar" -C "$MOK_KERNEL_CACHE" -T "$OUT/.kcache-list" 2>/dev/null
   rm -f "$OUT/.kcache-list"

@@ -8,27 +8,36 @@ Off when unset, and always off on the simulator.
 
 What a cache entry is keyed by (``key``), so that a changed kernel is never served:
 
-* the code: every function the kernel reaches -- through its closure cells and the globals
-  its code names, recursively, device functions and intrinsics (their ``_defn``) included --
-  by module, name and bytecode, and the content of each source file holding one (a file edit
-  anywhere in a reached module misses, whatever it touched);
-* the values: closure cells and named globals that are constants (numbers, strings, numba
-  types, tuples of them): a factory's arguments, or a global a probe patches;
+* the code: every function the kernel reaches -- through its closure cells, defaults and the
+  globals its code names, recursively, device functions and intrinsics (their ``_defn``)
+  included, and what it reads through modules of ours (their attributes it names, modules
+  among them followed on; a module its code imports at run time too) -- by module, name and
+  bytecode, and the content of each source file holding one (an edit anywhere in a reached
+  module misses, whatever it touched);
+* the values: closure cells, defaults and named globals that are constants (numbers, strings,
+  numba types, tuples of them): a factory's arguments, or a global a probe patches;
 * the compile: the argument types, the dispatcher's target options (launch bounds, ...),
-  every ``NUMBA_*`` variable in the environment, the Python, numba, numba-cuda and CUDA
-  bindings versions, the device's compute capability and the CUDA runtime's version.
+  every ``NUMBA_*`` variable in the environment, the versions of Python and every numba,
+  llvmlite, NumPy, ``cuda-*`` and ``nvidia-*`` distribution, the driver's and NVVM's, the
+  bytes of libNVVM and libdevice, and the device's compute capability.
 
-A kernel reaching anything else (an array, a dict, an object of unknown kind) is not cached
-(``fingerprint`` is None): it compiles as without the cache. So is a launch-config-sensitive
-kernel. An entry holds the kernel's cubin and launch metadata, not its LLVM IR or PTX
-(``_reduce``): loaded, it runs on the device it was built for. Entries are written whole
-(a temporary file, then a rename), so concurrent processes (ranks) share DIR safely; a
-failure to read or write one is a miss, never an error.
+A kernel reaching anything else (an array, a dict, an object of unknown kind, an import that
+does not resolve) is not cached (``fingerprint`` is None): it compiles as without the cache.
+Nor is a launch-config-sensitive kernel. numba keeps what it compiled in memory (device
+functions' overloads, ``compile_internal`` results) whatever a global is later set to; so once
+any reached function's digest changes within a process (a global patched, then restored),
+that process saves nothing more (``_digests``). An entry holds the kernel's cubin and launch
+metadata, not its LLVM IR or PTX (``_reduce``): loaded, it runs on the device it was built
+for, and it is bound to the device before it counts as a hit. Entries are written whole (a
+temporary file, then a rename), so concurrent processes (ranks) share DIR safely; a failure
+to read, bind or write one is a miss, never an error.
 """
 from __future__ import annotations
 
+import dis
 import hashlib
 import importlib.metadata
+import importlib.util
 import lzma
 import os
 import pickle
@@ -41,6 +50,12 @@ ENV = "MOK_KERNEL_CACHE"
 FORMAT = 1                      # bump when an entry's layout changes
 
 _file_digests: dict = {}        # path -> (mtime_ns, size, sha256 hex)
+_digests: dict = {}             # id(function) -> (function, digest): every one walked here
+_stale = False                  # a walked function's digest changed in this process
+_toolchain = None               # what ``_toolchain_key`` found (once a process)
+
+_LIBRARIES = ("numba", "numba_cuda", "llvmlite", "numpy", "math", "cmath", "builtins",
+              "operator", "functools")
 
 
 class _Uncacheable(Exception):
@@ -48,7 +63,7 @@ class _Uncacheable(Exception):
 
 
 def _file_digest(path: str) -> str:
-    """sha256 of a source file's bytes (memoised on its mtime and size)."""
+    """sha256 of a file's bytes (memoised on its mtime and size)."""
     st = os.stat(path)
     got = _file_digests.get(path)
     if got is None or got[:2] != (st.st_mtime_ns, st.st_size):
@@ -56,10 +71,6 @@ def _file_digest(path: str) -> str:
             got = (st.st_mtime_ns, st.st_size, hashlib.sha256(f.read()).hexdigest())
         _file_digests[path] = got
     return got[2]
-
-
-_LIBRARIES = ("numba", "numba_cuda", "llvmlite", "numpy", "math", "cmath", "builtins",
-              "operator", "functools")
 
 
 def _is_library(obj) -> bool:
@@ -70,11 +81,17 @@ def _is_library(obj) -> bool:
     return mod.split(".")[0] in _LIBRARIES
 
 
+def _ours(obj) -> bool:
+    """A module whose attributes the walk follows."""
+    return isinstance(obj, pytypes.ModuleType) and not _is_library(obj)
+
+
 class _Walker:
     """One kernel's fingerprint: the tokens of what it reaches, and the files those are in."""
 
     def __init__(self):
         self.seen: dict = {}    # id(function) -> its token (cycles and shared helpers)
+        self.functions: list = []               # every function reached
         self.files: set = set()
 
     def value(self, obj):
@@ -90,7 +107,7 @@ class _Walker:
             return ("nbtype", str(obj))
         if isinstance(obj, pytypes.ModuleType):
             f = getattr(obj, "__file__", None)
-            if f and not _is_library(obj) and f.endswith(".py"):
+            if f and _ours(obj) and f.endswith(".py"):
                 self.files.add(f)               # what is read through it: its file
             return ("module", obj.__name__)
         if isinstance(obj, pytypes.FunctionType):
@@ -103,35 +120,46 @@ class _Walker:
         if hasattr(obj, "__wrapped__"):         # functools wrappers (lru_cache)
             return ("wrapped", self.value(obj.__wrapped__))
         if _is_library(obj) and hasattr(obj, "__qualname__") or isinstance(obj, type):
-            f = sys.modules.get(getattr(obj, "__module__", ""), None)
-            if isinstance(obj, type) and f is not None and not _is_library(obj):
-                self.value(f)                   # a class of ours: its module's file
+            mod = sys.modules.get(getattr(obj, "__module__", ""), None)
+            if isinstance(obj, type) and mod is not None:
+                self.value(mod)                 # a class of ours: its module's file
             return ("named", getattr(obj, "__module__", ""), obj.__qualname__)
         if _is_library(obj):                    # numba's stubs and singletons
             return ("library", type(obj).__module__, type(obj).__qualname__, repr(obj))
         raise _Uncacheable(f"{type(obj).__module__}.{type(obj).__qualname__}")
 
-    def code(self, co, fn_globals, out):
-        """A code object's bytes, constants (nested code: the same) and named globals."""
-        out.append((co.co_name, co.co_code, co.co_names))
+    def _code(self, co, fn, body, names, mods):
+        """A code object's bytes, constants (nested code: the same), named globals and the
+        modules of ours it may read through (globals, run-time imports)."""
+        body.append((co.co_name, co.co_code, co.co_names))
+        names.update(co.co_names)
         for c in co.co_consts:
             if isinstance(c, pytypes.CodeType):
-                self.code(c, fn_globals, out)
+                self._code(c, fn, body, names, mods)
             else:
-                out.append(self.value(c))
-        mods = []
+                body.append(self.value(c))
         for name in co.co_names:
-            if name in fn_globals:
-                g = fn_globals[name]
-                out.append((name, self.value(g)))
-                if isinstance(g, pytypes.ModuleType) and not _is_library(g):
+            if name in fn.__globals__:
+                g = fn.__globals__[name]
+                body.append((name, self.value(g)))
+                if _ours(g):
                     mods.append(g)
-        # what the code may read through a module of ours (err.NF_X, F.helper): the
-        # attributes it names, by value -- a patched one included
-        for m in mods:
-            for name in co.co_names:
-                if name in vars(m):
-                    out.append((m.__name__, name, self.value(vars(m)[name])))
+        level = 0
+        for ins in dis.get_instructions(co):
+            if ins.opname == "LOAD_CONST" and isinstance(ins.argval, int):
+                level = ins.argval              # (an import's level precedes it)
+            elif ins.opname == "IMPORT_NAME":
+                try:
+                    name = importlib.util.resolve_name("." * level + ins.argval,
+                                                       fn.__globals__.get("__package__"))
+                except (ImportError, ValueError) as e:
+                    raise _Uncacheable(f"import {ins.argval}") from e
+                mod = sys.modules.get(name)
+                if mod is None:
+                    raise _Uncacheable(f"import {name}: not imported yet")
+                body.append(("import", self.value(mod)))
+                if _ours(mod):
+                    mods.append(mod)
 
     def function(self, fn):
         token = self.seen.get(id(fn))
@@ -139,22 +167,52 @@ class _Walker:
             return token
         token = ("function", fn.__module__, fn.__qualname__)
         self.seen[id(fn)] = token               # before recursing: cycles end here
+        self.functions.append(fn)
         f = fn.__code__.co_filename
         if os.path.isfile(f):
             self.files.add(f)
-        body = []
-        self.code(fn.__code__, fn.__globals__, body)
-        body.append(self.value(fn.__defaults__))
+        body, names, mods = [], set(), []
+        self._code(fn.__code__, fn, body, names, mods)
+        cells = []
         for cell in fn.__closure__ or ():
             try:
-                contents = cell.cell_contents
+                cells.append(cell.cell_contents)
             except ValueError:                  # an empty cell
-                contents = None
-            body.append(self.value(contents))
+                cells.append(None)
+        extra = list(fn.__defaults__ or ()) + sorted((fn.__kwdefaults__ or {}).items())
+        for v in cells + extra:
+            body.append(self.value(v))
+            if _ours(v):
+                mods.append(v)
+        # what the code may read through modules of ours (err.NF_X, F.helper, a.b.c): the
+        # attributes it names, by value -- a patched one included -- modules followed on
+        done = set()
+        while mods:
+            m = mods.pop()
+            if m.__name__ in done:
+                continue
+            done.add(m.__name__)
+            for name in sorted(names):
+                if name in vars(m):
+                    v = vars(m)[name]
+                    body.append((m.__name__, name, self.value(v)))
+                    if _ours(v):
+                        mods.append(v)
         digest = hashlib.sha256(repr(body).encode()).hexdigest()
+        _note_digest(fn, digest)
         token = ("function", fn.__module__, fn.__qualname__, digest)
         self.seen[id(fn)] = token
         return token
+
+
+def _note_digest(fn, digest):
+    """Remember ``fn``'s digest for the process; a different one later means numba may hold
+    code compiled from what ``fn`` reached before (module docstring)."""
+    global _stale
+    prev = _digests.get(id(fn))
+    if prev is not None and prev[1] != digest:
+        _stale = True
+    _digests[id(fn)] = (fn, digest)             # (the reference keeps the id unique)
 
 
 def fingerprint(py_func):
@@ -169,21 +227,29 @@ def fingerprint(py_func):
     return hashlib.sha256(repr((token, files)).encode()).hexdigest()
 
 
-def _versions():
-    out = [sys.version]
-    for dist in ("numba", "numba-cuda", "cuda-bindings", "cuda-core", "llvmlite", "numpy"):
-        try:
-            out.append((dist, importlib.metadata.version(dist)))
-        except importlib.metadata.PackageNotFoundError:
-            out.append((dist, None))
-    return tuple(out)
+def _toolchain_key():
+    """The compiler and libraries that make a cubin: distribution versions, the driver's and
+    NVVM's versions, libNVVM's and libdevice's bytes (once a process)."""
+    global _toolchain
+    if _toolchain is None:
+        dists = sorted((d.metadata["Name"].lower(), d.version)
+                       for d in importlib.metadata.distributions()
+                       if (d.metadata["Name"] or "").lower().startswith(
+                           ("numba", "llvmlite", "numpy", "cuda-", "nvidia-")))
+        from numba.cuda import cuda_paths
+        from numba.cuda.cudadrv import nvvm
+        from numba.cuda.cudadrv.driver import driver
+        paths = cuda_paths.get_cuda_paths()
+        libs = tuple(_file_digest(paths[k].info) for k in ("nvvm", "libdevice"))
+        _toolchain = (sys.version, tuple(dists), driver.get_version(),
+                      nvvm.NVVM().get_version(), libs)
+    return _toolchain
 
 
 def _device():
-    """(compute capability, CUDA runtime version) of the current device."""
+    """The current device's compute capability."""
     from numba import cuda
-    from numba.cuda.cudadrv import runtime
-    return (cuda.get_current_device().compute_capability, runtime.runtime.get_version())
+    return cuda.get_current_device().compute_capability
 
 
 def key(dispatcher, argtypes):
@@ -194,7 +260,7 @@ def key(dispatcher, argtypes):
         return None
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("NUMBA_"))
     parts = (FORMAT, fp, tuple(str(t) for t in argtypes),
-             repr(sorted(dispatcher.targetoptions.items())), env, _versions(), _device())
+             repr(sorted(dispatcher.targetoptions.items())), env, _toolchain_key(), _device())
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -210,16 +276,24 @@ def _reduce(kernel) -> dict:
     return {"kernel": states, "library": lib_states}
 
 
-def _rebuild(entry):
+def _rebuild(entry, dispatcher, argtypes):
+    """The compiled kernel of an entry, with what numba's ``_Kernel.__init__`` sets and
+    ``_rebuild`` does not (``objectmode``, ``py_func``, ``argtypes``, ``launch_bounds``)."""
     from numba.cuda.codegen import CUDACodeLibrary
     from numba.cuda.dispatcher import _Kernel
     lib = CUDACodeLibrary._rebuild(**entry["library"])
-    return _Kernel._rebuild(codelibrary=lib, **entry["kernel"])
+    kernel = _Kernel._rebuild(codelibrary=lib, **entry["kernel"])
+    kernel.objectmode = False
+    kernel.py_func = dispatcher.py_func
+    kernel.argtypes = argtypes
+    kernel.launch_bounds = dispatcher.targetoptions.get("launch_bounds")
+    kernel.lifted = []
+    return kernel
 
 
 class KernelCache:
-    """A dispatcher's ``_cache`` (numba's cache protocol: ``load_overload`` / ``save_overload``)
-    over the directory ``path``."""
+    """A dispatcher's ``_cache`` (numba's cache protocol: ``load_overload`` / ``save_overload``
+    / ``flush``) over the directory ``path``."""
 
     def __init__(self, dispatcher, path):
         self._dispatcher = dispatcher
@@ -235,23 +309,28 @@ class KernelCache:
             except Exception:                   # (no device, unreadable source): a miss
                 self._keys[argtypes] = None
         k = self._keys[argtypes]
-        return None if k is None else os.path.join(self.cache_path, k + ".xz")
+        return argtypes, None if k is None else os.path.join(self.cache_path, k + ".xz")
 
     def load_overload(self, sig, _target_context):
-        path = self._path(sig)
+        argtypes, path = self._path(sig)
         if path is None or not os.path.exists(path):
             return None
         try:
             with open(path, "rb") as f:
-                kernel = _rebuild(pickle.loads(lzma.decompress(f.read())))
-            os.utime(path)                      # used: what a size cap keeps (newest first)
-            return kernel
+                kernel = _rebuild(pickle.loads(lzma.decompress(f.read())), self._dispatcher,
+                                  argtypes)
+            kernel.bind()                       # a cubin this device cannot load: a miss
         except Exception:                       # a torn or foreign entry: compile
             return None
+        try:
+            os.utime(path)                      # used: what a size cap keeps (newest first)
+        except OSError:
+            pass
+        return kernel
 
     def save_overload(self, sig, kernel):
-        path = self._path(sig)
-        if path is None or getattr(kernel, "launch_config_sensitive", False):
+        _, path = self._path(sig)
+        if path is None or _stale or getattr(kernel, "launch_config_sensitive", False):
             return
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
@@ -267,7 +346,8 @@ class KernelCache:
                 pass
 
     def flush(self):
-        pass
+        """numba's ``recompile``: keys are made again."""
+        self._keys.clear()
 
 
 def attach(dispatcher):

@@ -69,6 +69,44 @@ def test_fingerprint_sees_a_source_edit_and_refuses_unknown_values(tmp_path, mon
     assert fingerprint(kc_probe_mod.kernel) is None
 
 
+def test_fingerprint_follows_modules_read_through(tmp_path, monkeypatch):
+    """``pkg.sub.helper(x)``: helper's code and the module it imports from, two attribute
+    levels down, are part of the key."""
+    from mok_core.kernel_cache import fingerprint
+    pkg = tmp_path / "kc_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import sub\n")
+    (pkg / "sub.py").write_text("from .deep import scale\ndef helper(x):\n"
+                                "    return scale(x)\n")
+    deep = pkg / "deep.py"
+    deep.write_text("def scale(x):\n    return x * 3.0\n")
+    (tmp_path / "kc_user.py").write_text("import kc_pkg\ndef kernel(a):\n"
+                                         "    a[0] = kc_pkg.sub.helper(a[0])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kc_user
+    first = fingerprint(kc_user.kernel)
+    deep.write_text("def scale(x):\n    return x * 5.0\n")
+    os.utime(deep, ns=(1, 1))
+    assert fingerprint(kc_user.kernel) not in (first, None)
+
+
+def test_a_digest_changing_in_the_process_stops_saving(tmp_path, monkeypatch):
+    """numba keeps what it compiled from a patched global after the global is restored: once a
+    walked function's digest changes, the process saves nothing more."""
+    from mok_core import kernel_cache
+    monkeypatch.setattr(kernel_cache, "_stale", False)
+    (tmp_path / "kc_stale.py").write_text("G = 1.0\ndef dev(x):\n    return x + G\n"
+                                          "def kernel(a):\n    a[0] = dev(a[0])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kc_stale
+    kernel_cache.fingerprint(kc_stale.kernel)
+    kernel_cache.fingerprint(kc_stale.kernel)
+    assert not kernel_cache._stale                              # the same code again
+    monkeypatch.setattr(kc_stale, "G", 2.0)
+    kernel_cache.fingerprint(kc_stale.kernel)
+    assert kernel_cache._stale
+
+
 def _fake_kernel():
     """A compiled-kernel object as numba rebuilds one from its cache (no driver here): a
     code library holding IR, PTX and a cubin."""
@@ -91,9 +129,15 @@ def _fake_kernel():
 def test_entry_round_trips_a_kernel_without_its_ir(tmp_path, monkeypatch):
     from numba import types
 
+    from numba.cuda.dispatcher import _Kernel
+
     from mok_core import kernel_cache
     from mok_core.cuda_compat import kjit
-    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 13000))
+    monkeypatch.setattr(kernel_cache, "_device", lambda: (9, 0))
+    monkeypatch.setattr(kernel_cache, "_toolchain_key", lambda: ("toolkit", 13000))
+    monkeypatch.setattr(kernel_cache, "_stale", False)
+    bound = []
+    monkeypatch.setattr(_Kernel, "bind", lambda self: bound.append(self))   # (no driver here)
 
     @kjit
     def k(a, n):
@@ -105,7 +149,9 @@ def test_entry_round_trips_a_kernel_without_its_ir(tmp_path, monkeypatch):
     cache.save_overload(sig, kernel)
     (entry,) = os.listdir(tmp_path)
     got = cache.load_overload(sig, None)
+    assert bound == [got]                                       # bound before it is a hit
     lib, want = got._codelibrary, kernel._codelibrary
+    assert got.objectmode is False and got.py_func is k.py_func and got.argtypes == sig
     assert got.signature == kernel.signature and got.entry_name == kernel.entry_name
     assert got.argument_types == (types.float32[::1], types.int64)
     assert bytes(lib._cubin_cache[(9, 0)].code) == bytes(want._cubin_cache[(9, 0)].code)
@@ -114,12 +160,19 @@ def test_entry_round_trips_a_kernel_without_its_ir(tmp_path, monkeypatch):
     # another signature, device or compile environment: another entry
     assert cache.load_overload((types.float64[::1], types.int64), None) is None
     other = kernel_cache.KernelCache(k, str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 12080))
+    monkeypatch.setattr(kernel_cache, "_toolchain_key", lambda: ("toolkit", 13010))
     assert other.load_overload(sig, None) is None
-    # a torn entry is a miss, not an error
-    monkeypatch.setattr(kernel_cache, "_device", lambda: ((9, 0), 13000))
+    monkeypatch.setattr(kernel_cache, "_toolchain_key", lambda: ("toolkit", 13000))
+    # a cubin the device refuses, or a torn entry: a miss, not an error
+    monkeypatch.setattr(_Kernel, "bind", lambda self: 1 / 0)
+    assert kernel_cache.KernelCache(k, str(tmp_path)).load_overload(sig, None) is None
     (tmp_path / entry).write_bytes(b"torn")
     assert kernel_cache.KernelCache(k, str(tmp_path)).load_overload(sig, None) is None
+    # nothing is saved once the process's code went stale
+    monkeypatch.setattr(kernel_cache, "_stale", True)
+    os.remove(tmp_path / entry)
+    kernel_cache.KernelCache(k, str(tmp_path)).save_overload(sig, kernel)
+    assert not os.listdir(tmp_path)
 
 
 def test_kjit_attaches_the_cache_to_kernels_only(tmp_path, monkeypatch):
@@ -147,3 +200,48 @@ def test_kjit_attaches_the_cache_to_kernels_only(tmp_path, monkeypatch):
     def kern3(a):
         a[0] = 3
     assert not isinstance(kern3._cache, KernelCache)
+
+
+@pytest.mark.parametrize("which", ["fp8_gemm", "wgmma_gemm", "quantize_rows"])
+def test_every_function_numba_compiles_is_in_the_key(which, monkeypatch):
+    """What numba's frontend translates while it compiles a kernel (the kernel, its device
+    functions, inlined ones, ``compile_internal`` helpers) is what the fingerprint walked."""
+    from numba import int32, int64, uint32, uint64
+    from numba.cuda.core import bytecode
+    from ptx_util import compile_sm90a
+    from test_ptx_fp8 import sig as fp8_sig
+
+    from mok_core import kernel_cache
+    from mok_core.gemm.sm90 import make_wgmma_gemm
+    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
+    from mok_core.quantize import quantize_rows_kernel
+    translated = set()
+    original = bytecode.FunctionIdentity.from_function.__func__
+
+    def from_function(cls, pyfunc):
+        translated.add((pyfunc.__code__.co_filename, pyfunc.__qualname__))
+        return original(cls, pyfunc)
+    monkeypatch.setattr(bytecode.FunctionIdentity, "from_function",
+                        classmethod(from_function))
+    if which == "fp8_gemm":
+        kern, sig = make_fp8_gemm(3, True, 256), fp8_sig()
+    elif which == "wgmma_gemm":
+        from test_ptx_gemm import WG_SIG
+        kern, sig = make_wgmma_gemm(256, 3, True, True, True), WG_SIG
+    else:
+        from numba import float32, uint8
+        kern = quantize_rows_kernel
+        sig = (uint64[::1], int32[::1], types_bool(), int64, int64, int32[::1], types_bool(),
+               uint32[::1], float32[::1], uint8[::1], types_bool(), int32[::1], int32, int32)
+    compile_sm90a(kern, sig)
+    walker = kernel_cache._Walker()
+    walker.function(kern.py_func)
+    walked = {(fn.__code__.co_filename, fn.__qualname__) for fn in walker.functions}
+    ours = {t for t in translated if "numba" not in t[0]}
+    assert len(ours) > 5 and ours <= walked, sorted(ours - walked)
+    assert {f for f, _ in ours} <= walker.files
+
+
+def types_bool():
+    from numba import types
+    return types.boolean
