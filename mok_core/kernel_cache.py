@@ -239,10 +239,20 @@ def _toolchain_key():
         from numba.cuda import cuda_paths
         from numba.cuda.cudadrv import nvvm
         from numba.cuda.cudadrv.driver import driver
-        paths = cuda_paths.get_cuda_paths()
-        libs = tuple(_file_digest(paths[k].info) for k in ("nvvm", "libdevice"))
-        _toolchain = (sys.version, tuple(dists), driver.get_version(),
-                      nvvm.NVVM().get_version(), libs)
+        try:
+            paths = cuda_paths.get_cuda_paths()
+        except Exception:
+            paths = {}
+        # each part that cannot be read is None (and stays so while the host is the same)
+        parts = [lambda: driver.get_version(), lambda: nvvm.NVVM().get_version()]
+        parts += [lambda k=k: _file_digest(paths[k].info) for k in ("nvvm", "libdevice")]
+        found = []
+        for part in parts:
+            try:
+                found.append(part())
+            except Exception:
+                found.append(None)
+        _toolchain = (sys.version, tuple(dists), tuple(found))
     return _toolchain
 
 
