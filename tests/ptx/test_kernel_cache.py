@@ -245,3 +245,59 @@ def test_every_function_numba_compiles_is_in_the_key(which, monkeypatch):
 def types_bool():
     from numba import types
     return types.boolean
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """What numba asks of a device while it compiles and links a kernel, answered for an
+    sm_90 one (the cubin is linked here; nothing is loaded)."""
+    import numba.cuda.codegen as codegen
+    from numba.cuda.dispatcher import _Kernel
+
+    from mok_core import kernel_cache
+
+    class Dev:
+        compute_capability = (9, 0)
+        id = 0
+
+    class Ctx:
+        device = Dev()
+    monkeypatch.setattr(codegen.devices, "get_context", lambda *a: Ctx())
+    monkeypatch.setattr(_Kernel, "bind", lambda self: self._codelibrary.get_cubin())
+    monkeypatch.setattr(kernel_cache, "_device", lambda: Dev.compute_capability)
+    monkeypatch.setattr(kernel_cache, "_stale", False)
+
+
+@pytest.mark.parametrize("which", ["small", "fp8_gemm"])
+def test_a_real_kernel_round_trips_through_the_dispatcher(which, tmp_path, monkeypatch,
+                                                          fake_device):
+    """numba's ``compile`` saves the kernel it built; a fresh dispatcher of the same function
+    loads it (a hit, no compile) with the same cubin, under the key numba links sm_90a
+    kernels by."""
+    from numba import cuda, float32
+
+    from mok_core.cuda_compat import kjit
+    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
+    monkeypatch.setenv("MOK_KERNEL_CACHE", str(tmp_path))
+    if which == "small":
+        from numba import types
+
+        def body(a):
+            i = cuda.grid(1)
+            if i < a.shape[0]:
+                a[i] = a[i] * float32(2.0)
+        made = kjit(body)
+        sig = (types.float32[::1],)
+    else:
+        from test_ptx_fp8 import sig as fp8_sig
+        made, sig = make_fp8_gemm(3, False, 256), fp8_sig()
+    built = made.compile(sig)
+    assert made._cache_misses[sig] == 1 and len(os.listdir(tmp_path)) == 1
+    again = kjit(**made.targetoptions)(made.py_func) if made.targetoptions else \
+        kjit(made.py_func)
+    got = again.compile(sig)
+    assert again._cache_hits[sig] == 1 and again._cache_misses[sig] == 0
+    cc = (9, 0, "a")
+    assert bytes(got._codelibrary.get_cubin().code) == bytes(built._codelibrary._cubin_cache[cc].code)
+    assert got.signature == built.signature and got.entry_name == built.entry_name
+    assert got.launch_bounds == built.launch_bounds
