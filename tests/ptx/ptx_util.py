@@ -8,9 +8,36 @@ import pytest
 from numba import cuda
 
 
+def _compile_keyed(kernel, sig, cc, **opts):
+    """``cuda.compile_ptx`` of a kjit kernel, checking on the way that the kernel cache's key
+    covers it: every function of ours numba's frontend translates for it was reached by
+    ``mok_core.kernel_cache``'s walk, and the walk reaches nothing it cannot state."""
+    from numba.cuda.core import bytecode
+
+    from mok_core import kernel_cache
+    translated = set()
+    identity = bytecode.FunctionIdentity
+    original = identity.__dict__["from_function"]
+
+    def from_function(cls, pyfunc):
+        translated.add((pyfunc.__code__.co_filename, pyfunc.__qualname__))
+        return original.__func__(cls, pyfunc)
+    identity.from_function = classmethod(from_function)
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, **opts)
+    finally:
+        identity.from_function = original
+    walker = kernel_cache._Walker()
+    walker.function(kernel.py_func)
+    walked = {(fn.__code__.co_filename, fn.__qualname__) for fn in walker.functions}
+    ours = {t for t in translated if "numba" not in t[0]}
+    assert ours <= walked, f"the kernel cache's key misses {sorted(ours - walked)}"
+    return ptx
+
+
 def compile_sm90(kernel, sig):
     """PTX of a kjit kernel for sm_90 (raises on any typing/lowering error)."""
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    ptx = _compile_keyed(kernel, sig, (9, 0))
     assert ".target sm_90" in ptx
     return ptx
 
@@ -19,7 +46,7 @@ def compile_sm90a(kernel, sig):
     """PTX of a kjit kernel for the arch-specific sm_90a target (wgmma), its launch bounds
     included as its launch builds it."""
     opts = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"), **opts)
+    ptx = _compile_keyed(kernel, sig, (9, 0, "a"), **opts)
     assert ".target sm_90a" in ptx
     return ptx
 

@@ -1,8 +1,9 @@
 """``mok_core.kernel_cache`` without a GPU: the key of a compiled kernel changes with
 everything its code depends on (factory arguments, a patched global, a source file's bytes),
 stays the same from process to process, and an entry round-trips a kernel's cubin and
-launch metadata. (Loading an entry onto a device is the GPU suite's: ``gpu_run.sh`` carries the
-cache from call to call.)"""
+launch metadata. Every kernel the PTX suite compiles is checked against the walk
+(``ptx_util.compile_sm90a``: what numba translates for it, the walk reached). (Loading an
+entry onto a device is the GPU suite's: ``gpu_run.sh`` carries the cache from call to call.)"""
 import os
 import subprocess
 import sys
@@ -200,51 +201,6 @@ def test_kjit_attaches_the_cache_to_kernels_only(tmp_path, monkeypatch):
     def kern3(a):
         a[0] = 3
     assert not isinstance(kern3._cache, KernelCache)
-
-
-@pytest.mark.parametrize("which", ["fp8_gemm", "wgmma_gemm", "quantize_rows"])
-def test_every_function_numba_compiles_is_in_the_key(which, monkeypatch):
-    """What numba's frontend translates while it compiles a kernel (the kernel, its device
-    functions, inlined ones, ``compile_internal`` helpers) is what the fingerprint walked."""
-    from numba import int32, int64, uint32, uint64
-    from numba.cuda.core import bytecode
-    from ptx_util import compile_sm90a
-    from test_ptx_fp8 import sig as fp8_sig
-
-    from mok_core import kernel_cache
-    from mok_core.gemm.sm90 import make_wgmma_gemm
-    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
-    from mok_core.quantize import quantize_rows_kernel
-    translated = set()
-    original = bytecode.FunctionIdentity.from_function.__func__
-
-    def from_function(cls, pyfunc):
-        translated.add((pyfunc.__code__.co_filename, pyfunc.__qualname__))
-        return original(cls, pyfunc)
-    monkeypatch.setattr(bytecode.FunctionIdentity, "from_function",
-                        classmethod(from_function))
-    if which == "fp8_gemm":
-        kern, sig = make_fp8_gemm(3, True, 256), fp8_sig()
-    elif which == "wgmma_gemm":
-        from test_ptx_gemm import WG_SIG
-        kern, sig = make_wgmma_gemm(256, 3, True, True, True), WG_SIG
-    else:
-        from numba import float32, uint8
-        kern = quantize_rows_kernel
-        sig = (uint64[::1], int32[::1], types_bool(), int64, int64, int32[::1], types_bool(),
-               uint32[::1], float32[::1], uint8[::1], types_bool(), int32[::1], int32, int32)
-    compile_sm90a(kern, sig)
-    walker = kernel_cache._Walker()
-    walker.function(kern.py_func)
-    walked = {(fn.__code__.co_filename, fn.__qualname__) for fn in walker.functions}
-    ours = {t for t in translated if "numba" not in t[0]}
-    assert len(ours) > 5 and ours <= walked, sorted(ours - walked)
-    assert {f for f, _ in ours} <= walker.files
-
-
-def types_bool():
-    from numba import types
-    return types.boolean
 
 
 @pytest.fixture
