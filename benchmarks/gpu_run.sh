@@ -191,7 +191,8 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    ab-probe) IFS=';' read -ra runs <<< "$AB_RUNS"
+    ab-probe) IFS=';' read -ra runs <<< "${AB_RUNS:-}"
+         [ ${#runs[@]} -eq 0 ] && echo "ab-probe: AB_RUNS is empty" >> "$LOG"
          for i in "${!runs[@]}"; do
            read -ra run <<< "${runs[$i]}"             # the script, then its arguments
            for r in $(seq "${AB_ROUNDS:-2}"); do
