@@ -170,27 +170,25 @@ def _stage_swizzled_group(j, bad, smem, base, q, a0, a1, a2, a3):
     return fold_nonfinite_bf16x2(bad[0], lo), fold_nonfinite_bf16x2(bad[1], hi)
 
 
-def _stage_swizzled_f32_group(j, y, smem, base, hq, a0, a1, a2, a3):
-    """8-column group j of a half tile's FP32 fragment -> the thread's pairs in rows q and
-    q + 8 of the half's 128-byte-swizzled [16][32] boxes: box j // 4, 16-byte chunk
-    2 (j % 4) + (lane % 4) // 2 of the row, stored at chunk (2 (j % 4)) ^ hq, hq = ((lane % 4)
-    // 2) ^ q (``base``: the thread's byte in chunk 0 of row q of box 0); the values folded
-    into the NaN/Inf chains ``y`` (z + v * 0 stays zero while every v is finite)."""
-    at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
-    st_shared_v2_f32(smem, at, a0, a1)
-    st_shared_v2_f32(smem, at + 8 * 128, a2, a3)
-    zero = float32(0.0)
-    return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+def _swizzled_f32_group(write):
+    """The group function staging a half tile's FP32 fragment by ``write`` (a two-float32
+    shared-memory intrinsic): 8-column group j -> the thread's pairs in rows q and q + 8 of the
+    half's 128-byte-swizzled [16][32] boxes: box j // 4, 16-byte chunk 2 (j % 4) + (lane % 4)
+    // 2 of the row, written at chunk (2 (j % 4)) ^ hq, hq = ((lane % 4) // 2) ^ q (``base``:
+    the thread's byte in chunk 0 of row q of box 0); the values folded into the NaN/Inf chains
+    ``y`` (z + v * 0 stays zero while every v is finite)."""
+    def group(j, y, smem, base, hq, a0, a1, a2, a3):
+        at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
+        write(smem, at, a0, a1)
+        write(smem, at + 8 * 128, a2, a3)
+        zero = float32(0.0)
+        return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+    return group
 
 
-def _add_swizzled_f32_group(j, y, smem, base, hq, a0, a1, a2, a3):
-    """``_stage_swizzled_f32_group`` adding the values to those already staged there (the
-    prefetched output: main-grad) instead of storing them."""
-    at = base + (j // 4) * TMA_BOX_BYTES + ((2 * (j % 4)) ^ hq) * 16
-    add_shared_v2_f32(smem, at, a0, a1)
-    add_shared_v2_f32(smem, at + 8 * 128, a2, a3)
-    zero = float32(0.0)
-    return a1 * zero + (a0 * zero + y[0]), a3 * zero + (a2 * zero + y[1])
+_stage_swizzled_f32_group = _swizzled_f32_group(st_shared_v2_f32)
+# main-grad: the values added to those already staged there (the prefetched output)
+_add_swizzled_f32_group = _swizzled_f32_group(add_shared_v2_f32)
 
 
 def _count_nonfinite_f32_group(j, n, lane, a0, a1, a2, a3):

@@ -120,7 +120,7 @@ from ..intrinsics import (bulk_wait, f32_zeros, fence_mbarrier_init, mbarrier_ar
 from .epilogue import make_coalesced_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
-from .sm90_wgrad import make_epilogues, output_maps, warp_staging_bytes
+from .sm90_wgrad import make_epilogues, output_maps, output_place, warp_staging_bytes
 from .tensor_map import MAP_ELEMS, tensor_maps
 
 BM = 128                      # tile rows: 2 warpgroups of 64
@@ -386,13 +386,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 side = 0
                 if wgrad:
                     # the tile's side of m_split (block-uniform) and its first output row
-                    first = int64(0)
-                    rows = m_split
-                    if row0 >= m_split:
-                        side = 1
-                        first = m_split
-                        rows = M - m_split
-                    grow0 = e * rows + row0 - first
+                    side, grow0 = output_place(e, row0, m_split, M)
                     wgrad_prefetch(smem, omaps, side, grow0, col0, staging, lane, frag_row,
                                    bar)
                 lo = _a_row(row0 + frag_row, row_end)

@@ -254,6 +254,22 @@ def make_epilogues(bm, bn, out_f32, accumulate):
     return prefetch, epilogue
 
 
+@kjit(device=True, inline="always")
+def output_place(e, m0, m_split, M):
+    """(side, grow0): where tile rows m0 .. of expert e's D_e land -- the whole tile lies on
+    one side of m_split (a multiple of BM): D_e's row m goes to row e * rows + m - first of
+    out0 (side 0: rows = m_split, first = 0) or out1 (side 1: rows = M - m_split, first =
+    m_split)."""
+    side = 0
+    rows = m_split
+    first = int64(0)
+    if m0 >= m_split:
+        side = 1
+        rows = M - m_split
+        first = m_split
+    return side, e * rows + m0 - first
+
+
 def warp_staging_bytes(bn, out_f32):
     """One warp's staging: its 16 rows of a bf16 tile, or of an FP32 one (whole or half:
     ``epilogue.f32_whole``), as swizzled TMA boxes of 128-byte rows."""
@@ -403,17 +419,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
             while t < total:
                 e, m0, n0, lo, hi, ktiles = tile_of(t, tiles_per_expert, n_tiles, offsets,
                                                     num_rows)
-                # This tile's place in the outputs: the whole tile lies on one side of m_split
-                # (a multiple of BM); D_e's row m goes to row e * rows + m - first of that
-                # output.
-                side = 0
-                rows = m_split
-                first = int64(0)
-                if m0 >= m_split:
-                    side = 1
-                    rows = M - m_split
-                    first = m_split
-                grow0 = e * rows + m0 - first
+                side, grow0 = output_place(e, m0, m_split, M)
                 prefetch(smem, maps, side, grow0, n0, staging, lane, frag_row, bar)
                 acc = f32_zeros(nacc)
                 # At least one step, the exit tested at the end (``ktiles`` >= 1): a guarded

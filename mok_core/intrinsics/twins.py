@@ -705,21 +705,22 @@ def st_shared_u32(smem, saddr, value):
     raw.view(np.uint32)[(int(saddr) // 4)] = np.uint32(value)
 
 
-def st_shared_v2_f32(smem, saddr, v0, v1):
+def _f32_pair(smem, saddr, op):
+    """(shared memory as float32, the index of the pair at byte ``saddr``: 8-byte aligned)."""
     saddr = int(saddr)
     if saddr % 8:
-        raise ValueError(f"st_shared_v2_f32: byte {saddr} is not 8-byte aligned")
-    f = _raw(smem).view(np.float32)
-    f[saddr // 4] = np.float32(v0)
-    f[saddr // 4 + 1] = np.float32(v1)
+        raise ValueError(f"{op}: byte {saddr} is not 8-byte aligned")
+    return _raw(smem).view(np.float32), saddr // 4
+
+
+def st_shared_v2_f32(smem, saddr, v0, v1):
+    f, i = _f32_pair(smem, saddr, "st_shared_v2_f32")
+    f[i] = np.float32(v0)
+    f[i + 1] = np.float32(v1)
 
 
 def add_shared_v2_f32(smem, saddr, v0, v1):
-    saddr = int(saddr)
-    if saddr % 8:
-        raise ValueError(f"add_shared_v2_f32: byte {saddr} is not 8-byte aligned")
-    f = _raw(smem).view(np.float32)
-    i = saddr // 4
+    f, i = _f32_pair(smem, saddr, "add_shared_v2_f32")
     f[i] = f[i] + np.float32(v0)                 # float32 + float32: IEEE, subnormals kept
     f[i + 1] = f[i + 1] + np.float32(v1)
 
