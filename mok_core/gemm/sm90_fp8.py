@@ -11,8 +11,9 @@ untransposed), the scales
 float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not written.
 
     block    = 384 threads: warpgroups 0 and 1 compute (warpgroup g owns tile rows [64 g,
-               64 g + 64) and every column), warpgroup 2's first thread loads (the
-               producer); the producer warpgroup gives registers back (setmaxnreg: 40 per
+               64 g + 64) and every column), warpgroup 2 loads (the producer: its first
+               thread the operands by TMA, every thread one row's scales); the producer
+               warpgroup gives registers back (setmaxnreg: 40 per
                thread) so the compute ones hold 232 -- the FP32 sum, the slice's fragment
                and the addressing (launch bounds alone give 168); the two add up to the
                block's 168 a thread at launch, as they must
@@ -24,8 +25,15 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                and one scale block of both operands
     ring     = STAGES slices of [A: 128 rows x 128 B | B: BN rows x 128 B] (32 / 48 KiB), from a
                1024-byte boundary; 16-byte chunk c of row r at chunk c ^ (r % 8) (TMA's
-               128-byte swizzle, what the descriptors say); mbarriers full[s] (1 arrival + the
-               stage's bytes) and empty[s] (256 arrivals: every compute thread)
+               128-byte swizzle, what the descriptors say); mbarriers full[s] (129 arrivals:
+               the TMA thread's with the stage's bytes, and every producer thread's once its
+               scale is stored) and empty[s] (256 arrivals: every compute thread)
+    scales   = beside each stage, before the ring: SCALE_SLOTS floats -- the slice's a_scale
+               of the tile's 128 rows (0 past the expert's rows), w0's and w1's scale blocks
+               -- stored by the producer threads (row p by thread p; the two blocks by threads
+               0 and 1) from global memory, read by the compute threads from shared memory:
+               loaded by the compute warps, their latency sat between a slice's wait and its
+               promotion (docs/perf.md, the FP8 GEMM's parts)
     loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
@@ -43,17 +51,17 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                (128 rows; each warp its own 16 rows), stored coalesced, NaN/Inf of the rows
                stored reported
 
-Order. Producer, slice j of its stream (tile t, slice kb):
+Order. Producer thread p, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
-    retired slice j - STAGES's wgmmas; arrive.expect_tx(full[s], the stage's bytes); its
-    TMA boxes.
+    retired slice j - STAGES's wgmmas and read its scales; p = 0: arrive.expect_tx(full[s],
+    the stage's bytes), its TMA boxes; every p: its scale(s) stored, arrive full[s] (release).
 Compute warpgroup, slice j (BN = 128):
-    1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice landed
+    1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice and its scales landed
     2. wgmma.fence; 4 wgmmas; commit
-    3. the next slice's scales (global loads under the MMAs)
+    3. the slice's scales from shared memory (under the MMAs)
     4. wgmma.wait(0); arrive empty[j % STAGES] (the stage may be refilled); promote
-    (BN = 256: this slice's scales under the first half's wgmmas, wait(0), promote it; the
-    second half's 4 wgmmas, wait(0), arrive empty, promote: no registers held across slices)
+    (BN = 256: the second half's 4 wgmmas after the first half's wait(0) and promotion, then
+    wait(0), arrive empty, promote: the scales are read before the stage is released)
     after a tile's last slice: __syncwarp, the epilogue (no block barrier: the warpgroups
     drift apart by up to a ring, which is what lets one's promotion overlap the other's
     wgmmas)
@@ -141,6 +149,8 @@ BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
+SCALE_SLOTS = BM + 2          # a slice's scales in shared memory: A's rows, then w0's, w1's
+SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
 
 
 def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
@@ -152,7 +162,8 @@ def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False)
     staging = BM * (2 * cols + 16)
     if wgrad:
         staging = 8 * warp_staging_bytes(bn, out_f32)
-    return _TABLE_BYTES + 16 * stages + 64 + 1024 + stages * (BM + bn) * ROW_BYTES + staging
+    return (_TABLE_BYTES + 16 * stages + 64 + stages * SCALE_STAGE_BYTES + 1024
+            + stages * (BM + bn) * ROW_BYTES + staging)
 
 
 @kjit(device=True, inline="always")
@@ -200,26 +211,44 @@ def mma_slice(part, smem, da, db):
 
 
 @kjit(device=True, inline="always")
-def _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at, w1_at, kb, ktiles):
-    """The promotion's four factors of slice kb (``promote_fp8``): a_scale's rows lo and hi
-    (the thread's two rows, ``_a_row``) x w0's scale block at ``w_at`` (the tile's first half
-    of columns) and x w1's at ``w1_at`` (the second); 0 for a row of -1, past the expert (its
-    values are not the GEMM's; nor is a NaN / Inf scale there)."""
-    s0 = w0_scale[w_at + kb]
-    s1 = w1_scale[w1_at + kb]
+def _slice_scales(scales, at, lo, hi, r):
+    """The promotion's four factors of a slice (``promote_fp8``) from its scales staged at
+    float ``at`` of ``scales`` (``stage_scales``): A's tile rows r and r + 8 (the thread's two,
+    ``lo`` / ``hi`` their rows, ``_a_row``) x w0's scale block (the tile's first half of
+    columns) and x w1's (the second); 0 for a row of -1, past the expert (its values are not
+    the GEMM's; nor is a NaN / Inf scale there)."""
+    s0 = scales[at + BM]
+    s1 = scales[at + BM + 1]
     f0 = float32(0.0)
     f1 = float32(0.0)
     f2 = float32(0.0)
     f3 = float32(0.0)
     if lo >= 0:
-        a_lo = a_scale[lo * ktiles + kb]
+        a_lo = scales[at + r]
         f0 = a_lo * s0
         f2 = a_lo * s1
     if hi >= 0:
-        a_hi = a_scale[hi * ktiles + kb]
+        a_hi = scales[at + r + 8]
         f1 = a_hi * s0
         f3 = a_hi * s1
     return f0, f1, f2, f3
+
+
+@kjit(device=True, inline="always")
+def stage_scales(scales, at, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at, w1_at, kb,
+                 ktiles):
+    """Producer thread p's part of slice kb's scales, into floats ``at`` .. of ``scales``: A's
+    tile row p (a_scale's row row0 + p; 0 at or past ``row_end``), and p = 0 / 1: w0's block
+    at ``w_at`` / w1's at ``w1_at`` (module header, "scales")."""
+    r = row0 + p
+    v = float32(0.0)
+    if r < row_end:
+        v = a_scale[r * ktiles + kb]
+    scales[at + p] = v
+    if p == 0:
+        scales[at + BM] = w0_scale[w_at + kb]
+    elif p == 1:
+        scales[at + BM + 1] = w1_scale[w1_at + kb]
 
 
 @kjit(device=True, inline="always")
@@ -295,37 +324,48 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         return e, row0, col0, row_end, e * n_tiles * col_step + col0, int64(0), ktiles, row0
 
     @kjit(device=True, inline="always")
-    def produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap, total,
-                n_tiles, ktiles, M):
-        """The producer's stream (module header): every slice of the block's tiles. B's rows:
-        plain, w0's rows col0 .. col0 + bn; SWIGLU, w0's rows col0 .. col0 + bn / 2 then
-        w1's same rows."""
-        tensormap_acquire(tmaps, 0)
-        tensormap_acquire(tmaps, MAP_ELEMS)
-        tensormap_acquire(tmaps, 2 * MAP_ELEMS)
+    def produce(smem, scales, sc0, ring, full0, empty0, tmaps, a_scale, w0_scale, w1_scale,
+                offsets, num_experts, rows_cap, total, n_tiles, ktiles, M, p):
+        """Producer thread p's stream (module header): every slice of the block's tiles --
+        thread 0 its TMA boxes (B's rows: plain, w0's rows col0 .. col0 + bn; SWIGLU, w0's
+        rows col0 .. col0 + bn / 2 then w1's same rows), every thread its part of the
+        slice's scales (``stage_scales``, at float ``sc0`` of ``scales``), then its arrival
+        on the full barrier."""
+        if p == 0:
+            tensormap_acquire(tmaps, 0)
+            tensormap_acquire(tmaps, MAP_ELEMS)
+            tensormap_acquire(tmaps, 2 * MAP_ELEMS)
         second = 2 * MAP_ELEMS if swiglu_epilogue else MAP_ELEMS
         j = int64(0)
         t = int64(cuda.blockIdx.x)
         while t < total:
-            _, row0, _, _, w_row, k0, k_end, _ = tile_of(smem, offsets, num_experts, t,
-                                                         n_tiles, rows_cap, ktiles, M)
+            _, row0, _, row_end, w_row, k0, k_end, _ = tile_of(smem, offsets, num_experts, t,
+                                                               n_tiles, rows_cap, ktiles, M)
             w_row2 = w_row if swiglu_epilogue else w_row + w_boxes * BOX_ROWS
+            # the scale blocks of W's row w_row (WGRAD: b's, its blocks [N / 128, K / 128])
+            w_at = (w_row // SCALE_BLOCK) * ktiles
+            k_last = min(k_end, ktiles) - 1          # (a scale read stays in bounds)
             for kb in range(k0, k_end):
                 st = j % stages
                 if j >= stages:
                     wait_phase(smem, empty0 + 8 * st, ((j // stages) - 1) & 1)
                 bar = full0 + 8 * st
-                dst = ring + st * stage_bytes
-                kx = kb * (BK // 2)                      # uint16 columns of the maps
-                mbarrier_arrive_expect_tx(smem, bar, stage_bytes)
-                for i in range(a_boxes):
-                    tma_load_2d(smem, dst + i * BOX_BYTES, tmaps, 0, kx, row0 + i * BOX_ROWS,
-                                bar)
-                for i in range(w_boxes):
-                    tma_load_2d(smem, dst + (a_boxes + i) * BOX_BYTES, tmaps, MAP_ELEMS, kx,
-                                w_row + i * BOX_ROWS, bar)
-                    tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
-                                second, kx, w_row2 + i * BOX_ROWS, bar)
+                if p == 0:
+                    dst = ring + st * stage_bytes
+                    kx = kb * (BK // 2)                  # uint16 columns of the maps
+                    mbarrier_arrive_expect_tx(smem, bar, stage_bytes)
+                    for i in range(a_boxes):
+                        tma_load_2d(smem, dst + i * BOX_BYTES, tmaps, 0, kx,
+                                    row0 + i * BOX_ROWS, bar)
+                    for i in range(w_boxes):
+                        tma_load_2d(smem, dst + (a_boxes + i) * BOX_BYTES, tmaps, MAP_ELEMS,
+                                    kx, w_row + i * BOX_ROWS, bar)
+                        tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
+                                    second, kx, w_row2 + i * BOX_ROWS, bar)
+                stage_scales(scales, sc0 + st * (SCALE_STAGE_BYTES // 4), p, a_scale,
+                             w0_scale, w1_scale, row0, row_end, w_at,
+                             w_at + w1_blocks * ktiles, min(kb, k_last), ktiles)
+                mbarrier_arrive(smem, bar)      # (release: the scales' stores)
                 j += 1
             t += cuda.gridDim.x
 
@@ -334,19 +374,21 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                pre_u, route_rank, route_token, route_slot, peers, k, C, K, N, M, m_split,
                limit, errors, nf_tensor, nf_rank):
         smem = cuda.shared.array(0, uint16)
+        scales = cuda.shared.array(0, float32)   # the same bytes, as floats (the scales')
         tid = cuda.threadIdx.x
         num_experts = offsets.shape[0] - 1
         rows_cap = min(int64(num_rows[0]), C)
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
         warp0 = empty0 + 8 * stages            # the compute warps' (WGRAD's prefetch)
+        sc0 = (_TABLE_BYTES + 16 * stages + 64) // 4   # the scales' ring, in floats
         if wgrad:
             slice_table(smem, offsets, num_experts, rows_cap)
         else:
             tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, 1)
+                mbarrier_init(smem, full0 + 8 * s, 1 + 128)   # TMA + the scales
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
             for w in range(8):
                 mbarrier_init(smem, warp0 + 8 * w, 1)
@@ -359,16 +401,16 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             setmaxnreg_dec(PRODUCER_REGS)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
-            ring = ring_start(warp0 + 64)                  # past the mbarriers
-            if tid == THREADS:
-                produce(smem, ring, full0, empty0, tmaps, offsets, num_experts, rows_cap,
-                        total, n_tiles, ktiles, M)
+            ring = ring_start(warp0 + 64 + stages * SCALE_STAGE_BYTES)
+            produce(smem, scales, sc0, ring, full0, empty0, tmaps, a_scale, w0_scale,
+                    w1_scale, offsets, num_experts, rows_cap, total, n_tiles, ktiles, M,
+                    tid - THREADS)
         else:
             setmaxnreg_inc(COMPUTE_REGS)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            ring = ring_start(warp0 + 64)
+            ring = ring_start(warp0 + 64 + stages * SCALE_STAGE_BYTES)
             staging = ring + stages * stage_bytes
             if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
@@ -391,14 +433,6 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                                    bar)
                 lo = _a_row(row0 + frag_row, row_end)
                 hi = _a_row(row0 + frag_row + 8, row_end)
-                # the scale block of W's row w_row (WGRAD: b's, its blocks [N / 128, K / 128])
-                w_at = (w_row // SCALE_BLOCK) * ktiles
-                w1_at = w_at + w1_blocks * ktiles
-                k_last = min(k_end, ktiles) - 1          # (a scale read stays in bounds)
-                f0 = f1 = f2 = f3 = float32(0.0)
-                if halves == 1:                # the first slice's scales (256: each its own)
-                    f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi, w_at,
-                                                   w1_at, min(kb, k_last), ktiles)
                 acc0 = f32_zeros(NACC)
                 acc1 = f32_zeros(NACC)
                 while True:
@@ -406,11 +440,11 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
                     soff = (st * stage_bytes) >> 4
                     part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
+                    # the slice's scales, staged with it: read under its MMAs, before the
+                    # stage is released
+                    f0, f1, f2, f3 = _slice_scales(scales, sc0 + st * (SCALE_STAGE_BYTES // 4),
+                                                   lo, hi, frag_row)
                     if halves == 2:
-                        # this slice's scales, under its first half's MMAs: no registers
-                        # held across slices (the two sums and the fragment fill them)
-                        f0, f1, f2, f3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, min(kb, k_last), ktiles)
                         part = wgmma_wait(part, 0)
                         acc0 = promote_fp8(acc0, part, f0, f1, f0, f1)
                         part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff + half_b)
@@ -418,14 +452,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                         mbarrier_arrive(smem, empty0 + 8 * st)
                         acc1 = promote_fp8(acc1, part, f2, f3, f2, f3)
                     else:
-                        # the next slice's scales, under this one's MMAs
-                        g0, g1, g2, g3 = _slice_scales(a_scale, w0_scale, w1_scale, lo, hi,
-                                                       w_at, w1_at, min(kb + 1, k_last),
-                                                       ktiles)
                         part = wgmma_wait(part, 0)
                         mbarrier_arrive(smem, empty0 + 8 * st)
                         acc0 = promote_fp8(acc0, part, f0, f1, f2, f3)
-                        f0, f1, f2, f3 = g0, g1, g2, g3
                     j += 1
                     kb += 1
                     if kb >= k_end:
