@@ -150,6 +150,8 @@ BOX_BYTES = BOX_ROWS * ROW_BYTES
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 SCALE_SLOTS = BM + 2          # a slice's scales in shared memory: A's rows, then w0's, w1's
+PRODUCERS = GEMM_THREADS - THREADS
+assert PRODUCERS == BM        # producer thread p stages tile row p's scale
 SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
 
 
@@ -388,7 +390,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             tile_table(smem, offsets, num_experts, bm, rows_cap)
         if tid == 0:
             for s in range(stages):
-                mbarrier_init(smem, full0 + 8 * s, 1 + 128)   # TMA + the scales
+                mbarrier_init(smem, full0 + 8 * s, 1 + PRODUCERS)   # TMA + the scales
                 mbarrier_init(smem, empty0 + 8 * s, THREADS)
             for w in range(8):
                 mbarrier_init(smem, warp0 + 8 * w, 1)
