@@ -278,8 +278,11 @@ def main():
                           f"{t[f'add32 {part}'] / ba:.2f}", flush=True)
             for v in variants:
                 ms, kind = t[f"fp8 {part} {v}"], variants[v][2]
-                note = {"bf16": f"  fill / it {t[f'fill {part}'] / ms:.2f}", "f32": "",
-                        "acc": f"  add32 / it {t[f'add32 {part}'] / ms:.2f}"}[kind]
+                note = ""                     # (the add32 steps exist only with acc)
+                if kind == "bf16":
+                    note = f"  fill / it {t[f'fill {part}'] / ms:.2f}"
+                elif kind == "acc":
+                    note = f"  add32 / it {t[f'add32 {part}'] / ms:.2f}"
                 print(f"    fp8 {v:9s} {ms:7.3f} ms ({flop / ms / 1e9:4.0f} TFLOP/s)  "
                       f"x{b16 / ms:.2f}{note}", flush=True)
             for p in filter(None, args.parts.split(",")):
