@@ -14,7 +14,8 @@ from mok_core.bf16 import hi_bf16, lo_bf16
 from mok_core.cuda_compat import SIM, kjit, to_host
 from mok_core.gemm.epilogue import swiglu
 from mok_core.intrinsics import ex2_approx, rcp_approx
-from mok_core.intrinsics import (cp_async_16_at, cp_async_commit, cp_async_wait,
+from mok_core.intrinsics import (cp_async_16_at, cp_async_4_at, cp_async_commit,
+                                 cp_async_mbarrier_arrive, cp_async_wait,
                                  ld_acquire_sys, ld_v4,
                                  ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
                                  pack_bf16x2,
@@ -716,6 +717,40 @@ def test_mbarrier_phase_completes_after_count_arrivals():
     out = to_dev(np.full(2, -1, np.int32))
     _mbarrier_phases[1, 32](out)
     assert list(to_host(out)) == [21, 0]
+
+
+@kjit
+def _cp_async_arrivals(src, idx, out):
+    """Warp 1's lanes each copy src[idx[lane]] (zeros for -1) into shared memory with a
+    4-byte cp.async and arrive on the mbarrier as it lands (the FP8 GEMM's scales); warp 0
+    waits for the phase, then writes out what shared memory holds."""
+    bar = cuda.shared.array(1, uint64)
+    vals = cuda.shared.array(32, float32)
+    t = cuda.threadIdx.x
+    addr = shared_addr(bar)
+    if t == 0:
+        mbarrier_init(bar, addr, 32)
+        fence_mbarrier_init()
+    cuda.syncthreads()
+    if t >= 32:
+        lane = t - 32
+        i = idx[lane]
+        cp_async_4_at(vals, shared_addr(vals) + 4 * lane, src, max(i, 0), 4 if i >= 0 else 0)
+        cp_async_mbarrier_arrive(bar, addr)
+    else:
+        while mbarrier_try_wait(bar, addr, 0) == 0:
+            pass
+        out[t] = vals[t]
+
+
+def test_cp_async_4_arrives_on_mbarrier_once_landed():
+    rng = np.random.default_rng(5)
+    src = rng.standard_normal(64).astype(np.float32)
+    idx = rng.integers(0, 64, size=32).astype(np.int32)
+    idx[[3, 17, 30]] = -1
+    out = to_dev(np.full(32, np.nan, np.float32))
+    _cp_async_arrivals[1, 64](to_dev(src), to_dev(idx), out)
+    np.testing.assert_array_equal(to_host(out), np.where(idx >= 0, src[np.maximum(idx, 0)], 0))
 
 
 # ---- bulk async copies ---------------------------------------------------------------------------

@@ -27,13 +27,15 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                1024-byte boundary; 16-byte chunk c of row r at chunk c ^ (r % 8) (TMA's
                128-byte swizzle, what the descriptors say); mbarriers full[s] (129 arrivals:
                the TMA thread's with the stage's bytes, and every producer thread's once its
-               scale is stored) and empty[s] (256 arrivals: every compute thread)
+               scales landed) and empty[s] (256 arrivals: every compute thread)
     scales   = beside each stage, before the ring: SCALE_SLOTS floats -- the slice's a_scale
                of the tile's 128 rows (0 past the expert's rows), w0's and w1's scale blocks
-               -- stored by the producer threads (row p by thread p; the two blocks by threads
-               0 and 1) from global memory, read by the compute threads from shared memory:
-               loaded by the compute warps, their latency sat between a slice's wait and its
-               promotion (docs/perf.md, the FP8 GEMM's parts)
+               -- copied by the producer threads (row p by thread p; the two blocks by threads
+               0 and 1) with cp.async, each thread's arrival on full[s] made by the hardware
+               once its copies landed (``cp_async_mbarrier_arrive``: a load never stalls the
+               producer's stream), read by the compute threads from shared memory: loaded by
+               the compute warps, their latency sat between a slice's wait and its promotion
+               (docs/perf.md, the FP8 GEMM's parts)
     loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
@@ -54,7 +56,8 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
 Order. Producer thread p, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
     retired slice j - STAGES's wgmmas and read its scales; p = 0: arrive.expect_tx(full[s],
-    the stage's bytes), its TMA boxes; every p: its scale(s) stored, arrive full[s] (release).
+    the stage's bytes), its TMA boxes; every p: its scale(s) cp.async-copied, the arrival on
+    full[s] that lands with them.
 Compute warpgroup, slice j (BN = 128):
     1. wait full[j % STAGES] (parity (j / STAGES) & 1) -> the slice and its scales landed
     2. wgmma.fence; 4 wgmmas; commit
@@ -119,7 +122,8 @@ import numpy as np
 from numba import cuda, float32, int64, uint16
 
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
-from ..intrinsics import (bulk_wait, f32_zeros, fence_mbarrier_init, mbarrier_arrive,
+from ..intrinsics import (bulk_wait, cp_async_4_at, cp_async_mbarrier_arrive, f32_zeros,
+                          fence_mbarrier_init, mbarrier_arrive,
                           mbarrier_arrive_expect_tx, mbarrier_init, promote_fp8,
                           setmaxnreg_dec, setmaxnreg_inc, shared_addr, syncwarp,
                           tensormap_acquire, tma_load_2d, warp_all, wgmma_commit,
@@ -237,20 +241,21 @@ def _slice_scales(scales, at, lo, hi, r):
 
 
 @kjit(device=True, inline="always")
-def stage_scales(scales, at, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at, w1_at, kb,
+def stage_scales(smem, dst, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at, w1_at, kb,
                  ktiles):
-    """Producer thread p's part of slice kb's scales, into floats ``at`` .. of ``scales``: A's
-    tile row p (a_scale's row row0 + p; 0 at or past ``row_end``), and p = 0 / 1: w0's block
-    at ``w_at`` / w1's at ``w1_at`` (module header, "scales")."""
+    """Producer thread p's part of slice kb's scales, copied asynchronously (cp.async: the
+    thread never waits on the load; ``cp_async_mbarrier_arrive`` counts it in once landed)
+    to the shared byte address ``dst`` ..: A's tile row p (a_scale's row row0 + p; 0 at or
+    past ``row_end``), and p = 0 / 1: w0's block at ``w_at`` / w1's at ``w1_at`` (module
+    header, "scales")."""
     r = row0 + p
-    v = float32(0.0)
-    if r < row_end:
-        v = a_scale[r * ktiles + kb]
-    scales[at + p] = v
+    inside = r < row_end
+    cp_async_4_at(smem, dst + 4 * p, a_scale, r * ktiles + kb if inside else int64(0),
+                  4 if inside else 0)
     if p == 0:
-        scales[at + BM] = w0_scale[w_at + kb]
+        cp_async_4_at(smem, dst + 4 * BM, w0_scale, w_at + kb, 4)
     elif p == 1:
-        scales[at + BM + 1] = w1_scale[w1_at + kb]
+        cp_async_4_at(smem, dst + 4 * (BM + 1), w1_scale, w1_at + kb, 4)
 
 
 @kjit(device=True, inline="always")
@@ -326,13 +331,13 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         return e, row0, col0, row_end, e * n_tiles * col_step + col0, int64(0), ktiles, row0
 
     @kjit(device=True, inline="always")
-    def produce(smem, scales, sc0, ring, full0, empty0, tmaps, a_scale, w0_scale, w1_scale,
+    def produce(smem, scales0, ring, full0, empty0, tmaps, a_scale, w0_scale, w1_scale,
                 offsets, num_experts, rows_cap, total, n_tiles, ktiles, M, p):
         """Producer thread p's stream (module header): every slice of the block's tiles --
         thread 0 its TMA boxes (B's rows: plain, w0's rows col0 .. col0 + bn; SWIGLU, w0's
         rows col0 .. col0 + bn / 2 then w1's same rows), every thread its part of the
-        slice's scales (``stage_scales``, at float ``sc0`` of ``scales``), then its arrival
-        on the full barrier."""
+        slice's scales (``stage_scales``, the ring of them at shared byte address
+        ``scales0``), then its arrival on the full barrier, made once they landed."""
         if p == 0:
             tensormap_acquire(tmaps, 0)
             tensormap_acquire(tmaps, MAP_ELEMS)
@@ -364,10 +369,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                                     kx, w_row + i * BOX_ROWS, bar)
                         tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
                                     second, kx, w_row2 + i * BOX_ROWS, bar)
-                stage_scales(scales, sc0 + st * (SCALE_STAGE_BYTES // 4), p, a_scale,
-                             w0_scale, w1_scale, row0, row_end, w_at,
-                             w_at + w1_blocks * ktiles, min(kb, k_last), ktiles)
-                mbarrier_arrive(smem, bar)      # (release: the scales' stores)
+                stage_scales(smem, scales0 + st * SCALE_STAGE_BYTES, p, a_scale, w0_scale,
+                             w1_scale, row0, row_end, w_at, w_at + w1_blocks * ktiles,
+                             min(kb, k_last), ktiles)
+                cp_async_mbarrier_arrive(smem, bar)     # once the scales landed
                 j += 1
             t += cuda.gridDim.x
 
@@ -383,7 +388,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
         warp0 = empty0 + 8 * stages            # the compute warps' (WGRAD's prefetch)
-        sc0 = (_TABLE_BYTES + 16 * stages + 64) // 4   # the scales' ring, in floats
+        sc0 = (_TABLE_BYTES + 16 * stages + 64) // 4   # the scales' ring (warp0 + 64), in floats
         if wgrad:
             slice_table(smem, offsets, num_experts, rows_cap)
         else:
@@ -404,7 +409,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             ring = ring_start(warp0 + 64 + stages * SCALE_STAGE_BYTES)
-            produce(smem, scales, sc0, ring, full0, empty0, tmaps, a_scale, w0_scale,
+            produce(smem, warp0 + 64, ring, full0, empty0, tmaps, a_scale, w0_scale,
                     w1_scale, offsets, num_experts, rows_cap, total, n_tiles, ktiles, M,
                     tid - THREADS)
         else:

@@ -15,8 +15,8 @@
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
                   ldmatrix_x4_at (and ``_trans_at``: the
-                  operand stored transposed) / cp_async_16_at (32-bit shared byte addresses for hot
-                  loops), st_shared_u32, st_shared_v2_f32, add_shared_v2_f32 (two float32
+                  operand stored transposed) / cp_async_16_at, cp_async_4_at (32-bit shared
+                  byte addresses for hot loops), st_shared_u32, st_shared_v2_f32, add_shared_v2_f32 (two float32
                   added to shared memory's, IEEE)
     wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
                   transposed, the weights as stored for dgrad) and ``_tatb`` (A and B
@@ -29,7 +29,9 @@
                   fence_proxy_async, f32_zeros (the accumulator travels as a UniTuple),
                   tuple_groups (a per-group function over the accumulator, unrolled: constant
                   indices, no local-memory copy), tuple_fold (the same with a carried value)
-    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, trap
+    mbarriers:    mbarrier_init, mbarrier_arrive, mbarrier_try_wait, trap,
+                  cp_async_mbarrier_arrive (an arrival once this thread's cp.async copies
+                  landed)
     registers:    setmaxnreg_inc, setmaxnreg_dec (a warpgroup's registers per thread, moved
                   between warpgroups of a warp-specialised kernel)
     bulk copies:  mbarrier_arrive_expect_tx, bulk_store, bulk_commit, bulk_wait (shared ->
@@ -53,7 +55,7 @@ __all__ = [
     "pack_e4m3x4",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",
-    "ldmatrix_x4_trans_at", "cp_async_16_at",
+    "ldmatrix_x4_trans_at", "cp_async_16_at", "cp_async_4_at",
     "wgmma_m64n64k16_bf16", "wgmma_m64n128k16_bf16", "wgmma_m64n256k16_bf16",
     "wgmma_m64n64k16_bf16_tb", "wgmma_m64n128k16_bf16_tb", "wgmma_m64n256k16_bf16_tb",
     "wgmma_m64n64k16_bf16_tatb", "wgmma_m64n128k16_bf16_tatb", "wgmma_m64n256k16_bf16_tatb",
@@ -63,6 +65,7 @@ __all__ = [
     "wgmma_commit", "wgmma_wait", "fence_proxy_async", "f32_zeros", "tuple_groups",
     "tuple_fold",
     "mbarrier_init", "mbarrier_arrive", "mbarrier_try_wait", "trap",
+    "cp_async_mbarrier_arrive",
     "setmaxnreg_inc", "setmaxnreg_dec",
     "mbarrier_arrive_expect_tx", "bulk_store", "bulk_commit", "bulk_wait",
     "bulk_wait_read", "st_shared_u32", "st_shared_v2_f32", "add_shared_v2_f32",

@@ -482,25 +482,39 @@ ldmatrix_x4_trans_at = _ldmatrix_x4(
     "addressed it): the fragment of an operand stored the other way round in shared memory.")
 
 
-@intrinsic
-def cp_async_16_at(typingctx, smem, saddr, gmem, gidx, src_bytes):
-    """16 bytes from ``gmem[gidx:]`` to a shared byte address from ``shared_addr`` (+ offset),
-    asynchronously (``cp_async_commit`` / ``cp_async_wait`` groups); ``src_bytes`` 16, or 0:
-    16 zeros and no read. The zero case is cp.async's ignore-src predicate, not a source size:
-    ptxas turns a run-time source size into address arithmetic around every copy."""
-    if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
-            and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
-        return None
+def _cp_async_at(name, nbytes, cache, doc):
+    """``nbytes`` from ``gmem[gidx:]`` to a shared byte address from ``shared_addr`` (+
+    offset), asynchronously, as ``name(smem, saddr, gmem, gidx, src_bytes)``: ``src_bytes``
+    ``nbytes``, or 0: zeros and no read. The zero case is cp.async's ignore-src predicate,
+    not a source size: ptxas turns a run-time source size into address arithmetic around
+    every copy."""
+    def impl(typingctx, smem, saddr, gmem, gidx, src_bytes):
+        if not (_is_1d(smem) and _is_1d(gmem) and isinstance(saddr, types.Integer)
+                and isinstance(gidx, types.Integer) and isinstance(src_bytes, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-        gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        text = ("{ .reg .u64 g; .reg .pred z; cvta.to.global.u64 g, $1; setp.eq.u32 z, $2, 0; "
-                "cp.async.cg.shared.global [$0], [g], 16, z; }")
-        _asm(builder, ir.VoidType(), [s32, gptr, n], text, "r,l,r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, saddr, gmem, gidx, src_bytes), codegen
+        def codegen(context, builder, sig, args):
+            s32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+            gptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+            n = context.cast(builder, args[4], sig.args[4], types.uint32)
+            text = ("{ .reg .u64 g; .reg .pred z; cvta.to.global.u64 g, $1; setp.eq.u32 z, $2, "
+                    f"0; cp.async.{cache}.shared.global [$0], [g], {nbytes}, z; }}")
+            _asm(builder, ir.VoidType(), [s32, gptr, n], text, "r,l,r,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(smem, saddr, gmem, gidx, src_bytes), codegen
+    return _named(impl, name, doc)
+
+
+cp_async_16_at = _cp_async_at(
+    "cp_async_16_at", 16, "cg",
+    "16 bytes from ``gmem[gidx:]`` to a shared byte address, asynchronously "
+    "(``cp_async_commit`` / ``cp_async_wait`` groups, or ``cp_async_mbarrier_arrive``); "
+    "``src_bytes`` 16, or 0: 16 zeros and no read (L2 only: ``.cg``).")
+cp_async_4_at = _cp_async_at(
+    "cp_async_4_at", 4, "ca",
+    "4 bytes (e.g. a float32 scale) from ``gmem[gidx:]`` to a shared byte address (4-byte "
+    "aligned), asynchronously, as ``cp_async_16_at``; ``src_bytes`` 4, or 0: zeros and no read "
+    "(``.ca``: the only cache mode of a copy under 16 bytes).")
 
 
 def _shared_u32_statement(name, text, doc):
@@ -866,19 +880,31 @@ def _mbarrier_wait(name, op, doc):
     return _named(impl, name, doc)
 
 
-@intrinsic
-def mbarrier_arrive(typingctx, smem, addr):
-    """One arrival on the mbarrier at ``addr`` (release: this thread's prior shared-memory
-    reads -- e.g. a retired wgmma's operands -- are done before the phase can complete)."""
-    if not (_is_1d(smem) and isinstance(addr, types.Integer)):
-        return None
+def _mbarrier_arrival(name, text, doc):
+    """An arrival on the mbarrier at the shared byte address ``addr`` ($0), as ``name(smem,
+    addr)``, ordered against memory."""
+    def impl(typingctx, smem, addr):
+        if not (_is_1d(smem) and isinstance(addr, types.Integer)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[1], sig.args[1], types.uint32)
-        _asm(builder, ir.VoidType(), [a],
-             "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", "r,~{memory}", True)
-        return context.get_dummy_value()
-    return types.void(smem, addr), codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            _asm(builder, ir.VoidType(), [a], text, "r,~{memory}", True)
+            return context.get_dummy_value()
+        return types.void(smem, addr), codegen
+    return _named(impl, name, doc)
+
+
+mbarrier_arrive = _mbarrier_arrival(
+    "mbarrier_arrive", "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }",
+    "One arrival on the mbarrier at ``addr`` (release: this thread's prior shared-memory "
+    "reads -- e.g. a retired wgmma's operands -- are done before the phase can complete).")
+cp_async_mbarrier_arrive = _mbarrier_arrival(
+    "cp_async_mbarrier_arrive", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+    "One arrival on the mbarrier at ``addr`` made when all of this thread's earlier cp.async "
+    "copies have landed (``.noinc``: it is one of the arrivals the mbarrier was initialised "
+    "to count); the thread goes on at once. A thread waiting on the phase then sees the "
+    "copies' bytes.")
 
 
 mbarrier_try_wait = _mbarrier_wait(

@@ -311,7 +311,12 @@ def ldmatrix_x4_trans_at(smem, addr):
 
 def cp_async_16_at(smem, saddr, gmem, gidx, src_bytes):
     assert src_bytes in (0, 16), src_bytes
-    _cp_async_16(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes)
+    _cp_async(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes, 16)
+
+
+def cp_async_4_at(smem, saddr, gmem, gidx, src_bytes):
+    assert src_bytes in (0, 4), src_bytes
+    _cp_async(smem, int(saddr) // _raw(smem).itemsize, gmem, gidx, src_bytes, 4)
 
 
 def _groups(kind):
@@ -334,11 +339,11 @@ def _land(groups, pending):
     groups[:-1] = closed
 
 
-def _cp_async_16(smem, sidx, gmem, gidx, src_bytes):
-    dst, dsl = _chunk(smem, sidx)
-    data = np.zeros(16, np.uint8)
+def _cp_async(smem, sidx, gmem, gidx, src_bytes, nbytes):
+    dst, dsl = _chunk(smem, sidx, nbytes)
+    data = np.zeros(nbytes, np.uint8)
     if src_bytes:
-        src, ssl = _chunk(gmem, gidx)
+        src, ssl = _chunk(gmem, gidx, nbytes)
         data[:src_bytes] = np.ascontiguousarray(src[ssl]).view(np.uint8)[:src_bytes]
     _groups("cp_async")[-1].append((dst, dsl, data.view(dst.dtype)))
 
@@ -642,6 +647,15 @@ def mbarrier_arrive(smem, addr):
         b = _mbar(smem, addr)
         b["left"] -= 1
         _settle(b)
+
+
+def cp_async_mbarrier_arrive(smem, addr):
+    """The copies land when the arrival is made (the hardware makes it once they have):
+    every group of this thread's, the open one too."""
+    groups = _groups("cp_async")
+    groups.append([])
+    _land(groups, 0)
+    mbarrier_arrive(smem, addr)
 
 
 def mbarrier_try_wait(smem, addr, parity):
