@@ -119,7 +119,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from numba import cuda, float32, int64, uint16
+from numba import cuda, float32, int64, uint16, uint32
 
 from ..cuda_compat import SIM, flat_view, kjit, launch, multiprocessor_count
 from ..intrinsics import (bulk_wait, cp_async_4_at, cp_async_mbarrier_arrive, f32_zeros,
@@ -217,27 +217,19 @@ def mma_slice(part, smem, da, db):
 
 
 @kjit(device=True, inline="always")
-def _slice_scales(scales, at, lo, hi, r):
+def _slice_scales(scales, at, r):
     """The promotion's four factors of a slice (``promote_fp8``) from its scales staged at
-    float ``at`` of ``scales`` (``stage_scales``): A's tile rows r and r + 8 (the thread's two,
-    ``lo`` / ``hi`` their rows, ``_a_row``) x w0's scale block (the tile's first half of
-    columns) and x w1's (the second); 0 for a row of -1, past the expert (its values are not
-    the GEMM's; nor is a NaN / Inf scale there)."""
-    s0 = scales[at + BM]
-    s1 = scales[at + BM + 1]
-    f0 = float32(0.0)
-    f1 = float32(0.0)
-    f2 = float32(0.0)
-    f3 = float32(0.0)
-    if lo >= 0:
-        a_lo = scales[at + r]
-        f0 = a_lo * s0
-        f2 = a_lo * s1
-    if hi >= 0:
-        a_hi = scales[at + r + 8]
-        f1 = a_hi * s0
-        f3 = a_hi * s1
-    return f0, f1, f2, f3
+    float ``at`` of ``scales`` (``stage_scales``): A's tile rows r and r + 8 (the thread's two)
+    x w0's scale block (the tile's first half of columns) and x w1's (the second). A row past
+    the expert's has a_scale 0 there (its values are not the GEMM's, and never stored), and a
+    tile of no rows (WGRAD: an expert without tokens) W's blocks 0 too: its factors are 0
+    whatever the scales in memory. Unsigned indices: no negative-index wraparound code."""
+    i = uint32(at)
+    s0 = scales[i + BM]
+    s1 = scales[i + BM + 1]
+    a_lo = scales[i + uint32(r)]
+    a_hi = scales[i + uint32(r) + 8]
+    return a_lo * s0, a_hi * s0, a_lo * s1, a_hi * s1
 
 
 @kjit(device=True, inline="always")
@@ -246,16 +238,17 @@ def stage_scales(smem, dst, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at,
     """Producer thread p's part of slice kb's scales, copied asynchronously (cp.async: the
     thread never waits on the load; ``cp_async_mbarrier_arrive`` counts it in once landed)
     to the shared byte address ``dst`` ..: A's tile row p (a_scale's row row0 + p; 0 at or
-    past ``row_end``), and p = 0 / 1: w0's block at ``w_at`` / w1's at ``w1_at`` (module
-    header, "scales")."""
+    past ``row_end``), and p = 0 / 1: w0's block at ``w_at`` / w1's at ``w1_at`` (0 for a tile
+    of no rows; module header, "scales")."""
     r = row0 + p
     inside = r < row_end
     cp_async_4_at(smem, dst + 4 * p, a_scale, r * ktiles + kb if inside else int64(0),
                   4 if inside else 0)
+    rows = 4 if row0 < row_end else 0        # (WGRAD: an expert of no rows -- W's blocks 0)
     if p == 0:
-        cp_async_4_at(smem, dst + 4 * BM, w0_scale, w_at + kb, 4)
+        cp_async_4_at(smem, dst + 4 * BM, w0_scale, w_at + kb, rows)
     elif p == 1:
-        cp_async_4_at(smem, dst + 4 * (BM + 1), w1_scale, w1_at + kb, 4)
+        cp_async_4_at(smem, dst + 4 * (BM + 1), w1_scale, w1_at + kb, rows)
 
 
 @kjit(device=True, inline="always")
@@ -268,12 +261,6 @@ def slice_table(smem, offsets, num_experts, rows_cap):
     while e <= num_experts:
         smem[e] = (min(int64(offsets[e]), rows_cap) + (BK - 1)) // BK
         e += cuda.blockDim.x
-
-
-@kjit(device=True, inline="always")
-def _a_row(r, row_end):
-    """Row r, or -1 at or past the expert's end (``_slice_scales``: factor 0)."""
-    return r if r < row_end else int64(-1)
 
 
 def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False,
@@ -343,7 +330,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             tensormap_acquire(tmaps, MAP_ELEMS)
             tensormap_acquire(tmaps, 2 * MAP_ELEMS)
         second = 2 * MAP_ELEMS if swiglu_epilogue else MAP_ELEMS
-        j = int64(0)
+        st = 0                                 # stage of the stream's slice j ...
+        rnd = 0                                # ... and its round j / STAGES
         t = int64(cuda.blockIdx.x)
         while t < total:
             _, row0, _, row_end, w_row, k0, k_end, _ = tile_of(smem, offsets, num_experts, t,
@@ -353,9 +341,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             w_at = (w_row // SCALE_BLOCK) * ktiles
             k_last = min(k_end, ktiles) - 1          # (a scale read stays in bounds)
             for kb in range(k0, k_end):
-                st = j % stages
-                if j >= stages:
-                    wait_phase(smem, empty0 + 8 * st, ((j // stages) - 1) & 1)
+                if rnd > 0:
+                    wait_phase(smem, empty0 + 8 * st, (rnd - 1) & 1)
                 bar = full0 + 8 * st
                 if p == 0:
                     dst = ring + st * stage_bytes
@@ -373,7 +360,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                              w1_scale, row0, row_end, w_at, w_at + w1_blocks * ktiles,
                              min(kb, k_last), ktiles)
                 cp_async_mbarrier_arrive(smem, bar)     # once the scales landed
-                j += 1
+                st += 1                        # (counted, not j % STAGES: a 64-bit
+                if st == stages:               # division every slice)
+                    st = 0
+                    rnd += 1
             t += cuda.gridDim.x
 
     @kjit(launch_bounds=(GEMM_THREADS, 1))
@@ -424,7 +414,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                 tensormap_acquire(omaps, 0)
                 tensormap_acquire(omaps, MAP_ELEMS)
             desc_a0, desc_b0 = stage0_descriptors(ring, wg, bm)
-            j = int64(0)
+            st = 0                             # stage of the stream's slice j ...
+            ph = 0                             # ... and its parity (j / STAGES) & 1
             bar = warp0 + 8 * (tid // 32)      # WGRAD: this warp's prefetch mbarrier ...
             phase = 0                          # ... and the phase its tile completes
             t = int64(cuda.blockIdx.x)
@@ -438,19 +429,16 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                     side, grow0 = output_place(e, row0, m_split, M)
                     wgrad_prefetch(smem, omaps, side, grow0, col0, staging, lane, frag_row,
                                    bar)
-                lo = _a_row(row0 + frag_row, row_end)
-                hi = _a_row(row0 + frag_row + 8, row_end)
                 acc0 = f32_zeros(NACC)
                 acc1 = f32_zeros(NACC)
                 while True:
-                    st = j % stages
-                    wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
+                    wait_phase(smem, full0 + 8 * st, ph)
                     soff = (st * stage_bytes) >> 4
                     part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
                     # the slice's scales, staged with it: read under its MMAs, before the
                     # stage is released
                     f0, f1, f2, f3 = _slice_scales(scales, sc0 + st * (SCALE_STAGE_BYTES // 4),
-                                                   lo, hi, frag_row)
+                                                   frag_row)
                     if halves == 2:
                         part = wgmma_wait(part, 0)
                         acc0 = promote_fp8(acc0, part, f0, f1, f0, f1)
@@ -462,7 +450,10 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                         part = wgmma_wait(part, 0)
                         mbarrier_arrive(smem, empty0 + 8 * st)
                         acc0 = promote_fp8(acc0, part, f0, f1, f2, f3)
-                    j += 1
+                    st += 1
+                    if st == stages:
+                        st = 0
+                        ph ^= 1
                     kb += 1
                     if kb >= k_end:
                         break
