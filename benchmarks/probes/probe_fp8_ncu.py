@@ -19,10 +19,8 @@ bf16 operands of the same size. ``FP8_PARTS`` (``--time``; e.g. ``no-epi,no-stor
 plain kernel on the first tile built again with its epilogue left out (``no-epi``: the
 promotions and scale reads then go too, dead code), staging its tile without storing it
 (``no-store``) or promoting with every factor 1 (``no-scale``: no scale read in the compute
-warps), or with its warpgroups taking turns at the tensor cores (``ordered``:
-``ordered_patches``; bits equal to the plain kernel's, printed) -- ``sm90_fp8``'s globals
-replaced while it is built and compiled --, timed in the same turns (HOPPER.md: time variants
-that leave a stage out); the others write nothing, or wrong values. A probe: it prints, it writes nothing. Its findings:
+warps) -- ``sm90_fp8``'s globals replaced while it is built and compiled --, timed in the same
+turns (HOPPER.md: time variants that leave a stage out); they write nothing, or wrong values. A probe: it prints, it writes nothing. Its findings:
 docs/perf.md, "What bounds the FP8 GEMM".
 """
 from __future__ import annotations
@@ -71,70 +69,11 @@ def _unit_scales(arity):
     return kjit(device=True, inline="always")(ns["unit"])
 
 
-def _named_barrier(op):
-    """``bar.sync`` / ``bar.arrive`` on named barrier ``bid`` (1-15: 0 is __syncthreads') of
-    ``n`` threads, as ``f(bid, n)``."""
-    from llvmlite import ir
-    from numba.cuda import types
-    from numba.cuda.extending import intrinsic
-
-    from mok_core.intrinsics.ptx import _asm
-
-    def impl(typingctx, bid, n):
-        def codegen(context, builder, sig, args):
-            v = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2)]
-            _asm(builder, ir.VoidType(), v, f"bar.{op} $0, $1;", "r,r,~{memory}", True)
-            return context.get_dummy_value()
-        return types.void(bid, n), codegen
-    impl.__name__ = f"bar_{op}"
-    return intrinsic(impl)
-
-
-def ordered_patches():
-    """``ordered``: the two compute warpgroups take turns issuing their MMAs -- warpgroup g
-    waits on named barrier 1 + g for the other's issue, issues its 4 wgmmas, commits and
-    passes the turn (barrier 2 - g; CUTLASS's ordered sequence barrier, pingpong's MMA
-    order) --, so one's wait and promotion run under the other's MMAs instead of beside its
-    own: warpgroup 1 hands warpgroup 0 the first turn at its start (``warpgroup_fragment``).
-    Returns {name: replacement} among ``sm90_fp8``'s globals."""
-    from numba import cuda
-
-    from mok_core.cuda_compat import kjit
-    from mok_core.gemm import sm90_fp8 as F
-    from mok_core.intrinsics import (wgmma_commit, wgmma_fence, wgmma_m64n128k32_e4m3,
-                                     wgmma_m64n128k32_e4m3_fresh)
-    bar_sync, bar_arrive = _named_barrier("sync"), _named_barrier("arrive")
-    fragment = F.warpgroup_fragment
-    K32 = F._K32
-
-    @kjit(device=True, inline="always")
-    def warpgroup_fragment(tid):
-        if tid // 128 == 1:
-            bar_arrive(1, 256)                 # warpgroup 0's first turn
-        return fragment(tid)
-
-    @kjit(device=True, inline="always")
-    def mma_slice(part, smem, da, db):
-        g = cuda.threadIdx.x // 128
-        bar_sync(1 + g, 256)                   # the other's MMAs issued
-        part = wgmma_fence(part)
-        part = wgmma_m64n128k32_e4m3_fresh(part, smem, da, db)
-        part = wgmma_m64n128k32_e4m3(part, smem, da + K32, db + K32)
-        part = wgmma_m64n128k32_e4m3(part, smem, da + 2 * K32, db + 2 * K32)
-        part = wgmma_m64n128k32_e4m3(part, smem, da + 3 * K32, db + 3 * K32)
-        wgmma_commit()
-        bar_arrive(2 - g, 256)                 # the other's turn
-        return part
-    return {"warpgroup_fragment": warpgroup_fragment, "mma_slice": mma_slice}
-
-
 def _part_patches(part):
     """{name: replacement} among ``sm90_fp8``'s globals for ``part`` (module docstring)."""
     import inspect
 
     from mok_core.gemm import sm90_fp8 as F
-    if part == "ordered":
-        return ordered_patches()
     if part in ("no-epi", "no-store"):
         return {"make_coalesced_epilogue": _epilogue_factory(part)}
     if part == "no-scale":
@@ -195,7 +134,7 @@ def main():
             "128" (128 x 128, 4 stages), into its own output."""
             o = torch.empty(C, N // 2 if swiglu else N, device="cuda", dtype=torch.uint16)
             outs[swiglu, tile] = o
-            bn, stages = (256, 3) if tile.startswith("256") else (128, 4)
+            bn, stages = (256, 3) if tile == "256" else (128, 4)
 
             def step():
                 if swiglu:
@@ -211,8 +150,7 @@ def main():
         bn0, stages0 = (256, 3) if TILES[0] == "256" else (128, 4)
         for part in PARTS:
             steps[f"fp8 plain {TILES[0]} {part}"] = _part_step(
-                part, bn0, stages0, variant(False, f"{TILES[0]} {part}")
-                if part == "ordered" else steps[f"fp8 plain {TILES[0]}"])
+                part, bn0, stages0, steps[f"fp8 plain {TILES[0]}"])
         steps["bf16 down"] = lambda: down(x16, w16, off, nr, out, config=cfg,
                                           stream=numba_stream())
         flop = 2.0 * C * K * N

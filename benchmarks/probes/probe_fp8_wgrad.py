@@ -32,9 +32,7 @@ and compiled; HOPPER.md: time variants that leave a stage out, take differences)
 the tile loop: ptxas spilled them; the code before ``per_iteration``), or a part left out:
 ``no-store`` (the epilogue stages its rows, no TMA store), ``no-epi`` (no epilogue:
 ``probe_wgrad_parts``' replacements), ``no-mma`` (the K loop multiplies nothing), ``no-load``
-(the producer arrives on each full barrier with no TMA load), or changed: ``ordered`` (the
-compute warpgroups take turns issuing their MMAs: ``probe_fp8_ncu.ordered_patches``);
-``a+b`` both. ``--profile``:
+(the producer arrives on each full barrier with no TMA load); ``a+b`` both. ``--profile``:
 instead of timing, one launch of each between cudaProfilerStart / Stop, for ``ncu
 --profile-from-start off -k regex:^kernel``. A probe: it prints, it writes nothing; the parts
 that leave something out write wrong gradients.
@@ -78,9 +76,6 @@ def _part_patches(part):
             def load(smem, dst, maps, elem, x, y, bar):
                 pass
             out.update(mbarrier_arrive_expect_tx=arrive, tma_load_2d=load)
-        elif p == "ordered":                           # the warpgroups take turns
-            from benchmarks.probes.probe_fp8_ncu import ordered_patches
-            out.update(ordered_patches())
         elif p != "prod":
             raise SystemExit(f"--parts: unknown part {p!r}")
     return out
