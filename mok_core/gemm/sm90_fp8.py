@@ -33,9 +33,9 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                -- copied by the producer threads (row p by thread p; the two blocks by threads
                0 and 1) with cp.async, each thread's arrival on full[s] made by the hardware
                once its copies landed (``cp_async_mbarrier_arrive``: a load never stalls the
-               producer's stream), read by the compute threads from shared memory: loaded by
-               the compute warps, their latency sat between a slice's wait and its promotion
-               (docs/perf.md, the FP8 GEMM's parts)
+               producer's stream), read by the compute threads from shared memory (loaded
+               by the compute warps themselves, their latency sat between a slice's wait and
+               its promotion: docs/perf.md, the FP8 GEMM's parts)
     loads    = TMA, 2 + BN / 64 boxes of 64 rows x 128 B a slice (A rows row0 .. row0 + 127 -- rows
                past the expert are the next one's or zero-filled past the array, computed and
                never stored --, B's rows of w0 / w1) from tensor maps over the uint16 views
