@@ -2,6 +2,7 @@
 
 The same file runs on a GPU (``pytest tests/test_intrinsics.py`` without the simulator).
 """
+import math
 from fractions import Fraction
 
 import ml_dtypes
@@ -723,7 +724,9 @@ def test_mbarrier_phase_completes_after_count_arrivals():
 def _cp_async_arrivals(src, idx, out):
     """Warp 1's lanes each copy src[idx[lane]] (zeros for -1) into shared memory with a
     4-byte cp.async and arrive on the mbarrier as it lands (the FP8 GEMM's scales); warp 0
-    waits for the phase, then writes out what shared memory holds."""
+    fills the slots with NaN first (zeros must be written, not found), waits for the phase
+    -- a bounded number of tries: a wrong count leaves NaN, not a hang --, then writes out
+    what shared memory holds."""
     bar = cuda.shared.array(1, uint64)
     vals = cuda.shared.array(32, float32)
     t = cuda.threadIdx.x
@@ -731,6 +734,8 @@ def _cp_async_arrivals(src, idx, out):
     if t == 0:
         mbarrier_init(bar, addr, 32)
         fence_mbarrier_init()
+    if t < 32:
+        vals[t] = math.nan
     cuda.syncthreads()
     if t >= 32:
         lane = t - 32
@@ -738,8 +743,9 @@ def _cp_async_arrivals(src, idx, out):
         cp_async_4_at(vals, shared_addr(vals) + 4 * lane, src, max(i, 0), 4 if i >= 0 else 0)
         cp_async_mbarrier_arrive(bar, addr)
     else:
-        while mbarrier_try_wait(bar, addr, 0) == 0:
-            pass
+        tries = 0
+        while mbarrier_try_wait(bar, addr, 0) == 0 and tries < 2000:
+            tries += 1
         out[t] = vals[t]
 
 

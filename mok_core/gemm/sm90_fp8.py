@@ -69,8 +69,9 @@ Compute warpgroup, slice j (BN = 128):
     drift apart by up to a ring, which is what lets one's promotion overlap the other's
     wgmmas)
 No block barrier after the prologue (tile table, mbarrier init). Waits are bounded (a trap,
-not a hang). The producer's exit leaves its last TMA boxes in flight: the compute warps wait
-for them on full[s] before the block can end.
+not a hang). The producer's exit leaves its last TMA boxes and scale copies in flight: the
+compute warps wait for them on full[s] (whose arrivals the copies make as they land) before
+the block can end.
 
 WGRAD (``make_fp8_gemm(wgrad=True)``, ``launch_fp8_wgrad``): the weight gradient, grouped
 over K -- for each expert e, over its rows r in [lo_e, hi_e) = [offsets[e], min(offsets[e + 1],
@@ -148,7 +149,6 @@ PRODUCER_REGS = 40            # ... and the producer's: together exactly the blo
 # registers. setmaxnreg only moves registers within the block: asking for more (48 here: 1 Ki
 # over) faulted on a later driver (580.159) though an earlier one had granted it.
 assert 2 * 128 * COMPUTE_REGS + 128 * PRODUCER_REGS == 3 * 128 * LAUNCH_REGS
-STAGE_BYTES = (BM + BN) * ROW_BYTES
 BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
@@ -161,9 +161,9 @@ SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
 
 def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers and the 8
-    compute warps' (WGRAD's main-grad prefetch), slack to align the ring to 1024 bytes, the
-    ring, the staged output tile (WGRAD: the 8 compute warps' TMA boxes,
-    ``sm90_wgrad.warp_staging_bytes``)."""
+    compute warps' (WGRAD's main-grad prefetch), the STAGES slices' scales, slack to align the
+    ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute warps' TMA
+    boxes, ``sm90_wgrad.warp_staging_bytes``)."""
     cols = bn // 2 if swiglu_epilogue else bn
     staging = BM * (2 * cols + 16)
     if wgrad:
@@ -186,21 +186,6 @@ def stage0_descriptors(ring, wg, bm=BM):
     ``bm`` rows); a stage s is ``(s * stage bytes) >> 4`` further on."""
     return (int64(_DESC_HIGH) + int64((ring + wg * 64 * ROW_BYTES) >> 4),
             int64(_DESC_HIGH) + int64((ring + bm * ROW_BYTES) >> 4))
-
-
-@kjit(device=True, inline="always")
-def ring_layout(smem, area, tid, wg, stages):
-    """Where a block's FP8 ring lies (from the first 1024-byte boundary at or after the shared
-    byte address ``area``) and this thread's part in it: (staging -- the output tile's, after
-    the ring --, its loader row and 16-byte chunk, the shared address its chunks of stage 0
-    land at -- chunk c of row r at chunk c ^ (r % 8) --, and its warpgroup's A and B
-    descriptors of stage 0)."""
-    ring = ring_start(area)
-    ld_row = tid // 8
-    ld_chunk = tid % 8
-    dst0 = ring + ld_row * ROW_BYTES + ((ld_chunk ^ (ld_row % 8)) * 16)
-    desc_a0, desc_b0 = stage0_descriptors(ring, wg)
-    return ring + stages * STAGE_BYTES, ld_row, ld_chunk, dst0, desc_a0, desc_b0
 
 
 @kjit(device=True, inline="always")

@@ -14,9 +14,9 @@
                   fma.rn.bf16x2 per word),
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
-                  ldmatrix_x4_at (and ``_trans_at``: the
-                  operand stored transposed) / cp_async_16_at, cp_async_4_at (32-bit shared
-                  byte addresses for hot loops), st_shared_u32, st_shared_v2_f32, add_shared_v2_f32 (two float32
+                  ldmatrix_x4_at (and ``_trans_at``: the operand stored transposed) /
+                  cp_async_16_at, cp_async_4_at (32-bit shared byte addresses for hot
+                  loops), st_shared_u32, st_shared_v2_f32, add_shared_v2_f32 (two float32
                   added to shared memory's, IEEE)
     wgmma:        wgmma_m64n{64,128,256}k16_bf16 (B K-major) and ``_tb`` (B MN-major:
                   transposed, the weights as stored for dgrad) and ``_tatb`` (A and B

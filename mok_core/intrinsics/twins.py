@@ -3,8 +3,9 @@
 Warp-collective instructions (``mma.sync``, ``ldmatrix``) trade per-lane values through
 ``sim_runtime.warp_exchange``, so a kernel that gets the fragment layouts wrong fails here the
 way it would on the GPU. ``cp.async`` is modelled as truly asynchronous: copies are queued per
-thread and land only at ``cp_async_wait``, so a read of shared memory before the wait sees stale
-data here too. Misaligned 16-byte accesses raise (the GPU would fault).
+thread and land only at ``cp_async_wait`` or the thread's ``cp_async_mbarrier_arrive``, so a
+read of shared memory before them sees stale data here too. Misaligned 16- or 4-byte accesses
+raise (the GPU would fault).
 """
 import functools
 import math

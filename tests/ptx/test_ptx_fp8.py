@@ -1,10 +1,11 @@
 """The FP8 grouped GEMM (``sm90_fp8``) compiles for sm_90a as its header says: 4 e4m3 wgmmas
 per K slice and 128 columns, waited to zero before each promotion, the operands by TMA (2 + 2
-boxes a slice and 128 columns, from one producer thread; full / empty mbarriers), the
-scales by 4-byte cp.async (arrivals on full made as they land), setmaxnreg 232 / 40, the coalesced epilogue with its NaN/Inf check (or its push
-home), no local memory in the PTX -- and ptxas keeps the wgmmas unserialised (C7518), with no
-local memory in the K loop (where nvdisasm shows the SASS). Needs a ptxas that reads numba's
-PTX (the ``nvidia-cuda-nvcc`` wheel of the test extra)."""
+boxes a slice and 128 columns, from one producer thread; full / empty mbarriers), the scales
+by 4-byte cp.async (arrivals on full made as they land), setmaxnreg 232 / 40, the coalesced
+epilogue with its NaN/Inf check (or its push home), no local memory in the PTX -- and ptxas
+keeps the wgmmas unserialised (C7518), with no local memory in the K loop (where nvdisasm
+shows the SASS). Needs a ptxas that reads numba's PTX (the ``nvidia-cuda-nvcc`` wheel of the
+test extra)."""
 import pytest
 from numba import float32, int32, int64, types, uint32, uint64
 
