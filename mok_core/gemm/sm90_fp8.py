@@ -159,6 +159,12 @@ assert PRODUCERS == BM        # producer thread p stages tile row p's scale
 SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
 
 
+def scales_offset(stages):
+    """Byte offset of the scales' ring in the block's shared memory: past the tile table, the
+    2 STAGES mbarriers and the 8 compute warps' (WGRAD's main-grad prefetch)."""
+    return _TABLE_BYTES + 16 * stages + 64
+
+
 def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers and the 8
     compute warps' (WGRAD's main-grad prefetch), the STAGES slices' scales, slack to align the
@@ -168,7 +174,7 @@ def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False)
     staging = BM * (2 * cols + 16)
     if wgrad:
         staging = 8 * warp_staging_bytes(bn, out_f32)
-    return (_TABLE_BYTES + 16 * stages + 64 + stages * SCALE_STAGE_BYTES + 1024
+    return (scales_offset(stages) + stages * SCALE_STAGE_BYTES + 1024
             + stages * (BM + bn) * ROW_BYTES + staging)
 
 
@@ -276,6 +282,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     w_boxes = bn // BOX_ROWS // 2            # B boxes of each half (w0's, then w1's or w0's)
     half_b = (128 * ROW_BYTES) >> 4          # descriptor step to the second half's rows
     w1_blocks = 1 if (halves == 2 and not swiglu_epilogue) else 0   # its scale block's step
+    scales_at = scales_offset(stages)
+    sc0 = scales_at // 4                     # the scales' ring, in floats
 
     @kjit(device=True, inline="always")
     def tile_of(smem, offsets, num_experts, t, n_tiles, rows_cap, ktiles, M):
@@ -363,7 +371,6 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         full0 = shared_addr(smem) + _TABLE_BYTES
         empty0 = full0 + 8 * stages
         warp0 = empty0 + 8 * stages            # the compute warps' (WGRAD's prefetch)
-        sc0 = (_TABLE_BYTES + 16 * stages + 64) // 4   # the scales' ring (warp0 + 64), in floats
         if wgrad:
             slice_table(smem, offsets, num_experts, rows_cap)
         else:
@@ -383,8 +390,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             setmaxnreg_dec(PRODUCER_REGS)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
-            ring = ring_start(warp0 + 64 + stages * SCALE_STAGE_BYTES)
-            produce(smem, warp0 + 64, ring, full0, empty0, tmaps, a_scale, w0_scale,
+            scales0 = shared_addr(smem) + scales_at
+            ring = ring_start(scales0 + stages * SCALE_STAGE_BYTES)
+            produce(smem, scales0, ring, full0, empty0, tmaps, a_scale, w0_scale,
                     w1_scale, offsets, num_experts, rows_cap, total, n_tiles, ktiles, M,
                     tid - THREADS)
         else:
@@ -392,7 +400,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            ring = ring_start(warp0 + 64 + stages * SCALE_STAGE_BYTES)
+            ring = ring_start(shared_addr(smem) + scales_at + stages * SCALE_STAGE_BYTES)
             staging = ring + stages * stage_bytes
             if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
