@@ -69,7 +69,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from numba import cuda, int32, int64, uint16
+from numba import cuda, int32, int64, uint16, uint32
 
 from ..cuda_compat import SIM, flat_view, kjit, launch
 from ..intrinsics import (bulk_wait, bulk_wait_read, cp_async_16_at, cp_async_commit,
@@ -163,20 +163,26 @@ def tile_table(smem, offsets, num_experts, bm, rows_cap):
 @kjit(device=True, inline="always")
 def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
     """Tile id -> (expert, first row, column tile, end of the expert's rows, clamped to
-    ``rows_cap``); the expert's first tile id = first[e] * n_tiles."""
-    lo = 0
-    hi = num_experts - 1
+    ``rows_cap``); the expert's first tile id = first[e] * n_tiles. In 32 unsigned bits (tile
+    ids and the table's counts are far below 2^32): one ``div.u32`` a tile, where 64-bit
+    signed ``//`` and ``%`` are two calls to the division routine and their sign fixes."""
+    t32 = uint32(t)
+    n32 = uint32(n_tiles)
+    lo = uint32(0)
+    hi = uint32(num_experts - 1)
     while lo < hi:                         # last expert whose first tile id <= t
-        mid = (lo + hi + 1) // 2
-        if int64(smem[mid]) * n_tiles <= t:
+        mid = (lo + hi + uint32(1)) >> uint32(1)
+        if uint32(smem[mid]) * n32 <= t32:
             lo = mid
         else:
-            hi = mid - 1
-    first = int64(smem[lo])
-    m_tiles = int64(smem[lo + 1]) - first
-    local = t - first * n_tiles
-    return (lo, min(offsets[lo], rows_cap) + (local % m_tiles) * bm, local // m_tiles,
-            min(offsets[lo + 1], rows_cap))
+            hi = mid - uint32(1)
+    first = uint32(smem[lo])
+    m_tiles = uint32(smem[lo + uint32(1)]) - first
+    local = t32 - first * n32
+    nt = local // m_tiles
+    row_tile = local - nt * m_tiles
+    return (int64(lo), min(offsets[lo], rows_cap) + int64(row_tile) * bm, int64(nt),
+            min(offsets[lo + uint32(1)], rows_cap))
 
 
 class _Layout:
