@@ -44,7 +44,8 @@
 #        arguments --, each run AB_ROUNDS times in each tree -- default 2 --, the other tree
 #        first each round; the other tree at ab_base/, made here by
 #        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
-#        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of)
+#        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of;
+#        AB_TREES: the trees in their order each round, default "ab_base ." -- "." this one)
 #        Compiled kernels persist across calls when .kernel-cache/ travels (carry) and is
 #        replaced here afterwards by the call's $OUT/kernel-cache.tar (`rm -rf .kernel-cache &&
 #        mkdir .kernel-cache && tar -xf FILES_AT/kernel-cache.tar -C .kernel-cache`): the
@@ -193,12 +194,15 @@ for s in "$@"; do
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     ab-probe) IFS=';' read -ra runs <<< "${AB_RUNS:-}"
          [ ${#runs[@]} -eq 0 ] && echo "ab-probe: AB_RUNS is empty" >> "$LOG"
+         read -ra trees <<< "${AB_TREES:-ab_base .}"
          for i in "${!runs[@]}"; do
            read -ra run <<< "${runs[$i]}"             # the script, then its arguments
            for r in $(seq "${AB_ROUNDS:-2}"); do
-             step "ab-base-$i.$r" env PYTHONPATH="$PWD/ab_base:${PYTHONPATH:-}" python3 \
-                  "ab_base/${run[0]}" "${run[@]:1}"
-             step "ab-this-$i.$r" python3 "${run[@]}"; done; done ;;
+             for tree in "${trees[@]}"; do
+               if [ "$tree" = . ]; then step "ab-this-$i.$r" python3 "${run[@]}"
+               else step "ab-$tree-$i.$r" env PYTHONPATH="$PWD/$tree:${PYTHONPATH:-}" \
+                    python3 "$tree/${run[0]}" "${run[@]:1}"; fi
+             done; done; done ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
          --preset "${PROBE_PRESET:-qwen3.5-397b}" --tokens "${PROBE_TOKENS:-4096}" \
