@@ -163,9 +163,10 @@ def tile_table(smem, offsets, num_experts, bm, rows_cap):
 @kjit(device=True, inline="always")
 def find_tile_in_table(smem, offsets, num_experts, t, n_tiles, bm, rows_cap):
     """Tile id -> (expert, first row, column tile, end of the expert's rows, clamped to
-    ``rows_cap``); the expert's first tile id = first[e] * n_tiles. In 32 unsigned bits (tile
-    ids and the table's counts are far below 2^32): one ``div.u32`` a tile, where 64-bit
-    signed ``//`` and ``%`` are two calls to the division routine and their sign fixes."""
+    ``rows_cap``); the expert's first tile id = first[e] * n_tiles. Unsigned (tile ids and
+    the table's counts are far below 2^32): one unsigned division a tile -- numba widens it to
+    64 bits, and the division routine takes its 32-bit path at run time -- where signed
+    ``//`` and ``%`` were two divisions with their sign fixes."""
     t32 = uint32(t)
     n32 = uint32(n_tiles)
     lo = uint32(0)
