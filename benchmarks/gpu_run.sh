@@ -45,7 +45,9 @@
 #        first each round; the other tree at ab_base/, made here by
 #        `rm -rf ab_base && mkdir ab_base && git archive REV | tar -x -C ab_base` and passed
 #        as carry: [".gpu-kit", "ab_base"] -- for kernels one process cannot hold both of;
-#        AB_TREES: the trees in their order each round, default "ab_base ." -- "." this one)
+#        AB_TREES: the trees in their order each round, default "ab_base ." -- "." this one;
+#        AB_LAUNCH: what runs a script, default python3 -- e.g. "torchrun --standalone
+#        --nproc-per-node=1" for bench_layer)
 #        Compiled kernels persist across calls when .kernel-cache/ travels (carry) and is
 #        replaced here afterwards by the call's $OUT/kernel-cache.tar (`rm -rf .kernel-cache &&
 #        mkdir .kernel-cache && tar -xf FILES_AT/kernel-cache.tar -C .kernel-cache`): the
@@ -199,9 +201,9 @@ for s in "$@"; do
            read -ra run <<< "${runs[$i]}"             # the script, then its arguments
            for r in $(seq "${AB_ROUNDS:-2}"); do
              for tree in "${trees[@]}"; do
-               if [ "$tree" = . ]; then step "ab-this-$i.$r" python3 "${run[@]}"
+               if [ "$tree" = . ]; then step "ab-this-$i.$r" ${AB_LAUNCH:-python3} "${run[@]}"
                else step "ab-$tree-$i.$r" env PYTHONPATH="$PWD/$tree:${PYTHONPATH:-}" \
-                    python3 "$tree/${run[0]}" "${run[@]:1}"; fi
+                    ${AB_LAUNCH:-python3} "$tree/${run[0]}" "${run[@]:1}"; fi
              done; done; done ;;
     gpu-jax) step gpu-jax $PYT tests/gpu/test_jax_gpu.py tests/test_jax_adapter.py ;;
     probe-bwd) step probe-bwd python3 benchmarks/probes/probe_backward.py \
