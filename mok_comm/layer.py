@@ -26,9 +26,12 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     gather_index    int32 [C]         expert-sorted row -> token staging row (-1 padding)
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
+    x8_tokens       uint8 [R*T, H] with float32 [R*T, H / 128] scales: precision "fp8"
+                                      only -- the token staging's rows quantised 1 x 128, once
+                                      a token
     x8, h8          uint8 [C, H], [C, I] with float32 [C, H / 128], [C, I / 128] scales:
-                                      precision "fp8" only -- the landed tokens gathered into
-                                      expert order and h, quantised 1 x 128 (the FP8 GEMMs' A)
+                                      precision "fp8" only -- x8_tokens' rows gathered into
+                                      expert order, and h quantised 1 x 128 (the FP8 GEMMs' A)
     peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
     shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past the step's
                                       tokens), with shared_offsets [2] and shared_rows [1]:
@@ -494,8 +497,12 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
-        # FP8: the landed tokens and h quantised 1 x 128, expert-sorted rows (the GEMMs' A)
+        # FP8: the landed tokens quantised 1 x 128 once a token (the staging's rows), then
+        # gathered into expert order, and h quantised: the GEMMs' A rows
         fp8 = config.precision == "fp8"
+        R_T = self.comm.x_recv.shape[0]
+        self.x8_tokens = device_empty((R_T, H), np.uint8, stream) if fp8 else None
+        self.x8_tokens_scale = device_empty((R_T, H // 128), np.float32, stream) if fp8 else None
         self.x8 = device_empty((C, H), np.uint8, stream) if fp8 else None
         self.x8_scale = device_empty((C, H // 128), np.float32, stream) if fp8 else None
         self.h8 = device_empty((C, I), np.uint8, stream) if fp8 else None
@@ -582,6 +589,7 @@ class Layer:
                   "combine_buf (symmetric)": self.comm.combine_buf, "hidden": self.hidden,
                   "y": self.y, "hidden_shared": self.hidden_shared, "y_shared": self.y_shared,
                   "out": self.out, "gather_index": self.gather_index, "ids32": self.ids32,
+                  "x8_tokens": self.x8_tokens, "x8_tokens_scale": self.x8_tokens_scale,
                   "x8": self.x8, "x8_scale": self.x8_scale, "h8": self.h8,
                   "h8_scale": self.h8_scale}
         if self.grad is not None:

@@ -1,9 +1,10 @@
 """The FP8 quantizer lowers for sm_90: e4m3 conversion by cvt.rn.satfinite, the division IEEE,
 the warp amax by redux.sync, nothing in local memory; the row kernel streams (no shared memory),
 8 bytes a lane, divides by an fma correction of v / s's product with 1 / s and checks for NaN/Inf
-with one vote."""
+with one vote; the FP8 row gather (``gather_rows``) copies 16 bytes a lane."""
 from numba import boolean, float32, int32, int64, uint8, uint16, uint32, uint64
 
+from mok_core.gather_rows import gather_rows_kernel
 from mok_core.quantize import (dequantize_mx_kernel, quantize_cols_kernel, quantize_kernel,
                                quantize_rows_kernel)
 from ptx_util import compile_sm90, count
@@ -50,3 +51,12 @@ def test_quantize_cols_kernel_lowers():
     assert count(ptx, r"ld\.global\.v4\.u32") == 8
     assert "redux.sync.min.s32" in ptx
     assert ".local" not in ptx
+
+
+def test_gather_rows_kernel_lowers():
+    sig = (uint32[::1], float32[::1], int32[::1], int32[::1], int64, int64, int64, uint32[::1],
+           float32[::1])
+    ptx = compile_sm90(gather_rows_kernel, sig)
+    assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx
+    assert ".local" not in ptx
+    assert ".shared" not in ptx
