@@ -29,8 +29,8 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
 ``MoKConfig(precision="fp8")``: phase 2's routed gate/up first quantises the landed tokens
 1 x 128 once a token (the staging's rows, ``x8_tokens``) and gathers them into expert order
 (``mok_core.gather_rows``, rows below the schedule's num_rows: the bytes of
-``quantize_fp8(index=gather_index)``), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8`` (saving its FP32 gate
-and up as the bf16 one does); the down step quantises h the same way and the FP8 down GEMM
+``quantize_fp8(index=gather_index)``), then runs the FP8 gate|up + SwiGLU GEMM on
+``weights.fp8`` (saving its FP32 gate and up as the bf16 one does); the down step quantises h the same way and the FP8 down GEMM
 pushes each row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes
 ``y`` for the combine kernel). Tokens travel bf16; the shared expert stays bf16; the backward
 (``mok_comm.backward``) differentiates at the FP8 forward's activations (its saved g / u and
