@@ -27,11 +27,12 @@ C schedule capacity rows, T_pad = T rounded up to the GEMMs' row tile):
     hidden          uint16 [C, I]     routed SwiGLU output (the down GEMM's A)
     y               uint16 [C, H]     routed expert rows, only when the combine is not fused
     x8_tokens       uint8 [R*T, H] with float32 [R*T, H / 128] scales: precision "fp8"
-                                      only -- the token staging's rows quantised 1 x 128, once
-                                      a token
+                                      and EP < k only -- the token staging's rows quantised
+                                      1 x 128, once a token
     x8, h8          uint8 [C, H], [C, I] with float32 [C, H / 128], [C, I / 128] scales:
-                                      precision "fp8" only -- x8_tokens' rows gathered into
-                                      expert order, and h quantised 1 x 128 (the FP8 GEMMs' A)
+                                      precision "fp8" only -- the landed tokens quantised
+                                      1 x 128 into expert order (x8_tokens' rows gathered, or
+                                      each route's row), and h (the FP8 GEMMs' A)
     peer_combine32  every rank's combine rows as flat uint32 views (the fused combine's target)
     shared_index    int32 [T_pad]     row -> token for the shared expert (-1 past the step's
                                       tokens), with shared_offsets [2] and shared_rows [1]:
@@ -497,12 +498,15 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
-        # FP8: the landed tokens quantised 1 x 128 once a token (the staging's rows), then
-        # gathered into expert order, and h quantised: the GEMMs' A rows
+        # FP8: the landed tokens quantised 1 x 128 into expert order -- where a rank gets more
+        # routes than staging rows (EP < k: T k against R T), once a token (the staging's
+        # rows) and then gathered, else route by route -- and h quantised: the GEMMs' A rows
         fp8 = config.precision == "fp8"
         R_T = self.comm.x_recv.shape[0]
-        self.x8_tokens = device_empty((R_T, H), np.uint8, stream) if fp8 else None
-        self.x8_tokens_scale = device_empty((R_T, H // 128), np.float32, stream) if fp8 else None
+        by_token = fp8 and shape.ep_size < k
+        self.x8_tokens = device_empty((R_T, H), np.uint8, stream) if by_token else None
+        self.x8_tokens_scale = (device_empty((R_T, H // 128), np.float32, stream) if by_token
+                                else None)
         self.x8 = device_empty((C, H), np.uint8, stream) if fp8 else None
         self.x8_scale = device_empty((C, H // 128), np.float32, stream) if fp8 else None
         self.h8 = device_empty((C, I), np.uint8, stream) if fp8 else None

@@ -8,8 +8,9 @@
 Why: the 1 x 128 quantizer is row-wise, so the layer's tokens quantised once per token and
 rank (``quantize_fp8`` of the landed rows, no index) and then gathered here are bit for bit
 what ``quantize_fp8(..., index=gather_index)`` writes -- which reads and quantises every
-route's bf16 row, k times a token. Here each route costs a copy of its e4m3 row (half the
-bytes, read from rows that stay in L2) and no arithmetic.
+route's bf16 row: a rank's T k routes against its R T staging rows, so the layer gathers
+where EP < k. Here each route costs a copy of its e4m3 row (half the bytes, read from rows
+that stay in L2) and no arithmetic.
 
 Kernel (``gather_rows_kernel``): any grid of THREADS-thread blocks; a warp owns an output row
 (grid stride over rows); lane l copies the row's 16-byte chunks l, l + 32, ... (K / 16 of
@@ -36,7 +37,7 @@ def gather_rows_kernel(src32, src_scale, index, num_rows, rows, chunks, groups, 
     lane = int64(cuda.threadIdx.x % 32)
     warps = int64(cuda.gridDim.x) * (THREADS // 32)
     r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
-    n = min(rows, max(int64(num_rows[0]), int64(0)))
+    n = min(rows, int64(num_rows[0]))          # (< 0: no rows)
     while r < n:
         src = int64(index[uint64(r)])
         dst = uint64(r * chunks) * uint64(4)

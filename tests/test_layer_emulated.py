@@ -14,6 +14,7 @@ from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
 from mok_core.gemm import GemmConfig, SIM_GEMM
+from mok_core.quantize import quantize_fp8
 
 GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
 CFG = MoKConfig(row_align=32, minibatch_size=64, capacity_factor=1.0)
@@ -67,7 +68,8 @@ def test_forward_matches_float64_reference(R, limit):
 
 
 def test_fp8_forward(limit=None):
-    """``MoKConfig(precision="fp8")`` at EP 2: tokens quantised on arrival into expert order,
+    """``MoKConfig(precision="fp8")`` at EP 2: tokens quantised on arrival into expert order
+    (k = 4 > EP: once a token, then gathered -- the bytes of quantising each route's row),
     the FP8 gate|up + SwiGLU GEMM and the down GEMM pushing rows home (the fused combine), on
     weights from ``quantize_weights`` -- within 5e-3 of float64 of the same quantised operands
     (so the kernels add almost nothing), within e4m3's rounding of the bf16 layer's float64
@@ -77,18 +79,24 @@ def test_fp8_forward(limit=None):
     from dataclasses import replace
     rng = np.random.default_rng(17)
     R, T = 2, 16
-    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
-                       topk=2, ep_size=R)
+    shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=8,
+                       topk=4, ep_size=R)
     inp = layer_inputs(rng, shape, T, weight_scale=3.0 if limit else 1.0)
     cfg = replace(CFG, precision="fp8")
     lws = emulated_layers(shape, T, cfg, GEMM, swiglu_limit=limit, backward=False)
-    assert all(lw.y is None and lw.fused_combine and lw.x8 is not None for lw in lws)
+    assert all(lw.y is None and lw.fused_combine and lw.x8 is not None
+               and lw.x8_tokens is not None for lw in lws)
     E_l = shape.experts_per_rank
     weights = []
     for r in range(R):
         w = rank_weights(inp, r, E_l)
         weights.append(WeightsFP8(*w, quantize_weights(w)))
     got = run_layer(lws, inp, weights=weights)
+    for lw in lws:                               # gathered = each route's row quantised
+        n = int(to_host(lw.schedule.num_rows)[0])
+        want, want_s = quantize_fp8(lw.comm.x_recv, index=lw.gather_index)
+        np.testing.assert_array_equal(to_host(lw.x8)[:n], to_host(want)[:n])
+        np.testing.assert_array_equal(to_host(lw.x8_scale)[:n], to_host(want_s)[:n])
     assert np.isfinite(as_f64(got)).all()
     assert rel_l1(as_f64(got), reference_out_fp8(inp, limit)) < 5e-3
     bf16_ref = reference_out(inp, limit)
