@@ -243,7 +243,7 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
                         swiglu_limit=layer.swiglu_limit, pre=_saved_pre(layer, False),
-                        stream=stream, **_nan_check(layer, err.NF_HIDDEN))
+                        bm=layer.fp8_bm, stream=stream, **_nan_check(layer, err.NF_HIDDEN))
         return
     launch_gate_up_swiglu(layer.comm.x_recv, layer.gather_index, W.w_gate, W.w_up,
                           s.expert_offsets, s.num_rows, layer.hidden,
@@ -259,7 +259,7 @@ def routed_down_push(layer: Layer, W: Weights, stream):
         _quantize_hidden(layer, stream)
         q = W.fp8
         launch_fp8_gemm(layer.h8, layer.h8_scale, q.w_down, q.w_down_scale, s.expert_offsets,
-                        s.num_rows, None, push=route, stream=stream,
+                        s.num_rows, None, push=route, bm=layer.fp8_bm, stream=stream,
                         **_nan_check(layer, err.NF_Y))
         return
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, None,
@@ -282,7 +282,8 @@ def routed_down(layer: Layer, W: Weights, stream):
         _quantize_hidden(layer, stream)
         q = W.fp8
         launch_fp8_gemm(layer.h8, layer.h8_scale, q.w_down, q.w_down_scale, s.expert_offsets,
-                        s.num_rows, layer.y, stream=stream, **_nan_check(layer, err.NF_Y))
+                        s.num_rows, layer.y, bm=layer.fp8_bm, stream=stream,
+                        **_nan_check(layer, err.NF_Y))
         return
     launch_down(layer.hidden, W.w_down, s.expert_offsets, s.num_rows, layer.y,
                 row_index=layer.gather_index, config=layer.gemm_down, stream=stream,

@@ -71,7 +71,8 @@ import numpy as np
 from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
-from mok_core.gemm import MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm
+from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm,
+                           fp8_rows_tile)
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 from mok_core.wgrad_rows import k_capacity
@@ -498,6 +499,8 @@ class Layer:
         self.gather_index = device_full((C,), -1, i32, stream)
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
+        # the FP8 GEMMs' tile rows for this step size's experts (``fp8_rows_tile``)
+        self.fp8_bm = fp8_rows_tile(shape.ep_size * T * k / shape.num_experts)
         # FP8: the landed tokens quantised 1 x 128 into expert order -- where a rank gets more
         # routes than staging rows (EP < k: T k against R T), once a token (the staging's
         # rows) and then gathered, else route by route -- and h quantised: the GEMMs' A rows

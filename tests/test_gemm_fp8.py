@@ -438,3 +438,24 @@ def test_fp8_gemm_real_shape(capsys):
               f"{flop / med['fp8'] / 1e9:.0f} TFLOP/s, bf16 ({cfg.bm}x{cfg.bn}) "
               f"{med['bf16']:.3f} ms = {flop / med['bf16'] / 1e9:.0f} TFLOP/s "
               f"(fp8 x{med['bf16'] / med['fp8']:.2f})")
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fp8_192_row_tiles_equal_128(swiglu):
+    """``bm=192`` (``fp8_rows_tile``: experts of 113-192 rows): three compute warpgroups, 192
+    x 128 tiles -- bit-equal to the 128-row tiles (each output element's slices promoted in
+    the same order by the same factors); rows of no expert untouched."""
+    _hopper()
+    from mok_core.gemm import launch_fp8_gemm
+    counts, K, N = [160, 0, 150, 64, 200], 256, 256
+    (a, a_scale, w, w_scale, off, nr), _ = problem(21, counts, K, N, gather=True, cut=30)
+    (_, _, w1, w1_scale, _, _), _ = problem(22, counts, K, N, gather=True, cut=30)
+    outs = []
+    for bm in (128, 192):
+        out = to_dev(np.full((a.shape[0], N), POISON16, np.uint16))
+        up = dict(w_up=to_dev(w1), w_up_scale=to_dev(w1_scale)) if swiglu else {}
+        launch_fp8_gemm(to_dev(a), to_dev(a_scale), to_dev(w), to_dev(w_scale), to_dev(off),
+                        to_dev(nr), out, bn=128, bm=bm, stages=4, **up)
+        outs.append(to_host(out))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert (outs[0] != POISON16).any() and (outs[0] == POISON16).any()

@@ -75,6 +75,13 @@ def _fp8_tile(N, swiglu, bn, stages):
     return bn, FP8_TILES.get(bn, 4) if stages is None else stages
 
 
+def fp8_rows_tile(rows_per_expert):
+    """The FP8 forward's tile rows for experts of ``rows_per_expert`` rows: 192 where the bf16
+    kernel takes 192-row tiles (``config.ROWS_FOR_192`` < rows <= 192: two 128-row tiles
+    would compute up to 256), else 128."""
+    return 192 if ROWS_FOR_192 < rows_per_expert <= 192 else 128
+
+
 def _fp8_wgrad_tile(N, out0, out1, bn, stages):
     """(bn, stages, FP32 outputs) of the FP8 weight gradient into ``out0`` / ``out1`` (one may
     be None): ``_fp8_tile``'s, but float32 outputs take 128-wide tiles by default (a warp's
@@ -570,11 +577,14 @@ def _check_dims(cfg, *, E, C, K, N, n_tile, name_k, name_n):
 
 
 def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_up=None,
-                    w_up_scale=None, swiglu_limit=None, stages=None, bn=None, pre=None,
+                    w_up_scale=None, swiglu_limit=None, stages=None, bn=None, bm=128, pre=None,
                     push=None, stream=0, errors=None, tensor=err.NF_HIDDEN, rank=0):
     """``fp8_gemm`` / ``fp8_gate_up_swiglu`` (``w`` = W_gate with ``w_up``) without the
     checks (arguments as there); ``push`` = (src_rank, src_token, src_slot, peers, k) as
-    ``launch_down``'s (``out`` None): rows go home into the peers' combine rows."""
+    ``launch_down``'s (``out`` None): rows go home into the peers' combine rows. ``bm`` =
+    192: tiles of 192 rows x 128 columns (``fp8_rows_tile``)."""
+    if bm == 192:
+        bn = 128
     bn, stages = _fp8_tile(w.shape[1], w_up is not None, bn, stages)
     route, rows = None, None
     if push is not None:
@@ -583,7 +593,7 @@ def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_
         rows, out = src_rank.shape[0], peers[0]        # (out: a placeholder, not written)
     sm90_fp8.launch_fp8(a, a_scale, w, w_scale, expert_offsets, num_rows, out, w1=w_up,
                         w1_scale=w_up_scale, swiglu_limit=swiglu_limit, stages=stages, bn=bn,
-                        pre=pre, route=route, rows=rows, stream=stream,
+                        bm=bm, pre=pre, route=route, rows=rows, stream=stream,
                         errors=_error_word(errors), tensor=tensor, rank=rank)
 
 

@@ -53,6 +53,12 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                (128 rows; each warp its own 16 rows), stored coalesced, NaN/Inf of the rows
                stored reported
 
+192-row tiles (``make_fp8_gemm(bm=192)``, 128 columns; ``gemm.fp8_rows_tile`` picks them for
+experts of 113-192 rows, where 128-row tiles compute up to 256): three compute warpgroups
+(512 threads, 128 registers each at launch; setmaxnreg 160 / 32), 3 A boxes a slice, producer
+threads 0..63 also stage row p + 128's scale, the staging 192 rows -- otherwise the kernel
+above; bit-equal to the 128-row tiles.
+
 Order. Producer thread p, slice j of its stream (tile t, slice kb):
     j >= STAGES: wait empty[j % STAGES] (parity (j / STAGES - 1) & 1) -> both warpgroups
     retired slice j - STAGES's wgmmas and read its scales; p = 0: arrive.expect_tx(full[s],
@@ -155,8 +161,17 @@ _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-by
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
 SCALE_SLOTS = BM + 2          # a slice's scales in shared memory: A's rows, then w0's, w1's
 PRODUCERS = GEMM_THREADS - THREADS
-assert PRODUCERS == BM        # producer thread p stages tile row p's scale
+assert PRODUCERS == BM        # producer thread p stages tile row p's scale (and p + 128's)
 SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
+# 192-row tiles (``make_fp8_gemm(bm=192)``, 128 columns): three compute warpgroups and the
+# producer's, 128 registers a thread at launch; 3 x 160 + 32 = 4 x 128
+ROWS192_REGS = (160, 32)
+assert 3 * 128 * ROWS192_REGS[0] + 128 * ROWS192_REGS[1] == 4 * 128 * 128
+
+
+def scale_stage_bytes(bm=BM):
+    """A slice's scales (``bm`` rows' a_scale, then w0's and w1's block), in 16-byte units."""
+    return -(-4 * (bm + 2) // 16) * 16
 
 
 def scales_offset(stages):
@@ -165,17 +180,17 @@ def scales_offset(stages):
     return _TABLE_BYTES + 16 * stages + 64
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False):
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False, bm=BM):
     """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers and the 8
     compute warps' (WGRAD's main-grad prefetch), the STAGES slices' scales, slack to align the
     ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute warps' TMA
     boxes, ``sm90_wgrad.warp_staging_bytes``)."""
     cols = bn // 2 if swiglu_epilogue else bn
-    staging = BM * (2 * cols + 16)
+    staging = bm * (2 * cols + 16)
     if wgrad:
         staging = 8 * warp_staging_bytes(bn, out_f32)
-    return (scales_offset(stages) + stages * SCALE_STAGE_BYTES + 1024
-            + stages * (BM + bn) * ROW_BYTES + staging)
+    return (scales_offset(stages) + stages * scale_stage_bytes(bm) + 1024
+            + stages * (bm + bn) * ROW_BYTES + staging)
 
 
 @kjit(device=True, inline="always")
@@ -208,16 +223,17 @@ def mma_slice(part, smem, da, db):
 
 
 @kjit(device=True, inline="always")
-def _slice_scales(scales, at, r):
+def _slice_scales(scales, at, r, bm):
     """The promotion's four factors of a slice (``promote_fp8``) from its scales staged at
     float ``at`` of ``scales`` (``stage_scales``): A's tile rows r and r + 8 (the thread's two)
     x w0's scale block (the tile's first half of columns) and x w1's (the second). A row past
     the expert's has a_scale 0 there (its values are not the GEMM's, and never stored), and a
     tile of no rows (WGRAD: an expert without tokens) W's blocks 0 too: its factors are 0
-    whatever the scales in memory. Unsigned indices: no negative-index wraparound code."""
+    whatever the scales in memory. ``bm``: the tile's rows (the W blocks follow them).
+    Unsigned indices: no negative-index wraparound code."""
     i = uint32(at)
-    s0 = scales[i + BM]
-    s1 = scales[i + BM + 1]
+    s0 = scales[i + uint32(bm)]
+    s1 = scales[i + uint32(bm) + 1]
     a_lo = scales[i + uint32(r)]
     a_hi = scales[i + uint32(r) + 8]
     return a_lo * s0, a_hi * s0, a_lo * s1, a_hi * s1
@@ -225,21 +241,21 @@ def _slice_scales(scales, at, r):
 
 @kjit(device=True, inline="always")
 def stage_scales(smem, dst, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at, w1_at, kb,
-                 ktiles):
+                 ktiles, bm):
     """Producer thread p's part of slice kb's scales, copied asynchronously (cp.async: the
     thread never waits on the load; ``cp_async_mbarrier_arrive`` counts it in once landed)
     to the shared byte address ``dst`` ..: A's tile row p (a_scale's row row0 + p; 0 at or
     past ``row_end``), and p = 0 / 1: w0's block at ``w_at`` / w1's at ``w1_at`` (0 for a tile
-    of no rows; module header, "scales")."""
+    of no rows; module header, "scales"; they follow the tile's ``bm`` rows)."""
     r = row0 + p
     inside = r < row_end
     cp_async_4_at(smem, dst + 4 * p, a_scale, r * ktiles + kb if inside else int64(0),
                   4 if inside else 0)
     rows = 4 if row0 < row_end else 0        # (WGRAD: an expert of no rows -- W's blocks 0)
     if p == 0:
-        cp_async_4_at(smem, dst + 4 * BM, w0_scale, w_at + kb, rows)
+        cp_async_4_at(smem, dst + 4 * bm, w0_scale, w_at + kb, rows)
     elif p == 1:
-        cp_async_4_at(smem, dst + 4 * (BM + 1), w1_scale, w1_at + kb, rows)
+        cp_async_4_at(smem, dst + 4 * (bm + 1), w1_scale, w1_at + kb, rows)
 
 
 @kjit(device=True, inline="always")
@@ -255,7 +271,7 @@ def slice_table(smem, offsets, num_experts, rows_cap):
 
 
 def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=False,
-                  wgrad=False, out_f32=False, accumulate=False):
+                  wgrad=False, out_f32=False, accumulate=False, bm=BM):
     """Build one specialisation: compile-time STAGES >= 2, the SwiGLU epilogue (w0 / w1 =
     W_gate / W_up, out = h), the tile's width ``bn`` (128, or 256: two 128-column halves per
     slice, each its own wgmma group, wait and promotion into its own FP32 accumulator -- the A
@@ -265,13 +281,18 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     (not SWIGLU: row r goes to its source rank's combine row, the route's
     ``epilogue.make_coalesced_epilogue``, instead of ``out``) and ``wgrad`` (the weight
     gradient's tiles and K ranges: module header, "WGRAD"), with FP32 outputs (``out_f32``)
-    optionally added to (``accumulate``)."""
+    optionally added to (``accumulate``); ``bm`` = 192 (not WGRAD, ``bn`` 128): tiles of 192
+    rows, three compute warpgroups (module header, "192-row tiles")."""
     assert stages >= 2 and bn in (128, 256)
     assert not save_pre or swiglu_epilogue
     assert not wgrad or not (swiglu_epilogue or push)
     assert not (out_f32 or accumulate) or wgrad
     assert not accumulate or out_f32
-    bm = BM
+    assert bm == BM or (bm == 192 and bn == 128 and not wgrad)
+    compute = 2 * bm                         # compute threads: bm / 64 warpgroups
+    threads = compute + PRODUCERS
+    compute_regs, producer_regs = (COMPUTE_REGS, PRODUCER_REGS) if bm == BM else ROWS192_REGS
+    ssb = scale_stage_bytes(bm)
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
     wgrad_prefetch, wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
@@ -349,9 +370,16 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                                     kx, w_row + i * BOX_ROWS, bar)
                         tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
                                     second, kx, w_row2 + i * BOX_ROWS, bar)
-                stage_scales(smem, scales0 + st * SCALE_STAGE_BYTES, p, a_scale, w0_scale,
+                kq = min(kb, k_last)
+                stage_scales(smem, scales0 + st * ssb, p, a_scale, w0_scale,
                              w1_scale, row0, row_end, w_at, w_at + w1_blocks * ktiles,
-                             min(kb, k_last), ktiles)
+                             kq, ktiles, bm)
+                if bm > PRODUCERS:             # 192 rows: threads 0..63 also row p + 128
+                    if p + PRODUCERS < bm:
+                        r2 = row0 + p + PRODUCERS
+                        in2 = r2 < row_end
+                        cp_async_4_at(smem, scales0 + st * ssb + 4 * (p + PRODUCERS), a_scale,
+                                      r2 * ktiles + kq if in2 else int64(0), 4 if in2 else 0)
                 cp_async_mbarrier_arrive(smem, bar)     # once the scales landed
                 st += 1                        # (counted, not j % STAGES: a 64-bit
                 if st == stages:               # division every slice)
@@ -359,7 +387,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                     rnd += 1
             t += cuda.gridDim.x
 
-    @kjit(launch_bounds=(GEMM_THREADS, 1))
+    @kjit(launch_bounds=(threads, 1))
     def kernel(a_scale, w0_scale, w1_scale, tmaps, offsets, num_rows, out, out1, omaps, pre_g,
                pre_u, route_rank, route_token, route_slot, peers, k, C, K, N, M, m_split,
                limit, errors, nf_tensor, nf_rank):
@@ -378,7 +406,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(smem, full0 + 8 * s, 1 + PRODUCERS)   # TMA + the scales
-                mbarrier_init(smem, empty0 + 8 * s, THREADS)
+                mbarrier_init(smem, empty0 + 8 * s, compute)
             for w in range(8):
                 mbarrier_init(smem, warp0 + 8 * w, 1)
             fence_mbarrier_init()
@@ -386,21 +414,21 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         n_tiles = N // col_step
         # each side works out what it needs after its setmaxnreg: a value live across it
         # must fit the producer's 40 registers, so ptxas would spill it
-        if warp_all(tid >= THREADS):
-            setmaxnreg_dec(PRODUCER_REGS)
+        if warp_all(tid >= compute):
+            setmaxnreg_dec(producer_regs)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             scales0 = shared_addr(smem) + scales_at
-            ring = ring_start(scales0 + stages * SCALE_STAGE_BYTES)
+            ring = ring_start(scales0 + stages * ssb)
             produce(smem, scales0, ring, full0, empty0, tmaps, a_scale, w0_scale,
                     w1_scale, offsets, num_experts, rows_cap, total, n_tiles, ktiles, M,
-                    tid - THREADS)
+                    tid - compute)
         else:
-            setmaxnreg_inc(COMPUTE_REGS)
+            setmaxnreg_inc(compute_regs)
             ktiles = K // BK
             total = (num_experts * (M // bm) if wgrad else int64(smem[num_experts])) * n_tiles
             wg, lane, frag_row, frag_col = warpgroup_fragment(tid)
-            ring = ring_start(shared_addr(smem) + scales_at + stages * SCALE_STAGE_BYTES)
+            ring = ring_start(shared_addr(smem) + scales_at + stages * ssb)
             staging = ring + stages * stage_bytes
             if wgrad:                          # the warp's boxes; the outputs' maps
                 staging += (tid // 32) * warp_staging
@@ -430,8 +458,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                     part = mma_slice(part, smem, desc_a0 + soff, desc_b0 + soff)
                     # the slice's scales, staged with it: read under its MMAs, before the
                     # stage is released
-                    f0, f1, f2, f3 = _slice_scales(scales, sc0 + st * (SCALE_STAGE_BYTES // 4),
-                                                   frag_row)
+                    f0, f1, f2, f3 = _slice_scales(scales, sc0 + st * (ssb // 4), frag_row, bm)
                     if halves == 2:
                         part = wgmma_wait(part, 0)
                         acc0 = promote_fp8(acc0, part, f0, f1, f0, f1)
@@ -474,7 +501,8 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
             if wgrad:                          # the warp's last stores land before the exit
                 bulk_wait(0)
 
-    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad, out_f32)
+    kernel.smem_bytes = smem_bytes(stages, bn, swiglu_epilogue, wgrad, out_f32, bm)
+    kernel.threads = threads
     return kernel
 
 
@@ -487,14 +515,15 @@ def require_hopper():
 
 
 @lru_cache(maxsize=None)
-def _kernel(stages, swiglu_epilogue, bn, save_pre, push, wgrad, out_f32=False, accumulate=False):
+def _kernel(stages, swiglu_epilogue, bn, save_pre, push, wgrad, out_f32=False, accumulate=False,
+            bm=BM):
     require_hopper()
     return make_fp8_gemm(stages, swiglu_epilogue, bn, save_pre, push, wgrad, out_f32,
-                         accumulate)
+                         accumulate, bm)
 
 
 def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_scale=None,
-               swiglu_limit=None, stages, bn=BN, pre=None, route=None, rows=None,
+               swiglu_limit=None, stages, bn=BN, bm=BM, pre=None, route=None, rows=None,
                stream, errors, tensor, rank):
     """Persistent launch on trusted device views: ``a`` uint8 [C, K], ``a_scale`` float32
     [C, K / 128], ``w0`` uint8 [E, N, K], ``w0_scale`` float32 [E, N / 128, K / 128],
@@ -510,17 +539,17 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0] if rows is None else rows
     swiglu = w1 is not None
-    kern = _kernel(stages, swiglu, bn, pre is not None, route is not None, False)
+    kern = _kernel(stages, swiglu, bn, pre is not None, route is not None, False, bm=bm)
     if route is None:
         route = (offsets, offsets, offsets, (flat_view(out, np.uint32),), np.int64(0))
-    tiles = (rows // BM + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
+    tiles = (rows // bm + E) * (N // (bn // 2 if swiglu else bn))   # an upper bound
     grid = max(1, min(tiles, multiprocessor_count()))
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     w1, w1_scale = (w0, w0_scale) if w1 is None else (w1, w1_scale)
     maps = tensor_maps([flat_view(a, np.uint16).reshape(a.shape[0], K // 2),
                         flat_view(w0, np.uint16).reshape(E * N, K // 2),
                         flat_view(w1, np.uint16).reshape(E * N, K // 2)], BOX_ROWS, stream)
-    launch(kern, grid, GEMM_THREADS, stream, kern.smem_bytes, flat_view(a_scale),
+    launch(kern, grid, kern.threads, stream, kern.smem_bytes, flat_view(a_scale),
            flat_view(w0_scale), flat_view(w1_scale), maps, offsets, num_rows,
            flat_view(out, np.uint32), flat_view(out, np.uint32), maps,
            *(flat_view(p) for p in (pre if pre is not None else (w0_scale, w0_scale))),

@@ -128,3 +128,28 @@ def test_fp8_wgrad_lowers_unserialised(bn, out):
         pytest.skip("nvdisasm not installed: where the kernel's spills are")
     inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
     assert not inside, inside
+
+
+def test_fp8_gemm_192_row_tiles_lower_unserialised():
+    """``bm=192``: three compute warpgroups and the producer's at 128 registers a thread
+    (setmaxnreg 160 / 32), 3 A boxes + 2 B boxes a slice, one 4-wgmma group a slice; no
+    C7518, no local memory in the K loop; the plain and SwiGLU builds spill nothing (the
+    save_pre and push epilogues a few words, outside the K loop)."""
+    from mok_core.gemm import sm90_fp8
+    from mok_core.gemm.sm90_fp8 import make_fp8_gemm
+    for swiglu, pre, push, spills in [(False, False, False, 0), (True, False, False, 0),
+                                      (True, True, False, 24), (False, False, True, 24)]:
+        ptx = compile_sm90a(make_fp8_gemm(4, swiglu, 128, pre, push, bm=192),
+                            sig(2 if push else 1))
+        assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") == 4
+        assert count(ptx, r"cp\.async\.bulk\.tensor\.2d") == 5
+        regs = sm90_fp8.ROWS192_REGS
+        assert count(ptx, rf"setmaxnreg\.dec\.sync\.aligned\.u32 {regs[1]};") == 1
+        assert count(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32 {regs[0]};") == 1
+        report, sass = sass_sm90a(ptx)
+        assert "Used 128 registers" in report, report[-600:]
+        assert "C7518" not in report and "serialized" not in report, report[-600:]
+        assert spill_bytes(report) <= spills, report[-600:]
+        if sass is not None:
+            inside = local_memory_between(sass, r"WARPGROUP\.ARRIVE", r"WARPGROUP\.DEPBAR")
+            assert not inside, inside
