@@ -254,7 +254,7 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
         launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index, num_rows=o.rows,
                              stream=stream, errors=scratch_error_word())
         launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
-                        o.rows, o.p, stream=stream, **report)
+                        o.rows, o.p, bm=layer.fp8_bm, stream=stream, **report)
         return
     launch_dgrad(o.d_out, o.index, _expert_weights(layer, W, shared)[2], None, o.offsets,
                  o.rows, o.p, config=layer.dgrad_gemm, stream=stream, **report)
@@ -284,7 +284,7 @@ def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
         launch_quantize_rows(o.d_gu, g.d_gu8, g.d_gu8_scale, num_rows=o.rows, stream=stream,
                              **report)
         launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
-                        o.rows, o.d_x, stream=stream, **report)
+                        o.rows, o.d_x, bm=layer.fp8_bm, stream=stream, **report)
         return
     w_g, w_u, _ = _expert_weights(layer, W, shared)
     launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.dgrad_gemm,
