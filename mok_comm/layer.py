@@ -51,7 +51,9 @@ fingerprint): ``backward_gemm`` (mma.sync: where the next two pick none of their
 wgmma and the shape splits into it; else ``backward_gemm``) and ``wgrad_gemm`` (the weight
 gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are wgmma and the
 shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients added to:
-``WGRAD_MAIN_GRAD_GEMM``). ``nbytes`` sums the buffers by name.
+``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and the data gradients --
+take ``fp8_bm``-row tiles (``gemm.fp8_rows_tile`` of the rows an expert gets at the shape's
+tokens, as the bf16 tiles are chosen). ``nbytes`` sums the buffers by name.
 ``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
 call (forward and backward calls alike).
 
