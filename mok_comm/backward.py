@@ -56,8 +56,9 @@ buffers did not hold already. ``recompute_forward_context`` rewrites them with t
 the context, bit for bit.
 
 ``MoKConfig(precision="fp8")``: the routed experts' two data gradients run in FP8 (DeepSeek-V3's
-recipe): the d_out rows are quantised 1 x 128 into expert order on the way (the forward's x
-path: ``quantize_fp8(index=gather_index)``), [d_g | d_u] likewise in place, and
+recipe): the d_out rows are quantised 1 x 128 into expert order on the way as the forward's
+x is (where EP < k once a token -- the d_out staging's rows -- then gathered by
+``mok_core.gather_rows``, else ``quantize_fp8(index=gather_index)``), [d_g | d_u] in place, and
 ``fp8_gemm`` multiplies them by the weights' transposed copies (``FP8Weights.w_down_t`` [E, I,
 H] and ``w_gate_up_t`` [E, H, 2I], made with the forward's copies by ``quantize_weights``):
 e4m3 wgmma reads both operands K-major, and these GEMMs reduce over the weights' other side.
@@ -99,6 +100,7 @@ from mok_core import errors as err
 from mok_core.cuda_compat import (as_device_array, device_address, device_copy, device_empty,
                                   flat_view)
 from mok_core.errors_kernels import scratch_error_word
+from mok_core.gather_rows import launch_gather_rows
 from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
 from mok_core.quantize import launch_quantize_cols, launch_quantize_rows
 from mok_core.swiglu_backward import launch_swiglu_backward
@@ -250,9 +252,16 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     report = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
-        # (d_out's NaN/Inf were counted at publish: the quantizer reports to a scratch word)
-        launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index, num_rows=o.rows,
-                             stream=stream, errors=scratch_error_word())
+        # (d_out's NaN/Inf were counted at publish: the quantizer reports to a scratch word).
+        # EP < k: once a token, then gathered, as the forward's x (the same bytes)
+        if g.d_out8_tokens is not None:
+            launch_quantize_rows(o.d_out, g.d_out8_tokens, g.d_out8_tokens_scale,
+                                 stream=stream, errors=scratch_error_word())
+            launch_gather_rows(g.d_out8_tokens, g.d_out8_tokens_scale, o.index, o.rows,
+                               g.d_out8, g.d_out8_scale, stream=stream)
+        else:
+            launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index,
+                                 num_rows=o.rows, stream=stream, errors=scratch_error_word())
         launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
                         o.rows, o.p, bm=layer.fp8_bm, stream=stream, **report)
         return

@@ -215,6 +215,10 @@ class BackwardBuffers:
                              ``wh8t`` [I, K] in q_i, each with its ``_scale``: [H, K / 128]
                              and [2I, K / 128] (1 x 128), [H / 128, K / 128] and [I / 128,
                              K / 128] (128 x 128)
+        d_out8_tokens  uint8 [R*T, H] with float32 ``d_out8_tokens_scale`` [R*T, H / 128]
+                             (EP < k): the d_out staging's rows quantised 1 x 128 once a
+                             token, then gathered into ``d_out8`` -- the forward's
+                             ``x8_tokens`` (read by its gate|up GEMM before the backward)
         k_offsets, k_rows, rows_index, tokens_index   int32 [E + 1], [1], [K], [K]
                              (``fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
                              every backward
@@ -245,6 +249,7 @@ class BackwardBuffers:
         self.d_x_rows = device_empty((C, H), u16, stream)
         self.q_h = self.q_h_scale = self.q_i = self.q_i_scale = None
         self.d_out8 = self.d_out8_scale = self.d_gu8 = self.d_gu8_scale = None
+        self.d_out8_tokens, self.d_out8_tokens_scale = layer.x8_tokens, layer.x8_tokens_scale
         self.k_offsets = self.k_rows = self.rows_index = self.tokens_index = None
         self.d_out8t = self.x8t = self.d_gu8t = self.wh8t = None
         self.d_out8t_scale = self.x8t_scale = self.d_gu8t_scale = self.wh8t_scale = None

@@ -396,7 +396,8 @@ def test_peer_that_never_arrives_in_the_backward_times_out():
 
 def test_fp8_backward_gradients_in_fp8():
     """``MoKConfig(precision="fp8")`` trains in FP8: the forward's routed GEMMs, the backward's
-    two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way, the
+    two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way -- d_out, at
+    k = 3 > EP, once a token and then gathered: bit-equal to each route's row quantised --, the
     weights' transposed copies from ``quantize_weights``) and its three routed weight
     gradients (their operands transposed and quantised along the rows, each expert's from a
     multiple of 128: ``mok_core.wgrad_rows``, here with row_align 32). Each FP8 GEMM against
@@ -415,10 +416,11 @@ def test_fp8_backward_gradients_in_fp8():
     R, T = 2, 16
     rng = np.random.default_rng(23)
     shape = LayerShape(hidden=128, intermediate=128, shared_intermediate=128, num_experts=4,
-                       topk=2, ep_size=R)
+                       topk=3, ep_size=R)
     inp = layer_inputs(rng, shape, T, masked=0.1)
     d_out = bf16_round(rng.standard_normal((R, T, shape.hidden)))
     lws = emulated_layers(shape, T, replace(CFG, precision="fp8", fp8_wgrad=True), SIM_GEMM)
+    assert all(lw.grad.d_out8_tokens is not None for lw in lws)
     E_l, H, I = shape.experts_per_rank, shape.hidden, shape.intermediate
     W = [WeightsFP8(*w, quantize_weights(w)) for w in (rank_weights(inp, r, E_l)
                                                           for r in range(R))]
@@ -437,7 +439,7 @@ def test_fp8_backward_gradients_in_fp8():
     check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)
     # FP32 weight gradients accumulated (main-grad): once = the bf16 ones before their
     # rounding, twice = 2 x once, bit for bit
-    T_, H_, I_, I_s, k = T, shape.hidden, shape.intermediate, shape.shared_intermediate, 2
+    T_, H_, I_, I_s, k = T, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
     f32_shapes = ((I_s, H_), (I_s, H_), (H_, I_s), (E_l, I_, H_), (E_l, I_, H_), (E_l, H_, I_))
     acc = [Grads(to_dev(np.zeros((T_, H_), np.uint16)), to_dev(np.zeros((T_, k), np.float32)),
                  *(to_dev(np.zeros(sh, np.float32)) for sh in f32_shapes)) for _ in range(R)]
