@@ -100,14 +100,13 @@ from mok_core import errors as err
 from mok_core.cuda_compat import (as_device_array, device_address, device_copy, device_empty,
                                   flat_view)
 from mok_core.errors_kernels import scratch_error_word
-from mok_core.gather_rows import launch_gather_rows
 from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
 from mok_core.quantize import launch_quantize_cols, launch_quantize_rows
 from mok_core.swiglu_backward import launch_swiglu_backward
 from mok_core.wgrad_rows import launch_wgrad_rows
 
 from . import combine, dispatch
-from .functional import check_weights, run_phases
+from .functional import check_weights, quantize_expert_rows, run_phases
 from .layer import ForwardContext, Layer, Weights
 
 
@@ -252,16 +251,10 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     report = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
-        # (d_out's NaN/Inf were counted at publish: the quantizer reports to a scratch word).
-        # EP < k: once a token, then gathered, as the forward's x (the same bytes)
-        if g.d_out8_tokens is not None:
-            launch_quantize_rows(o.d_out, g.d_out8_tokens, g.d_out8_tokens_scale,
-                                 stream=stream, errors=scratch_error_word())
-            launch_gather_rows(g.d_out8_tokens, g.d_out8_tokens_scale, o.index, o.rows,
-                               g.d_out8, g.d_out8_scale, stream=stream)
-        else:
-            launch_quantize_rows(o.d_out, g.d_out8, g.d_out8_scale, index=o.index,
-                                 num_rows=o.rows, stream=stream, errors=scratch_error_word())
+        tokens8 = (None if g.d_out8_tokens is None
+                   else (g.d_out8_tokens, g.d_out8_tokens_scale))
+        quantize_expert_rows(o.d_out, tokens8, o.index, o.rows, (g.d_out8, g.d_out8_scale),
+                             stream)
         launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
                         o.rows, o.p, bm=layer.fp8_bm, stream=stream, **report)
         return

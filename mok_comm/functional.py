@@ -27,15 +27,15 @@ The phases (``step_phases``), the only cross-rank synchronisation being the barr
     3 epilogue    out = y_shared + sum_j w_j y_j, slots ascending, FP32, one bf16 rounding
 
 ``MoKConfig(precision="fp8")``: phase 2's routed gate/up first quantises the landed tokens
-1 x 128 into expert order, rows below the schedule's num_rows -- at EP < k once a token (the
-staging's rows, ``x8_tokens``), then gathered (``mok_core.gather_rows``), else route by route
-(``quantize_fp8(index=gather_index)``, the same bytes) --, then runs the FP8 gate|up + SwiGLU
-GEMM on ``weights.fp8`` (saving its FP32 gate and up as the bf16 one does); the down step
-quantises h the same way and the FP8 down GEMM pushes each row home from its epilogue as the
-bf16 one does (``fuse_combine``; else it writes ``y`` for the combine kernel). Tokens travel
-bf16; the shared expert stays bf16; the backward (``mok_comm.backward``) differentiates at the
-FP8 forward's activations (its saved g / u and h), its routed data gradients in FP8 (and with
-``fp8_wgrad`` its routed weight gradients).
+1 x 128 into expert order, rows below the schedule's num_rows (``quantize_expert_rows``, the
+backward's d_out too: at EP < k once a token -- the staging's rows, ``x8_tokens`` --, then
+gathered by ``mok_core.gather_rows``, else route by route, ``quantize_fp8(index=gather_index)``,
+the same bytes), then runs the FP8 gate|up + SwiGLU GEMM on ``weights.fp8`` (saving its FP32
+gate and up as the bf16 one does); the down step quantises h 1 x 128 and the FP8 down GEMM
+pushes each row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes
+``y`` for the combine kernel). Tokens travel bf16; the shared expert stays bf16; the backward
+(``mok_comm.backward``) differentiates at the FP8 forward's activations (its saved g / u and
+h), its routed data gradients in FP8 (and with ``fp8_wgrad`` its routed weight gradients).
 
 A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
 from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /
@@ -222,23 +222,28 @@ def pull(layer: Layer, stream):
     dispatch.gather_index(layer.comm, layer.schedule, layer.gather_index, stream)
 
 
+def quantize_expert_rows(staging, tokens8, index, num_rows, out8, stream):
+    """A token staging's rows (x or d_out, bf16 [R*T, H]) quantised 1 x 128 into expert order:
+    ``out8`` = (e4m3 [C, H], scales [C, H / 128]), rows below ``num_rows`` through ``index``.
+    ``tokens8`` (the staging's shape; the layer has it where EP < k: a rank gets more routes
+    than staging rows): once a token -- every staging row: those no expert here wants are
+    stale, their bytes never read -- then gathered (``mok_core.gather_rows``: the same bytes);
+    None: route by route. The staging's NaN/Inf were counted at publish: the quantiser reports
+    to a scratch word."""
+    if tokens8 is not None:
+        launch_quantize_rows(staging, *tokens8, stream=stream, errors=scratch_error_word())
+        launch_gather_rows(*tokens8, index, num_rows, *out8, stream=stream)
+    else:
+        launch_quantize_rows(staging, *out8, index=index, num_rows=num_rows, stream=stream,
+                             errors=scratch_error_word())
+
+
 def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
     if layer.config.precision == "fp8":
-        # the landed tokens into expert order, quantised (their NaN/Inf were counted at
-        # publish: the quantizer's own report goes to a scratch word). EP < k: once a token
-        # -- every staging row: those no expert here wants are stale, their bytes never read
-        # -- then gathered (``mok_core.gather_rows``: the same bytes as quantising each
-        # route's row, which the other branch does)
-        if layer.x8_tokens is not None:
-            launch_quantize_rows(layer.comm.x_recv, layer.x8_tokens, layer.x8_tokens_scale,
-                                 stream=stream, errors=scratch_error_word())
-            launch_gather_rows(layer.x8_tokens, layer.x8_tokens_scale, layer.gather_index,
-                               s.num_rows, layer.x8, layer.x8_scale, stream=stream)
-        else:
-            launch_quantize_rows(layer.comm.x_recv, layer.x8, layer.x8_scale,
-                                 index=layer.gather_index, num_rows=s.num_rows, stream=stream,
-                                 errors=scratch_error_word())
+        tokens8 = None if layer.x8_tokens is None else (layer.x8_tokens, layer.x8_tokens_scale)
+        quantize_expert_rows(layer.comm.x_recv, tokens8, layer.gather_index, s.num_rows,
+                             (layer.x8, layer.x8_scale), stream)
         q = W.fp8
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
