@@ -77,7 +77,8 @@ GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two da
 (p = d_out W_down, the d_x rows = [d_g | d_u] [W_gate; W_up]; ``mok_core.gemm.dgrad``,
 weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
-(mma.sync); the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
+(mma.sync) -- FP8's routed ones on ``fp8_gemm`` at the forward's tile rows (``layer.fp8_bm``);
+the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
 ``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
 the routed ones on ``sm90_fp8``'s WGRAD, its tile by N, 128 wide into FP32). The routed d_x

@@ -218,7 +218,7 @@ class BackwardBuffers:
         d_out8_tokens  uint8 [R*T, H] with float32 ``d_out8_tokens_scale`` [R*T, H / 128]
                              (EP < k): the d_out staging's rows quantised 1 x 128 once a
                              token, then gathered into ``d_out8`` -- the forward's
-                             ``x8_tokens`` (read by its gate|up GEMM before the backward)
+                             ``x8_tokens`` (gathered into ``x8`` before the backward)
         k_offsets, k_rows, rows_index, tokens_index   int32 [E + 1], [1], [K], [K]
                              (``fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
                              every backward

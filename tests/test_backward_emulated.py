@@ -401,11 +401,11 @@ def test_fp8_backward_gradients_in_fp8():
     weights' transposed copies from ``quantize_weights``) and its three routed weight
     gradients (their operands transposed and quantised along the rows, each expert's from a
     multiple of 128: ``mok_core.wgrad_rows``, here with row_align 32); rank 0 on 128-row FP8
-    tiles, rank 1 on 192-row ones. Each FP8 GEMM against float64 of its own dequantised
-    operands (the GEMM adds almost nothing), the operands bit for bit the reference
-    quantizer's of the layer's bf16 rows; all 8 gradients within e4m3's rounding of the
-    float64 reference; bitwise repeatable; a forward-only FP8Weights refused by the backward,
-    naming the missing copy."""
+    tiles and route-by-route quantisation, rank 1 on 192-row tiles and the token path. Each
+    FP8 GEMM against float64 of its own dequantised operands (the GEMM adds almost nothing),
+    the operands bit for bit the reference quantizer's of the layer's bf16 rows; all 8
+    gradients within e4m3's rounding of the float64 reference; bitwise repeatable; a
+    forward-only FP8Weights refused by the backward, naming the missing copy."""
     from dataclasses import replace
 
     from mok_comm import backward as B
@@ -423,8 +423,10 @@ def test_fp8_backward_gradients_in_fp8():
     lws = emulated_layers(shape, T, replace(CFG, precision="fp8", fp8_wgrad=True), SIM_GEMM)
     assert all(lw.grad.d_out8_tokens is not None for lw in lws)
     # rank 1's FP8 GEMMs on 192-row tiles (``fp8_rows_tile``'s pick at 113-192 rows an expert;
-    # these experts hold ~24): the checks below hold both tile heights to the same bounds
+    # these experts hold ~24), rank 0's x and d_out quantised route by route (the path at
+    # EP >= k): the checks below hold both ranks to the same bounds and bytes
     lws[1].fp8_bm = 192
+    lws[0].x8_tokens = lws[0].grad.d_out8_tokens = None
     E_l, H, I = shape.experts_per_rank, shape.hidden, shape.intermediate
     W = [WeightsFP8(*w, quantize_weights(w)) for w in (rank_weights(inp, r, E_l)
                                                           for r in range(R))]

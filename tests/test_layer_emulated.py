@@ -69,7 +69,8 @@ def test_forward_matches_float64_reference(R, limit):
 
 def test_fp8_forward(limit=None):
     """``MoKConfig(precision="fp8")`` at EP 2: tokens quantised on arrival into expert order
-    (k = 4 > EP: once a token, then gathered -- the bytes of quantising each route's row),
+    (k = 4 > EP: once a token, then gathered -- the bytes of quantising each route's row --;
+    rank 0 forced onto the route-by-route path that EP >= k takes),
     the FP8 gate|up + SwiGLU GEMM and the down GEMM pushing rows home (the fused combine), on
     weights from ``quantize_weights`` -- within 5e-3 of float64 of the same quantised operands
     (so the kernels add almost nothing), within e4m3's rounding of the bf16 layer's float64
@@ -86,6 +87,7 @@ def test_fp8_forward(limit=None):
     lws = emulated_layers(shape, T, cfg, GEMM, swiglu_limit=limit, backward=False)
     assert all(lw.y is None and lw.fused_combine and lw.x8 is not None
                and lw.x8_tokens is not None for lw in lws)
+    lws[0].x8_tokens = None          # rank 0 route by route (the path at EP >= k), 1 by token
     E_l = shape.experts_per_rank
     weights = []
     for r in range(R):

@@ -76,9 +76,10 @@ def _fp8_tile(N, swiglu, bn, stages):
 
 
 def fp8_rows_tile(rows_per_expert):
-    """The FP8 forward's tile rows for experts of ``rows_per_expert`` rows: 192 where the bf16
-    kernel takes 192-row tiles (``config.ROWS_FOR_192`` < rows <= 192: two 128-row tiles
-    would compute up to 256), else 128."""
+    """The layer's FP8 tile rows (its forward GEMMs and data gradients) for experts of
+    ``rows_per_expert`` rows: 192 where the bf16 kernel takes 192-row tiles
+    (``config.ROWS_FOR_192`` < rows <= 192: two 128-row tiles would compute up to 256), else
+    128."""
     return 192 if ROWS_FOR_192 < rows_per_expert <= 192 else 128
 
 
@@ -583,7 +584,7 @@ def launch_fp8_gemm(a, a_scale, w, w_scale, expert_offsets, num_rows, out, *, w_
     checks (arguments as there); ``push`` = (src_rank, src_token, src_slot, peers, k) as
     ``launch_down``'s (``out`` None): rows go home into the peers' combine rows. ``bm`` =
     192: tiles of 192 rows x 128 columns (``fp8_rows_tile``)."""
-    if bm == 192:
+    if bm == 192 and bn is None:      # (192-row tiles are 128 wide: sm90_fp8 asserts it)
         bn = 128
     bn, stages = _fp8_tile(w.shape[1], w_up is not None, bn, stages)
     route, rows = None, None

@@ -413,7 +413,7 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
         cuda.syncthreads()
         n_tiles = N // col_step
         # each side works out what it needs after its setmaxnreg: a value live across it
-        # must fit the producer's 40 registers, so ptxas would spill it
+        # must fit the producer's registers (40; 32 at 192-row tiles), so ptxas would spill it
         if warp_all(tid >= compute):
             setmaxnreg_dec(producer_regs)
             ktiles = K // BK
@@ -533,8 +533,9 @@ def launch_fp8(a, a_scale, w0, w0_scale, offsets, num_rows, out, *, w1=None, w1_
     = (gate, up) float32 [C, N] each, the FP32 gate and up values saved; with ``route`` =
     (rank, token, slot, peers, k) (not SwiGLU) the rows go to their source ranks' combine rows
     (``epilogue.make_coalesced_epilogue``'s push; ``out`` is then not written, ``rows`` = C).
-    The tensor maps of a, w0 and w1 are built on the first call for their addresses (not
-    inside a CUDA-graph capture: ``tensor_map``)."""
+    ``bm`` = 192 (``bn`` 128): 192-row tiles (module header). The tensor maps of a, w0 and w1
+    are built on the first call for their addresses (not inside a CUDA-graph capture:
+    ``tensor_map``)."""
     K = a.shape[1]
     E, N = w0.shape[0], w0.shape[1]
     rows = out.shape[0] if rows is None else rows
