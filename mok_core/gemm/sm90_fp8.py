@@ -28,8 +28,8 @@ float32 divisors (value = byte's e4m3 value x scale). Rows of no expert are not 
                128-byte swizzle, what the descriptors say); mbarriers full[s] (129 arrivals:
                the TMA thread's with the stage's bytes, and every producer thread's once its
                scales landed) and empty[s] (256 arrivals: every compute thread)
-    scales   = beside each stage, before the ring: SCALE_SLOTS floats -- the slice's a_scale
-               of the tile's 128 rows (0 past the expert's rows), w0's and w1's scale blocks
+    scales   = beside each stage, before the ring: bm + 2 floats -- the slice's a_scale
+               of the tile's bm rows (0 past the expert's rows), w0's and w1's scale blocks
                -- copied by the producer threads (row p by thread p; the two blocks by threads
                0 and 1) with cp.async, each thread's arrival on full[s] made by the hardware
                once its copies landed (``cp_async_mbarrier_arrive``: a load never stalls the
@@ -159,10 +159,8 @@ BOX_ROWS = 64                 # a TMA box: 64 rows x 128 bytes
 BOX_BYTES = BOX_ROWS * ROW_BYTES
 _K32 = 32 >> 4                # K-major: a k32 step is 32 bytes along the 128-byte row
 NACC = BN // 2                # fp32 accumulators per thread (and as many for a slice)
-SCALE_SLOTS = BM + 2          # a slice's scales in shared memory: A's rows, then w0's, w1's
 PRODUCERS = GEMM_THREADS - THREADS
 assert PRODUCERS == BM        # producer thread p stages tile row p's scale (and p + 128's)
-SCALE_STAGE_BYTES = -(-4 * SCALE_SLOTS // 16) * 16
 # 192-row tiles (``make_fp8_gemm(bm=192)``, 128 columns): three compute warpgroups and the
 # producer's, 128 registers a thread at launch; 3 x 160 + 32 = 4 x 128
 ROWS192_REGS = (160, 32)
@@ -240,22 +238,31 @@ def _slice_scales(scales, at, r, bm):
 
 
 @kjit(device=True, inline="always")
+def _stage_row_scale(smem, dst, q, a_scale, row0, row_end, kb, ktiles):
+    """Tile row q's a_scale of slice kb (a_scale's row row0 + q; 0 at or past ``row_end``)
+    into float slot q at ``dst``, by cp.async."""
+    r = row0 + q
+    inside = r < row_end
+    cp_async_4_at(smem, dst + 4 * q, a_scale, r * ktiles + kb if inside else int64(0),
+                  4 if inside else 0)
+
+
+@kjit(device=True, inline="always")
 def stage_scales(smem, dst, p, a_scale, w0_scale, w1_scale, row0, row_end, w_at, w1_at, kb,
                  ktiles, bm):
     """Producer thread p's part of slice kb's scales, copied asynchronously (cp.async: the
     thread never waits on the load; ``cp_async_mbarrier_arrive`` counts it in once landed)
-    to the shared byte address ``dst`` ..: A's tile row p (a_scale's row row0 + p; 0 at or
-    past ``row_end``), and p = 0 / 1: w0's block at ``w_at`` / w1's at ``w1_at`` (0 for a tile
-    of no rows; module header, "scales"; they follow the tile's ``bm`` rows)."""
-    r = row0 + p
-    inside = r < row_end
-    cp_async_4_at(smem, dst + 4 * p, a_scale, r * ktiles + kb if inside else int64(0),
-                  4 if inside else 0)
+    to the shared byte address ``dst`` ..: A's tile row p, and p = 0 / 1: w0's block at
+    ``w_at`` / w1's at ``w1_at`` (0 for a tile of no rows; module header, "scales"; they
+    follow the tile's ``bm`` rows); at 192-row tiles threads 0..63 also row p + 128."""
+    _stage_row_scale(smem, dst, p, a_scale, row0, row_end, kb, ktiles)
     rows = 4 if row0 < row_end else 0        # (WGRAD: an expert of no rows -- W's blocks 0)
     if p == 0:
         cp_async_4_at(smem, dst + 4 * bm, w0_scale, w_at + kb, rows)
     elif p == 1:
         cp_async_4_at(smem, dst + 4 * (bm + 1), w1_scale, w1_at + kb, rows)
+    if bm > PRODUCERS and p + PRODUCERS < bm:
+        _stage_row_scale(smem, dst, p + PRODUCERS, a_scale, row0, row_end, kb, ktiles)
 
 
 @kjit(device=True, inline="always")
@@ -370,16 +377,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
                                     kx, w_row + i * BOX_ROWS, bar)
                         tma_load_2d(smem, dst + (a_boxes + w_boxes + i) * BOX_BYTES, tmaps,
                                     second, kx, w_row2 + i * BOX_ROWS, bar)
-                kq = min(kb, k_last)
                 stage_scales(smem, scales0 + st * ssb, p, a_scale, w0_scale,
                              w1_scale, row0, row_end, w_at, w_at + w1_blocks * ktiles,
-                             kq, ktiles, bm)
-                if bm > PRODUCERS:             # 192 rows: threads 0..63 also row p + 128
-                    if p + PRODUCERS < bm:
-                        r2 = row0 + p + PRODUCERS
-                        in2 = r2 < row_end
-                        cp_async_4_at(smem, scales0 + st * ssb + 4 * (p + PRODUCERS), a_scale,
-                                      r2 * ktiles + kq if in2 else int64(0), 4 if in2 else 0)
+                             min(kb, k_last), ktiles, bm)
                 cp_async_mbarrier_arrive(smem, bar)     # once the scales landed
                 st += 1                        # (counted, not j % STAGES: a 64-bit
                 if st == stages:               # division every slice)
