@@ -252,10 +252,8 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
     report = _nan_check(layer, err.NF_SHARED_D_HIDDEN if shared else err.NF_D_HIDDEN)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
-        tokens8 = (None if g.d_out8_tokens is None
-                   else (g.d_out8_tokens, g.d_out8_tokens_scale))
-        quantize_expert_rows(o.d_out, tokens8, o.index, o.rows, (g.d_out8, g.d_out8_scale),
-                             stream)
+        quantize_expert_rows(o.d_out, o.index, o.rows, g.d_out8, g.d_out8_scale,
+                             g.d_out8_tokens, g.d_out8_tokens_scale, stream)
         launch_fp8_gemm(g.d_out8, g.d_out8_scale, q.w_down_t, q.w_down_t_scale, o.offsets,
                         o.rows, o.p, bm=layer.fp8_bm, stream=stream, **report)
         return

@@ -222,28 +222,30 @@ def pull(layer: Layer, stream):
     dispatch.gather_index(layer.comm, layer.schedule, layer.gather_index, stream)
 
 
-def quantize_expert_rows(staging, tokens8, index, num_rows, out8, stream):
+def quantize_expert_rows(staging, index, num_rows, out8, out8_scale, tokens8, tokens8_scale,
+                         stream):
     """A token staging's rows (x or d_out, bf16 [R*T, H]) quantised 1 x 128 into expert order:
-    ``out8`` = (e4m3 [C, H], scales [C, H / 128]), rows below ``num_rows`` through ``index``.
-    ``tokens8`` (the staging's shape; the layer has it where EP < k: a rank gets more routes
-    than staging rows): once a token -- every staging row: those no expert here wants are
-    stale, their bytes never read -- then gathered (``mok_core.gather_rows``: the same bytes);
-    None: route by route. The staging's NaN/Inf were counted at publish: the quantiser reports
-    to a scratch word."""
+    ``out8`` e4m3 [C, H] with ``out8_scale`` [C, H / 128], rows below ``num_rows`` through
+    ``index``. With ``tokens8`` / ``tokens8_scale`` (the staging's shape; the layer has them
+    where EP < k: a rank gets more routes than staging rows): once a token -- every staging
+    row: those no expert here wants are stale, their bytes never read -- then gathered
+    (``mok_core.gather_rows``: the same bytes); None: route by route. The staging's NaN/Inf
+    were counted at publish: the quantiser reports to a scratch word."""
     if tokens8 is not None:
-        launch_quantize_rows(staging, *tokens8, stream=stream, errors=scratch_error_word())
-        launch_gather_rows(*tokens8, index, num_rows, *out8, stream=stream)
-    else:
-        launch_quantize_rows(staging, *out8, index=index, num_rows=num_rows, stream=stream,
+        launch_quantize_rows(staging, tokens8, tokens8_scale, stream=stream,
                              errors=scratch_error_word())
+        launch_gather_rows(tokens8, tokens8_scale, index, num_rows, out8, out8_scale,
+                           stream=stream)
+    else:
+        launch_quantize_rows(staging, out8, out8_scale, index=index, num_rows=num_rows,
+                             stream=stream, errors=scratch_error_word())
 
 
 def routed_gate_up(layer: Layer, W: Weights, stream):
     s = layer.schedule
     if layer.config.precision == "fp8":
-        tokens8 = None if layer.x8_tokens is None else (layer.x8_tokens, layer.x8_tokens_scale)
-        quantize_expert_rows(layer.comm.x_recv, tokens8, layer.gather_index, s.num_rows,
-                             (layer.x8, layer.x8_scale), stream)
+        quantize_expert_rows(layer.comm.x_recv, layer.gather_index, s.num_rows, layer.x8,
+                             layer.x8_scale, layer.x8_tokens, layer.x8_tokens_scale, stream)
         q = W.fp8
         launch_fp8_gemm(layer.x8, layer.x8_scale, q.w_gate, q.w_gate_scale, s.expert_offsets,
                         s.num_rows, layer.hidden, w_up=q.w_up, w_up_scale=q.w_up_scale,
