@@ -433,18 +433,16 @@ def test_fp8_backward_gradients_in_fp8():
 
     run_forward(lws, inp, weights=W)
     got = run_backward(lws, inp, d_out, weights=W)
-    again = run_backward(lws, inp, d_out, weights=W)
-    for G, G2 in zip(got, again):
-        for a, b in zip(G, G2):
-            assert (a is None and b is None) or np.array_equal(a, b)
     full, _ = reference(inp, d_out, inp["ids"], None)
     print("fp8 layer, rank 0 rel-L1 vs float64: "
           f"d_x {rel_l1(f64(got[0].d_x), full.d_x.reshape(R, T, -1)[0]):.4f}, d_w_gate "
           f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
           f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
     check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)
-    # FP32 weight gradients accumulated (main-grad): once = the bf16 ones before their
-    # rounding, twice = 2 x once, bit for bit
+    # FP32 weight gradients accumulated (main-grad): once = the routed bf16 ones before their
+    # rounding, twice = 2 x once, bit for bit; d_x and d_router of both equal the first
+    # backward's: with the rounding check, the bitwise repeat (a backward of its own cost this
+    # simulator test a sixth of its time)
     T_, H_, I_, I_s, k = T, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.topk
     f32_shapes = ((I_s, H_), (I_s, H_), (H_, I_s), (E_l, I_, H_), (E_l, I_, H_), (E_l, H_, I_))
     acc = [Grads(to_dev(np.zeros((T_, H_), np.uint16)), to_dev(np.zeros((T_, k), np.float32)),
@@ -452,6 +450,11 @@ def test_fp8_backward_gradients_in_fp8():
     once = run_backward(lws, inp, d_out, grads=acc, accumulate=True, weights=W)
     twice = run_backward(lws, inp, d_out, grads=acc, accumulate=True, weights=W)
     for G1, G2, G in zip(once, twice, got):
+        for name in ("d_x", "d_router_weights"):
+            np.testing.assert_array_equal(getattr(G1, name), getattr(G, name))
+            np.testing.assert_array_equal(getattr(G2, name), getattr(G, name))
+        for name in ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down"):
+            np.testing.assert_array_equal(np.float32(2) * getattr(G1, name), getattr(G2, name))
         for name in ("d_w_gate", "d_w_up", "d_w_down"):
             a = getattr(G1, name)
             np.testing.assert_array_equal(np.float32(2) * a, getattr(G2, name))

@@ -291,12 +291,12 @@ def test_fp8_layer_with_quantize_weights():
     layer = mok_jax_adapter.Layer(shape, t, cfg, gemm=GEMM)
     step = jax.jit(layer)
 
-    def loss(x, w, W):
-        return jnp.sum(step(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8)).astype(jnp.float32)
-                       * c32)
+    def loss(x, w, W):        # (the output as aux: one forward, not a second one for it)
+        out = step(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8))
+        return jnp.sum(out.astype(jnp.float32) * c32), out
 
-    out = step(x, ids, w, mok_jax_adapter.WeightsFP8(*W, fp8))
-    d_x, d_w, d_W = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, W)
+    (_, out), (d_x, d_w, d_W) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2),
+                                                           has_aux=True))(x, w, W)
     layer.check((out, d_x, d_w, d_W))
     want_out = []
     want = _functional_grads(inp, c, shape, None, cfg, t, want_out)

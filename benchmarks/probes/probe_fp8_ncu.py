@@ -12,7 +12,8 @@ tiles an expert), ``down`` = K = 2048, N = 7168 over those 48 experts; qwen3.5-3
 8192 tokens/rank (256 experts x ~320 rows): ``qgu`` K = 4096, N = 2048 and ``qdown`` K = 1024,
 N = 4096. Per shape: ``fp8_gemm``
 and ``fp8_gate_up_swiglu`` (not for ``down``) on each tile of ``FP8_TILES`` (default
-``256,128``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4), each into its own
+``256,128``: 128 x 256 with 3 stages -- the library's --, 128 x 128 with 4; ``192``: 192 x 128
+with 4, ``launch_fp8_gemm(bm=192)``), each into its own
 output (``--time`` prints whether it is bit-equal to the first tile's), and our bf16 wgmma
 GEMM (``down``) on
 bf16 operands of the same size. ``FP8_PARTS`` (``--time``; e.g. ``no-epi,no-store``): the
@@ -94,10 +95,11 @@ def _part_step(part, bn, stages, launch):
 def main():
     import numpy as np
     import torch
+    from numba import cuda
 
     from benchmarks.bench_ffn import interleaved_ms
     from benchmarks.common import numba_stream
-    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm
+    from mok_core.gemm import default_gemm, down, fp8_gate_up_swiglu, fp8_gemm, launch_fp8_gemm
     TIME = "--time" in sys.argv
     TILES = os.environ.get("FP8_TILES", "256,128").split(",")
     PARTS = [p for p in os.environ.get("FP8_PARTS", "").split(",") if p]
@@ -137,7 +139,14 @@ def main():
             bn, stages = (256, 3) if tile == "256" else (128, 4)
 
             def step():
-                if swiglu:
+                if tile == "192":          # (no public entry takes bm: device views here)
+                    v = cuda.as_cuda_array
+                    launch_fp8_gemm(v(a), v(a_s), v(wg if swiglu else w),
+                                    v(wg_s if swiglu else w_s), v(off), v(nr), v(o),
+                                    w_up=v(wu) if swiglu else None,
+                                    w_up_scale=v(wu_s) if swiglu else None, stages=4, bm=192,
+                                    stream=numba_stream())
+                elif swiglu:
                     fp8_gate_up_swiglu(a, a_s, wg, wg_s, wu, wu_s, off, nr, o, stages=stages,
                                        bn=bn, stream=numba_stream())
                 else:
