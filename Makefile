@@ -34,9 +34,9 @@ lint: $(STAMP)
 # output is printed whole when it ends. SIM_A holds about half the simulator time (balanced
 # on a CI run's two halves: the other half is every file not listed, new ones included).
 SIM_A := tests/test_grouped_gemm.py tests/test_layer_emulated.py tests/test_gemm_non_finite.py \
-         tests/test_step_errors.py tests/test_gemm_wgrad.py tests/test_layer_step.py \
-         tests/test_torch_module.py tests/test_gemm_dgrad.py tests/test_intrinsics.py \
-         tests/test_gemm_fp8.py tests/test_torch_adapter.py tests/test_torch_op.py
+         tests/test_gemm_wgrad.py tests/test_layer_step.py tests/test_torch_module.py \
+         tests/test_gemm_dgrad.py tests/test_intrinsics.py tests/test_gemm_fp8.py \
+         tests/test_torch_adapter.py
 SIM_PYTEST := NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider --durations=5
 
 test: $(STAMP)
