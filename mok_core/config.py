@@ -146,8 +146,9 @@ class MoKConfig:
         fp8_wgrad: with ``precision="fp8"``, the backward's routed weight gradients in FP8 as
             well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
             rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: with
-            their operands' quantisations they gain little over the bf16 ones, and lose
-            where experts hold few rows (docs/perf.md, FP8), and they add e4m3's rounding to
+            their operands' quantisations they pay only where an expert's rows take three
+            or more 128-row K slices (more than ~256 rows an expert: EP x tokens per rank x
+            k / E) and lose below that (docs/perf.md, FP8), and they add e4m3's rounding to
             the weight gradients (TransformerEngine's recipes run wgrad in FP8 too, with
             ``override_linear_precision`` to keep it in bf16).
     """
