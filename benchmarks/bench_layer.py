@@ -239,13 +239,15 @@ def graph_time(step, iters, warmup):
 
 
 def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, dev,
-             bf16_layer, bf16_step, iters, warmup, backward, fp8_wgrad=False):
+             bf16_layer, bf16_step, iters, warmup, backward, fp8_wgrad=False,
+             breakdown=False):
     """The FP8 columns (``--precision bf16,fp8``): a second layer with
     ``MoKConfig(precision="fp8")`` on the same inputs, the routed weights quantised once
     (``mok_torch.quantize_weights``); accuracy on the sampled tokens against the float64 bf16
     reference (rel-L1 and cosine), then its compiled step and the bf16 one timed in turns;
     with ``backward`` also ``fp8_backward``'s columns. ``fp8_wgrad``: that layer's weight
-    gradients in FP8 too (``--precision bf16,fp8w``)."""
+    gradients in FP8 too (``--precision bf16,fp8w``). ``breakdown``: its forward's launch
+    groups timed alone too (``fp8_breakdown_ms``, as ``breakdown_ms``)."""
     import dataclasses
 
     import torch
@@ -274,6 +276,8 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
         row = {"fp8_wgrad": fp8_wgrad, "fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
                "fp8_fwd_speedup_vs_bf16": t_bf16 / t_fp8, "fp8_rel_l1": rel,
                "fp8_cosine": cos, "cosine_min": cos}
+        if breakdown:
+            row["fp8_breakdown_ms"] = step_breakdown(layer, ids, x, w, w8, 10)
         if backward:
             step = None                     # (its graph holds the layer's buffers)
             row.update(fp8_backward(layer, w8, bf16_layer, shape, T, x, ids, w, weights,
@@ -419,7 +423,7 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
             try:
                 fp8 = fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick,
                                dev, layer, ours_step, iters, warmup, backward,
-                               fp8_wgrad="fp8w" in precisions)
+                               fp8_wgrad="fp8w" in precisions, breakdown=breakdown)
             except Exception as e:                  # noqa: BLE001 - recorded in the row
                 torch.cuda.synchronize()
                 fp8 = {"fp8_note": f"{type(e).__name__}: {e}"[:300]}
@@ -504,7 +508,8 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true",
                     help="also time our layer as a CUDA-graph replay (ours_graph_ms)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time each launch group of our forward alone (breakdown_ms)")
+                    help="also time each launch group of our forward alone (breakdown_ms; "
+                         "with --precision bf16,fp8 the FP8 layer's too: fp8_breakdown_ms)")
     ap.add_argument("--dispatch", default="split:1.0",
                     help="MoKConfig.dispatch modes to run each case with (comma-separated: "
                          "pull,split; split:S sets dispatch_ce_share=S)")
@@ -569,10 +574,11 @@ def main(argv=None):
                              f"grads rel-L1 {r['grads_rel_l1_max']:.1e}")
                 if r["ours_graph_ms"] == r["ours_graph_ms"]:      # not NaN
                     progress(f"  ours as a CUDA-graph replay {r['ours_graph_ms']:.2f} ms")
-                if r["breakdown_ms"]:
-                    progress("  steps: " + ", ".join(f"{k} {v:.3f}"
-                                                     for k, v in r["breakdown_ms"].items())
-                             + f" (sum {sum(r['breakdown_ms'].values()):.2f} ms)")
+                for key in ("breakdown_ms", "fp8_breakdown_ms"):
+                    if r.get(key):
+                        progress(f"  steps{' (fp8)' if key.startswith('fp8') else ''}: "
+                                 + ", ".join(f"{k} {v:.3f}" for k, v in r[key].items())
+                                 + f" (sum {sum(r[key].values()):.2f} ms)")
     if rank0:
         write_json(args.out, rows)
         plot(rows, args.out.replace(".json", ".png"))

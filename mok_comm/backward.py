@@ -81,7 +81,8 @@ forward's tiles are wgmma and the shape splits into its tile, else ``layer.backw
 the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
 ``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
-the routed ones on ``sm90_fp8``'s WGRAD, its tile by N, 128 wide into FP32). The routed d_x
+the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an expert's rows
+take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The routed d_x
 rows are written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
@@ -319,7 +320,7 @@ def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
                              num_rows=g.k_rows, stream=stream,
                              **({"errors": scratch_error_word()} if staged else report))
     launch_fp8_wgrad(*a[2:4], *b[2:4], g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
-                     stream=stream, **report)
+                     bn=layer.fp8_wgrad_bn, stream=stream, **report)
 
 
 def _wgrad_tiles(layer: Layer, accumulate):

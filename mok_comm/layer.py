@@ -53,9 +53,10 @@ gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are w
 shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients added to:
 ``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and the data gradients --
 take ``fp8_bm``-row tiles (``gemm.fp8_rows_tile`` of the rows an expert gets at the shape's
-tokens, as the bf16 tiles are chosen). ``nbytes`` sums the buffers by name.
-``errors`` (``mok_core.step_errors``) reports each step's device-side problems at the next
-call (forward and backward calls alike).
+tokens, as the bf16 tiles are chosen), ``fp8_wgrad``'s ``fp8_wgrad_bn``-column ones
+(``gemm.fp8_wgrad_cols`` of the same rows; None: the kernel's default). ``nbytes`` sums the
+buffers by name. ``errors`` (``mok_core.step_errors``) reports each step's device-side
+problems at the next call (forward and backward calls alike).
 
 bf16 travels as uint16 bits at this level; the adapters view their bf16 tensors as uint16.
 """
@@ -74,7 +75,7 @@ from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm,
-                           fp8_rows_tile)
+                           fp8_rows_tile, fp8_wgrad_cols)
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 from mok_core.wgrad_rows import k_capacity
@@ -507,7 +508,11 @@ class Layer:
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
         # the FP8 GEMMs' tile rows for this step size's experts (``fp8_rows_tile``)
-        self.fp8_bm = fp8_rows_tile(shape.ep_size * T * k / shape.num_experts)
+        rows_per_expert = shape.ep_size * T * k / shape.num_experts
+        self.fp8_bm = fp8_rows_tile(rows_per_expert)
+        # ... and ``fp8_wgrad``'s tile columns (``fp8_wgrad_cols``: by the K slices an expert's
+        # rows take)
+        self.fp8_wgrad_bn = fp8_wgrad_cols(rows_per_expert)
         # FP8: the landed tokens quantised 1 x 128 into expert order -- where a rank gets more
         # routes than staging rows (EP < k: T k against R T), once a token (the staging's
         # rows) and then gathered, else route by route -- and h quantised: the GEMMs' A rows

@@ -83,6 +83,15 @@ def fp8_rows_tile(rows_per_expert):
     return 192 if ROWS_FOR_192 < rows_per_expert <= 192 else 128
 
 
+def fp8_wgrad_cols(rows_per_expert):
+    """The layer's FP8 weight-gradient tile columns for experts of ``rows_per_expert`` rows:
+    128 where those rows take at most two 128-row K slices -- a tile's MMAs are then shorter
+    than its store of a weight-sized output, and the narrower tiles store closer to the write
+    ceiling --, else None (``FP8_TILES``' width for N: 256 where it divides N, faster once the
+    MMAs dominate; docs/perf.md, FP8)."""
+    return 128 if rows_per_expert <= 2 * 128 else None
+
+
 def _fp8_wgrad_tile(N, out0, out1, bn, stages):
     """(bn, stages, FP32 outputs) of the FP8 weight gradient into ``out0`` / ``out1`` (one may
     be None): ``_fp8_tile``'s, but float32 outputs take 128-wide tiles by default (a warp's
