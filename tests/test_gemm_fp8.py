@@ -276,7 +276,9 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
 
 def test_fp8_wgrad_splits_and_accumulates_fp32():
     """``fp8_wgrad``'s outputs as ``wgrad``'s: split at m_split into out0 / out1 (dW_gate /
-    dW_up from one launch) bit for bit the unsplit bf16 gradient; FP32 outputs within 5e-3
+    dW_up from one launch) bit for bit the unsplit bf16 gradient, on 256-wide tiles (N's
+    default) and 128-wide ones (the layer's where an expert's rows take at most two K
+    slices: ``gemm.fp8_wgrad_cols``); FP32 outputs within 5e-3
     of float64, rounding to that bf16 gradient; ``accumulate`` adds them to the values there
     with one FP32 add (an expert of no rows left as it was); FP32 at 128-wide tiles (the
     default) and 256-wide alike, main-grad at 128 only; bad outputs refused by name."""
@@ -301,6 +303,9 @@ def test_fp8_wgrad_splits_and_accumulates_fp32():
     halves = [to_dev(np.full((E, I, N), POISON16, np.uint16)) for _ in range(2)]
     fp8_wgrad(*ops, halves[0], halves[1], I)
     np.testing.assert_array_equal(np.concatenate([to_host(h) for h in halves], 1), whole)
+    narrow = [to_dev(np.full((E, I, N), POISON16, np.uint16)) for _ in range(2)]
+    fp8_wgrad(*ops, narrow[0], narrow[1], I, bn=128)
+    np.testing.assert_array_equal(np.concatenate([to_host(h) for h in narrow], 1), whole)
     f32 = [to_dev(np.full((E, I, N), np.nan, np.float32)) for _ in range(2)]
     fp8_wgrad(*ops, f32[0], f32[1], I)
     d = np.concatenate([to_host(h) for h in f32], 1)
