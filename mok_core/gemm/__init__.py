@@ -89,7 +89,7 @@ def fp8_wgrad_cols(rows_per_expert):
     than its store of a weight-sized output, and the narrower tiles store closer to the write
     ceiling --, else None (``FP8_TILES``' width for N: 256 where it divides N, faster once the
     MMAs dominate; docs/perf.md, FP8)."""
-    return 128 if rows_per_expert <= 2 * 128 else None
+    return 128 if rows_per_expert <= 2 * sm90_fp8.BK else None
 
 
 def _fp8_wgrad_tile(N, out0, out1, bn, stages):
