@@ -25,7 +25,8 @@
 #        vs bf16 in turns: probe_fp8_wgrad; PROBE_PRESETS, PROBE_TOKENS, PROBE_FP8_VARIANTS
 #        e.g. 256s3,128s4,256s3f32,256s3acc (acc: FP32 added to, and the bf16 kernel's the same
 #        at PROBE_ACC_TILES, e.g. 256s3,128s4),
-#        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load)
+#        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load; PROBE_FP8_FLAGS e.g.
+#        --quant-split)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
 #        probe_quantize_gather)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
@@ -192,7 +193,7 @@ for s in "$@"; do
     probe-fp8-wgrad) step probe-fp8-wgrad python3 benchmarks/probes/probe_fp8_wgrad.py \
          --presets "${PROBE_PRESETS:-kimi-k2.7,qwen3.5-397b}" --tokens "${PROBE_TOKENS:-8192}" \
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
-         --acc-tiles "${PROBE_ACC_TILES:-}" ;;
+         --acc-tiles "${PROBE_ACC_TILES:-}" ${PROBE_FP8_FLAGS:-} ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
     ab-probe) IFS=';' read -ra runs <<< "${AB_RUNS:-}"
          [ ${#runs[@]} -eq 0 ] && echo "ab-probe: AB_RUNS is empty" >> "$LOG"

@@ -4,7 +4,7 @@
                                                 [--tokens 8192] [--iters 10]
                                                 [--variants 256s3,128s4,256s3f32,256s3acc]
                                                 [--acc-tiles 256s3,128s4]
-                                                [--profile]
+                                                [--profile] [--quant-split]
                                                 [--parts prod,hoisted,no-store,no-epi,...]
 
 Rank 0's routed experts at EP 2 (``bench_ffn.ffn_inputs``: uniform routing of 2T tokens,
@@ -34,7 +34,10 @@ the tile loop: ptxas spilled them; the code before ``per_iteration``), or a part
 ``probe_wgrad_parts``' replacements), ``no-mma`` (the K loop multiplies nothing), ``no-load``
 (the producer arrives on each full barrier with no TMA load); ``a+b`` both. ``--profile``:
 instead of timing, one launch of each between cudaProfilerStart / Stop, for ``ncu
---profile-from-start off -k regex:^kernel``. A probe: it prints, it writes nothing; the parts
+--profile-from-start off -k regex:^kernel``. ``--quant-split``: the four transposed
+quantisations timed one by one (``q d_gu``, ``q x``, ``q d_out``, ``q h``), beside ``cast``:
+torch casting the same bf16 operands to e4m3 untransposed (their bytes read and written once,
+no scales: a copy's ceiling for them). A probe: it prints, it writes nothing; the parts
 that leave something out write wrong gradients.
 """
 from __future__ import annotations
@@ -135,6 +138,7 @@ def main():
     ap.add_argument("--acc-tiles", default="")
     ap.add_argument("--parts", default="")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--quant-split", action="store_true")
     args = ap.parse_args()
     variants = {}
     for v in args.variants.split(","):
@@ -207,6 +211,17 @@ def main():
             "fill gate|up": lambda: outs["gu8"].zero_(),
             "fill down": lambda: outs["d8"].zero_(),
         }
+
+        if args.quant_split:
+            cast = {n: torch.empty(v.shape, device="cuda", dtype=torch.float8_e4m3fn)
+                    for n, v in (("d_gu", d_gu), ("x", x), ("h", h))}
+            steps.update({
+                "q d_gu": lambda: quant("a_gu", d_gu, (1, 128), False),
+                "q x": lambda: quant("b_gu", x, (128, 128), True),
+                "q d_out": lambda: quant("a_d", d_out, (1, 128), True),
+                "q h": lambda: quant("b_d", h, (128, 128), False),
+                "cast gate|up": lambda: (cast["d_gu"].copy_(d_gu), cast["x"].copy_(x)),
+                "cast down": lambda: (cast["x"].copy_(d_out), cast["h"].copy_(h))})
 
         if acc:                               # main-grad: FP32 outputs added to
             def bf16acc(part, cfg):
@@ -287,6 +302,10 @@ def main():
                       f"x{b16 / ms:.2f}{note}", flush=True)
             for p in filter(None, args.parts.split(",")):
                 print(f"    {first} {p:16s} {t[f'part {part} {p}']:7.3f} ms", flush=True)
+            if args.quant_split:
+                ops = ("d_gu", "x") if part == "gate|up" else ("d_out", "h")
+                print("    quant " + ", ".join(f"{o} {t['q ' + o]:.3f}" for o in ops)
+                      + f" ms; torch's cast of both {t['cast ' + part]:.3f} ms", flush=True)
         outs.clear()
         q.clear()
         steps.clear()
