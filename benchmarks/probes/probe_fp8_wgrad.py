@@ -188,13 +188,18 @@ def main():
                                    index=index if gather else None, num_rows=nr,
                                    stream=numba_stream())
 
+        # each weight gradient's two transposed quantisations: operand -> (its buffers' name,
+        # bf16 rows, block, gathered through the index)
+        quants = {"d_gu": ("a_gu", d_gu, (1, 128), False), "x": ("b_gu", x, (128, 128), True),
+                  "d_out": ("a_d", d_out, (1, 128), True), "h": ("b_d", h, (128, 128), False)}
+
         def quant_gu():
-            quant("a_gu", d_gu, (1, 128), False)
-            quant("b_gu", x, (128, 128), True)
+            quant(*quants["d_gu"])
+            quant(*quants["x"])
 
         def quant_down():
-            quant("a_d", d_out, (1, 128), True)
-            quant("b_d", h, (128, 128), False)
+            quant(*quants["d_out"])
+            quant(*quants["h"])
         quant_gu()
         quant_down()
         torch.cuda.synchronize()
@@ -215,11 +220,8 @@ def main():
         if args.quant_split:
             cast = {n: torch.empty(v.shape, device="cuda", dtype=torch.float8_e4m3fn)
                     for n, v in (("d_gu", d_gu), ("x", x), ("h", h))}
+            steps.update({f"q {o}": (lambda a=a: quant(*a)) for o, a in quants.items()})
             steps.update({
-                "q d_gu": lambda: quant("a_gu", d_gu, (1, 128), False),
-                "q x": lambda: quant("b_gu", x, (128, 128), True),
-                "q d_out": lambda: quant("a_d", d_out, (1, 128), True),
-                "q h": lambda: quant("b_d", h, (128, 128), False),
                 "cast gate|up": lambda: (cast["d_gu"].copy_(d_gu), cast["x"].copy_(x)),
                 "cast down": lambda: (cast["x"].copy_(d_out), cast["h"].copy_(h))})
 
