@@ -32,8 +32,9 @@
 #        ncu (Nsight Compute over a probe's --profile launches: NCU_RUN the probe and its
 #        arguments, NCU_KERNEL a kernel-name regex, NCU_COUNT launches, NCU_SECTIONS; e.g.
 #        NCU_RUN="benchmarks/probes/probe_fp8_wgrad.py --presets qwen3.5-397b --tokens 7168
-#        --quant-split --profile" NCU_KERNEL=quantize_cols, or NCU_KERNEL=kernel for the
-#        weight gradients' L2 throughput)
+#        --quant-split --profile" NCU_KERNEL=quantize_cols, or the default "^kernel" for the
+#        weight gradients' L2 throughput: anchored, as "kernel" alone also names the
+#        quantiser and torch's elementwise kernels)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
 #        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
 #        FP8 too: the FP8 layer vs ours in bf16, forward
@@ -200,7 +201,7 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ${PROBE_FP8_FLAGS:-} ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    ncu) step ncu ncu --clock-control none --profile-from-start off -k "regex:${NCU_KERNEL:-kernel}" \
+    ncu) step ncu ncu --clock-control none --profile-from-start off -k "regex:${NCU_KERNEL:-^kernel}" \
          --launch-count "${NCU_COUNT:-4}" ${NCU_SECTIONS:---section SpeedOfLight --section \
          MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats} \
          python3 ${NCU_RUN:?NCU_RUN: a probe and its arguments, with --profile} ;;
