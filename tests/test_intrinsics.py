@@ -19,7 +19,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_4_at, cp_async_commit,
                                  cp_async_mbarrier_arrive, cp_async_wait,
                                  ld_acquire_sys, ld_v4,
                                  ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
-                                 pack_bf16x2,
+                                 max_u16x2, pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
                                  tuple_pick)
@@ -105,6 +105,25 @@ def test_bf16_rounding_matches_ml_dtypes():
     np.testing.assert_array_equal(to_host(packed), want[0::2].astype(np.uint32)
                                   | (want[1::2].astype(np.uint32) << 16))
     np.testing.assert_array_equal(to_host(back), bits_to_f32(want))
+
+
+@kjit
+def _max_halves(a, b, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = max_u16x2(a[i], b[i])
+
+
+def test_max_u16x2_is_the_larger_of_each_half():
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    a[:4] = [0xFFFF0000, 0x0000FFFF, 0x7F807FC0, 0x80000001]   # halves compare unsigned
+    b[:4] = [0x0001FFFF, 0xFFFF0001, 0x7FC07F80, 0x7FFFFFFF]
+    out = to_dev(np.zeros(64, np.uint32))
+    _max_halves[2, 32](to_dev(a), to_dev(b), out)
+    want = np.maximum(a & 0xFFFF, b & 0xFFFF) | (np.maximum(a >> 16, b >> 16) << 16)
+    np.testing.assert_array_equal(to_host(out), want.astype(np.uint32))
 
 
 @kjit

@@ -313,6 +313,20 @@ def pack_bf16x2(typingctx, lo, hi):
 
 
 @intrinsic
+def max_u16x2(typingctx, a, b):
+    """The larger of each 16-bit half of two uint32, as unsigned (``max.u16x2``, sm_90+, one
+    instruction): a running maximum of packed |bf16| bit patterns, two columns at once."""
+    if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aa = context.cast(builder, args[0], sig.args[0], types.uint32)
+        bb = context.cast(builder, args[1], sig.args[1], types.uint32)
+        return _asm(builder, _i32, [aa, bb], "max.u16x2 $0, $1, $2;", "=r,r,r")
+    return types.uint32(a, b), codegen
+
+
+@intrinsic
 def fold_nonfinite_bf16x2(typingctx, z, w):
     """``w * 0 + z`` on two packed bf16 (``fma.rn.bf16x2``, one instruction): a half of the
     result is NaN once a NaN/Inf went through it, else stays +0. Folded over a tile's output

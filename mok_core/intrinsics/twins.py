@@ -138,6 +138,11 @@ def pack_bf16x2(lo, hi):
     return np.uint32((_bf16_bits(hi) << 16) | _bf16_bits(lo))
 
 
+def max_u16x2(a, b):
+    a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+    return np.uint32(max(a & 0xFFFF, b & 0xFFFF) | max(a >> 16, b >> 16) << 16)
+
+
 def fold_nonfinite_bf16x2(z, w):
     z, w = int(z), int(w)
     out = 0

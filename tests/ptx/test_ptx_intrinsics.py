@@ -13,6 +13,7 @@ CASES = {
     "st_v2_f32": (ti._swap_pairs_v2, (f32, f32), [r"st(\.global)?\.v2\.f32"]),
     "sfu": (ti._sfu, (f32, f32), [r"ex2\.approx\.ftz\.f32", r"rcp\.approx\.ftz\.f32"]),
     "bf16": (ti._convert, (f32, u32, f32), [r"cvt\.rn\.bf16x2\.f32"]),
+    "max_u16x2": (ti._max_halves, (u32, u32, u32), [r"max\.u16x2"]),
     "flags": (ti._flags, (i32, i32), [r"ld\.acquire\.sys", r"st\.release\.sys",
                                       r"red\.release\.gpu\.add"]),
     "mma": (ti._mma_tile_at, (u16, u16, f32, f32),
