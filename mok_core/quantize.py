@@ -30,7 +30,10 @@ without a divide instruction (``_fast_quotient``: the product with 1 / s correct
 three instructions where a division takes a dozen; ``fdiv_rn`` for NaN/Inf and tiny scales).
 The source row is the output row, or index[row] (< 0: no read, a zero row, scale 1). NaN/Inf
 cost the data path one vote per pass; a warp that saw one reports each item's count once
-(``warp_sum``) with the item's output row as its first row.
+(``warp_sum``) with the item's output row as its first row. An item's quantisation and report
+are device functions (``quantize_row_item``, ``row_words_finite``, ``report_row_item``) that
+``mok_core.swiglu_backward`` calls too: its warp step is such an item of [d_g | d_u], which
+it quantises as it writes it.
 
 ``quantize_kernel`` -- (128, 128) blocks, not transposed (the weights): grid (C / 128,
 ceil(R / 128), E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by,
@@ -316,27 +319,44 @@ def _lane_max(a, b):
 
 
 @kjit(device=True, inline="always")
-def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
-    """Quantize item ``item`` from every lane's two words (the whole warp calls it)."""
-    if item < items:
-        m, finite = _lane_max(a, b)
-        s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), ue8m0)
-        if lane == 0:
-            if ue8m0:
-                scales_u8[uint64(item)] = s_u8
-            else:
-                scales_f32[uint64(item)] = s_f32
-        # a lane divides by s with the fma-corrected product (module docstring)
-        hi = uint32(0xFFFF0000)
-        out32[uint64(item * 32 + lane)] = _quantize4(
-            u32_as_f32(uint32(a << uint32(16))), u32_as_f32(uint32(a & hi)),
-            u32_as_f32(uint32(b << uint32(16))), u32_as_f32(uint32(b & hi)), s,
-            fdiv_rn(float32(1.0), s), finite and s >= float32(_FAST_SCALE))
+def quantize_row_item(a, b, item, out32, scales_f32, scales_u8, ue8m0, lane):
+    """Quantize item ``item`` -- 1 x 128: lane l's two words ``a``, ``b`` are its bf16
+    columns 4l .. 4l + 3 -- and store its 32 e4m3 words (out32[32 item + l]) and its scale
+    (scales[item], lane 0). The whole warp calls it: ``quantize_rows_kernel``'s items, and
+    ``mok_core.swiglu_backward``'s fused quantisation of the words it just packed."""
+    m, finite = _lane_max(a, b)
+    s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), ue8m0)
+    if lane == 0:
+        if ue8m0:
+            scales_u8[uint64(item)] = s_u8
+        else:
+            scales_f32[uint64(item)] = s_f32
+    # a lane divides by s with the fma-corrected product (module docstring)
+    hi = uint32(0xFFFF0000)
+    out32[uint64(item * 32 + lane)] = _quantize4(
+        u32_as_f32(uint32(a << uint32(16))), u32_as_f32(uint32(a & hi)),
+        u32_as_f32(uint32(b << uint32(16))), u32_as_f32(uint32(b & hi)), s,
+        fdiv_rn(float32(1.0), s), finite and s >= float32(_FAST_SCALE))
 
 
 @kjit(device=True, inline="always")
-def _row_report(a, b, item, groups, errors, tensor, rank, lane):
-    """An item's NaN/Inf, once per warp (the whole warp calls it)."""
+def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
+    """Quantize item ``item`` from every lane's two words (the whole warp calls it)."""
+    if item < items:
+        quantize_row_item(a, b, item, out32, scales_f32, scales_u8, ue8m0, lane)
+
+
+@kjit(device=True, inline="always")
+def row_words_finite(a, b):
+    """Whether a lane's four bf16 values (two words) are all finite: the vote's operand that
+    gates ``report_row_item`` (NaN/Inf are the rare path)."""
+    return _lane_bits_max(a, b) < uint32(_BF16_INF)
+
+
+@kjit(device=True, inline="always")
+def report_row_item(a, b, item, groups, errors, tensor, rank, lane):
+    """Item ``item``'s NaN/Inf (``groups`` items a row), once per warp: counted into the
+    error word with the item's row as its first row (the whole warp calls it)."""
     n = warp_sum(_non_finite(a, b))
     if n != 0 and lane == 0:
         record_non_finite(errors, tensor, rank, n, int32(item // groups))
@@ -355,10 +375,10 @@ def row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, sca
     m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
               _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
     if not warp_all(m < uint32(_BF16_INF)):
-        _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
-        _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
-        _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
-        _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+        report_row_item(a0, b0, i, groups, errors, tensor, rank, lane)
+        report_row_item(a1, b1, i + warps, groups, errors, tensor, rank, lane)
+        report_row_item(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
+        report_row_item(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
 
 
 @kjit

@@ -22,7 +22,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_4_at, cp_async_commit,
                                  max_u16x2, pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
-                                 tuple_pick)
+                                 tuple_pick, warp_fsum)
 from mok_core.intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait,
                                  bulk_wait_read, st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
@@ -230,6 +230,29 @@ def test_match_any_masks_equal_keys_per_warp():
     want = np.array([sum(1 << j for j in range(32) if keys[w * 32 + j] == keys[i])
                      for i in range(64) for w in [i // 32]], np.uint32)
     np.testing.assert_array_equal(to_host(masks), want)
+
+
+@kjit
+def _warp_fsums(x, out):
+    """Two warps: each lane's warp_fsum of its warp's values."""
+    i = cuda.threadIdx.x
+    out[i] = warp_fsum(x[i])
+
+
+def test_warp_fsum_is_the_fixed_butterfly():
+    """Every lane gets the butterfly's bits (distance 16, 8, 4, 2, 1, each add rounded to
+    float32) -- values over 40 binades, so another order would round differently."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(64) * np.exp2(rng.integers(-20, 20, 64))).astype(np.float32)
+    out = to_dev(np.zeros(64, np.float32))
+    _warp_fsums[1, 64](to_dev(x), out)
+    v = x.reshape(2, 32)
+    for d in (16, 8, 4, 2, 1):
+        v = (v + v[:, np.arange(32) ^ d]).astype(np.float32)
+    assert (v == v[:, :1]).all()                              # every lane the same bits
+    np.testing.assert_array_equal(to_host(out).view(np.uint32), v.ravel().view(np.uint32))
+    seq = x.reshape(2, 32).astype(np.float32).cumsum(1, dtype=np.float32)[:, -1]
+    assert (seq != v[:, 0]).any()                 # the order shows in the bits
 
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------
