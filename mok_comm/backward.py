@@ -58,7 +58,8 @@ the context, bit for bit.
 ``MoKConfig(precision="fp8")``: the routed experts' two data gradients run in FP8 (DeepSeek-V3's
 recipe): the d_out rows are quantised 1 x 128 into expert order on the way as the forward's
 x is (where EP < k once a token -- the d_out staging's rows -- then gathered by
-``mok_core.gather_rows``, else ``quantize_fp8(index=gather_index)``), [d_g | d_u] in place, and
+``mok_core.gather_rows``, else ``quantize_fp8(index=gather_index)``), [d_g | d_u] by the SwiGLU
+backward's kernel as it writes them (``mok_core.swiglu_backward``'s ``quant``), and
 ``fp8_gemm`` multiplies them by the weights' transposed copies (``FP8Weights.w_down_t`` [E, I,
 H] and ``w_gate_up_t`` [E, H, 2I], made with the forward's copies by ``quantize_weights``):
 e4m3 wgmma reads both operands K-major, and these GEMMs reduce over the weights' other side.
@@ -86,10 +87,10 @@ take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The
 rows are written, then pushed home by the combine kernel on either path.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
-sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed tree,
-the epilogue a fixed slot order: bitwise-identical gradients for identical inputs. Padding rows
-are zeros (they contribute nothing); an expert with no rows gets zero weight gradients
-(written, or with ``accumulate`` left as they were).
+sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed
+butterfly, the epilogue a fixed slot order: bitwise-identical gradients for identical inputs.
+Padding rows are zeros (they contribute nothing); an expert with no rows gets zero weight
+gradients (written, or with ``accumulate`` left as they were).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ from mok_core.cuda_compat import (as_device_array, device_address, device_copy, 
                                   flat_view)
 from mok_core.errors_kernels import scratch_error_word
 from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
-from mok_core.quantize import launch_quantize_cols, launch_quantize_rows
+from mok_core.quantize import launch_quantize_cols
 from mok_core.swiglu_backward import launch_swiglu_backward
 from mok_core.wgrad_rows import launch_wgrad_rows
 
@@ -263,28 +264,33 @@ def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):
 
 
 def swiglu_backward(layer: Layer, shared: bool, stream):
-    """d_gu = SwiGLU'(g, u) (w p); routed: d_w pushed home, p becomes w h."""
+    """d_gu = SwiGLU'(g, u) (w p); routed: d_w pushed home, p becomes w h. FP8: the same
+    kernel quantises [d_g | d_u] 1 x 128 into ``d_gu8`` as it writes it (bf16 d_gu is still
+    written: the weight gradients read it, bf16 or transposed-quantised)."""
     o = _rows(layer, shared)
-    route = None
+    route = quant = None
     if not shared:
         s, g = layer.schedule, layer.grad
         route = (s.src_rank, s.src_token, s.src_slot, g.peer_router, g.peer_d_router,
                  layer.shape.topk)
+    if _fp8(layer, shared):
+        # (the quantisation saturates an Inf to +-448, so it reports d_gu's NaN/Inf itself,
+        # as the d_x rows' the bf16 GEMM would have written)
+        report = _nan_check(layer, err.NF_D_X_ROUTED)
+        quant = (layer.grad.d_gu8, layer.grad.d_gu8_scale, report["errors"], report["tensor"],
+                 report["rank"])
     launch_swiglu_backward(o.p, o.gate, o.up, o.hidden, o.d_gu, o.index, o.rows,
-                           limit=layer.swiglu_limit, route=route, stream=stream)
+                           limit=layer.swiglu_limit, route=route, quant=quant, stream=stream)
 
 
 def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
     """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows. FP8:
-    [d_g | d_u] quantised 1 x 128, then the FP8 GEMM on [W_gate; W_up]'s transposed copy."""
+    the FP8 GEMM of [d_g | d_u] quantised 1 x 128 (by ``swiglu_backward``) on [W_gate;
+    W_up]'s transposed copy."""
     o = _rows(layer, shared)
     report = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
-        # (the quantiser saturates an Inf to +-448, so it reports d_gu's NaN/Inf itself, as
-        # the d_x rows' the bf16 GEMM would have written)
-        launch_quantize_rows(o.d_gu, g.d_gu8, g.d_gu8_scale, num_rows=o.rows, stream=stream,
-                             **report)
         launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
                         o.rows, o.d_x, bm=layer.fp8_bm, stream=stream, **report)
         return

@@ -30,7 +30,10 @@ without a divide instruction (``_fast_quotient``: the product with 1 / s correct
 three instructions where a division takes a dozen; ``fdiv_rn`` for NaN/Inf and tiny scales).
 The source row is the output row, or index[row] (< 0: no read, a zero row, scale 1). NaN/Inf
 cost the data path one vote per pass; a warp that saw one reports each item's count once
-(``warp_sum``) with the item's output row as its first row.
+(``warp_sum``) with the item's output row as its first row. An item's quantisation and report
+are device functions (``quantize_row_item``, ``row_words_finite``, ``report_row_item``) that
+``mok_core.swiglu_backward`` calls too: its warp step is such an item of [d_g | d_u], which
+it quantises as it writes it.
 
 ``quantize_kernel`` -- (128, 128) blocks, not transposed (the weights): grid (C / 128,
 ceil(R / 128), E), 256 threads = 8 warps; a block owns the 128 x 128 input tile at (row 128 by,
@@ -52,13 +55,16 @@ c0 + 127. Thread t loads 16 bytes -- bf16 columns 8 (t % 16) .. + 7 -- of tile r
 whose word w of row r sits at w XOR (r / 4) (``_tile_word``): the transposed reads then hit 32
 banks. Then warp w takes lines 16w .. 16w + 15 two at a time (one tile word holds both), lane
 l rows 4l .. 4l + 3: one e4m3 word of each line, stored at once (128 contiguous bytes per
-warp and line). Scales: a (1, 128) line's from a warp reduction of its lanes' largest
-finite |value| (lane 0 stores it); a (128, 128) block's from the CTA's (one shared word per
-warp), its reciprocal taken once. The quotients are the rows kernel's (``_fast_quotient``).
-The kernel is bound by its instructions, so a staged word costs six: its |bits|' larger half
-into the thread's max and |bits| + 0x00800080 OR-ed into a flag whose bit 15 or 31 is set iff
-a value is NaN/Inf. A thread so flagged recounts its own staged words exactly (the rare path:
-count, smallest row, finite max), and a block holding any NaN/Inf (``syncthreads_or``)
+warp and line). The kernel is bound by its instructions, so a staged word costs three: its
+store, and its |bits| folded into the thread's four column maxima (``max_u16x2``, two
+columns an instruction; NaN/Inf's |bits| >= 0x7F80 are above every finite value's, so the
+maxima also say whether the thread saw one). Scales: a (1, 128) line's is formed once, by
+thread t < 128 for line t from the 16 row groups' maxima (shared ``colmax``), and handed to
+every warp with its reciprocal through shared memory (``line_s``, ``line_r``); a (128, 128)
+block's from the CTA's (one shared word per warp), its reciprocal taken once. The quotients
+are the rows kernel's (``_fast_quotient``). The rare path: a thread whose maxima show NaN/Inf
+recounts its own staged words exactly (count, smallest row, finite max), a line holding one
+takes its finite max from the staged column, and a block holding any (``syncthreads_or``)
 divides every line by ``fdiv_rn``.
 
 All three: NaN/Inf values are left out of a block's amax (a (1, 128) line's other values keep their
@@ -79,8 +85,8 @@ from . import errors as err
 from .cuda_compat import (as_device_array, device_address, device_empty, flat_view, kjit, launch,
                           multiprocessor_count)
 from .errors_record import record_non_finite
-from .intrinsics import (f32_as_u32, fdiv_rn, ffma_rn, fmul_rn, ld_v4, pack_e4m3x4, u32_as_f32,
-                         warp_all, warp_min, warp_sum)
+from .intrinsics import (f32_as_u32, fdiv_rn, ffma_rn, fmul_rn, ld_v4, max_u16x2, pack_e4m3x4,
+                         u32_as_f32, warp_all, warp_min, warp_sum)
 from .quantize_reference import E4M3_MAX
 
 THREADS = 256
@@ -313,27 +319,44 @@ def _lane_max(a, b):
 
 
 @kjit(device=True, inline="always")
-def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
-    """Quantize item ``item`` from every lane's two words (the whole warp calls it)."""
-    if item < items:
-        m, finite = _lane_max(a, b)
-        s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), ue8m0)
-        if lane == 0:
-            if ue8m0:
-                scales_u8[uint64(item)] = s_u8
-            else:
-                scales_f32[uint64(item)] = s_f32
-        # a lane divides by s with the fma-corrected product (module docstring)
-        hi = uint32(0xFFFF0000)
-        out32[uint64(item * 32 + lane)] = _quantize4(
-            u32_as_f32(uint32(a << uint32(16))), u32_as_f32(uint32(a & hi)),
-            u32_as_f32(uint32(b << uint32(16))), u32_as_f32(uint32(b & hi)), s,
-            fdiv_rn(float32(1.0), s), finite and s >= float32(_FAST_SCALE))
+def quantize_row_item(a, b, item, out32, scales_f32, scales_u8, ue8m0, lane):
+    """Quantize item ``item`` -- 1 x 128: lane l's two words ``a``, ``b`` are its bf16
+    columns 4l .. 4l + 3 -- and store its 32 e4m3 words (out32[32 item + l]) and its scale
+    (scales[item], lane 0). The whole warp calls it: ``quantize_rows_kernel``'s items, and
+    ``mok_core.swiglu_backward``'s fused quantisation of the words it just packed."""
+    m, finite = _lane_max(a, b)
+    s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(m << uint32(16)))), ue8m0)
+    if lane == 0:
+        if ue8m0:
+            scales_u8[uint64(item)] = s_u8
+        else:
+            scales_f32[uint64(item)] = s_f32
+    # a lane divides by s with the fma-corrected product (module docstring)
+    hi = uint32(0xFFFF0000)
+    out32[uint64(item * 32 + lane)] = _quantize4(
+        u32_as_f32(uint32(a << uint32(16))), u32_as_f32(uint32(a & hi)),
+        u32_as_f32(uint32(b << uint32(16))), u32_as_f32(uint32(b & hi)), s,
+        fdiv_rn(float32(1.0), s), finite and s >= float32(_FAST_SCALE))
 
 
 @kjit(device=True, inline="always")
-def _row_report(a, b, item, groups, errors, tensor, rank, lane):
-    """An item's NaN/Inf, once per warp (the whole warp calls it)."""
+def _row_store(a, b, item, items, out32, scales_f32, scales_u8, ue8m0, lane):
+    """Quantize item ``item`` from every lane's two words (the whole warp calls it)."""
+    if item < items:
+        quantize_row_item(a, b, item, out32, scales_f32, scales_u8, ue8m0, lane)
+
+
+@kjit(device=True, inline="always")
+def row_words_finite(a, b):
+    """Whether a lane's four bf16 values (two words) are all finite: the vote's operand that
+    gates ``report_row_item`` (NaN/Inf are the rare path)."""
+    return _lane_bits_max(a, b) < uint32(_BF16_INF)
+
+
+@kjit(device=True, inline="always")
+def report_row_item(a, b, item, groups, errors, tensor, rank, lane):
+    """Item ``item``'s NaN/Inf (``groups`` items a row), once per warp: counted into the
+    error word with the item's row as its first row (the whole warp calls it)."""
     n = warp_sum(_non_finite(a, b))
     if n != 0 and lane == 0:
         record_non_finite(errors, tensor, rank, n, int32(item // groups))
@@ -352,10 +375,10 @@ def row_pass(a0, b0, a1, b1, a2, b2, a3, b3, i, warps, items, groups, out32, sca
     m = _umax(_umax(_lane_bits_max(a0, b0), _lane_bits_max(a1, b1)),
               _umax(_lane_bits_max(a2, b2), _lane_bits_max(a3, b3)))
     if not warp_all(m < uint32(_BF16_INF)):
-        _row_report(a0, b0, i, groups, errors, tensor, rank, lane)
-        _row_report(a1, b1, i + warps, groups, errors, tensor, rank, lane)
-        _row_report(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
-        _row_report(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
+        report_row_item(a0, b0, i, groups, errors, tensor, rank, lane)
+        report_row_item(a1, b1, i + warps, groups, errors, tensor, rank, lane)
+        report_row_item(a2, b2, i + 2 * warps, groups, errors, tensor, rank, lane)
+        report_row_item(a3, b3, i + 3 * warps, groups, errors, tensor, rank, lane)
 
 
 @kjit
@@ -416,23 +439,47 @@ def _col_chunk(x32, index, gather, cap, x0, r, src_col, words):
 @kjit(device=True, inline="always")
 def _tile_word(r, w):
     """The shared word of tile row r's word w (64 words a row): w XOR r / 4, so that the
-    transposed reads -- lane l reading rows 4l .. 4l + 3 at one word -- hit 32 banks."""
-    return r * 64 + (w ^ ((r >> 2) & 31))
+    transposed reads -- lane l reading rows 4l .. 4l + 3 at one word -- hit 32 banks.
+    Unsigned, as every shared index here: numba wraps signed ones around (a compare and a
+    select per access)."""
+    return uint64(r * 64 + (w ^ ((r >> 2) & 31)))
 
 
 @kjit(device=True, inline="always")
-def _stage_chunk(tile, r, q, v0, v1, v2, v3, m, flags):
-    """A loaded chunk into the tile (words 4q .. 4q + 3 of row r), folded into the thread's
-    largest |bf16| bit pattern ``m`` (NaN/Inf included) and ``flags``, the OR of each pair's
-    |bits| + 0x0080 per half: bit 15 or 31 set iff a value is NaN/Inf (0x7F80 + 0x80 =
-    0x8000; no carry crosses the halves). Six instructions a word: this kernel is bound by
-    its instructions, and NaN/Inf are the rare path (``_stage_recount``)."""
-    for k, v in ((0, v0), (1, v1), (2, v2), (3, v3)):
-        tile[_tile_word(r, 4 * q + k)] = v
-        a = uint32(v & uint32(0x7FFF7FFF))
-        flags |= uint32(a + uint32(0x00800080))
-        m = _umax(m, _umax(uint32(a & uint32(0xFFFF)), uint32(a >> uint32(16))))
-    return m, flags
+def _stage_chunk(tile, r, q, v0, v1, v2, v3, m0, m1, m2, m3):
+    """A loaded chunk into the tile (words 4q .. 4q + 3 of row r), each word's |bf16| bits
+    folded into the thread's column maxima m_k (``max_u16x2``: two columns a word, NaN/Inf
+    included -- their |bits| are >= 0x7F80, above every finite value's). Three instructions
+    a word: this kernel is bound by its instructions, and NaN/Inf are the rare path
+    (``_stage_recount``, ``_line_bits``)."""
+    a = uint32(0x7FFF7FFF)
+    tile[_tile_word(r, 4 * q)] = v0
+    tile[_tile_word(r, 4 * q + 1)] = v1
+    tile[_tile_word(r, 4 * q + 2)] = v2
+    tile[_tile_word(r, 4 * q + 3)] = v3
+    return (max_u16x2(m0, v0 & a), max_u16x2(m1, v1 & a), max_u16x2(m2, v2 & a),
+            max_u16x2(m3, v3 & a))
+
+
+@kjit(device=True, inline="always")
+def _line_bits(colmax, tile, t):
+    """The largest finite |bf16| bit pattern of tile column t (output line t; 0 if none): from
+    the 16 row groups' column maxima, or -- the rare path, a NaN/Inf among them -- from the
+    staged column itself."""
+    w = t >> 1
+    sh = uint32(16 * (t & 1))
+    lo = uint32(0xFFFF)
+    m = uint32(0)
+    for g in range(16):
+        m = _umax(m, uint32((colmax[uint64(g * 64 + w)] >> sh) & lo))
+    inf = uint32(_BF16_INF)
+    if m >= inf:
+        m = uint32(0)
+        for r in range(128):
+            h = uint32((tile[_tile_word(r, w)] >> sh) & uint32(_BF16_ABS))
+            if h < inf:
+                m = _umax(m, h)
+    return m
 
 
 @kjit(device=True, inline="always")
@@ -476,6 +523,9 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     A NaN/Inf's row in the error word is the output column (gather) or the flat input row.
     """
     tile = cuda.shared.array(8192, uint32)      # 128 rows x 64 words, swizzled (_tile_word)
+    colmax = cuda.shared.array(1024, uint32)    # [16 row groups][64 words]: column maxima
+    line_s = cuda.shared.array(128, float32)    # (1, 128): each line's scale ...
+    line_r = cuda.shared.array(128, float32)    # ... and its reciprocal
     red = cuda.shared.array(8, float32)
     t = cuda.threadIdx.x
     lane = t % 32
@@ -502,17 +552,24 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     f0, f1, f2, f3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 80, col, words)
     g0, g1, g2, g3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 96, col, words)
     h0, h1, h2, h3 = _col_chunk(x32, index, gather, cap, x0, r0 + rb + 112, col, words)
-    m = uint32(0)
-    flags = uint32(0)
-    m, flags = _stage_chunk(tile, rb, q, a0, a1, a2, a3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 16, q, b0, b1, b2, b3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 32, q, c0_, c1, c2, c3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 48, q, d0, d1, d2, d3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 64, q, e0, e1, e2, e3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 80, q, f0, f1, f2, f3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 96, q, g0, g1, g2, g3, m, flags)
-    m, flags = _stage_chunk(tile, rb + 112, q, h0, h1, h2, h3, m, flags)
-    dirty = (flags & uint32(0x80008000)) != 0
+    z = uint32(0)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb, q, a0, a1, a2, a3, z, z, z, z)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 16, q, b0, b1, b2, b3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 32, q, c0_, c1, c2, c3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 48, q, d0, d1, d2, d3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 64, q, e0, e1, e2, e3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 80, q, f0, f1, f2, f3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 96, q, g0, g1, g2, g3, m0, m1, m2, m3)
+    m0, m1, m2, m3 = _stage_chunk(tile, rb + 112, q, h0, h1, h2, h3, m0, m1, m2, m3)
+    if not whole_block:
+        cm = uint64(rb * 64 + 4 * q)
+        colmax[cm] = m0
+        colmax[cm + uint64(1)] = m1
+        colmax[cm + uint64(2)] = m2
+        colmax[cm + uint64(3)] = m3
+    mm = max_u16x2(max_u16x2(m0, m1), max_u16x2(m2, m3))
+    m = _umax(uint32(mm & uint32(0xFFFF)), uint32(mm >> uint32(16)))
+    dirty = m >= uint32(_BF16_INF)
     bad = int32(0)
     first = int64(0)
     if dirty:                                   # NaN/Inf: the exact count and finite max
@@ -534,8 +591,6 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
     o0 = mat * C * pitch
     s0 = mat * (C // 128 if whole_block else C) * n_blk
     s = float32(1.0)
-    s_f32 = float32(1.0)
-    s_u8 = int32(0)
     rcp = float32(1.0)
     if whole_block:
         amax = red[0]
@@ -549,39 +604,42 @@ def quantize_cols_kernel(x32, index, gather, row_cap, capped, R_in, R, C, out32,
                 scales_u8[k] = s_u8
             else:
                 scales_f32[k] = s_f32
+    else:
+        # (1, 128): thread t < 128 forms line t's scale once, for every warp that stores it
+        if t < 128:
+            mx = _line_bits(colmax, tile, t)
+            ls, ls_f32, ls_u8 = _row_scale(u32_as_f32(uint32(mx << uint32(16))), ue8m0)
+            line_s[uint64(t)] = ls
+            line_r[uint64(t)] = fdiv_rn(float32(1.0), ls)
+            k = s0 + (c0 + t) * n_blk + col0 // 128
+            if ue8m0:
+                scales_u8[k] = ls_u8
+            else:
+                scales_f32[k] = ls_f32
+        cuda.syncthreads()
     # warp w: output lines (input columns) 16 w .. 16 w + 15, two a step (one tile word);
-    # lane l: rows 4 l .. 4 l + 3 -- one output word of each line
+    # lane l: rows 4 l .. 4 l + 3 -- one output word of each line, at out32[o] (o steps a
+    # line: pitch is a multiple of 128 bytes, so every term is whole words and no signed
+    # division is left in the loop)
+    pw = pitch // 4
+    o = (o0 + col0) // 4 + (c0 + 16 * warp) * pw + lane
+    tb = 256 * lane                             # tile rows 4 l ..: _tile_word's swizzle is l
+    lo = uint32(0xFFFF)
     for p in range(8):
-        wc = 8 * warp + p
-        w0 = tile[_tile_word(4 * lane, wc)]
-        w1 = tile[_tile_word(4 * lane + 1, wc)]
-        w2 = tile[_tile_word(4 * lane + 2, wc)]
-        w3 = tile[_tile_word(4 * lane + 3, wc)]
-        lo = uint32(0xFFFF)
+        sw = uint64(tb + ((8 * warp + p) ^ lane))
+        w0 = tile[sw]
+        w1 = tile[sw + uint64(64)]
+        w2 = tile[sw + uint64(128)]
+        w3 = tile[sw + uint64(192)]
         for half in range(2):                   # line 2 wc (low halves), then 2 wc + 1
             sh = uint32(16 * half)
-            h0 = uint32((w0 >> sh) & lo)
-            h1 = uint32((w1 >> sh) & lo)
-            h2 = uint32((w2 >> sh) & lo)
-            h3 = uint32((w3 >> sh) & lo)
-            line = c0 + 2 * wc + half
             if not whole_block:
-                a = uint32(_BF16_ABS)
-                mx = _umax(_umax(h0 & a, h1 & a), _umax(h2 & a, h3 & a))
-                if not clean:
-                    mx = _finite_max(h0 & a, h1 & a, h2 & a, h3 & a)
-                s, s_f32, s_u8 = _row_scale(_warp_max(u32_as_f32(uint32(mx << uint32(16)))),
-                                            ue8m0)
-                rcp = fdiv_rn(float32(1.0), s)
-                if lane == 0:
-                    k = s0 + line * n_blk + col0 // 128
-                    if ue8m0:
-                        scales_u8[k] = s_u8
-                    else:
-                        scales_f32[k] = s_f32
-            out32[uint64((o0 + line * pitch + col0) // 4 + lane)] = _quantize4(
-                _bf16(h0), _bf16(h1), _bf16(h2), _bf16(h3), s, rcp,
-                clean and s >= float32(_FAST_SCALE))
+                s = line_s[uint64(16 * warp + 2 * p + half)]
+                rcp = line_r[uint64(16 * warp + 2 * p + half)]
+            out32[uint64(o)] = _quantize4(
+                _bf16((w0 >> sh) & lo), _bf16((w1 >> sh) & lo), _bf16((w2 >> sh) & lo),
+                _bf16((w3 >> sh) & lo), s, rcp, clean and s >= float32(_FAST_SCALE))
+            o += pw
 
 
 def quantize_fp8(x, block=(1, 128), scale: str = "fp32", transpose: bool = False, *, out=None,

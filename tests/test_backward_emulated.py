@@ -397,7 +397,8 @@ def test_peer_that_never_arrives_in_the_backward_times_out():
 def test_fp8_backward_gradients_in_fp8():
     """``MoKConfig(precision="fp8")`` trains in FP8: the forward's routed GEMMs, the backward's
     two routed data gradients (d_out and [d_g | d_u] quantised 1 x 128 on the way -- d_out, at
-    k = 3 > EP, once a token and then gathered: bit-equal to each route's row quantised --, the
+    k = 3 > EP, once a token and then gathered: bit-equal to each route's row quantised;
+    [d_g | d_u] by the SwiGLU backward's kernel, bit-equal to its bf16 rows quantised --, the
     weights' transposed copies from ``quantize_weights``) and its three routed weight
     gradients (their operands transposed and quantised along the rows, each expert's from a
     multiple of 128: ``mok_core.wgrad_rows``, here with row_align 32); rank 0 on 128-row FP8
@@ -497,18 +498,11 @@ def test_fp8_backward_gradients_in_fp8():
         assert rel_l1(gu, want) < 5e-3
         want = grouped_wgrad_fp8_reference(*ops["d_out"], *ops["wh"], k_off, k_rows)
         assert rel_l1(f64(got[r].d_w_down), want) < 5e-3
-        # [d_g | d_u] as quantised, and the routed d_x rows its GEMM wrote (rerun alone:
-        # the weight gradients' operands overwrote it)
+        # the data gradients rerun in order (the weight gradients' operands overwrote their
+        # quantised rows, and the backward p with w h): d_out's rows in expert order, as
+        # quantised (padding rows zero), and p = d_out W_down
         Wc = check_weights(lw, W[r], backward=True)
-        B.dgrad_gate_up(lw, Wc, False, 0)
-        d_gu8, d_gu8_s = quantize_fp8_reference(f32(to_host(g.d_gu)[:n]))
-        np.testing.assert_array_equal(to_host(g.d_gu8)[:n], d_gu8)
-        np.testing.assert_array_equal(to_host(g.d_gu8_scale)[:n], d_gu8_s)
-        want = grouped_gemm_fp8_reference(d_gu8, d_gu8_s, to_host(q.w_gate_up_t),
-                                          to_host(q.w_gate_up_t_scale), off, [n])
-        assert rel_l1(f64(to_host(g.d_x_rows)[:n]), want) < 5e-3
-        # d_out's rows in expert order, as quantised (padding rows zero), and p = d_out W_down
-        # again (the backward overwrote p with w h: the dgrad reruns alone)
+        d_gu = to_host(g.d_gu)[:n].copy()
         index = index[:n]
         rows = np.where(index[:, None] >= 0, to_host(g.comm.x_recv)[np.maximum(index, 0)], 0)
         d_out8, d_out8_s = quantize_fp8_reference(f32(rows.astype(np.uint16)))
@@ -518,6 +512,17 @@ def test_fp8_backward_gradients_in_fp8():
         want = grouped_gemm_fp8_reference(d_out8, d_out8_s, to_host(q.w_down_t),
                                           to_host(q.w_down_t_scale), off, [n])
         assert rel_l1(f64(to_host(g.p)[:n]), want) < 5e-3
+        # the SwiGLU backward: the same bf16 [d_g | d_u], quantised 1 x 128 by the same
+        # kernel as it wrote it; then the routed d_x rows its FP8 GEMM wrote
+        B.swiglu_backward(lw, False, 0)
+        np.testing.assert_array_equal(to_host(g.d_gu)[:n], d_gu)
+        d_gu8, d_gu8_s = quantize_fp8_reference(f32(d_gu))
+        np.testing.assert_array_equal(to_host(g.d_gu8)[:n], d_gu8)
+        np.testing.assert_array_equal(to_host(g.d_gu8_scale)[:n], d_gu8_s)
+        B.dgrad_gate_up(lw, Wc, False, 0)
+        want = grouped_gemm_fp8_reference(d_gu8, d_gu8_s, to_host(q.w_gate_up_t),
+                                          to_host(q.w_gate_up_t_scale), off, [n])
+        assert rel_l1(f64(to_host(g.d_x_rows)[:n]), want) < 5e-3
 
     # an Inf in [d_g | d_u] (here from an Inf saved up pre-activation) is reported: the
     # quantisers saturate it to +-448, so they count it (the d_x rows', the weight gradients')

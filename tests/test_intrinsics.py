@@ -19,10 +19,10 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_4_at, cp_async_commit,
                                  cp_async_mbarrier_arrive, cp_async_wait,
                                  ld_acquire_sys, ld_v4,
                                  ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16_16816,
-                                 pack_bf16x2,
+                                 max_u16x2, pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
-                                 tuple_pick)
+                                 tuple_pick, warp_fsum)
 from mok_core.intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait,
                                  bulk_wait_read, st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
@@ -105,6 +105,25 @@ def test_bf16_rounding_matches_ml_dtypes():
     np.testing.assert_array_equal(to_host(packed), want[0::2].astype(np.uint32)
                                   | (want[1::2].astype(np.uint32) << 16))
     np.testing.assert_array_equal(to_host(back), bits_to_f32(want))
+
+
+@kjit
+def _max_halves(a, b, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = max_u16x2(a[i], b[i])
+
+
+def test_max_u16x2_is_the_larger_of_each_half():
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    a[:4] = [0xFFFF0000, 0x0000FFFF, 0x7F807FC0, 0x80000001]   # halves compare unsigned
+    b[:4] = [0x0001FFFF, 0xFFFF0001, 0x7FC07F80, 0x7FFFFFFF]
+    out = to_dev(np.zeros(64, np.uint32))
+    _max_halves[2, 32](to_dev(a), to_dev(b), out)
+    want = np.maximum(a & 0xFFFF, b & 0xFFFF) | (np.maximum(a >> 16, b >> 16) << 16)
+    np.testing.assert_array_equal(to_host(out), want.astype(np.uint32))
 
 
 @kjit
@@ -211,6 +230,29 @@ def test_match_any_masks_equal_keys_per_warp():
     want = np.array([sum(1 << j for j in range(32) if keys[w * 32 + j] == keys[i])
                      for i in range(64) for w in [i // 32]], np.uint32)
     np.testing.assert_array_equal(to_host(masks), want)
+
+
+@kjit
+def _warp_fsums(x, out):
+    """Two warps: each lane's warp_fsum of its warp's values."""
+    i = cuda.threadIdx.x
+    out[i] = warp_fsum(x[i])
+
+
+def test_warp_fsum_is_the_fixed_butterfly():
+    """Every lane gets the butterfly's bits (distance 16, 8, 4, 2, 1, each add rounded to
+    float32) -- values over 40 binades, so another order would round differently."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(64) * np.exp2(rng.integers(-20, 20, 64))).astype(np.float32)
+    out = to_dev(np.zeros(64, np.float32))
+    _warp_fsums[1, 64](to_dev(x), out)
+    v = x.reshape(2, 32)
+    for d in (16, 8, 4, 2, 1):
+        v = (v + v[:, np.arange(32) ^ d]).astype(np.float32)
+    assert (v == v[:, :1]).all()                              # every lane the same bits
+    np.testing.assert_array_equal(to_host(out).view(np.uint32), v.ravel().view(np.uint32))
+    seq = x.reshape(2, 32).astype(np.float32).cumsum(1, dtype=np.float32)[:, -1]
+    assert (seq != v[:, 0]).any()                 # the order shows in the bits
 
 
 # ---- tensor cores: one warp, m16n8k16 through ldmatrix ----------------------------------------

@@ -4,14 +4,16 @@
                   st_v2_f32                         8-byte store of two float32
     ordering:     ld_acquire_sys, st_release_sys, red_add_release_gpu, clock64, nanosleep,
                   syncwarp, warp_all (a vote ptxas knows is warp-uniform), warp_sum /
-                  warp_min (int32 over the warp, redux.sync),
+                  warp_min (int32 over the warp, redux.sync), warp_fsum (float32 over
+                  the warp: a fixed shfl.sync.bfly butterfly, deterministic),
                   match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see),
                   per_iteration (an integer the compiler cannot hoist out of its loop)
     fp8:          pack_e4m3x4 (four float32 -> e4m3 bytes, RNE, saturating)
     bf16 / fp32:  u32_as_f32, f32_as_u32, pack_bf16x2, fmul_rn, fadd_rn, ffma_rn, fdiv_rn,
                   fold_nonfinite_bf16x2 (a running NaN/Inf check of packed output words: one
-                  fma.rn.bf16x2 per word),
+                  fma.rn.bf16x2 per word), max_u16x2 (the larger of each 16-bit half:
+                  column maxima of packed |bf16| bits, sm_90),
                   ex2_approx, rcp_approx (one SFU instruction each: the SwiGLU epilogue)
     tensor cores: mma_bf16_16816, cp_async_commit, cp_async_wait; shared_addr +
                   ldmatrix_x4_at (and ``_trans_at``: the operand stored transposed) /
@@ -49,9 +51,10 @@ from ..cuda_compat import SIM
 __all__ = [
     "ld_v4", "st_v4", "st_v2_f32",
     "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
-    "syncwarp", "warp_all", "warp_sum", "warp_min", "match_any", "tuple_pick",
+    "syncwarp", "warp_all", "warp_sum", "warp_min", "warp_fsum", "match_any", "tuple_pick",
     "per_iteration",
-    "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "fmul_rn", "fadd_rn", "ffma_rn", "fdiv_rn",
+    "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "max_u16x2",
+    "fmul_rn", "fadd_rn", "ffma_rn", "fdiv_rn",
     "pack_e4m3x4",
     "ex2_approx", "rcp_approx",
     "mma_bf16_16816", "cp_async_commit", "cp_async_wait", "shared_addr", "ldmatrix_x4_at",

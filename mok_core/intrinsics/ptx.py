@@ -203,6 +203,26 @@ warp_min = _warp_reduce(
 
 
 @intrinsic
+def warp_fsum(typingctx, value):
+    """The float32 sum of ``value`` over the warp's 32 lanes, every lane getting the same
+    bits, by a fixed butterfly: five ``shfl.sync.bfly`` steps (lane distance 16, 8, 4, 2, 1),
+    each adding the partner's value with ``add.rn.f32`` (never contracted); every lane must
+    call it. Why it exists: ``redux.sync`` has no float add, and a fixed order of rounded adds
+    is what a deterministic reduction needs -- no shared memory, no barrier (the two partners
+    of a step add the same two values, and an IEEE add is commutative)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        steps = " ".join(f"shfl.sync.bfly.b32 t, s, {d}, 31, -1; add.rn.f32 s, s, t;"
+                         for d in (16, 8, 4, 2, 1))
+        return _asm(builder, _f32, [args[0]],
+                    f"{{ .reg .f32 s, t; mov.f32 s, $1; {steps} mov.f32 $0, s; }}", "=f,f",
+                    True)
+    return types.float32(value), codegen
+
+
+@intrinsic
 def match_any(typingctx, value):
     """The mask (uint32) of the warp's lanes whose ``value`` (an integer, as int32) equals this
     lane's (``match.any.sync.b32``; every lane must call it). Why it exists: it ranks equal
@@ -310,6 +330,20 @@ def pack_bf16x2(typingctx, lo, hi):
     def codegen(context, builder, sig, args):
         return _asm(builder, _i32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
     return types.uint32(lo, hi), codegen
+
+
+@intrinsic
+def max_u16x2(typingctx, a, b):
+    """The larger of each 16-bit half of two uint32, as unsigned (``max.u16x2``, sm_90+, one
+    instruction): a running maximum of packed |bf16| bit patterns, two columns at once."""
+    if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aa = context.cast(builder, args[0], sig.args[0], types.uint32)
+        bb = context.cast(builder, args[1], sig.args[1], types.uint32)
+        return _asm(builder, _i32, [aa, bb], "max.u16x2 $0, $1, $2;", "=r,r,r")
+    return types.uint32(a, b), codegen
 
 
 @intrinsic

@@ -98,6 +98,18 @@ def warp_min(value):
     return np.int32(min(int(np.int32(v)) for v in warp_exchange(int(value))))
 
 
+def warp_fsum(value):
+    """The GPU's butterfly step for step: at distance d a lane adds lane ``lane ^ d``'s value
+    to its own, rounded to float32 (so the bits are the GPU's)."""
+    lane = threading.current_thread().thread_id % 32
+    s = np.float32(value)
+    for d in (16, 8, 4, 2, 1):
+        t = warp_exchange(s)[lane ^ d]
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = np.float32(s + t)
+    return s
+
+
 def match_any(value):
     v = int(np.int32(value))
     return np.uint32(sum(1 << j for j, w in enumerate(warp_exchange(v)) if w == v))
@@ -136,6 +148,11 @@ def _bf16_bits(x):
 
 def pack_bf16x2(lo, hi):
     return np.uint32((_bf16_bits(hi) << 16) | _bf16_bits(lo))
+
+
+def max_u16x2(a, b):
+    a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+    return np.uint32(max(a & 0xFFFF, b & 0xFFFF) | max(a >> 16, b >> 16) << 16)
 
 
 def fold_nonfinite_bf16x2(z, w):

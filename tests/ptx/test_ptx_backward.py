@@ -1,28 +1,47 @@
 """The backward's element-wise kernels compile for sm_90 (typing, no local memory): the SwiGLU
-backward (routed, with the router weights read from and d_w pushed to 2 or 8 ranks; shared)
-and the router-gradient epilogue; the layer's choice of dgrad tiles and the wgmma dgrad kernels
-it launches on Hopper at real presets' shapes."""
+backward (a warp a row: routed, with the router weights read from and d_w pushed to 2 or 8
+ranks; shared; either with the FP8 layer's 1 x 128 quantisation of [d_g | d_u]) and the
+router-gradient epilogue; the layer's choice of dgrad tiles and the wgmma dgrad kernels it
+launches on Hopper at real presets' shapes."""
 import re
 
 import pytest
-from numba import float32, int32, int64, types, uint32
+from numba import float32, int32, int64, types, uint8, uint32, uint64
 
 from mok_comm.combine import router_grads_kernel
 from mok_core.swiglu_backward import _make_kernel
-from ptx_util import compile_sm90, count
+from ptx_util import assemble_sm90a, compile_sm90, count, spill_bytes
 
-u32, i32, f32 = uint32[::1], int32[::1], float32[::1]
+u32, i32, f32, u64, u8 = uint32[::1], int32[::1], float32[::1], uint64[::1], uint8[::1]
 
 
-@pytest.mark.parametrize("routed,R", [(True, 2), (True, 8), (False, 1)])
-def test_swiglu_backward_lowers(routed, R):
+def swiglu_backward_sig(R):
+    """``launch_swiglu_backward``'s kernel arguments (peers: R ranks)."""
     peers = types.UniTuple(f32, R)
-    sig = (u32, f32, f32, u32, u32, i32, i32, i32, i32, i32, peers, peers, int64, int64,
-           float32)
-    ptx = compile_sm90(_make_kernel(routed), sig)
+    return (u64, f32, f32, u64, u64, i32, i32, i32, i32, i32, peers, peers, int64, int64,
+            float32, u32, f32, u8, i32, int32, int32)
+
+
+@pytest.mark.parametrize("routed,quant,R", [(True, False, 2), (True, False, 8),
+                                            (False, False, 1), (True, True, 2)],
+                         ids=["routed-2", "routed-8", "shared", "routed-quant"])
+def test_swiglu_backward_lowers(routed, quant, R):
+    """A warp a row: 16-byte loads of g and u, 8-byte ones of p (and h, routed), 8-byte
+    stores; no shared memory, no barrier; d_w by the five-shuffle butterfly (routed);
+    ``quant``: the row quantiser's e4m3 packs, warp amax and NaN/Inf vote."""
+    ptx = compile_sm90(_make_kernel(routed, quant), swiglu_backward_sig(R))
     assert count(ptx, r"ld\.local|st\.local") == 0
     assert count(ptx, r"ex2\.approx") >= 1 and count(ptx, r"rcp\.approx") >= 1
-    assert count(ptx, r"bar\.sync|barrier\.sync") >= (1 if routed else 0)
+    assert count(ptx, r"ld\.global\.v4\.[fub]32") == 2                    # g and u
+    assert count(ptx, r"ld\.global\.u64") == (2 if routed else 1)        # p (and h)
+    assert count(ptx, r"st\.global\.u64") == (3 if routed else 2)        # d_g, d_u (w h)
+    assert count(ptx, r"bar\.sync|barrier\.sync|bar\.warp") == 0
+    assert ".shared" not in ptx
+    assert count(ptx, r"shfl\.sync\.bfly\.b32") == (5 if routed else 0)
+    e4m3 = count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32")
+    assert (e4m3 >= 4 and count(ptx, r"vote\.sync\.all\.pred") == 1
+            and count(ptx, r"redux\.sync\.min\.s32") == 2) if quant else e4m3 == 0
+    assert spill_bytes(assemble_sm90a(ptx)) == 0          # (skipped without a matching ptxas)
 
 
 def test_router_grads_lowers():
@@ -78,7 +97,7 @@ def test_layer_wgmma_dgrad_lowers_unserialised(use):
     NaN/Inf check, no local memory anywhere -- and ptxas (where it reads numba's PTX) keeps
     the wgmmas unserialised (C7518) without spills."""
     from mok_core.gemm.sm90 import make_wgmma_gemm
-    from ptx_util import assemble_sm90a, compile_sm90a
+    from ptx_util import compile_sm90a
     from test_ptx_gemm import NF_CHECK, TMA, WG_SIG
     (g,) = _layer_dgrad_gemms()
     gather = use == "d_hidden"

@@ -40,8 +40,8 @@ def test_dequantize_mx_kernel_lowers():
 
 
 def test_quantize_cols_kernel_lowers():
-    """The transposing kernel: 16-byte loads (eight in flight a thread), the fast quotient,
-    no local memory."""
+    """The transposing kernel: 16-byte loads (eight in flight a thread), column maxima two
+    columns an instruction, the fast quotient, no local memory."""
     sig = (uint32[::1], int32[::1], boolean, int32[::1], boolean, int64, int64, int64,
            uint32[::1], float32[::1], uint8[::1], boolean, boolean, int64, int64, int32[::1],
            int32, int32)
@@ -49,6 +49,7 @@ def test_quantize_cols_kernel_lowers():
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "fma.rn.f32" in ptx and "mul.rn.f32" in ptx
     assert count(ptx, r"ld\.global\.v4\.u32") == 8
+    assert count(ptx, r"max\.u16x2") >= 32      # a staged word's max, no flag word
     assert "redux.sync.min.s32" in ptx
     assert ".local" not in ptx
 
