@@ -4,7 +4,10 @@ e4m3 ("e4m3fn": 1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinit
 0xFF NaN) holds +-448 at most, normals down to 2**-6 and subnormals down to 2**-9. A block of
 values (1 x 128 or 128 x 128 of the output layout) gets one scale:
 
-    amax  = max |v| over the block (float32; the bf16 inputs are exact in it)
+    amax  = max |v| over the block's finite values, 0 if none (float32; the bf16 inputs are
+            exact in it): NaN/Inf are left out, so a block's other values keep their scale,
+            and then quantise by the rule below -- NaN to the NaN byte 0x7F, +-Inf (Inf / s)
+            saturated to +-448
     s     = amax / 448 in float32 (IEEE round to nearest), 1 when amax = 0;
             "ue8m0": s rounded up to a power of two (2**e, e the smallest with 2**e >= s),
             stored as the biased exponent byte e + 127
@@ -79,7 +82,7 @@ def quantize_fp8_reference(x, block=(1, 128), scale: str = "fp32", transpose: bo
         raise ValueError(f"block={block} on [{R}, {C}]: (1, 128) or (128, 128) blocks of "
                          "the output layout, whole blocks only")
     blocks = x.reshape(R // br, br, C // 128, 128)
-    amax = np.abs(blocks).max(axis=(1, 3))
+    amax = np.where(np.isfinite(blocks), np.abs(blocks), np.float32(0)).max(axis=(1, 3))
     s, stored = block_scales(amax, scale)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         q = (blocks / s[:, None, :, None]).astype(np.float32)

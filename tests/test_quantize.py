@@ -272,12 +272,10 @@ def test_transposed_gathers_and_stops_at_num_rows(block, scale):
                             out=to_dev(np.full((cols, R_out), 0xAB, np.uint8)),
                             scales=to_dev(np.full((cols // block[0], R_out // 128), 7, dtype)))
     live = (index >= 0) & (np.arange(R_out) < cap)
-    clean = xb.copy()
-    clean[[50, 20, 20], [200, 130, 5]] = 0
-    g = np.where(live[:, None], bf16_values(clean)[np.maximum(index, 0)], 0.0)
+    g = np.where(live[:, None], bf16_values(xb)[np.maximum(index, 0)], 0.0)
     want_data, want_scales = quantize_fp8_reference(g.astype(np.float32), block, scale, True)
     for r, c, byte in ((50, 200, 0x7F), (20, 130, 0x7E), (20, 5, 0xFE)):
-        want_data[c, live & (index == r)] = byte
+        assert (want_data[c, live & (index == r)] == byte).all()
     data, sc = to_host(data), to_host(sc)
     assert data.shape == (cols, R_out)
     np.testing.assert_array_equal(data[:, :256], want_data[:, :256])
@@ -312,13 +310,12 @@ def test_rows_kernel_nonfinite(gather):
     assert words[err.NONFINITE + 2 * err.NF_D_OUT] == (5 if gather else 3)
     assert err.INT32_MAX - words[err.NONFINITE + 2 * err.NF_D_OUT + 1] == (19 if gather else 20)
     assert words[err.NONFINITE_RANK] == 3
-    clean = xb.copy()
-    clean[[50, 20, 20], [200, 300, 5]] = 0
-    want_data, want_scales = (gather_reference(clean, index, "fp32") if gather else
-                              quantize_fp8_reference(bf16_values(clean), (1, 128)))
+    # the reference leaves NaN/Inf out of their line's amax too (NaN -> 0x7F, +-Inf -> +-448)
+    want_data, want_scales = (gather_reference(xb, index, "fp32") if gather else
+                              quantize_fp8_reference(bf16_values(xb), (1, 128)))
     src = index if gather else np.arange(rows)
     for r, c, byte in ((50, 200, 0x7F), (20, 300, 0x7E), (20, 5, 0xFE)):
-        want_data[src == r, c] = byte
+        assert (want_data[src == r, c] == byte).all()
     np.testing.assert_array_equal(to_host(data), want_data)
     np.testing.assert_array_equal(to_host(sc), want_scales)
 
