@@ -30,15 +30,15 @@ One warp owns a row (grid-stride over the rows by global warp index, several war
 a step of its lane l covers columns c = 4 (l + 32 m) .. c + 3 -- 16-byte loads of g and u, 8
 of p and h, 8-byte stores of d_g, d_u (and w h) --, so a warp step is 128 columns, and lanes
 past I / 4 sit the last step out. No shared memory and no block barrier: the row's only
-reduction is the warp's. Why a warp, not a block: a block a row reduced every row's dot
-product through a shared-memory tree with a barrier per level, its threads holding a column
-pair or two each at real I; a warp reduces in registers and moves 16-byte chunks.
+reduction is the warp's. Why a warp: the dot product then reduces in registers and each lane
+moves 16-byte chunks, where a block a row would reduce through a shared-memory tree with a
+barrier per level, its threads holding a column pair or two each at real I.
 
 Routed rows also produce the router-weight gradient d_w = <d_out[t], y_r> = sum_i p[r, i] h[r, i]:
 every lane sums its columns in ascending order (step by step, the four in column order; a
 bf16 product is exact in float32 short of underflow, so an fma adds the same), then the warp
 adds the 32 partials by a fixed butterfly (``intrinsics.warp_fsum``), so d_w is bitwise
-deterministic (not the bits of the former block tree: another fixed order); lane 0 stores
+deterministic; lane 0 stores
 it into the source rank's ``peer_d_router[src_rank[r]][src_token[r] * k + src_slot[r]]`` (one
 scalar store, over NVLink for a peer) -- every route has exactly one row, so no two rows
 write one slot. The router weight is read the same way from ``peer_router[src_rank[r]]``
@@ -50,9 +50,9 @@ columns 4l .. 4l + 3 as two words), so the kernel quantises each as it stores it
 quantiser's own device functions (``quantize.quantize_row_item``): same scale, same bytes;
 NaN/Inf of d_gu (one vote a step) are counted into the error word at their row, as the
 quantiser counts them (it saturates an Inf to +-448: the count is what reports it). Why
-here: a separate quantiser pass read d_gu back right after this kernel wrote it, where the
-words are still in registers. The module still holds one op -- the quantisation stays
-``quantize``'s, called, not restated.
+here: the words are in registers as they are stored, where a quantiser pass of its own would
+read d_gu back. The module still holds one op -- the quantisation stays ``quantize``'s,
+called, not restated.
 
 Padding rows (row_index[r] < 0) get zeros in d_gu (and p; ``quant``: e4m3 zeros, scale 1):
 the GEMMs that read them multiply them into the weight gradients. Rows at or past num_rows
