@@ -32,7 +32,8 @@ The phases (``backward_phases``), the only cross-rank synchronisation being the 
                 its routes land there), p = d_out W_down, SwiGLU backward at the saved g, u
                 with d_w pushed home (``mok_core.swiglu_backward``),
                 d_x rows = [d_g | d_u] [W_gate; W_up] pushed home into the combine rows
-                (``combine.combine``), the three weight gradients            | barrier |
+                (from the GEMM's epilogue, or by ``combine.combine``), the three weight
+                gradients                                                    | barrier |
     2 epilogue  d_x = d_x_s + sum_j d_x_rows[t, j] in FP32, slots ascending (the forward's
                 epilogue with unit weights); d_router_weights from the pushed values, 0 on
                 masked routes
@@ -84,7 +85,10 @@ the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
 the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an expert's rows
 take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The routed d_x
-rows are written, then pushed home by the combine kernel on either path.
+rows go home from the wgmma or FP8 GEMM's epilogue (16-byte stores into the source rank's
+combine row, the forward's fused combine: ``Layer.fused_d_x_push``), so they are never
+written here and read back; the mma.sync GEMM, or ``MoKConfig(fuse_combine=False)``, writes
+them and the combine kernel pushes them -- the same bits either way.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed
@@ -109,7 +113,7 @@ from mok_core.swiglu_backward import launch_swiglu_backward
 from mok_core.wgrad_rows import launch_wgrad_rows
 
 from . import combine, dispatch
-from .functional import check_weights, quantize_expert_rows, run_phases
+from .functional import check_weights, combine_route, quantize_expert_rows, run_phases
 from .layer import ForwardContext, Layer, Weights
 
 
@@ -284,23 +288,27 @@ def swiglu_backward(layer: Layer, shared: bool, stream):
 
 
 def dgrad_gate_up(layer: Layer, W: Weights, shared: bool, stream):
-    """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows. FP8:
-    the FP8 GEMM of [d_g | d_u] quantised 1 x 128 (by ``swiglu_backward``) on [W_gate;
-    W_up]'s transposed copy."""
+    """[d_g | d_u] [W_gate; W_up]: the shared expert's d_x, or the routed d_x rows -- pushed
+    home from the epilogue into their source's combine rows where the layer fuses that
+    (``Layer.fused_d_x_push``: no d_x rows written, no ``push_d_x``). FP8: the FP8 GEMM of
+    [d_g | d_u] quantised 1 x 128 (by ``swiglu_backward``) on [W_gate; W_up]'s transposed
+    copy."""
     o = _rows(layer, shared)
     report = _nan_check(layer, err.NF_SHARED_D_X if shared else err.NF_D_X_ROUTED)
+    push = combine_route(layer) if not shared and layer.fused_d_x_push else None
     if _fp8(layer, shared):
         g, q = layer.grad, W.fp8
         launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale, o.offsets,
-                        o.rows, o.d_x, bm=layer.fp8_bm, stream=stream, **report)
+                        o.rows, o.d_x, bm=layer.fp8_bm, push=push, stream=stream, **report)
         return
     w_g, w_u, _ = _expert_weights(layer, W, shared)
-    launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, config=layer.dgrad_gemm,
-                 stream=stream, **report)
+    launch_dgrad(o.d_gu, None, w_g, w_u, o.offsets, o.rows, o.d_x, push=push,
+                 config=layer.dgrad_gemm, stream=stream, **report)
 
 
 def push_d_x(layer: Layer, stream):
-    """The routed d_x rows home, into their source's combine rows (the forward's combine)."""
+    """The routed d_x rows home, into their source's combine rows (the forward's combine
+    kernel), where ``dgrad_gate_up`` did not push them itself."""
     combine.combine(layer.grad.comm, layer.schedule, layer.grad.d_x_rows, stream)
 
 
@@ -379,7 +387,7 @@ def expert_backward(layer: Layer, W: Weights, G: Grads, accumulate, shared: bool
     calls = [partial(dgrad_down, layer, W, shared, stream),
              partial(swiglu_backward, layer, shared, stream),
              partial(dgrad_gate_up, layer, W, shared, stream)]
-    if not shared:
+    if not shared and not layer.fused_d_x_push:
         calls.append(partial(push_d_x, layer, stream))
     if _fp8_wgrad(layer, shared):
         calls.append(partial(wgrad_rows, layer, stream))

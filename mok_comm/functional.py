@@ -258,10 +258,17 @@ def routed_gate_up(layer: Layer, W: Weights, stream):
                           config=layer.gemm, stream=stream, **_nan_check(layer, err.NF_HIDDEN))
 
 
+def combine_route(layer: Layer) -> tuple:
+    """The fused combine's route, as the GEMMs' ``push`` takes it: each expert-sorted row's
+    (source rank, token, slot) and every rank's combine rows (the forward's y, the
+    backward's routed d_x rows)."""
+    s = layer.schedule
+    return s.src_rank, s.src_token, s.src_slot, layer.peer_combine32, layer.shape.topk
+
+
 def routed_down_push(layer: Layer, W: Weights, stream):
     """down with the combine fused: each row goes home from the GEMM's epilogue."""
-    s = layer.schedule
-    route = (s.src_rank, s.src_token, s.src_slot, layer.peer_combine32, layer.shape.topk)
+    s, route = layer.schedule, combine_route(layer)
     if layer.config.precision == "fp8":
         _quantize_hidden(layer, stream)
         q = W.fp8
@@ -411,6 +418,6 @@ def forward(layer: Layer, x, topk_ids, router_weights, weights, *, out=None, str
     return out, layer.context()
 
 
-__all__ = ["StepInputs", "check_inputs", "check_weights", "core_phases", "forward", "io_phases",
-           "recompute_forward_context", "recompute_phases", "run_core", "run_phases",
-           "step_phases", "step_tokens"]
+__all__ = ["StepInputs", "check_inputs", "check_weights", "combine_route", "core_phases",
+           "forward", "io_phases", "recompute_forward_context", "recompute_phases", "run_core",
+           "run_phases", "step_phases", "step_tokens"]

@@ -201,7 +201,8 @@ class BackwardBuffers:
                              step's context (``ForwardContext.pre``)
         p           [., I]   d_out W_down, then (routed) w * h
         d_gu        [., 2I]  [d_gate | d_up]
-        d_x_rows    [C, H]   routed d_x rows, pushed home by the combine
+        d_x_rows    [C, H]   routed d_x rows, pushed home by the combine kernel (None where
+                             the GEMM pushes them from its epilogue: ``fused_d_x_push``)
         d_x_s       [T_pad, H] the shared expert's d_x
     ``MoKConfig(precision="fp8")`` only (K = C, or with ``fp8_wgrad``
     ``mok_core.wgrad_rows.k_capacity``: the FP8 weight gradient's rows, each expert's from a
@@ -247,7 +248,7 @@ class BackwardBuffers:
         self.gate, self.up = (device_empty((C, I), f32, stream) for _ in range(2))
         self.p = device_empty((C, I), u16, stream)
         self.d_gu = device_empty((C, 2 * I), u16, stream)
-        self.d_x_rows = device_empty((C, H), u16, stream)
+        self.d_x_rows = None if layer.fused_d_x_push else device_empty((C, H), u16, stream)
         self.q_h = self.q_h_scale = self.q_i = self.q_i_scale = None
         self.d_out8 = self.d_out8_scale = self.d_gu8 = self.d_gu8_scale = None
         self.d_out8_tokens, self.d_out8_tokens_scale = layer.x8_tokens, layer.x8_tokens_scale
@@ -581,6 +582,14 @@ class Layer:
         ``MoKConfig.fuse_combine``); else it writes ``y`` and the combine kernel sends it."""
         return self.config.fuse_combine and (self.gemm_down.mma != "mma_sync"
                                              or self.config.precision == "fp8")
+
+    @property
+    def fused_d_x_push(self) -> bool:
+        """The backward's routed d_x GEMM pushes its rows home from its epilogue (the wgmma
+        dgrad or the FP8 GEMM, with ``MoKConfig.fuse_combine``), as the forward's down GEMM
+        does; else it writes ``grad.d_x_rows`` and the combine kernel sends them."""
+        return (self.config.fuse_combine and self.dgrad_gemm is not None
+                and (self.dgrad_gemm.mma != "mma_sync" or self.config.precision == "fp8"))
 
     def __call__(self, x, topk_ids, router_weights, weights: Weights, *, out=None, stream=0):
         """One step (``mok_comm.functional.forward``); returns ``out`` uint16 [T, H]."""

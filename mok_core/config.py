@@ -122,8 +122,9 @@ class MoKConfig:
         spin_timeout_cycles: bound on any spin-wait in a kernel (SM clock cycles); when it
             expires the kernel records (rank, counter, expected, seen) and exits.
         fuse_combine: push expert outputs home from the down GEMM's epilogue (wgmma and FP8
-            GEMMs) instead of writing y and running the combine kernel after it; same bits.
-            The mma.sync GEMM always combines separately.
+            GEMMs) instead of writing y and running the combine kernel after it, and the
+            backward's routed d_x rows from the d_x GEMM's; same bits. The mma.sync GEMM
+            always combines separately.
         dispatch: how tokens reach the experts' ranks. "split" (default) -- the copy engine
             pulls each peer's first ``dispatch_ce_share`` of tokens (needed or not) on a side
             stream while the shared expert FFN runs on the SMs, then the SMs pull the needed

@@ -412,6 +412,7 @@ def test_fp8_backward_gradients_in_fp8():
     from mok_comm import backward as B
     from mok_comm.functional import check_weights
     from mok_comm.layer import WeightsFP8, quantize_weights
+    from mok_core.gemm import launch_fp8_gemm
     from mok_core.quantize_reference import (grouped_gemm_fp8_reference,
                                              grouped_wgrad_fp8_reference, quantize_fp8_reference)
     from mok_core.wgrad_rows import wgrad_rows_reference
@@ -519,10 +520,22 @@ def test_fp8_backward_gradients_in_fp8():
         d_gu8, d_gu8_s = quantize_fp8_reference(f32(d_gu))
         np.testing.assert_array_equal(to_host(g.d_gu8)[:n], d_gu8)
         np.testing.assert_array_equal(to_host(g.d_gu8_scale)[:n], d_gu8_s)
+        # (the FP8 GEMM pushes them home from its epilogue: no d_x rows buffer; each real
+        # row is read back from its source rank's combine row token * k + slot, the bits the
+        # same GEMM writes unfused)
+        assert lw.fused_d_x_push and g.d_x_rows is None
         B.dgrad_gate_up(lw, Wc, False, 0)
         want = grouped_gemm_fp8_reference(d_gu8, d_gu8_s, to_host(q.w_gate_up_t),
                                           to_host(q.w_gate_up_t_scale), off, [n])
-        assert rel_l1(f64(to_host(g.d_x_rows)[:n]), want) < 5e-3
+        real = np.flatnonzero(index[:n] >= 0)
+        src = [to_host(a)[real] for a in (s.src_rank, s.src_token, s.src_slot)]
+        homes = np.stack([to_host(o.comm.combine_buf).reshape(-1, shape.hidden) for o in lws])
+        pushed = homes[src[0], src[1] * shape.topk + src[2]]
+        assert rel_l1(f64(pushed), want[real]) < 5e-3
+        rows = to_dev(np.zeros((index.shape[0], shape.hidden), np.uint16))
+        launch_fp8_gemm(g.d_gu8, g.d_gu8_scale, q.w_gate_up_t, q.w_gate_up_t_scale,
+                        s.expert_offsets, s.num_rows, rows, bm=lw.fp8_bm)
+        np.testing.assert_array_equal(pushed, to_host(rows)[real])
 
     # an Inf in [d_g | d_u] (here from an Inf saved up pre-activation) is reported: the
     # quantisers saturate it to +-448, so they count it (the d_x rows', the weight gradients')

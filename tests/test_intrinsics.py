@@ -22,7 +22,7 @@ from mok_core.intrinsics import (cp_async_16_at, cp_async_4_at, cp_async_commit,
                                  max_u16x2, pack_bf16x2,
                                  red_add_release_gpu, shared_addr,
                                  match_any, per_iteration, st_release_sys, st_v2_f32, st_v4,
-                                 tuple_pick, warp_fsum)
+                                 tuple_pick, warp_fsum, warp_read)
 from mok_core.intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait,
                                  bulk_wait_read, st_shared_u32, st_shared_v2_f32, syncwarp,
                                  fence_mbarrier_init, mbarrier_arrive_expect_tx,
@@ -219,6 +219,24 @@ def _match_masks(keys, masks):
     """Two warps: each lane's mask of the lanes of its warp holding its key."""
     i = cuda.threadIdx.x
     masks[i] = match_any(keys[i])
+
+
+@kjit
+def _warp_reads(values, lanes, out):
+    """Two warps: each lane reads its warp's lane ``lanes[i]``'s value."""
+    i = cuda.threadIdx.x
+    out[i] = warp_read(values[i], lanes[i])
+
+
+def test_warp_read_gives_the_asked_lanes_value_per_warp():
+    rng = np.random.default_rng(4)
+    values = rng.integers(-2 ** 31, 2 ** 31, 64, dtype=np.int64).astype(np.int32)
+    lanes = rng.integers(0, 32, 64).astype(np.int32)
+    lanes[:32] = np.arange(32)[::-1]                 # every lane asked once, in reverse
+    out = to_dev(np.zeros(64, np.int32))
+    _warp_reads[1, 64](to_dev(values), to_dev(lanes), out)
+    want = values[(np.arange(64) // 32) * 32 + lanes]
+    np.testing.assert_array_equal(to_host(out), want)
 
 
 def test_match_any_masks_equal_keys_per_warp():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.report import readme_table, table  # noqa: E402
 from mok_comm.heap import Heap  # noqa: E402
+from mok_comm import layer as layer_module  # noqa: E402
 from mok_comm.layer import Layer  # noqa: E402
 from mok_core.config import MoKConfig, preset  # noqa: E402
 from mok_core.gemm.config import hopper_gemm  # noqa: E402
@@ -53,8 +55,11 @@ def gib(n: int) -> str:
 def layer_bytes(name: str, ep: int, tokens: int, backward: bool) -> dict:
     shape = preset(name, ep)
     gemm = hopper_gemm(ep * tokens * shape.topk / shape.num_experts)
-    layer = Layer(shape, tokens, MoKConfig(), heap=_SizingHeap(ep), gemm=gemm, verify=False,
-                  backward=backward)
+    # the backward's tiles as on Hopper: on the simulator (it cannot run wgmma) the layer
+    # picks mma.sync ones, whose d_x GEMM cannot push its rows home and so holds d_x_rows
+    with mock.patch.object(layer_module, "SIM", False):
+        layer = Layer(shape, tokens, MoKConfig(), heap=_SizingHeap(ep), gemm=gemm,
+                      verify=False, backward=backward)
     return layer.nbytes
 
 

@@ -21,10 +21,11 @@ Staged epilogue of the wgmma kernel (``make_staged_epilogue``), per warp of a fi
     2. fence.proxy.async (generic-proxy st.shared -> bulk-copy reads), __syncwarp: a warp
        stages exactly the 16 rows it sends, so a warp barrier suffices.
     3. the warp's 16 rows leave by bulk stores (one per row, then one commit): lane 0 sends
-       all 16 into the output, or -- ``push``, the down GEMM fused with the combine -- lanes
-       0..15 one row each to its source rank's combine row
+       all 16 into the output, or -- ``push``, the down GEMM (and the backward's d_x GEMM)
+       fused with the combine -- lanes 0..15 one row each to its source rank's combine row
        ``peers[rank[r]][token[r] * k + slot[r]]`` (over NVLink for a peer; padding rows,
-       rank < 0, are not sent), so the route lookups run in parallel.
+       rank < 0, are not sent). Each lane looks its row's route up (``route_home``) before
+       step 1, so the loads' latency runs under the staging, in parallel across the rows.
     4. NaN/Inf check of what was staged (the values written or pushed): one warp vote on the
        folded flags -- all a clean tile costs besides the folds. Only when a lane saw one,
        lanes 0..15 recount one staged row each, and the warp's count (redux.sync), smallest
@@ -39,7 +40,10 @@ Coalesced epilogue (``make_coalesced_epilogue``: the FP8 GEMMs, whose tiles come
 per-row bulk copies leave): steps 1 and 4 as above, but
 the warp reads its 16 staged rows back after the __syncwarp and stores them with 16-byte
 stores, a warp instruction covering 512 contiguous bytes (or, ``push``, 16-byte stores into
-the source ranks' combine rows over NVLink, as the staged epilogue's bulk copies); rows at or
+the source ranks' combine rows over NVLink, as the staged epilogue's bulk copies: lane i
+looks row i % 16's route up before the staging, and the lanes storing a row's chunks read
+it from that lane, ``warp_read`` -- loaded behind each store instead, the lookups serialised
+the epilogue: the stores may alias the route, so no load passes one); rows at or
 past ``rows`` (the tile's rows that are the expert's) are neither stored nor checked for
 NaN/Inf. Plain generic stores: no proxy fence, and the staging may be rewritten once every
 lane of the warp is past its reads (the caller's next block barrier).
@@ -80,7 +84,7 @@ reloaded every tile (the FP8 weight gradient's few-slice tiles paid it most: doc
 """
 import math
 
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..bf16 import nonfinite_bf16x2
 from ..cuda_compat import kjit
@@ -91,7 +95,7 @@ from ..intrinsics import (add_shared_v2_f32, bulk_commit, bulk_store, bulk_wait_
                           mbarrier_arrive_expect_tx, pack_bf16x2, per_iteration, rcp_approx,
                           shared_addr, st_shared_u32, st_shared_v2_f32, st_v2_f32, st_v4,
                           syncwarp, tma_load_2d, tma_store_2d, tuple_fold,
-                          tuple_pick, warp_all, warp_min, warp_sum)
+                          tuple_pick, warp_all, warp_min, warp_read, warp_sum)
 
 _NEG_LOG2E = float32(-1.4426950408889634)
 _F32_INF = float32(math.inf)
@@ -249,22 +253,30 @@ def report_warp(errors, tensor, rank, bad, row, expert):
         record_gemm_non_finite(errors, tensor, rank, total, first, expert)
 
 
+@kjit(device=True, inline="always")
+def route_home(route_rank, route_token, route_slot, k, grow):
+    """Row ``grow``'s home for the fused combine: (source rank, combine row token * k + slot),
+    int32 both; rank < 0 for padding. The push epilogues call it before staging the tile, so
+    the three loads' latency runs under the staging instead of sitting between a row's
+    staging and its store."""
+    return (int32(route_rank[grow]),
+            int32(route_token[grow] * k + route_slot[grow]))
+
+
 def make_row_sender(push):
-    """``send_row(out, peers, route_rank, route_token, route_slot, k, n_out, grow, col0, smem,
-    src, nbytes)``: one staged row (``nbytes`` at the shared byte address ``src``) by a bulk
-    store to row ``grow`` of ``out`` (uint32 view, n_out bf16 columns) from column ``col0`` on,
-    or with ``push`` to its source rank's combine row (not sent for rank < 0)."""
+    """``send_row(out, peers, home, n_out, grow, col0, smem, src, nbytes)``: one staged row
+    (``nbytes`` at the shared byte address ``src``) by a bulk store to row ``grow`` of ``out``
+    (uint32 view, n_out bf16 columns) from column ``col0`` on, or with ``push`` to its source
+    rank's combine row, ``home`` = ``route_home``'s (rank, combine row; not sent for rank <
+    0)."""
     @kjit(device=True, inline="always")
-    def send_row(out, peers, route_rank, route_token, route_slot, k, n_out, grow, col0, smem,
-                 src, nbytes):
+    def send_row(out, peers, home, n_out, grow, col0, smem, src, nbytes):
         if push:
-            rank = route_rank[grow]
-            if rank >= 0:
+            if home[0] >= 0:
                 # tuple_pick: ``peers[rank]`` lowers to a switch, which ptxas treats as
                 # divergence and then serialises every wgmma of the kernel (C7518)
-                bulk_store(tuple_pick(peers, rank),
-                           ((route_token[grow] * k + route_slot[grow]) * n_out + col0) // 2,
-                           smem, src, nbytes)
+                bulk_store(tuple_pick(peers, home[0]),
+                           (int64(home[1]) * n_out + col0) // 2, smem, src, nbytes)
         else:
             bulk_store(out, (grow * n_out + col0) // 2, smem, src, nbytes)
     return send_row
@@ -293,6 +305,10 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
         # divergent serialises every wgmma of the kernel (C7518).
         if warp_all(stores) != 0:
             epi0 = per_iteration(uint32(ring + stage_offset))   # (module header)
+            srow = frag_row - lane // 4 + lane % 16     # the warp's first row + lane % 16
+            home = (int32(-1), int32(0))
+            if push:                       # the route first: its loads run under the staging
+                home = route_home(route_rank, route_token, route_slot, k, row0 + srow)
             if save_pre:                   # this thread's first element of g / u
                 bad = stage_tile(acc, (uint32(0), uint32(0)),
                                  (smem, frag_row, frag_col, limit, epi0, stride, pre[0],
@@ -305,20 +321,17 @@ def make_staged_epilogue(bn, swiglu_epilogue, push, stage_offset, save_pre=False
             syncwarp()
             if push:
                 if lane < 16:
-                    srow = frag_row - lane // 4 + lane    # the warp's first row + i
-                    send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
-                             row0 + srow, col0, smem, epi0 + srow * stride, out_row_bytes)
+                    send_row(out, peers, home, n_out, row0 + srow, col0, smem,
+                             epi0 + srow * stride, out_row_bytes)
                     bulk_commit()
             elif lane == 0:
                 for i in range(16):            # lane 0's row is the warp's first
-                    send_row(out, peers, route_rank, route_token, route_slot, k, n_out,
-                             row0 + frag_row + i, col0, smem, epi0 + (frag_row + i) * stride,
-                             out_row_bytes)
+                    send_row(out, peers, home, n_out, row0 + frag_row + i, col0, smem,
+                             epi0 + (frag_row + i) * stride, out_row_bytes)
                 bulk_commit()
             # 4. a clean tile costs one vote; else lanes 0..15 recount the warp's 16 staged
             # rows (synced above) and the warp reports (``report_warp``).
             if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
-                srow = frag_row - lane // 4 + lane % 16      # the warp's first row + i
                 n = 0
                 if lane < 16:
                     n = bf16_nonfinite_count(smem, epi0 + srow * stride - shared_addr(smem),
@@ -372,6 +385,14 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     def epilogue(smem, acc, out, grow0, m0, n0, e, N, rows, epi0, lane, frag_row, frag_col,
                  limit, errors, nf_tensor, nf_rank, pre, route):
         epi0 = per_iteration(uint32(epi0))      # addresses per tile (module header)
+        row0 = frag_row - lane // 4             # the warp's first row
+        home = (int32(-1), int32(0))
+        if push:
+            # lane i looks row row0 + i % 16's route up now (the staging hides the loads);
+            # the lanes storing that row's chunks read it from lane i below
+            if row0 + lane % 16 < rows:
+                home = route_home(route[0], route[1], route[2], route[4],
+                                  uint64(grow0 + row0 + lane % 16))
         if save_pre:
             bad = stage_tile(acc, (uint32(0), uint32(0)),
                              (smem, frag_row, frag_col, limit, epi0, stride, pre[0], pre[1],
@@ -382,7 +403,6 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
                              (smem, frag_row, frag_col, limit, epi0, stride))
         syncwarp()
         rel = epi0 - shared_addr(smem)
-        row0 = frag_row - lane // 4         # the warp's first row
         # Chunk i of a lane: row r0 + i * RPI, 16-byte column ``col`` (cpr divides 32), so
         # every address is a per-lane base plus a constant or loop-invariant step: the
         # divisions, modulos and 64-bit products per chunk were most of the epilogue's
@@ -394,16 +414,18 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
         g_step = uint64(RPI * N) >> uint64(1)
         for i in range(chunks):
             r = r0 + i * RPI
+            rank, crow = int32(-1), int32(0)
+            if push:                        # every lane: the shuffles are warp-wide
+                rank = warp_read(home[0], r - row0)
+                crow = warp_read(home[1], r - row0)
             if r < rows:
                 v0, v1, v2, v3 = ld_v4(smem, s_at + i * (RPI * stride // 2))
                 if push:
-                    grow = uint64(grow0 + r)
-                    rank = route[0][grow]
                     if rank >= 0:
                         # tuple_pick: ``peers[rank]`` would lower to a switch (C7518)
                         st_v4(tuple_pick(route[3], rank),
-                              ((route[1][grow] * route[4] + route[2][grow]) * N + n0
-                               + col * 8) >> 1, v0, v1, v2, v3)
+                              uint64(int64(crow) * N + n0 + col * 8) >> uint64(1),
+                              v0, v1, v2, v3)
                 else:
                     st_v4(out, g_at + uint64(i) * g_step, v0, v1, v2, v3)
         report_stored_rows(smem, bad, rows, rel, stride, cols, row0, lane, frag_row, m0, e,

@@ -6,6 +6,7 @@
                   syncwarp, warp_all (a vote ptxas knows is warp-uniform), warp_sum /
                   warp_min (int32 over the warp, redux.sync), warp_fsum (float32 over
                   the warp: a fixed shfl.sync.bfly butterfly, deterministic),
+                  warp_read (int32 from a lane of the warp, shfl.sync.idx),
                   match_any (the lanes holding the same value: ranks equal keys),
                   tuple_pick (a UniTuple element by selects: no branch for ptxas to see),
                   per_iteration (an integer the compiler cannot hoist out of its loop)
@@ -51,8 +52,8 @@ from ..cuda_compat import SIM
 __all__ = [
     "ld_v4", "st_v4", "st_v2_f32",
     "ld_acquire_sys", "st_release_sys", "red_add_release_gpu", "clock64", "nanosleep",
-    "syncwarp", "warp_all", "warp_sum", "warp_min", "warp_fsum", "match_any", "tuple_pick",
-    "per_iteration",
+    "syncwarp", "warp_all", "warp_sum", "warp_min", "warp_fsum", "warp_read", "match_any",
+    "tuple_pick", "per_iteration",
     "u32_as_f32", "f32_as_u32", "pack_bf16x2", "fold_nonfinite_bf16x2", "max_u16x2",
     "fmul_rn", "fadd_rn", "ffma_rn", "fdiv_rn",
     "pack_e4m3x4",

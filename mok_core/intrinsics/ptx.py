@@ -223,6 +223,23 @@ def warp_fsum(typingctx, value):
 
 
 @intrinsic
+def warp_read(typingctx, value, lane):
+    """Lane ``lane``'s ``value`` (int32; ``lane`` in 0..31, per lane) to every lane that asks
+    (``shfl.sync.idx.b32``; every lane must call it). Why it exists: the push epilogues look
+    a row's route up once, in the lane of that row, ahead of the staging; the lanes storing
+    the row's chunks read it from there instead of loading it again behind their stores."""
+    if not (isinstance(value, types.Integer) and isinstance(lane, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.int32)
+        src = context.cast(builder, args[1], sig.args[1], types.int32)
+        return _asm(builder, _i32, [v, src], "shfl.sync.idx.b32 $0, $1, $2, 31, -1;",
+                    "=r,r,r", True)
+    return types.int32(value, lane), codegen
+
+
+@intrinsic
 def match_any(typingctx, value):
     """The mask (uint32) of the warp's lanes whose ``value`` (an integer, as int32) equals this
     lane's (``match.any.sync.b32``; every lane must call it). Why it exists: it ranks equal

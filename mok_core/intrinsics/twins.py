@@ -110,6 +110,10 @@ def warp_fsum(value):
     return s
 
 
+def warp_read(value, lane):
+    return np.int32(warp_exchange(int(np.int32(value)))[int(lane)])
+
+
 def match_any(value):
     v = int(np.int32(value))
     return np.uint32(sum(1 << j for j, w in enumerate(warp_exchange(v)) if w == v))

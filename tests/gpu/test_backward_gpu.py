@@ -5,7 +5,8 @@ bitwise identical, forward + backward captured in a CUDA graph equal to eager --
 with ``MoKConfig(precision="fp8")`` (the layer given the bf16 weights quantises its routed
 experts itself, as ``MoEBlock`` does; checked against the same float64 reference of the bf16
 weights, at FP8's tolerance), and ``fp8w``: that layer with ``fp8_wgrad=True`` (its routed
-weight gradients in FP8 too).
+weight gradients in FP8 too). And the routed d_x rows pushed home from their GEMM's epilogue
+(the default) against the combine kernel's push: the same bits (qwen3.5-397b, bf16 and fp8).
 
 EP 1: one process per GPU, each its own layer (``test_backward_ep1``); EP 2:
 ``torchrun --nproc-per-node=2`` or ``mok_comm.launch`` (``test_backward_ep``)."""
@@ -133,6 +134,43 @@ def _check_preset(preset_name, R, me, torch, precision):
         torch.cuda.empty_cache()
 
 
+def _check_fused_push(R, me, torch, precision):
+    """The routed d_x rows pushed home from the d_x GEMM's epilogue (the default,
+    ``Layer.fused_d_x_push``) against written and sent by the combine kernel
+    (``MoKConfig(fuse_combine=False)``): the output and all 8 gradients bit for bit."""
+    import dataclasses
+
+    import mok_torch
+    from mok_core.config import MoKConfig, preset
+    from mok_testing import synthetic
+    shape = preset("qwen3.5-397b", ep_size=R)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, ids, w = synthetic.rank_inputs(shape, T, me, dev, skew=0.3, masked=0.01)
+    d_out = torch.randn(T, shape.hidden, device=dev,
+                        generator=torch.Generator(dev).manual_seed(100 + me)).bfloat16()
+    weights = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
+                                *synthetic.local_expert_weights(shape, me, dev))
+    digests = []
+    for fuse in (True, False):
+        cfg = dataclasses.replace(MoKConfig(**CONFIGS[precision]), fuse_combine=fuse)
+        layer = mok_torch.Layer(shape, T, cfg)
+        try:
+            assert layer.fused_d_x_push == fuse and (layer.grad.d_x_rows is None) == fuse
+            out, ctx = layer.forward(x, ids, w, weights)
+            G = layer.backward(ctx, d_out, w, weights)
+            digests.append(_digests((out, *G), torch))
+            torch.cuda.synchronize()
+            layer.check()
+        finally:
+            torch.cuda.synchronize()
+            layer.comm.free()
+            del layer
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert torch.equal(digests[0], digests[1]), \
+        f"{precision} EP{R}: the pushing d_x GEMM differs from the combine kernel's rows"
+
+
 def _summary(errs, cos):
     return (", ".join(f"{k} {v:.1e}" for k, v in errs.items())
             + f"; cosine min {min(cos.values()):.6f}")
@@ -153,3 +191,15 @@ def test_backward_ep(nvshmem_world, preset_name, precision):
     R, me = nvshmem_world.world_size, nvshmem_world.rank
     errs, cos = _check_preset(preset_name, R, me, torch, precision)
     print(f"{preset_name} {precision} EP{R} rank {me} rel-L1: {_summary(errs, cos)}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_d_x_push_ep1(dist, precision):
+    torch = pytest.importorskip("torch")
+    _check_fused_push(1, 0, torch, precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fused_d_x_push_ep(nvshmem_world, precision):
+    torch = pytest.importorskip("torch")
+    _check_fused_push(nvshmem_world.world_size, nvshmem_world.rank, torch, precision)
