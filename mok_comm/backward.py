@@ -34,9 +34,9 @@ The phases (``backward_phases``), the only cross-rank synchronisation being the 
                 d_x rows = [d_g | d_u] [W_gate; W_up] pushed home into the combine rows
                 (from the GEMM's epilogue, or by ``combine.combine``), the three weight
                 gradients                                                    | barrier |
-    2 epilogue  d_x = d_x_s + sum_j d_x_rows[t, j] in FP32, slots ascending (the forward's
-                epilogue with unit weights); d_router_weights from the pushed values, 0 on
-                masked routes
+    2 epilogue  d_x = d_x_s + sum_j (d_x row of route (t, j), pushed home) in FP32, slots
+                ascending (the forward's epilogue with unit weights); d_router_weights
+                from the pushed values, 0 on masked routes
 
 Ordering duties the barriers carry: barrier 0->1 makes every rank's d_out and router weights
 visible before anyone pulls them; 1->2 makes every pushed d_x row and d_w visible before the

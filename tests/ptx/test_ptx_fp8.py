@@ -57,6 +57,15 @@ def test_fp8_gemm_lowers_unserialised(swiglu, bn, pre, push):
     assert count(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32 {sm90_fp8.COMPUTE_REGS};") == 1
     assert f"Used {sm90_fp8.LAUNCH_REGS} registers" in report, report[-600:]
     assert 1 <= count(ptx, r"st\.(global\.)?v4\.u32") <= 16    # a lane: one per chunk, 16 at most
+    # push: each row's route (rank, token, slot) loaded once a tile, before the staging, and
+    # handed to the lanes storing its chunks by two shuffles a chunk -- not loaded behind
+    # every chunk's store (the stores may alias it: no load passes one)
+    route_loads = r"ld\.global(\.nc)?\.[us]32"
+    assert count(ptx, r"shfl\.sync\.idx\.b32") == (2 * 16 if push else 0)
+    if push:
+        plain = compile_sm90a(make_fp8_gemm(4 if bn == 128 else 3, swiglu, bn, pre, False),
+                              sig(1))
+        assert count(ptx, route_loads) == count(plain, route_loads) + 3
     pairs = (16 if swiglu else 32) * halves                             # one fold per pair
     assert count(ptx, r"fma\.rn\.bf16x2") == pairs
     if swiglu:
