@@ -85,8 +85,9 @@ the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
 the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an expert's rows
 take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The routed d_x
-rows go home from the wgmma or FP8 GEMM's epilogue (16-byte stores into the source rank's
-combine row, the forward's fused combine: ``Layer.fused_d_x_push``), so they are never
+rows go home from the wgmma or FP8 GEMM's epilogue (a bulk copy a row, or 16-byte stores,
+into the source rank's combine row: the forward's fused combine, ``Layer.fused_d_x_push``),
+so they are never
 written here and read back; the mma.sync GEMM, or ``MoKConfig(fuse_combine=False)``, writes
 them and the combine kernel pushes them -- the same bits either way.
 

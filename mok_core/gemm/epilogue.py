@@ -366,8 +366,9 @@ def make_coalesced_epilogue(bn, swiglu_epilogue=False, save_pre=False, push=Fals
     (module header) to rows grow0 + i < grow0 + rows of ``out`` (uint32 view, N bf16
     columns), columns n0 ..; NaN/Inf reported as D_e's rows m0 + i. ``save_pre`` (SWIGLU):
     the FP32 gate and up values also go from the registers into ``pre`` = (gate, up) float32
-    [C * N], the same rows and columns (else ``pre`` is unused). ``push`` (the down GEMM
-    fused with the combine): row grow goes to its source rank's combine row instead, ``route``
+    [C * N], the same rows and columns (else ``pre`` is unused). ``push`` (the down GEMM, or
+    the backward's d_x GEMM, fused with the combine): row grow goes to its source rank's
+    combine row instead, ``route``
     = (rank, token, slot, peers, k): peers[rank[grow]] (uint32 views, N bf16 columns) row
     token[grow] * k + slot[grow]; a row of rank < 0 (padding) is not sent (else ``route`` is
     unused)."""
