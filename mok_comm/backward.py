@@ -87,9 +87,9 @@ the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an 
 take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The routed d_x
 rows go home from the wgmma or FP8 GEMM's epilogue (a bulk copy a row, or 16-byte stores,
 into the source rank's combine row: the forward's fused combine, ``Layer.fused_d_x_push``),
-so they are never
-written here and read back; the mma.sync GEMM, or ``MoKConfig(fuse_combine=False)``, writes
-them and the combine kernel pushes them -- the same bits either way.
+so they are never written here and read back; the mma.sync GEMM, or
+``MoKConfig(fuse_combine=False)``, writes them and the combine kernel pushes them -- the same
+bits either way.
 
 Determinism: every GEMM has one owner per output tile and a fixed K order (weight gradients
 sum an expert's rows in ascending row order), the SwiGLU backward's dot product a fixed

@@ -580,16 +580,20 @@ class Layer:
     def fused_combine(self) -> bool:
         """The down GEMM pushes rows home from its epilogue (wgmma and FP8 GEMMs with
         ``MoKConfig.fuse_combine``); else it writes ``y`` and the combine kernel sends it."""
-        return self.config.fuse_combine and (self.gemm_down.mma != "mma_sync"
-                                             or self.config.precision == "fp8")
+        return self._pushes(self.gemm_down)
 
     @property
     def fused_d_x_push(self) -> bool:
         """The backward's routed d_x GEMM pushes its rows home from its epilogue (the wgmma
         dgrad or the FP8 GEMM, with ``MoKConfig.fuse_combine``), as the forward's down GEMM
         does; else it writes ``grad.d_x_rows`` and the combine kernel sends them."""
-        return (self.config.fuse_combine and self.dgrad_gemm is not None
-                and (self.dgrad_gemm.mma != "mma_sync" or self.config.precision == "fp8"))
+        return self.dgrad_gemm is not None and self._pushes(self.dgrad_gemm)
+
+    def _pushes(self, gemm: GemmConfig) -> bool:
+        """A routed GEMM on these bf16 tiles (or, FP8, the FP8 GEMM) sends its rows home from
+        its epilogue: the config fuses the combine and the kernel can push (not mma.sync)."""
+        return self.config.fuse_combine and (gemm.mma != "mma_sync"
+                                             or self.config.precision == "fp8")
 
     def __call__(self, x, topk_ids, router_weights, weights: Weights, *, out=None, stream=0):
         """One step (``mok_comm.functional.forward``); returns ``out`` uint16 [T, H]."""
