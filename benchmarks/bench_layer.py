@@ -239,14 +239,15 @@ def graph_time(step, iters, warmup):
 
 
 def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, dev,
-             bf16_layer, bf16_step, iters, warmup, backward, fp8_wgrad=False,
+             bf16_layer, bf16_step, iters, warmup, backward, fp8_wgrad=None,
              breakdown=False):
     """The FP8 columns (``--precision bf16,fp8``): a second layer with
     ``MoKConfig(precision="fp8")`` on the same inputs, the routed weights quantised once
     (``mok_torch.quantize_weights``); accuracy on the sampled tokens against the float64 bf16
     reference (rel-L1 and cosine), then its compiled step and the bf16 one timed in turns;
-    with ``backward`` also ``fp8_backward``'s columns. ``fp8_wgrad``: that layer's weight
-    gradients in FP8 too (``--precision bf16,fp8w``). ``breakdown``: its forward's launch
+    with ``backward`` also ``fp8_backward``'s columns. ``fp8_wgrad``: that layer's
+    ``MoKConfig.fp8_wgrad`` (None, the default: where it pays; True: ``--precision bf16,fp8w``,
+    False: ``bf16,fp8b``; the ``fp8_wgrad`` column says what ran). ``breakdown``: its forward's launch
     groups timed alone too (``fp8_breakdown_ms``, as ``breakdown_ms``)."""
     import dataclasses
 
@@ -273,7 +274,7 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
             raise RuntimeError("the FP8 compiled step differs from its eager step")
         t = time_interleaved({"bf16": bf16_step, "fp8": lambda: step(x, ids, w)}, iters, warmup)
         t_bf16, t_fp8 = rank_max_median(t["bf16"]), rank_max_median(t["fp8"])
-        row = {"fp8_wgrad": fp8_wgrad, "fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
+        row = {"fp8_wgrad": layer.fp8_wgrad, "fp8_step_ms": t_fp8, "fp8_bf16_step_ms": t_bf16,
                "fp8_fwd_speedup_vs_bf16": t_bf16 / t_fp8, "fp8_rel_l1": rel,
                "fp8_cosine": cos, "cosine_min": cos}
         if breakdown:
@@ -419,11 +420,13 @@ def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=Fals
         dist.all_reduce(floors, op=dist.ReduceOp.MAX)
         floor, floor_hbm = float(floors[0]), float(floors[1])
         fp8 = {}
-        if "fp8" in precisions or "fp8w" in precisions:
+        modes = {"fp8": None, "fp8w": True, "fp8b": False}
+        mode = [m for m in modes if m in precisions]
+        if mode:
             try:
                 fp8 = fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick,
                                dev, layer, ours_step, iters, warmup, backward,
-                               fp8_wgrad="fp8w" in precisions, breakdown=breakdown)
+                               fp8_wgrad=modes[mode[0]], breakdown=breakdown)
             except Exception as e:                  # noqa: BLE001 - recorded in the row
                 torch.cuda.synchronize()
                 fp8 = {"fp8_note": f"{type(e).__name__}: {e}"[:300]}
@@ -517,8 +520,9 @@ def main(argv=None):
                     help="forward only (skip the backward and forward+backward columns)")
     ap.add_argument("--precision", default="bf16",
                     help="bf16, or bf16,fp8: also the FP8 layer (MoKConfig(precision='fp8'))"
-                         " in turns with ours in bf16: fp8_* columns; bf16,fp8w: that layer "
-                         "with fp8_wgrad=True instead (its fp8_wgrad column)")
+                         " in turns with ours in bf16: fp8_* columns; bf16,fp8w / bf16,fp8b: "
+                         "that layer with fp8_wgrad=True / False instead of None (where it "
+                         "pays; the fp8_wgrad column says what ran)")
     ap.add_argument("--out", default="benchmarks/results/bench_layer.json")
     args = ap.parse_args(argv)
     gemm_of = {}                                 # preset -> tiles from a bench_ffn sweep

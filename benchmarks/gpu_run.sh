@@ -36,8 +36,8 @@
 #        weight gradients' L2 throughput: anchored, as "kernel" alone also names the
 #        quantiser and torch's elementwise kernels)
 #        bench-ffn-fp8 (FFN_PRESETS, FFN_TOKENS: the FP8 routed FFN vs ours in bf16, in turns)
-#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w: its weight gradients in
-#        FP8 too: the FP8 layer vs ours in bf16, forward
+#        bench-layer-fp8 (LAYER_PRESETS, LAYER_TOKENS, LAYER_FP8=fp8w / fp8b: its weight
+#        gradients in FP8 / bf16 always, not where FP8 pays: the FP8 layer vs ours in bf16, forward
 #        and forward+backward in turns, with the torch-native baseline's columns)
 #        gpu-jax (the JAX tests, one process) probe-bwd (probe_backward: PROBE_PRESET,
 #        PROBE_TOKENS, PROBE_WGRAD_TILES: --wgrad-tiles, PROBE_PRECISION, PROBE_MAIN_GRAD=1: FP32

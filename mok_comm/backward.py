@@ -64,14 +64,16 @@ backward's kernel as it writes them (``mok_core.swiglu_backward``'s ``quant``), 
 ``fp8_gemm`` multiplies them by the weights' transposed copies (``FP8Weights.w_down_t`` [E, I,
 H] and ``w_gate_up_t`` [E, H, 2I], made with the forward's copies by ``quantize_weights``):
 e4m3 wgmma reads both operands K-major, and these GEMMs reduce over the weights' other side.
-The weight gradients stay bf16 unless ``MoKConfig(fp8_wgrad=True)``: then ``wgrad_rows`` lays
+The weight gradients run in FP8 too where ``Layer.fp8_wgrad`` (``MoKConfig.fp8_wgrad``
+resolved: by default where the layer's experts take more than two 128-row K slices): then
+``wgrad_rows`` lays
 each expert's rows out from a multiple of 128 (``mok_core.wgrad_rows``: a 128-row scale block
 must not hold two experts, and the schedule pads to ``row_align`` only), each weight
 gradient's two operands are quantised transposed along those rows into the buffers the data
 gradients' quantised rows used (read by then: one stream) -- d_out^T and [d_g | d_u]^T 1 x
 128, (w h)^T and x^T 128 x 128, the tokens gathered on the way, zeros past an expert's rows
 -- and ``fp8_wgrad`` reduces them (dW_gate / dW_up from one launch, split at I; FP32 into
-``grads`` with ``accumulate``). Off by default: with K an expert's rows, a few slices a tile,
+``grads`` with ``accumulate``). Elsewhere bf16: with K an expert's rows, a few slices a tile,
 the FP8 kernel wins only where experts hold enough rows, and its operands' quantisations take
 most of that (docs/perf.md, FP8). The shared expert stays bf16, as in the forward.
 
@@ -248,8 +250,9 @@ def _fp8(layer: Layer, shared: bool) -> bool:
 
 
 def _fp8_wgrad(layer: Layer, shared: bool) -> bool:
-    """... and their weight gradients (``MoKConfig(fp8_wgrad=True)``)."""
-    return not shared and layer.config.fp8_wgrad
+    """... and their weight gradients (``Layer.fp8_wgrad``: ``MoKConfig.fp8_wgrad``
+    resolved)."""
+    return not shared and layer.fp8_wgrad
 
 
 def dgrad_down(layer: Layer, W: Weights, shared: bool, stream):

@@ -35,7 +35,8 @@ gate and up as the bf16 one does); the down step quantises h 1 x 128 and the FP8
 pushes each row home from its epilogue as the bf16 one does (``fuse_combine``; else it writes
 ``y`` for the combine kernel). Tokens travel bf16; the shared expert stays bf16; the backward
 (``mok_comm.backward``) differentiates at the FP8 forward's activations (its saved g / u and
-h), its routed data gradients in FP8 (and with ``fp8_wgrad`` its routed weight gradients).
+h), its routed data gradients in FP8 (and where ``Layer.fp8_wgrad`` its routed weight
+gradients).
 
 A layer with backward buffers (``layer.grad``) also saves the gate and up pre-activations
 from both gate/up GEMMs' epilogues, in FP32 (``BackwardBuffers.gate`` / ``up``, ``gate_s`` /

@@ -53,8 +53,10 @@ gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are w
 shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients added to:
 ``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and the data gradients --
 take ``fp8_bm``-row tiles (``gemm.fp8_rows_tile`` of the rows an expert gets at the shape's
-tokens, as the bf16 tiles are chosen), ``fp8_wgrad``'s ``fp8_wgrad_bn``-column ones
-(``gemm.fp8_wgrad_cols`` of the same rows; None: the kernel's default). ``nbytes`` sums the
+tokens, as the bf16 tiles are chosen); ``fp8_wgrad`` (``MoKConfig.fp8_wgrad`` resolved by
+``fp8_wgrad_on``: None -> ``gemm.fp8_wgrad_pays`` of the same rows) says whether the routed
+weight gradients are FP8 too, on ``fp8_wgrad_bn``-column tiles (``gemm.fp8_wgrad_cols`` of
+those rows; None: the kernel's default). ``nbytes`` sums the
 buffers by name. ``errors`` (``mok_core.step_errors``) reports each step's device-side
 problems at the next call (forward and backward calls alike).
 
@@ -75,7 +77,7 @@ from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm,
-                           fp8_rows_tile, fp8_wgrad_cols)
+                           fp8_rows_tile, fp8_wgrad_cols, fp8_wgrad_pays)
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 from mok_core.wgrad_rows import k_capacity
@@ -204,7 +206,7 @@ class BackwardBuffers:
         d_x_rows    [C, H]   routed d_x rows, pushed home by the combine kernel (None where
                              the GEMM pushes them from its epilogue: ``fused_d_x_push``)
         d_x_s       [T_pad, H] the shared expert's d_x
-    ``MoKConfig(precision="fp8")`` only (K = C, or with ``fp8_wgrad``
+    ``MoKConfig(precision="fp8")`` only (K = C, or where ``Layer.fp8_wgrad``
     ``mok_core.wgrad_rows.k_capacity``: the FP8 weight gradient's rows, each expert's from a
     multiple of 128):
         q_h, q_i       uint8 [K * H], [K * 2I], with float32 scales ``q_h_scale`` [K * H /
@@ -212,7 +214,7 @@ class BackwardBuffers:
                              routed dgrads' A quantised 1 x 128 -- ``d_out8`` [C, H],
                              ``d_gu8`` [C, 2I] (scales ``d_out8_scale``, ``d_gu8_scale``) --,
                              then, read by then, the weight gradients' operands transposed
-                             along the rows (``fp8_wgrad``: ``mok_comm.backward``) --
+                             along the rows (``Layer.fp8_wgrad``: ``mok_comm.backward``) --
                              ``d_out8t`` and ``x8t`` [H, K] in q_h, ``d_gu8t`` [2I, K] and
                              ``wh8t`` [I, K] in q_i, each with its ``_scale``: [H, K / 128]
                              and [2I, K / 128] (1 x 128), [H / 128, K / 128] and [I / 128,
@@ -222,7 +224,7 @@ class BackwardBuffers:
                              token, then gathered into ``d_out8`` -- the forward's
                              ``x8_tokens`` (gathered into ``x8`` before the backward)
         k_offsets, k_rows, rows_index, tokens_index   int32 [E + 1], [1], [K], [K]
-                             (``fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
+                             (``Layer.fp8_wgrad``): that layout (``mok_core.wgrad_rows``), written
                              every backward
     and ``ones`` float32 [T, k] (the d_x epilogue is the forward's with unit weights),
     ``d_x`` uint16 [T, H] / ``d_router_out`` float32 [T, k] (the default outputs), ``grads``
@@ -261,7 +263,7 @@ class BackwardBuffers:
         if layer.config.precision == "fp8":
             # the FP8 weight gradients' operands take K >= C rows of these
             K = k_capacity(C, s.experts_per_rank, layer.config.row_align) \
-                if layer.config.fp8_wgrad else C
+                if layer.fp8_wgrad else C
             self.q_h = device_empty((K * H,), np.uint8, stream)
             self.q_h_scale = device_empty((K * H // 128,), f32, stream)
             self.q_i = device_empty((K * 2 * I,), np.uint8, stream)
@@ -270,7 +272,7 @@ class BackwardBuffers:
             self.d_out8_scale = view(self.q_h_scale, C, H // 128)
             self.d_gu8 = view(self.q_i, C, 2 * I)
             self.d_gu8_scale = view(self.q_i_scale, C, 2 * I // 128)
-        if layer.config.fp8_wgrad:
+        if layer.fp8_wgrad:
             self.d_out8t, self.x8t = (view(self.q_h, H, K),) * 2
             self.d_out8t_scale = view(self.q_h_scale, H, K // 128)
             self.x8t_scale = view(self.q_h_scale, H // 128, K // 128)
@@ -402,6 +404,22 @@ def backward_gemm(shape: LayerShape, config: MoKConfig) -> GemmConfig:
                      "32; pass backward=False for a forward-only layer")
 
 
+def rows_per_expert(shape: LayerShape, tokens_per_rank: int) -> float:
+    """The rows an expert gets at a step of ``tokens_per_rank`` under uniform routing (EP x T
+    x k / E): what the FP8 kernels' tiles and ``fp8_wgrad`` are chosen by."""
+    return shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts
+
+
+def fp8_wgrad_on(shape: LayerShape, config: MoKConfig, tokens_per_rank: int) -> bool:
+    """``MoKConfig.fp8_wgrad`` resolved for a layer: None -> where it pays
+    (``gemm.fp8_wgrad_pays`` of the layer's rows per expert); bf16 layers never."""
+    if config.precision != "fp8":
+        return False
+    if config.fp8_wgrad is not None:
+        return config.fp8_wgrad
+    return fp8_wgrad_pays(rows_per_expert(shape, tokens_per_rank))
+
+
 def _check_fp8(shape: LayerShape, config: MoKConfig, tokens_per_rank: int):
     """What ``MoKConfig(precision="fp8")`` needs of the layer: a Hopper GPU (or the
     simulator), H and I multiples of 128 (the scale blocks), and the FP8 kernels' tables
@@ -416,7 +434,7 @@ def _check_fp8(shape: LayerShape, config: MoKConfig, tokens_per_rank: int):
     E = shape.experts_per_rank
     C = config.schedule_capacity(tokens_per_rank, shape.topk, shape.ep_size, E)
     _check_fp8_table(E, C // 128 + E, "row tiles")
-    if config.fp8_wgrad:
+    if fp8_wgrad_on(shape, config, tokens_per_rank):
         _check_fp8_table(E, k_capacity(C, E, config.row_align) // 128, "K slices")
     require_hopper()
 
@@ -509,11 +527,12 @@ class Layer:
         self.hidden = device_empty((C, I), u16, stream)
         self.y = None if self.fused_combine else device_empty((C, H), u16, stream)
         # the FP8 GEMMs' tile rows for this step size's experts (``fp8_rows_tile``)
-        rows_per_expert = shape.ep_size * T * k / shape.num_experts
-        self.fp8_bm = fp8_rows_tile(rows_per_expert)
-        # ... and ``fp8_wgrad``'s tile columns (``fp8_wgrad_cols``: by the K slices an expert's
-        # rows take)
-        self.fp8_wgrad_bn = fp8_wgrad_cols(rows_per_expert)
+        rows = rows_per_expert(shape, T)
+        self.fp8_bm = fp8_rows_tile(rows)
+        # ... whether its weight gradients are FP8 (``MoKConfig.fp8_wgrad`` resolved) and their
+        # tile columns (``fp8_wgrad_cols``: by the K slices an expert's rows take)
+        self.fp8_wgrad = fp8_wgrad_on(shape, config, T)
+        self.fp8_wgrad_bn = fp8_wgrad_cols(rows)
         # FP8: the landed tokens quantised 1 x 128 into expert order -- where a rank gets more
         # routes than staging rows (EP < k: T k against R T), once a token (the staging's
         # rows) and then gathered, else route by route -- and h quantised: the GEMMs' A rows

@@ -144,14 +144,16 @@ class MoKConfig:
             once they have landed, the weights come quantised (``mok_comm.layer.WeightsFP8``),
             the shared expert stays bf16 (docs/design.md, FP8). The backward's two routed data
             gradients run in FP8 too (on the weights' transposed copies).
-        fp8_wgrad: with ``precision="fp8"``, the backward's routed weight gradients in FP8 as
-            well (DeepSeek-V3's: their operands quantised along the tokens, each expert's
-            rows from a multiple of 128 -- ``mok_core.wgrad_rows``). Off by default: with
-            their operands' quantisations they pay only where an expert's rows take three
-            or more 128-row K slices (more than ~256 rows an expert: EP x tokens per rank x
-            k / E) and lose below that (docs/perf.md, FP8), and they add e4m3's rounding to
-            the weight gradients (TransformerEngine's recipes run wgrad in FP8 too, with
-            ``override_linear_precision`` to keep it in bf16).
+        fp8_wgrad: with ``precision="fp8"``, whether the backward's routed weight gradients
+            run in FP8 as well (DeepSeek-V3's: their operands quantised along the tokens, each
+            expert's rows from a multiple of 128 -- ``mok_core.wgrad_rows``). None (default):
+            where they pay -- where the layer's experts take more than two 128-row K slices at
+            its step size (EP x tokens per rank x k / E > 256 rows); below that, with their
+            operands' quantisations, they lose to bf16 (docs/perf.md, FP8) --, else bf16.
+            True / False: always / never. They add e4m3's rounding to the weight gradients
+            (TransformerEngine's recipes run wgrad in FP8 too, with
+            ``override_linear_precision`` to keep it in bf16). ``Layer.fp8_wgrad`` says
+            what a layer runs.
     """
     minibatch_size: int = 4096
     capacity_factor: float = 1.0
@@ -162,7 +164,7 @@ class MoKConfig:
     dispatch_ce_share: float = 1.0
     errors: str = "deferred"
     precision: str = "bf16"
-    fp8_wgrad: bool = False
+    fp8_wgrad: bool | None = None
 
     def __post_init__(self):
         _require(_is_int(self.row_align) and _is_pow2(self.row_align)
@@ -187,9 +189,9 @@ class MoKConfig:
                  self.errors)
         _require(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}",
                  self.precision)
-        _require(isinstance(self.fp8_wgrad, bool) and (self.precision == "fp8"
-                                                       or not self.fp8_wgrad),
-                 "fp8_wgrad", "must be a bool, True only with precision='fp8'", self.fp8_wgrad)
+        _require((self.fp8_wgrad is None or isinstance(self.fp8_wgrad, bool))
+                 and (self.precision == "fp8" or not self.fp8_wgrad), "fp8_wgrad",
+                 "must be None or a bool, True only with precision='fp8'", self.fp8_wgrad)
         share = self.dispatch_ce_share
         _require(isinstance(share, (int, float)) and not isinstance(share, bool)
                  and 0.0 <= share <= 1.0, "dispatch_ce_share", "must be a number in [0, 1]",

@@ -25,6 +25,7 @@ def test_defaults_valid():
     ({"dispatch_ce_share": True}, "dispatch_ce_share"),
     ({"fp8_wgrad": True}, "fp8_wgrad"),                      # FP8 weight gradients, bf16 layer
     ({"precision": "fp8", "fp8_wgrad": 1}, "fp8_wgrad"),
+    ({"precision": "fp8", "fp8_wgrad": "auto"}, "fp8_wgrad"),
 ])
 def test_config_rejects_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -34,6 +35,25 @@ def test_config_rejects_with_field_name(kwargs, field):
 @pytest.mark.parametrize("share", [0, 1, 0.25, 1.0])
 def test_config_accepts_ce_share_bounds(share):
     assert MoKConfig(dispatch="split", dispatch_ce_share=share).dispatch_ce_share == share
+
+
+@pytest.mark.parametrize("name, ep, tokens, fp8_wgrad, on", [
+    ("qwen3.5-397b", 2, 4096, None, False),     # 160 rows an expert: two K slices
+    ("qwen3.5-397b", 2, 8192, None, True),      # 320: three
+    ("deepseek-v4-pro", 2, 8192, None, False),  # 256: two, exactly
+    ("kimi-k2.7", 2, 8192, None, True),         # 341.3
+    ("qwen3.5-397b", 1, 16384, None, True),     # EP 1 at 2T: EP 2's rows at T
+    ("qwen3.5-397b", 2, 4096, True, True),      # forced either way
+    ("qwen3.5-397b", 2, 8192, False, False),
+    ("qwen3.5-397b", 2, 8192, "bf16", False),   # a bf16 layer never
+])
+def test_fp8_wgrad_resolves_where_it_pays(name, ep, tokens, fp8_wgrad, on):
+    """``MoKConfig.fp8_wgrad`` None: FP8 weight gradients where an expert's rows (EP x T x k
+    / E) take more than two 128-row K slices (``Layer.fp8_wgrad``, ``fp8_wgrad_on``)."""
+    from mok_comm.layer import fp8_wgrad_on
+    cfg = (MoKConfig() if fp8_wgrad == "bf16"
+           else MoKConfig(precision="fp8", fp8_wgrad=fp8_wgrad))
+    assert fp8_wgrad_on(preset(name, ep_size=ep), cfg, tokens) is on
 
 
 def test_config_frozen():

@@ -83,6 +83,15 @@ def fp8_rows_tile(rows_per_expert):
     return 192 if ROWS_FOR_192 < rows_per_expert <= 192 else 128
 
 
+def fp8_wgrad_pays(rows_per_expert):
+    """Whether the routed weight gradients in FP8 beat bf16 for experts of
+    ``rows_per_expert`` rows (``MoKConfig(fp8_wgrad=None)``): where those rows take more
+    than two 128-row K slices -- at two, the tiles' MMAs are shorter than their stores of a
+    weight-sized output whatever their precision, and the operands' two transposed
+    quantisations cost more than FP8 saves (docs/perf.md, FP8)."""
+    return rows_per_expert > 2 * sm90_fp8.BK
+
+
 def fp8_wgrad_cols(rows_per_expert):
     """The layer's FP8 weight-gradient tile columns for experts of ``rows_per_expert`` rows:
     128 where those rows take at most two 128-row K slices -- a tile's MMAs are then shorter
