@@ -10,12 +10,16 @@ then a table of ms per call, largest first. Then what the backward costs the for
 gate/up GEMMs (routed, shared) saving the FP32 pre-activations the backward reads, against
 the same launches of a forward-only layer. ``--precision fp8``: the layer in
 ``MoKConfig(precision="fp8")`` (its routed weights quantised once, ``Layer.with_fp8``; the
-data gradients' calls include their quantisations); ``fp8w`` with ``fp8_wgrad=True`` too (the
+data gradients' calls include their quantisations; its weight gradients in FP8 where that
+pays, ``fp8_wgrad=None``); ``fp8b`` with ``fp8_wgrad=False``, ``fp8w`` with ``True`` (the
 weight gradients' calls include theirs, ``wgrad_rows`` their layout). Several precisions and
 token counts: a table each, one layer at a time (EP 1 at 2T tokens gives each expert EP 2's
 rows at T). ``--main-grad``: the six weight gradients added into FP32 buffers
 (``accumulate=True``, what ``MoEBlock(main_grad=True)`` runs every backward) instead of
-written in bf16. A probe: it prints, it does not write results.
+written in bf16. ``--kernels``: then each kernel's device time in one forward + backward
+(torch's profiler; the median of --iters steps, kernels of one name summed within a step):
+the split of a launch group (a quantiser, a gather, a GEMM). A probe: it prints, it does not
+write results.
 """
 from __future__ import annotations
 
@@ -32,13 +36,15 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3.5-397b")
     ap.add_argument("--tokens", default="4096", help="','-separated")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--precision", default="bf16", help="','-separated: bf16, fp8, fp8w")
+    ap.add_argument("--precision", default="bf16", help="','-separated: bf16, fp8, fp8b, fp8w")
     ap.add_argument("--main-grad", action="store_true",
                     help="weight gradients accumulated into FP32 buffers")
     ap.add_argument("--wgrad-tiles", default="",
                     help="';'-separated bm,bn,bk,wm,wn,stages[,blocks_per_sm,max_registers"
                          "[,mma]] of the weight-gradient GEMMs (mma: mma_sync, the default, "
                          "or wgmma, e.g. 128,256,64,2,1,4,1,0,wgmma): one table each")
+    ap.add_argument("--kernels", action="store_true",
+                    help="each kernel's device time in a forward + backward (profiler)")
     args = ap.parse_args(argv)
     import gc
 
@@ -50,6 +56,7 @@ def main(argv=None):
     from mok_testing import synthetic
     from mok_core.gemm import GemmConfig
     configs = {"bf16": MoKConfig(), "fp8": MoKConfig(precision="fp8"),
+               "fp8b": MoKConfig(precision="fp8", fp8_wgrad=False),
                "fp8w": MoKConfig(precision="fp8", fp8_wgrad=True)}
     shape, dev = preset(args.preset, 1), "cuda"
     W = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
@@ -65,6 +72,8 @@ def main(argv=None):
                         fields = tiles.split(",")
                         layer.wgrad_gemm = GemmConfig(*map(int, fields[:8]), *fields[8:])
                     _time_backward(args, precision, layer, x, ids, w, W, d_out)
+                if args.kernels:
+                    _time_kernels(args, precision, layer, x, ids, w, W, d_out)
                 if "," not in args.tokens + args.precision:
                     _time_gate_up(args, layer, W)
             finally:                     # this layer's memory back before the next one's
@@ -74,6 +83,52 @@ def main(argv=None):
                 gc.collect()
                 numba_cuda.current_context().deallocations.clear()
                 torch.cuda.empty_cache()
+
+
+def _kernel_name(name):
+    """A profiler kernel name, short: numba's mangled ``_ZN6cudapy..E`` -> module.function
+    (a factory's ``kernel``: factory.kernel); a C++ name cut at its template arguments."""
+    import re
+    if not name.startswith("_ZN"):
+        return re.split(r"[<(]", name)[0].replace("void ", "")[-48:]
+    parts, i = [], 3
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while name[j].isdigit():
+            j += 1
+        n = int(name[i:j])
+        parts.append(name[j:j + n])
+        i = j + n
+    parts = [re.sub(r"_\d+B\w*$|\$\d+$", "", q) for q in parts
+             if q not in ("cudapy", "_3clocals_3e")]
+    return ".".join(parts[-2:])
+
+
+def _time_kernels(args, precision, layer, x, ids, w, W, d_out):
+    """Each kernel's device time in one forward + backward, in launch order, the median over
+    --iters steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    steps = []
+    for _ in range(args.iters + 1):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ctx = layer.forward(x, ids, w, W)[1]
+            layer.backward(ctx, d_out, w, W)
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        evs.sort(key=lambda e: e.time_range.start)
+        steps.append([(_kernel_name(e.name), e.device_time_total / 1e3) for e in evs])
+    steps = [st for st in steps[1:] if len(st) == len(steps[1])]
+    print(f"{args.preset} T={layer.tokens_per_rank} EP 1 {precision}: the kernels of a forward "
+          f"+ backward in launch order (ms, median of {len(steps)})")
+    total = 0.0
+    for i, (name, _) in enumerate(steps[0]):
+        ms = statistics.median(st[i][1] for st in steps)
+        total += ms
+        if ms >= 0.01:
+            print(f"  {i:3d} {name:44s} {ms:8.3f}")
+    print(f"  {'':3s} {'sum':44s} {total:8.3f}")
 
 
 def _time_gate_up(args, layer, W):
@@ -152,7 +207,8 @@ def _time_backward(args, precision, layer, x, ids, w, W, d_out):
             times[n].append(ev[j].elapsed_time(ev[j + 1]))
     layer.check()
     med = {n: statistics.median(v[1:]) for n, v in times.items()}
-    print(f"{args.preset} T={T} EP 1 {precision}{' main-grad' if args.main_grad else ''}, "
+    print(f"{args.preset} T={T} EP 1 {precision} (fp8_wgrad {layer.fp8_wgrad})"
+          f"{' main-grad' if args.main_grad else ''}, "
           f"backward tiles {layer.backward_gemm}, dgrad "
           f"{layer.dgrad_gemm}, wgrad {layer.wgrad_gemm} (a name's first "
           "entry is the shared expert's, ' 2' the routed experts')")

@@ -1,0 +1,120 @@
+"""Does ``gather_rows_kernel`` keep enough loads in flight? ``batchB``: a lane loads B of its
+16-byte chunks c, c + 32, ..., then stores them (``batch1``: each loaded then stored -- a store
+may alias the next load, so one load a lane is in flight), against the shipped kernel,
+on the layer's gathers: a token's e4m3 row (+ scales) into expert order, the index of a
+uniform routing, EP 1. Timed in turns as CUDA-graph replays, bits compared. A probe: it
+prints, it writes nothing; its findings go to docs/perf.md (FP8).
+
+    python benchmarks/probes/probe_gather_rows.py [--batch 2,4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+from numba import cuda, float32, int64, uint64  # noqa: E402
+
+from mok_core.cuda_compat import flat_view, kjit, launch, multiprocessor_count  # noqa: E402
+from mok_core.gather_rows import THREADS, _BLOCKS_PER_SM, launch_gather_rows  # noqa: E402
+from mok_core.intrinsics import ld_v4, st_v4  # noqa: E402
+
+
+def make_batched(batch):
+    """The shipped kernel with a lane's chunks loaded ``batch`` at a time before any is
+    stored (chunks past the row not loaded)."""
+    @kjit
+    def kernel(src32, src_scale, index, num_rows, rows, chunks, groups, out32, out_scale):
+        lane = int64(cuda.threadIdx.x % 32)
+        warps = int64(cuda.gridDim.x) * (THREADS // 32)
+        r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
+        n = min(rows, int64(num_rows[0]))
+        while r < n:
+            src = int64(index[uint64(r)])
+            dst = uint64(r * chunks) * uint64(4)
+            g = lane
+            if src >= 0:
+                at = uint64(src * chunks) * uint64(4)
+                c = lane
+                while c < chunks:
+                    v = cuda.local.array((batch, 4), np.uint32)
+                    for b in range(batch):
+                        cb = c + 32 * b
+                        if cb < chunks:
+                            v[b, 0], v[b, 1], v[b, 2], v[b, 3] = ld_v4(src32, at + uint64(4 * cb))
+                    for b in range(batch):
+                        cb = c + 32 * b
+                        if cb < chunks:
+                            st_v4(out32, dst + uint64(4 * cb), v[b, 0], v[b, 1], v[b, 2], v[b, 3])
+                    c += 32 * batch
+                while g < groups:
+                    out_scale[uint64(r * groups + g)] = src_scale[uint64(src * groups + g)]
+                    g += 32
+            else:
+                zero = uint64(0)
+                c = lane
+                while c < chunks:
+                    st_v4(out32, dst + uint64(4 * c), zero, zero, zero, zero)
+                    c += 32
+                while g < groups:
+                    out_scale[uint64(r * groups + g)] = float32(1.0)
+                    g += 32
+            r += warps
+    return kernel
+
+
+def expert_index(tokens, topk, experts, rng):
+    """Every route's token, in expert order (a uniform routing; no padding at EP 1's pull)."""
+    ids = np.stack([rng.choice(experts, topk, replace=False) for _ in range(tokens)])
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    return (order // topk).astype(np.int32)
+
+
+def main():
+    import torch
+    from benchmarks.bench_ffn import interleaved_ms
+    from benchmarks.common import numba_stream as stream
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", default="1,2,4,8")
+    p.add_argument("--iters", type=int, default=30)
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    kernels = {b: make_batched(b) for b in map(int, a.batch.split(","))}
+    for name, T, H, E, k in (("qwen3.5-397b", 16384, 4096, 512, 10),
+                             ("kimi-k2.7", 8192, 7168, 384, 8)):
+        index_np = expert_index(T, k, E, rng)
+        C = index_np.size
+        src = torch.randint(0, 255, (T, H), device="cuda", dtype=torch.uint8)
+        src_scale = torch.rand(T, H // 128, device="cuda")
+        index = torch.from_numpy(index_np).cuda()
+        num_rows = torch.tensor([C], device="cuda", dtype=torch.int32)
+        outs = {n: (torch.empty(C, H, device="cuda", dtype=torch.uint8),
+                    torch.empty(C, H // 128, device="cuda"))
+                for n in ["shipped"] + [f"batch{b}" for b in kernels]}
+
+        def shipped():
+            launch_gather_rows(src, src_scale, index, num_rows, *outs["shipped"], stream=stream())
+
+        def batched(b):
+            o, o_s = outs[f"batch{b}"]
+            grid = max(1, min(multiprocessor_count() * _BLOCKS_PER_SM, -(-C // (THREADS // 32))))
+            def run():
+                launch(kernels[b], grid, THREADS, stream(), 0, flat_view(src, np.uint32),
+                       flat_view(src_scale), index, num_rows, np.int64(C), np.int64(H // 16),
+                       np.int64(H // 128), flat_view(o, np.uint32), flat_view(o_s))
+            return run
+        steps = {"shipped": shipped, **{f"batch{b}": batched(b) for b in kernels}}
+        t = interleaved_ms(steps, a.iters, eager=())
+        torch.cuda.synchronize()
+        moved = 2 * C * (H + 4 * H // 128)
+        for n, (ms, _) in t.items():
+            same = all(torch.equal(x, y) for x, y in zip(outs[n], outs["shipped"]))
+            print(f"  {name} T={T} rows {C}: {n:8s} {ms:7.3f} ms  {moved / ms / 1e9:6.2f} TB/s"
+                  f"  bits {'equal' if same else 'DIFFER'}")
+
+
+if __name__ == "__main__":
+    main()
