@@ -33,7 +33,7 @@ lint: $(STAMP)
 # the simulator's block threads share its GIL) beside the PTX compiles, niced; each one's
 # output is printed whole when it ends. SIM_A holds about half the simulator time (balanced
 # on a CI run's two halves: the other half is every file not listed, new ones included).
-SIM_A := tests/test_grouped_gemm.py tests/test_layer_emulated.py tests/test_gemm_non_finite.py \
+SIM_A := tests/test_grouped_gemm.py tests/test_gemm_non_finite.py \
          tests/test_gemm_wgrad.py tests/test_layer_step.py tests/test_torch_module.py \
          tests/test_gemm_dgrad.py tests/test_intrinsics.py tests/test_gemm_fp8.py \
          tests/test_torch_adapter.py

@@ -10,10 +10,15 @@ barriers, and an exception in any thread aborts the block and is re-raised by th
 It also gives each block a *warp barrier* (``warp_exchange``) so Python twins of warp-collective
 intrinsics (``mma.sync``, ``ldmatrix``) can trade per-lane values like the hardware does, and
 passes NumPy kernel arguments by reference (numba copies them in and out, which breaks aliasing
-that device pointers have).
+that device pointers have). Simulator-only speed-ups, the same results: a block's threads run
+on Python threads kept from block to block (not one new thread each), a warp collective's work
+is done by its last lane to arrive (one barrier, not two), a static shared array is found by
+its caller's frame (not a stack summary), and a kernel's ``uint32(v)`` goes straight to
+NumPy's cast.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from _thread import allocate_lock as _allocate_lock
 
@@ -38,11 +43,17 @@ class _Barrier:
         self.parties = parties
         self.sleepers = []                # [lock, aborted] of each waiting thread
         self.aborted = False
+        self.last = None                  # run by the arrival that trips the barrier
 
-    def wait(self):
+    def wait(self, last=None):
+        """Sleep until every party has arrived (or left); ``last`` (the same work from every
+        party of one round) is run once, by the party that trips the barrier, before any
+        sleeper wakes."""
         with self.mutex:
             if self.aborted:
                 raise _Aborted("block aborted")
+            if last is not None:
+                self.last = last
             if len(self.sleepers) + 1 >= self.parties:
                 self._trip(False)
                 return
@@ -65,6 +76,9 @@ class _Barrier:
             self._trip(True)
 
     def _trip(self, aborted):
+        last, self.last = self.last, None
+        if last is not None and not aborted:
+            last()
         sleepers, self.sleepers = self.sleepers, []
         for me in sleepers:
             me[1] = aborted
@@ -76,8 +90,8 @@ class _WarpExchange:
 
     Two sets of slots (and results), used by turns: a lane's n-th exchange or collective
     writes set n % 2, and it can reach its (n + 2)-th only past the barrier of the (n + 1)-th,
-    which every lane enters after it has read the n-th -- so one barrier per exchange (two per
-    collective) is enough, none is needed to guard the slots against the next call."""
+    which every lane enters after it has read the n-th -- so one barrier per exchange or
+    collective is enough, none is needed to guard the slots against the next call."""
 
     def __init__(self):
         self.barrier = _Barrier(32)
@@ -118,15 +132,113 @@ def warp_barrier():
 
 def warp_collective(value, compute):
     """Deposit ``value``; one lane runs ``compute(list of 32 values)`` and every lane gets its
-    result (for twins whose per-warp work should be done once, not 32 times)."""
+    result (for twins whose per-warp work should be done once, not 32 times): the last lane to
+    arrive, before the others wake -- one barrier, as an exchange."""
     warp, lane = _my_warp()
     turn = _my_turn(warp, lane)
     warp.slots[turn][lane] = value
-    warp.barrier.wait()
-    if lane == 0:
+
+    def last():
         warp.results[turn] = compute(list(warp.slots[turn]))
-    warp.barrier.wait()
+    warp.barrier.wait(last)
     return warp.results[turn]
+
+
+class _Done:
+    """Counts a block's threads down; ``wait`` returns once all have finished."""
+
+    def __init__(self, n: int):
+        self.mutex = _allocate_lock()
+        self.left = n
+        self.all_done = _allocate_lock()
+        self.all_done.acquire()
+
+    def one_done(self):
+        with self.mutex:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.all_done.release()
+
+    def wait(self):
+        self.all_done.acquire()
+
+
+_workers = []                 # the simulated threads, kept between blocks (one block at a time)
+_worker_class = None
+_pool = _allocate_lock()      # held by the launch running on them: another host thread's
+                              # launch meanwhile gets threads of its own
+
+
+def _make_worker_class():
+    """A ``BlockThread`` that stays alive and runs one simulated thread of each block it is
+    handed: creating (and joining) a Python thread for every CUDA thread of every block cost
+    a launch about as much as the kernel's own code. Each block hands it what a new
+    ``BlockThread`` is made with -- its manager, block and thread index, no exception, no
+    abort -- and drops the per-thread state the intrinsics' twins keep on the thread
+    (``mok_*`` attributes: a new thread has none)."""
+    from numba.cuda.simulator import kernel as simkernel
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    class Worker(simkernel.BlockThread):
+        def __init__(self):                   # (BlockThread's own state: ``assign``)
+            threading.Thread.__init__(self, daemon=True)
+            self.go = _allocate_lock()
+            self.go.acquire()
+            self.job = None
+
+        def assign(self, manager, grid_point, block_point, target, done):
+            for key in [k for k in vars(self) if k.startswith("mok_")]:
+                delattr(self, key)
+            self._manager = manager
+            self.blockIdx = Dim3(*grid_point)
+            self.threadIdx = Dim3(*block_point)
+            self.exception = None
+            self.abort = False
+            self.debug = False
+            self.syncthreads_blocked = False
+            dim = manager._block_dim
+            self.thread_id = block_point[0] + dim[0] * (block_point[1] + dim[1] * block_point[2])
+            self.job = (target, done)
+
+        def run(self):
+            while True:
+                self.go.acquire()
+                target, done = self.job
+                self.job = None
+                try:
+                    target()
+                except Exception as e:            # as BlockThread.run words it
+                    tid = "tid=%s" % list(self.threadIdx)
+                    ctaid = "ctaid=%s" % list(self.blockIdx)
+                    msg = "%s %s" % (tid, ctaid) if str(e) == "" else \
+                        "%s %s: %s" % (tid, ctaid, e)
+                    self.exception = (type(e)(msg), sys.exc_info()[2])
+                except BaseException as e:        # (a new thread would die of it, unseen)
+                    self.exception = (e, e.__traceback__)
+                finally:
+                    done.one_done()
+
+    return Worker
+
+
+def _run_on_workers(manager, grid_point, target, n):
+    """Run ``target`` as the n threads of one block on kept worker threads; returns them."""
+    global _worker_class
+    if _worker_class is None:
+        _worker_class = _make_worker_class()
+    while len(_workers) < n:
+        w = _worker_class()
+        w.start()
+        _workers.append(w)
+    done = _Done(n)
+    threads = _workers[:n]
+    for w, block_point in zip(threads, np.ndindex(*manager._block_dim)):   # (3-D: numba's)
+        w.assign(manager, grid_point, block_point, target, done)
+    for w in threads:
+        w.go.release()
+    done.wait()
+    return threads
 
 
 def install() -> None:
@@ -154,13 +266,21 @@ def install() -> None:
             finally:
                 barrier.leave()
 
-        for block_point in np.ndindex(*self._block_dim):
-            threads.append(simkernel.BlockThread(target, self, grid_point, block_point,
-                                                 self._debug))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # kept worker threads, unless debugging (numba's threads then) or another host
+        # thread's launch holds them
+        if not self._debug and _pool.acquire(False):
+            try:
+                threads = _run_on_workers(self, grid_point, target, n)
+            finally:
+                _pool.release()
+        else:
+            for block_point in np.ndindex(*self._block_dim):
+                threads.append(simkernel.BlockThread(target, self, grid_point, block_point,
+                                                     self._debug))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         failures = [t.exception for t in threads if t.exception is not None]
         real = [f for f in failures if not issubclass(f[0].__class__, _Aborted)
                 and "block aborted" not in str(f[0])]
@@ -221,4 +341,45 @@ def install() -> None:
         return fn(*args)
 
     simkernel.FakeCUDAKernel.__call__ = call
+
+    # numba's simulator keys a static shared array by its caller's (file, line), found with
+    # ``traceback.extract_stack`` -- every frame of the thread's stack summarised, each one's
+    # source file stat-ed and its line read, at every thread's every ``cuda.shared.array``
+    # (most of what a short kernel's thread costs). The caller's frame gives the same key.
+    from numba.cuda.np import numpy_support
+    from numba.cuda.types import Type
+    shared_array = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return shared_array(self, shape, dtype, alignment)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        res = self._allocations.get(caller)
+        if res is None:                     # (setdefault: the block's threads race to it)
+            if isinstance(dtype, Type):
+                dtype = numpy_support.as_dtype(dtype)
+            res = self._allocations.setdefault(caller, np.empty(shape, dtype))
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+    # A kernel's ``uint32(v)`` / ``float32(v)`` calls numba's type object, whose ``__call__``
+    # imports ``signature`` and asks an ABC isinstance before ``cast_python_value`` -- NumPy's
+    # type of the same name, for both classes (checked: a numba that casts otherwise keeps its
+    # own path). For values of the plain kinds (never a numba type) call that directly.
+    from numba.core.types import abstract, scalars
+    plain = frozenset((int, float, bool, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                       np.uint16, np.uint32, np.uint64, np.float16, np.float32, np.float64,
+                       np.bool_))
+
+    def cast(self, *args, _general=abstract.Type.__call__, _np=np, _plain=plain):
+        if len(args) == 1 and type(args[0]) in _plain:
+            return getattr(_np, self.name)(args[0])
+        return _general(self, *args)
+
+    for cls in (scalars.Integer, scalars.Float):
+        if (cls.cast_python_value.__code__.co_names == ("getattr", "np", "name")
+                and "__call__" not in vars(cls) and cls.__call__ is abstract.Type.__call__):
+            cls.__call__ = cast
     _installed = True

@@ -225,13 +225,13 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
     B[n, r] from the operands transposed and quantised along the rows (A 1 x 128, B 128 x
     128) -- segments of 256 / 0 / 128 / 128 / 128 rows, the operands zero past each expert's
     real rows, num_rows 48 rows into the fourth: the fifth's rows (data, not zeros) are past
-    it, so its gradient is zeros like the empty expert's; M and N of two and more tiles --
-    within rel-L1 5e-3 of float64 of the dequantised operands, every tile written; a rerun bit
-    for bit. Then an Inf scale of A's row m = 200 in expert 2's slice reaches the error word
-    (count: the row's N values, row 200, expert 2)."""
+    it, so its gradient is zeros like the empty expert's; M and N of two tiles each (N = 2 bn:
+    more column tiles take the same path) -- within rel-L1 5e-3 of float64 of the dequantised
+    operands, every tile written; a rerun bit for bit. Then an Inf scale of A's row m = 200 in
+    expert 2's slice reaches the error word (count: the row's N values, row 200, expert 2)."""
     _hopper()
     rng = np.random.default_rng(12)
-    M, N = 256, 512
+    M, N = 256, 2 * bn
     seg = [256, 0, 128, 128, 128]                # padded segments (multiples of 128)
     real = [200, 0, 128, 48, 128]                # the rows each expert really holds
     off = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)

@@ -114,6 +114,38 @@ def _max_halves(a, b, out):
         out[i] = max_u16x2(a[i], b[i])
 
 
+def test_simulator_twins_scalar_paths_equal_their_references():
+    """The simulator twins' scalar shortcuts (CPU only, no kernel): ``pack_e4m3x4``'s byte is
+    ``quantize_reference.e4m3_bits`` on every bf16-grid float32, random float32 bits, the
+    e4m3 grid's midpoints (ties to even) and the edges; ``ffma_rn``'s fast path is the exact
+    float64 sum rounded once, ties included."""
+    from mok_core.intrinsics.twins import _e4m3_byte, ffma_rn
+    from mok_core.quantize_reference import e4m3_bits, e4m3_values
+    rng = np.random.default_rng(0)
+    grid = e4m3_values(np.arange(256, dtype=np.uint8))
+    grid = np.sort(np.unique(grid[np.isfinite(grid)]))
+    v = np.concatenate([
+        (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32),
+        rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        ((grid[1:] + grid[:-1]) / 2).astype(np.float32),
+        np.array([448, 464, 465, -464, 2.0 ** -10, -2.0 ** -10, 2.0 ** -9 * 1.5, np.inf,
+                  -np.inf, -0.0, 0.0], np.float32)])
+    with np.errstate(invalid="ignore"):             # (signalling NaN payloads)
+        want = e4m3_bits(v)
+    got = np.array([_e4m3_byte(x) for x in v], np.uint8)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (v[bad[:5]], got[bad[:5]], want[bad[:5]])
+    a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+    c[:1024] = -(a[:1024].astype(np.float64) * b[:1024]).astype(np.float32)   # cancellation
+    for x, y, z in zip(a, b, c):
+        exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        lo = np.float32(float(exact))                 # within an ulp; the nearest by exact
+        cands = [lo, np.nextafter(lo, np.float32(-np.inf)), np.nextafter(lo, np.float32(np.inf))]
+        best = min(cands, key=lambda r: (abs(Fraction(float(r)) - exact),
+                                         int(np.array(r).view(np.uint32)) & 1))
+        assert ffma_rn(x, y, z) == best or (best == 0 and ffma_rn(x, y, z) == 0)
+
+
 def test_max_u16x2_is_the_larger_of_each_half():
     rng = np.random.default_rng(2)
     a = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)

@@ -90,9 +90,9 @@ def test_fp8_forward(limit=None):
     lws[0].x8_tokens = None          # rank 0 route by route (the path at EP >= k), 1 by token
     E_l = shape.experts_per_rank
     weights = []
-    for r in range(R):
+    for r in range(R):                           # (a forward-only layer: no transposed copies)
         w = rank_weights(inp, r, E_l)
-        weights.append(WeightsFP8(*w, quantize_weights(w)))
+        weights.append(WeightsFP8(*w, quantize_weights(w, backward=False)))
     got = run_layer(lws, inp, weights=weights)
     for lw in lws:                               # gathered = each route's row quantised
         n = int(to_host(lw.schedule.num_rows)[0])

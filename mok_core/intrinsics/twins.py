@@ -87,15 +87,23 @@ def tuple_pick(tup, i):
 
 
 def warp_all(pred):
-    return np.int32(all(bool(v) for v in warp_exchange(bool(pred))))
+    return np.int32(all(warp_exchange(bool(pred))))
+
+
+def _int32s(values):
+    """The lanes' ints as int32 (NumPy's conversion: OverflowError outside the range), in one
+    check where all are inside (every lane of every call converted 32 values otherwise)."""
+    if min(values) >= -2 ** 31 and max(values) < 2 ** 31:
+        return values
+    return [int(np.int32(v)) for v in values]
 
 
 def warp_sum(value):
-    return np.int32(sum(int(np.int32(v)) for v in warp_exchange(int(value))))
+    return np.int32(sum(_int32s(warp_exchange(int(value)))))
 
 
 def warp_min(value):
-    return np.int32(min(int(np.int32(v)) for v in warp_exchange(int(value))))
+    return np.int32(min(_int32s(warp_exchange(int(value)))))
 
 
 def warp_fsum(value):
@@ -133,17 +141,25 @@ def per_iteration(x):
 
 # ---- bf16 bits <-> f32 -------------------------------------------------------------------------
 
+# (a NumPy scalar of the type at hand is reinterpreted in place: the same bits as through a
+# one-element array, without making one)
+
 def u32_as_f32(x):
+    if type(x) is np.uint32:
+        return x.view(np.float32)
     return np.array([x], dtype=np.uint32).view(np.float32)[0]
 
 
 def f32_as_u32(x):
+    if type(x) is np.float32:
+        return x.view(np.uint32)
     return np.array([x], dtype=np.float32).view(np.uint32)[0]
 
 
 def _bf16_bits(x):
     """Round-to-nearest-even float32 -> bf16 bits, as ``cvt.rn.bf16x2.f32`` does per half."""
-    u = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+    u = int(x.view(np.uint32) if type(x) is np.float32 else
+            np.array([x], dtype=np.float32).view(np.uint32)[0])
     if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):
         return 0x7FFF                                      # canonical NaN, as cvt.rn does
     u += 0x7FFF + ((u >> 16) & 1)                          # round to nearest, ties to even
@@ -182,6 +198,7 @@ def fadd_rn(a, b):
 
 _F32_EDGE = 2.0 ** 128 - 2.0 ** 103       # FLT_MAX + half an ulp: from here on, inf
 _F32_MAX = np.finfo(np.float32).max
+_F32_MAX_FLOAT = float(_F32_MAX)
 
 
 def ffma_rn(a, b, c):
@@ -191,6 +208,8 @@ def ffma_rn(a, b, c):
     is exact in float64; TwoSum gives the float64 sum s and its error exactly; s rounds to
     float32 as the exact value does unless s lies exactly halfway between two float32 -- or
     exactly on the overflow edge --, where the error's sign picks the side."""
+    if type(a) is type(b) is type(c) is np.float32:          # (the common case, quickly)
+        return _ffma_rn_scalar(float(a), float(b), float(c))
     if np.ndim(a) == np.ndim(b) == np.ndim(c) == 0:
         return _ffma_rn_scalar(float(np.float32(a)), float(np.float32(b)),
                                float(np.float32(c)))
@@ -212,9 +231,23 @@ def ffma_rn(a, b, c):
 
 
 def _ffma_rn_scalar(a, b, c):
-    """``ffma_rn`` on three float32 values as Python floats."""
+    """``ffma_rn`` on three float32 values as Python floats. Where |s| <= FLT_MAX (the
+    float32 rounding cannot overflow: no errstate needed) and s is not exactly halfway
+    between two float32 -- d = s - r, when not 0, is then no power of two, as half the gap
+    between neighbouring float32 always is --, RN(s) is the answer; the rest as below."""
     p = a * b
     s = p + c
+    if abs(s) <= _F32_MAX_FLOAT:
+        r = np.float32(s)
+        d = s - float(r)
+        if d == 0 or abs(math.frexp(d)[0]) != 0.5:
+            return r
+    return _ffma_rn_scalar_edges(c, p, s)
+
+
+def _ffma_rn_scalar_edges(c, p, s):
+    """``_ffma_rn_scalar``'s general rule (every case; it needs it for NaN/Inf, the overflow
+    edge and the halfway points)."""
     with np.errstate(all="ignore"):
         r = np.float32(s)
         if not math.isfinite(s):
@@ -240,15 +273,38 @@ def fdiv_rn(a, b):
 
 
 def pack_e4m3x4(a, b, c, d):
-    from ..quantize_reference import e4m3_bits
-    q = e4m3_bits(np.array([a, b, c, d], np.float32)).astype(np.uint32)
-    return np.uint32(q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24)
+    return np.uint32(_e4m3_byte(a) | _e4m3_byte(b) << 8 | _e4m3_byte(c) << 16
+                     | _e4m3_byte(d) << 24)
+
+
+def _e4m3_byte(x):
+    """``quantize_reference.e4m3_bits`` of one value (rounded to float32 first, as it does),
+    step for step on a Python float: exact, as there (float32 values and the e4m3 steps are
+    float64s; ``round`` is to nearest even, as ``np.rint``)."""
+    v = float(x) if type(x) is np.float32 else float(np.float32(x))
+    if v != v:
+        return 0x7F
+    sign = 0x80 if math.copysign(1.0, v) < 0 else 0
+    a = min(abs(v), _E4M3_MAX)
+    e = max(math.frexp(a)[1] - 1, -6)               # below 2**-6: the subnormal step
+    step = math.ldexp(1.0, e - 3)
+    val = min(round(a / step) * step, _E4M3_MAX)
+    if val >= 2.0 ** -6:
+        ev = math.frexp(val)[1] - 1
+        return (ev + 7) * 8 + int((math.ldexp(val, -ev) - 1) * 8) | sign
+    return int(val * 2 ** 9) | sign
+
+
+_E4M3_MAX = 448.0
 
 
 def _ftz(x):
     """float32 with denormals flushed to (signed) zero, as the .ftz instructions do."""
     x = np.float32(x)
-    return np.float32(np.copysign(0.0, x)) if 0 < abs(x) < np.finfo(np.float32).tiny else x
+    return np.float32(np.copysign(0.0, x)) if 0 < abs(x) < _F32_TINY else x
+
+
+_F32_TINY = np.finfo(np.float32).tiny
 
 
 def ex2_approx(x):
