@@ -311,8 +311,8 @@ class BackwardBuffers:
 
 def layer_gemm(shape: LayerShape, tokens_per_rank: int) -> GemmConfig:
     """The GEMM tiles a layer takes when given none: ``default_gemm`` for the mean rows per
-    local expert under uniform routing, R*T*k/E."""
-    return default_gemm(shape.ep_size * tokens_per_rank * shape.topk / shape.num_experts)
+    local expert under uniform routing, R*T*k/E (``rows_per_expert``)."""
+    return default_gemm(rows_per_expert(shape, tokens_per_rank))
 
 
 # The backward's mma.sync tiles, largest first (the simulator takes the smallest only).

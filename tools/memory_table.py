@@ -54,7 +54,7 @@ def gib(n: int) -> str:
 
 def layer_bytes(name: str, ep: int, tokens: int, backward: bool) -> dict:
     shape = preset(name, ep)
-    gemm = hopper_gemm(ep * tokens * shape.topk / shape.num_experts)
+    gemm = hopper_gemm(layer_module.rows_per_expert(shape, tokens))
     # the backward's tiles as on Hopper: on the simulator (it cannot run wgmma) the layer
     # picks mma.sync ones, whose d_x GEMM cannot push its rows home and so holds d_x_rows
     with mock.patch.object(layer_module, "SIM", False):

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..quantize_reference import E4M3_MAX
 from ..sim_runtime import warp_barrier, warp_collective, warp_exchange
 
 _lock = threading.Lock()
@@ -285,17 +286,15 @@ def _e4m3_byte(x):
     if v != v:
         return 0x7F
     sign = 0x80 if math.copysign(1.0, v) < 0 else 0
-    a = min(abs(v), _E4M3_MAX)
+    a = min(abs(v), E4M3_MAX)
     e = max(math.frexp(a)[1] - 1, -6)               # below 2**-6: the subnormal step
     step = math.ldexp(1.0, e - 3)
-    val = min(round(a / step) * step, _E4M3_MAX)
+    val = min(round(a / step) * step, E4M3_MAX)
     if val >= 2.0 ** -6:
         ev = math.frexp(val)[1] - 1
         return (ev + 7) * 8 + int((math.ldexp(val, -ev) - 1) * 8) | sign
     return int(val * 2 ** 9) | sign
 
-
-_E4M3_MAX = 448.0
 
 
 def _ftz(x):
