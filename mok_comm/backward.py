@@ -107,8 +107,8 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core import errors as err
-from mok_core.cuda_compat import (as_device_array, device_address, device_copy, device_empty,
-                                  flat_view)
+from mok_core.cuda_compat import (as_device_array, device_copy, device_empty, flat_view,
+                                  names_rank)
 from mok_core.errors_kernels import scratch_error_word
 from mok_core.gemm import launch_dgrad, launch_fp8_gemm, launch_fp8_wgrad, launch_wgrad
 from mok_core.quantize import launch_quantize_cols
@@ -143,6 +143,18 @@ def _grad_shapes(layer: Layer):
     return ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
 
 
+def check_grads_given(grads, accumulate: bool) -> None:
+    """What ``grads`` must be before its tensors are looked at: None (the layer's own
+    buffers) or 8 tensors, and given where ``accumulate`` adds into them."""
+    if grads is None and accumulate:
+        raise ValueError("accumulate=True adds into caller-owned float32 gradients: pass "
+                         "grads=Grads(...)")
+    if grads is not None and len(grads) != len(Grads._fields):
+        raise TypeError(f"grads: expected {len(Grads._fields)} tensors "
+                        f"({', '.join(Grads._fields)}), got {len(grads)}")
+
+
+@names_rank
 def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None) -> Grads:
     """Checked views of caller-owned gradient buffers (the layer's own when ``grads`` is None;
     ``accumulate`` needs the caller's float32 buffers; the weight gradients 16-byte aligned);
@@ -151,37 +163,28 @@ def check_grads(layer: Layer, grads, accumulate: bool, tokens: int | None = None
     H, k = layer.shape.hidden, layer.shape.topk
     I_s = layer.shape.shared_intermediate
     shapes = _grad_shapes(layer)
+    check_grads_given(grads, accumulate)
     if grads is None:
-        if accumulate:
-            raise ValueError("accumulate=True adds into caller-owned float32 gradients: pass "
-                             "grads=Grads(...)")
         g = layer.grad
         if g.grads is None:                 # once, outside any capture the caller may do
             g.grads = tuple(None if i < 3 and not I_s else device_empty(shp, np.uint16)
                             for i, shp in enumerate(shapes))
         return Grads(g.d_x[:T], g.d_router_out[:T], *g.grads)
-    if len(grads) != 8:
-        raise TypeError(f"grads: expected 8 tensors ({', '.join(Grads._fields)}), got "
-                        f"{len(grads)}")
     dtype = np.float32 if accumulate else None
     weights = []
     for i, (a, name, shp) in enumerate(zip(grads[2:], Grads._fields[2:], shapes)):
         if i < 3 and not I_s:
             weights.append(None)
             continue
-        a = as_device_array(a, f"grads.{name}", dtype=dtype, shape=shp)
+        a = as_device_array(a, f"grads.{name}", dtype=dtype, shape=shp, align=16)
         if a.dtype not in (np.uint16, np.float32):
             raise TypeError(f"grads.{name}: expected uint16 (bf16 bits) or float32, got "
                             f"{a.dtype}")
         weights.append(a)
     if len({a.dtype for a in weights if a is not None}) > 1:
         raise TypeError("grads: the weight gradients must share one dtype (bf16 or float32)")
-    for a, name in zip(weights, Grads._fields[2:]):
-        if a is not None and device_address(a) % 16:     # (Hopper's kernels: TMA stores)
-            raise ValueError(f"grads.{name}: must start 16-byte aligned (the weight-gradient "
-                             f"GEMMs write it by TMA); this one is {device_address(a) % 16} "
-                             f"bytes past, on rank {layer.rank}")
-    return Grads(as_device_array(grads[0], "grads.d_x", dtype=np.uint16, shape=(T, H)),
+    return Grads(as_device_array(grads[0], "grads.d_x", dtype=np.uint16, shape=(T, H),
+                                 align=16),
                  as_device_array(grads[1], "grads.d_router_weights", dtype=np.float32,
                                  shape=(T, k)), *weights)
 
@@ -408,16 +411,29 @@ def backward_epilogue(layer: Layer, G: Grads, stream):
 
 # --- phases ---------------------------------------------------------------------------------
 
+def check_context(layer: Layer, ctx) -> None:
+    """ValueError unless ``ctx`` is the context of this layer's last forward: the buffers it
+    points into hold that step only (a later forward overwrote an earlier one's)."""
+    if not isinstance(ctx, ForwardContext) or ctx.schedule is not layer.schedule:
+        raise ValueError(f"ctx: expected the ForwardContext of this layer's last forward "
+                         f"(layer.context()), got {type(ctx).__name__}")
+    if ctx.step != layer.steps:
+        raise ValueError(f"ctx: the context of forward {ctx.step}, but forward {layer.steps} "
+                         f"has run on this layer since and overwrote what it points to: run "
+                         f"each backward before the layer's next forward, or rebuild the "
+                         f"context (functional.recompute_forward_context; mok_torch: "
+                         f"Layer.recompute_context)")
+
+
+@names_rank
 def backward_phases(layer: Layer, ctx: ForwardContext, d_out, router_weights, weights, *,
                     grads=None, accumulate: bool = False, stream=0):
     """Every input checked, then ``([phase 0, 1, 2], Grads)``: each phase a list of calls."""
     if layer.grad is None:
         raise ValueError("this layer was built with backward=False (forward only)")
-    if not isinstance(ctx, ForwardContext) or ctx.schedule is not layer.schedule:
-        raise ValueError("ctx: expected the ForwardContext of this layer's last forward "
-                         "(layer.context())")
+    check_context(layer, ctx)
     T, H, k = ctx.tokens, layer.shape.hidden, layer.shape.topk
-    d_out = as_device_array(d_out, "d_out", dtype=np.uint16, shape=(T, H))
+    d_out = as_device_array(d_out, "d_out", dtype=np.uint16, shape=(T, H), align=16)
     router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
                                      shape=(T, k))
     W = check_weights(layer, weights, backward=True)

@@ -221,7 +221,7 @@ def check_x(ws, x, router_weights=None, tokens=None):
     """(x, router_weights) as device views, checked: uint16 (bf16 bits) [T, H] and float32
     [T, k] (or None); T = ``tokens``, default T_max."""
     T, H, k = ws.tokens_per_rank if tokens is None else tokens, ws.hidden, ws.topk
-    x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H))
+    x = as_device_array(x, "x", dtype=np.uint16, shape=(T, H), align=16)
     if router_weights is not None:
         router_weights = as_device_array(router_weights, "router_weights", dtype=np.float32,
                                          shape=(T, k))

@@ -65,7 +65,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mok_core import errors as err
-from mok_core.cuda_compat import as_device_array, device_address
+from mok_core.cuda_compat import as_device_array, names_rank
 from mok_core.errors_kernels import scratch_error_word
 from mok_core.gather_rows import launch_gather_rows
 from mok_core.gemm import launch_down, launch_fp8_gemm, launch_gate_up_swiglu
@@ -97,6 +97,7 @@ def step_tokens(layer: Layer, x, name: str = "x") -> int:
     return layer.tokens_per_rank if T is None else int(T)   # (the shape check names it)
 
 
+@names_rank
 def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInputs:
     """Checked zero-copy views of a step's tensors (TypeError / ValueError naming the tensor);
     T is x's rows."""
@@ -105,7 +106,7 @@ def check_inputs(layer: Layer, x, topk_ids, router_weights, out=None) -> StepInp
     ids = routing.check_ids(layer.comm, topk_ids, T)
     return StepInputs(T, ids, x, router_weights,
                       layer.out[:T] if out is None else as_device_array(
-                          out, "out", dtype=np.uint16, shape=(T, H)))
+                          out, "out", dtype=np.uint16, shape=(T, H), align=16))
 
 
 def check_weight_count(layer: Layer, weights) -> bool:
@@ -121,6 +122,7 @@ def check_weight_count(layer: Layer, weights) -> bool:
     return fp8_layer
 
 
+@names_rank
 def check_weights(layer: Layer, weights, *, backward: bool = False):
     """Checked views of ``weights`` (a ``Weights`` or a 6-sequence in its order; with
     ``MoKConfig(precision="fp8")`` a ``WeightsFP8``, its 7th the quantised routed experts:
@@ -130,7 +132,8 @@ def check_weights(layer: Layer, weights, *, backward: bool = False):
     H, I, I_s, E_l = s.hidden, s.intermediate, s.shared_intermediate, s.experts_per_rank
     fp8_layer = check_weight_count(layer, weights)
     shapes = ((I_s, H), (I_s, H), (H, I_s), (E_l, I, H), (E_l, I, H), (E_l, H, I))
-    checked = [None if i < 3 and not I_s else as_device_array(w, name, dtype=np.uint16, shape=shp)
+    checked = [None if i < 3 and not I_s else
+               as_device_array(w, name, dtype=np.uint16, shape=shp, align=16)
                for i, (w, name, shp) in enumerate(zip(weights, Weights._fields, shapes))]
     if not fp8_layer:
         return Weights(*checked)
@@ -147,10 +150,8 @@ def check_weights(layer: Layer, weights, *, backward: bool = False):
                                  "gradients read it (quantize_weights(weights, backward=True))")
             views.append(None)
             continue
-        v = as_device_array(a, f"weights.fp8.{name}", dtype=dtype, shape=shp)
-        if device_address(v) % 16:
-            raise ValueError(f"weights.fp8.{name}: must start 16-byte aligned (TMA loads)")
-        views.append(v)
+        views.append(as_device_array(a, f"weights.fp8.{name}", dtype=dtype, shape=shp,
+                                     align=16))
     return WeightsFP8(*checked, FP8Weights(*views))
 
 
@@ -325,9 +326,11 @@ def _trap_checks(layer: Layer, stream):
 def io_phases(layer: Layer, inputs: StepInputs, stream=0):
     """(phase 0, phase 3): the launches that read the caller's tensors, and the step's error
     report (cleared first, copied to the host last). A problem an earlier step recorded is
-    raised here, before anything launches. The layer's ``tokens`` becomes this step's T."""
+    raised here, before anything launches. The layer's ``tokens`` becomes this step's T and
+    its ``steps`` counts it (the contexts of earlier steps are stale from here)."""
     layer.errors.poll(stream=stream)
     layer.tokens = inputs.tokens
+    layer.steps += 1
     p0 = [partial(layer.errors.begin, stream), partial(publish_ids, layer, inputs.topk_ids, stream),
           partial(publish_x, layer, inputs.x, inputs.router_weights, stream),
           partial(shared_rows, layer, inputs.tokens, stream), *_trap_checks(layer, stream)]

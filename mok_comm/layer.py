@@ -75,7 +75,8 @@ import numpy as np
 
 from mok_core import errors as err
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import SIM, device_empty, device_full, flat_view, upload
+from mok_core.cuda_compat import (SIM, as_device_array, device_empty, device_full, flat_view,
+                                  upload)
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm,
                            fp8_rows_tile, fp8_wgrad_cols, fp8_wgrad_pays)
 from mok_core.schedule import Schedule
@@ -147,6 +148,47 @@ def fp8_shapes(experts: int, intermediate: int, hidden: int, backward: bool = Tr
     return shapes
 
 
+def check_six_weights(weights) -> None:
+    """TypeError unless ``weights`` holds six tensors (``Weights``' fields, in order)."""
+    if len(weights) != len(Weights._fields):
+        raise TypeError(f"weights: expected {len(Weights._fields)} tensors "
+                        f"({', '.join(Weights._fields)}), got {len(weights)}")
+
+
+def check_quantize_args(weights, out, backward: bool):
+    """(the routed experts of ``weights`` -- a ``Weights``, or its six in order -- as checked
+    device views in a ``Weights``, ``out`` likewise as an ``FP8Weights`` or None), checked for
+    ``quantize_weights``: bf16 w_gate / w_up [E, I, H] and w_down [E, H, I], I and H multiples
+    of 128; ``out`` the arrays ``fp8_shapes`` lists (with ``backward``, the transposed ones)."""
+    if not isinstance(backward, (bool, np.bool_)):
+        raise TypeError(f"backward={backward!r}: expected a bool")
+    check_six_weights(weights)
+    w_gate = as_device_array(weights[3], "w_gate", dtype=np.uint16, ndim=3)
+    E, I, H = w_gate.shape
+    if I % 128 or H % 128:
+        raise ValueError(f"w_gate: shape {(E, I, H)} -- FP8 needs I and H multiples of 128 "
+                         "(128 x 128 scale blocks)")
+    routed = (w_gate, as_device_array(weights[4], "w_up", dtype=np.uint16, shape=(E, I, H)),
+              as_device_array(weights[5], "w_down", dtype=np.uint16, shape=(E, H, I)))
+    if out is None:
+        return Weights(None, None, None, *routed), None
+    specs = fp8_shapes(E, I, H, backward)
+    if len(out) not in (6, len(FP8Weights._fields)):
+        raise TypeError(f"out: expected an FP8Weights ({len(FP8Weights._fields)} arrays, or "
+                        f"the forward's 6), got {len(out)}")
+    views = []
+    for name, a in zip(FP8Weights._fields, FP8Weights(*out)):
+        if name not in specs:
+            views.append(a)
+            continue
+        if a is None:
+            raise ValueError(f"out.{name}: None, but quantize_weights(backward={backward}) "
+                             f"writes it (out from fp8_shapes(E, I, H, backward))")
+        dtype, shp = specs[name]
+        views.append(as_device_array(a, f"out.{name}", dtype=dtype, shape=shp, align=16))
+    return Weights(None, None, None, *routed), FP8Weights(*views)
+
+
 def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights | None = None,
                      stream=0) -> FP8Weights:
     """The routed experts of ``weights`` (bf16, as stored) quantised for the FP8 GEMMs -- once
@@ -154,10 +196,10 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
     ``backward`` also the transposed copies the backward's data gradients read (a
     forward-only layer needs only the first six)."""
     from mok_core.quantize import quantize_expert_weights
+    weights, out = check_quantize_args(weights, out, backward)
     if out is None:
         out = FP8Weights(*(device_empty(shp, dtype, stream) for dtype, shp in
                            fp8_shapes(*weights.w_gate.shape, backward).values()))
-    out = FP8Weights(*out)
     for i, name in enumerate(("w_gate", "w_up", "w_down")):
         quantize_expert_weights(getattr(weights, name), out=out[2 * i], scales=out[2 * i + 1],
                                 stream=stream)
@@ -175,6 +217,7 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
 class ForwardContext(NamedTuple):
     """What the backward needs from a step; views into the layer, valid until its next step."""
     tokens: int               # the step's T
+    step: int                 # the layer's ``steps`` when it ran (the backward refuses a stale one)
     schedule: Schedule
     gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
     x_recv: object            # uint16 [R*T, H] token staging
@@ -447,6 +490,22 @@ def check_swiglu_limit(swiglu_limit):
         raise ValueError(f"swiglu_limit={swiglu_limit!r}: must be None or a finite number > 0")
 
 
+def check_layer_args(shape, tokens_per_rank, config, gemm, gemm_down, backward) -> None:
+    """TypeError / ValueError naming the argument unless each has the type ``Layer`` takes
+    (before anything is allocated or initialised)."""
+    for name, value, cls in (("shape", shape, LayerShape), ("config", config, MoKConfig),
+                             ("gemm", gemm, GemmConfig), ("gemm_down", gemm_down, GemmConfig)):
+        if not isinstance(value, cls) and (value is not None or name in ("shape", "config")):
+            raise TypeError(f"{name}: expected a {cls.__name__}"
+                            f"{'' if name in ('shape', 'config') else ' or None'}, got "
+                            f"{type(value).__name__} {value!r:.80}")
+    if (not isinstance(tokens_per_rank, numbers.Integral) or isinstance(tokens_per_rank, bool)
+            or tokens_per_rank < 0):
+        raise ValueError(f"tokens_per_rank={tokens_per_rank!r}: must be an int >= 0 (T_max)")
+    if not isinstance(backward, (bool, np.bool_)):
+        raise TypeError(f"backward={backward!r}: expected a bool")
+
+
 def _check_tiles(shape: LayerShape, config: MoKConfig, gemm: GemmConfig, gemm_down: GemmConfig):
     """The shapes must split into the GEMMs' tiles: gate/up has K = H and N = I (bn/2 columns
     of each half per tile), down has K = I and N = H; the shared expert likewise with I_s."""
@@ -495,15 +554,14 @@ class Layer:
                  *, heap: Heap, gemm: GemmConfig | None = None,
                  gemm_down: GemmConfig | None = None, swiglu_limit=None, verify: bool = True,
                  backward: bool = True, stream=0):
-        if not isinstance(config, MoKConfig):
-            raise TypeError(f"config: expected a MoKConfig, got {type(config).__name__}")
+        check_layer_args(shape, tokens_per_rank, config, gemm, gemm_down, backward)
         if heap.ep_size != shape.ep_size:
             raise ValueError(f"LayerShape.ep_size={shape.ep_size} but the heap has "
                              f"{heap.ep_size} ranks")
         check_swiglu_limit(swiglu_limit)
         if config.precision == "fp8":
             _check_fp8(shape, config, tokens_per_rank)
-        T = tokens_per_rank
+        T = int(tokens_per_rank)
         gemm = gemm or layer_gemm(shape, T)
         gemm_down = gemm_down or gemm
         _check_tiles(shape, config, gemm, gemm_down)
@@ -553,6 +611,8 @@ class Layer:
         self.shared_offsets = device_full((2,), 0, i32, stream)
         self.shared_rows = device_full((1,), 0, i32, stream)
         self.tokens = T                   # the last step's T (host-side, set as it launches)
+        self.steps = 0                    # forwards launched on it (host-side: a replay of
+                                          # a caller's own CUDA graph is not counted)
         self.hidden_shared = device_empty((T_pad, max(I_s, 8)), u16, stream)
         self.y_shared = device_empty((T_pad, H), u16, stream)
         self.out = device_empty((T, H), u16, stream)
@@ -622,7 +682,7 @@ class Layer:
     def context(self) -> ForwardContext:
         """The forward context of the last step run on this layer."""
         g = self.grad
-        return ForwardContext(self.tokens, self.schedule, self.gather_index, self.comm.x_recv,
+        return ForwardContext(self.tokens, self.steps, self.schedule, self.gather_index, self.comm.x_recv,
                               self.hidden, self.hidden_shared,
                               None if g is None else (g.gate, g.up),
                               None if g is None or g.gate_s is None else (g.gate_s, g.up_s))

@@ -85,7 +85,7 @@ def create_workspace(heap: Heap, *, tokens_per_rank: int, hidden: int, topk: int
     R, T, H, k, E = heap.ep_size, tokens_per_rank, hidden, topk, num_experts
     for name, v, low in (("tokens_per_rank", T, 0), ("hidden", H, 1), ("topk", k, 1),
                          ("num_experts", E, 1)):
-        if not isinstance(v, int) or v < low:
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"{name}={v!r}: must be an int >= {low}")
     if H % 8:
         raise ValueError(f"hidden={H}: must be a multiple of 8 (16-byte rows)")

@@ -17,6 +17,8 @@ GPU-only intrinsics (inline PTX) live in ``mok_core.intrinsics`` with a Python t
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _numba_config
@@ -71,7 +73,8 @@ def _is_bf16(obj) -> bool:
         return False
 
 
-def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shape=None):
+def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shape=None,
+                    align: int = 1):
     """Zero-copy device view of ``obj`` with its dtype / rank / shape checked.
 
     Arguments:
@@ -81,6 +84,9 @@ def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shap
         name: argument name used in error messages.
         dtype, ndim, shape: expected properties (``None`` = not checked; a ``-1`` in ``shape``
             matches any extent).
+        align: the bytes its first element's address must be a multiple of (16 where kernels
+            read or write it with 16-byte vectors or TMA).
+    Always checked: C-contiguity (the kernels index a row as ``r * width``).
     Returns:
         numba device array (GPU) or NumPy array / simulator array (simulator) sharing memory with
         ``obj``. A bfloat16 array comes back as a uint16 view of its bits (MoK-Py's bf16
@@ -95,6 +101,10 @@ def as_device_array(obj, name: str, *, dtype=None, ndim: int | None = None, shap
     else:
         arr = _gpu_view(obj, name)
     _check_props(arr, name, dtype=dtype, ndim=ndim, shape=shape)
+    if align > 1 and arr.size and device_address(arr) % align:
+        raise ValueError(f"{name}: must start {align}-byte aligned (the kernels read and write "
+                         f"it {align} bytes at a time, or by TMA); this one is "
+                         f"{device_address(arr) % align} bytes past")
     return arr
 
 
@@ -153,6 +163,23 @@ def _check_props(arr, name, *, dtype, ndim, shape):
         if len(got) != len(shape) or any(s != -1 and s != g for s, g in zip(shape, got)):
             want = tuple("*" if s == -1 else s for s in shape)
             raise ValueError(f"{name}: expected shape {want}, got {got}")
+    if not arr.flags["C_CONTIGUOUS"]:      # the kernels index rows as [r * width + c]
+        raise ValueError(f"{name}: must be C-contiguous (row-major, no strides), got strides "
+                         f"{tuple(arr.strides)} for shape {tuple(arr.shape)}")
+
+
+def names_rank(fn):
+    """``fn(obj, ...)`` whose TypeError / ValueError (bad input found by its checks) says the
+    rank it was found on, ``obj.rank``, unless the message names a rank already."""
+    @functools.wraps(fn)
+    def checked(obj, *args, **kwargs):
+        try:
+            return fn(obj, *args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if len(e.args) == 1 and isinstance(e.args[0], str) and "rank" not in e.args[0]:
+                e.args = (f"{e.args[0]}, on rank {obj.rank}",)
+            raise
+    return checked
 
 
 def flat_view(arr, dtype=None):

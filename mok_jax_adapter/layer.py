@@ -69,7 +69,7 @@ from mok_comm import functional as F
 from mok_comm import layer as L
 from mok_comm.heap import LocalHeap, NvshmemHeap
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import SIM, as_device_array
+from mok_core.cuda_compat import SIM, as_device_array, names_rank
 
 Weights = L.Weights
 WeightsFP8 = L.WeightsFP8
@@ -168,10 +168,12 @@ class Layer(L.Layer):
     def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
                  *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None,
                  backward: bool = True):
+        L.check_layer_args(shape, tokens_per_rank, config, gemm, gemm_down, backward)
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
                          gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward)
         self._callbacks, self._backward_callbacks, self._vjp = {}, {}, None
 
+    @names_rank
     def __call__(self, x, topk_ids, router_weights, weights):
         """One step as one XLA op. Shapes (jax.Array, this rank's; any T <= tokens_per_rank):
         x [T, H] bf16, topk_ids

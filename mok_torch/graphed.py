@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from mok_comm import functional as F
-from mok_core.cuda_compat import SIM
+from mok_core.cuda_compat import SIM, names_rank
 
 from .layer import (Layer, WeightsFP8, current_stream, inputs_key, tensor_view,
                     weight_views)
@@ -70,11 +70,12 @@ class CompiledStep:
         """Replace some weights (by name: w_shared_gate ... w_down, and fp8 for a
         ``WeightsFP8``); the next call recaptures."""
         fields = WeightsFP8._fields[:len(self._weights)]
+        new = list(self._weights)
         for name, t in weights.items():
             if name not in fields:
                 raise TypeError(f"set_weights: unknown weight {name!r}")
-            self._weights[fields.index(name)] = t
-        self._prepare()
+            new[fields.index(name)] = t
+        self._prepare(new)                # (a bad one leaves the step as it was)
 
     def _signature(self):
         w = self._weights
@@ -83,12 +84,20 @@ class CompiledStep:
                      (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
                      for t in (*w[:6], *fp8))
 
-    def _prepare(self) -> None:
-        """Check the weights and take device views of them; drop the graph (rebuilt lazily).
-        The views are taken now, outside any capture: they keep the tensors' storage alive as
-        long as the graph that bakes their pointers."""
+    @property
+    def rank(self) -> int:
+        return self.layer.rank
+
+    @names_rank
+    def _prepare(self, weights=None) -> None:
+        """Check ``weights`` (default: the current ones), make them the step's and take device
+        views of them; drop the graph (rebuilt lazily). The views are taken now, outside any
+        capture: they keep the tensors' storage alive as long as the graph that bakes their
+        pointers."""
+        weights = self._weights if weights is None else weights
         views = F.check_weights(self.layer, weight_views(self.layer,
-                                                         self.layer.with_fp8(self._weights)))
+                                                         self.layer.with_fp8(weights)))
+        self._weights = weights
         if self._graph is not None:
             # replays of the old graph may still run and read the old weights: keep both
             # alive until the next capture (torch.cuda.graph synchronises the device first)
@@ -104,6 +113,7 @@ class CompiledStep:
         self._graph, self._retired = graph, None
         self.captures += 1
 
+    @names_rank
     def step(self, x: torch.Tensor, topk_ids: torch.Tensor,
              router_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int64/int32 (-1 = masked), router_weights [T, k] f32

@@ -21,7 +21,7 @@ from mok_comm import functional as F
 from mok_comm import layer as L
 from mok_comm.heap import LocalHeap, NvshmemHeap
 from mok_core.config import LayerShape, MoKConfig
-from mok_core.cuda_compat import SIM
+from mok_core.cuda_compat import SIM, names_rank
 
 Weights = L.Weights
 WeightsFP8 = L.WeightsFP8
@@ -91,15 +91,16 @@ def quantize_weights(weights, out: L.FP8Weights | None = None, *,
     tensors (``mok_comm.layer.FP8Weights``; with ``backward`` also the transposed copies the
     backward's data gradients read); once per optimizer step, into ``out`` when given. The
     layer takes ``WeightsFP8(*weights, quantize_weights(weights))``."""
+    L.check_six_weights(weights)
     routed = [tensor_view(w, n, manual=False) for w, n in zip(weights[3:6], Weights._fields[3:6])]
+    L.check_quantize_args(L.Weights(None, None, None, *routed), None, backward)
     if out is None:
         dtypes = {np.uint8: torch.uint8, np.float32: torch.float32}
         out = L.FP8Weights(*(torch.empty(shp, dtype=dtypes[dt], device=weights[3].device)
                              for dt, shp in L.fp8_shapes(*routed[0].shape, backward).values()))
-    out = L.FP8Weights(*out)
     L.quantize_weights(L.Weights(None, None, None, *routed), backward=backward, out=out,
                        stream=current_stream())
-    return out
+    return L.FP8Weights(*out)
 
 
 def inputs_key(x, topk_ids, router_weights, weights) -> tuple:
@@ -145,6 +146,7 @@ class Layer(L.Layer):
     def __init__(self, shape: LayerShape, tokens_per_rank: int, config: MoKConfig = MoKConfig(),
                  *, gemm=None, gemm_down=None, swiglu_limit=None, heap=None,
                  backward: bool = True):
+        L.check_layer_args(shape, tokens_per_rank, config, gemm, gemm_down, backward)
         super().__init__(shape, tokens_per_rank, config, heap=heap or _heap(shape), gemm=gemm,
                          gemm_down=gemm_down, swiglu_limit=swiglu_limit, backward=backward,
                          stream=current_stream())
@@ -173,6 +175,7 @@ class Layer(L.Layer):
             self.fp8_quantizations += 1
         return L.WeightsFP8(*weights, self._fp8)
 
+    @names_rank
     def forward(self, x, topk_ids, router_weights, weights, *, manual: bool = True):
         """One step: x [T, H] bf16, topk_ids [T, k] int64 or int32 (-1 = masked route),
         router_weights [T, k] float32, ``weights`` (``Weights``: bf16, this rank's experts).
@@ -191,6 +194,7 @@ class Layer(L.Layer):
         self.step_key = inputs_key(x, topk_ids, router_weights, weights)
         return out, self.context()
 
+    @names_rank
     def recompute_context(self, x, topk_ids, router_weights, weights):
         """The ``ForwardContext`` of the step these inputs made, rebuilt bit for bit
         (``mok_comm.functional.recompute_forward_context``: activation checkpointing, or a
@@ -212,14 +216,17 @@ class Layer(L.Layer):
             return self.context()
         return self.recompute_context(x, topk_ids, router_weights, weights)
 
+    @names_rank
     def backward(self, ctx, d_out, router_weights, weights, *, grads=None,
                  accumulate: bool = False, manual: bool = True) -> Grads:
         """The gradients of the step ``ctx`` came from (``mok_comm.backward.backward``): d_out
         [T, H] bf16, the step's router weights and ``weights``. Returns ``Grads`` of fresh
         tensors (bf16; d_router_weights float32), or fills ``grads`` (a ``Grads`` of the
         caller's tensors: bf16, or float32 weight gradients, which ``accumulate`` adds into)."""
+        B.check_context(self, ctx)
         T, H, k = ctx.tokens, self.shape.hidden, self.shape.topk
         d_out = tensor_view(d_out, "d_out", manual=manual)
+        B.check_grads_given(grads, accumulate)
         if grads is None:
             dev, bf = d_out.device, torch.bfloat16
             shapes = B._grad_shapes(self)

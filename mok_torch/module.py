@@ -65,7 +65,8 @@ class Router(nn.Module):
         super().__init__()
         if score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func={score_func!r}: must be 'sigmoid' or 'softmax'")
-        if num_experts % n_group or not 1 <= topk_group <= n_group:
+        if (not isinstance(n_group, int) or n_group < 1 or num_experts % n_group
+                or not 1 <= topk_group <= n_group):
             raise ValueError(f"n_group={n_group}, topk_group={topk_group}: n_group must divide "
                              f"num_experts={num_experts} and 1 <= topk_group <= n_group")
         if not 1 <= topk <= num_experts // n_group * topk_group:
@@ -219,7 +220,13 @@ class MoEBlock(nn.Module):
                 raise ValueError(f"{name}: a parameter on {w.device}, but x is on {x.device} "
                                  f"(rank {self.rank})")
         h = x.reshape(-1, H)
-        topk_ids, weights = self.router(h)
+        routed = self.router(h)
+        if not isinstance(routed, (tuple, list)) or len(routed) != 2:
+            raise TypeError(f"router: expected it to return (topk_ids [T, k], weights [T, k]), "
+                            f"got {type(routed).__name__}"
+                            f"{f' of {len(routed)}' if isinstance(routed, (tuple, list)) else ''}"
+                            f" (rank {self.rank})")
+        topk_ids, weights = routed
         args = (h.contiguous(), topk_ids.contiguous(), weights.float().contiguous())
         if self.main_grad:
             out = _MainGradMoE.apply(self.layer, self.expert_weights(), *args,
@@ -278,6 +285,12 @@ def _hf_layout(module: MoEBlock, state_dict, prefix, *_args):
     if not per_expert:
         return
     error_msgs = _args[-1]              # (local_metadata, strict, missing, unexpected, errors)
+    E = module.shape.num_experts
+    beyond = sorted({e for e, _ in per_expert if e >= E})
+    if beyond:
+        error_msgs.append(f"{prefix}experts.{{e}}: the checkpoint holds experts up to "
+                          f"{beyond[-1]}, but this block has num_experts={E} (rank "
+                          f"{module.rank})")
     for ours, theirs in _EXPERT_KEYS:
         missing = [e for e in module.experts if (e, theirs) not in per_expert]
         if missing:

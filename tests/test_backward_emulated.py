@@ -291,6 +291,15 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(ValueError, match=r"topk_ids.*\(4, 3\)"):
         step_phases(lw, to_dev(np.zeros((4, 64), np.uint16)), ids, to_dev(np.zeros((4, 3),
                                                                                   np.float32)), W)
+    d_off = to_dev(np.zeros(T * 64 + 1, np.uint16))[1:].reshape(T, 64)
+    with pytest.raises(ValueError, match="d_out: must start 16-byte aligned .*on rank 0$"):
+        backward_phases(lw, ctx, d_off, w, W)
+    # another forward overwrites what ctx points to: the backward refuses it, not the new one
+    run_steps([lw], [step_phases(lw, x, ids, w, W)[0]])
+    with pytest.raises(ValueError, match=r"ctx: the context of forward 1, but forward 2 has run "
+                                         r"on this layer since.*on rank 0$"):
+        backward_phases(lw, ctx, to_dev(u16(d_out[0])), w, W)
+    backward_phases(lw, lw.context(), to_dev(u16(d_out[0])), w, W)
 
 
 @pytest.mark.parametrize("limit", [None, 0.7])

@@ -330,7 +330,9 @@ def test_fp8_wgrad_splits_and_accumulates_fp32():
     with pytest.raises(ValueError, match="accumulate=True needs float32 outputs"):
         fp8_wgrad(*ops, halves[0], halves[1], I, accumulate=True)
     with pytest.raises(ValueError, match=r"out1: expected shape \(3, 128, 256\)"):
-        fp8_wgrad(*ops, f32[0], f32[0][:, :64], I)
+        fp8_wgrad(*ops, f32[0], to_dev(np.zeros((E, 64, N), np.float32)), I)
+    with pytest.raises(ValueError, match="out1: must be C-contiguous"):
+        fp8_wgrad(*ops, f32[0], to_dev(np.zeros((E, M, 2 * N), np.float32))[:, :, ::2], I)
     with pytest.raises(ValueError, match="m_split=64"):
         fp8_wgrad(*ops, f32[0], f32[1], 64)
 

@@ -246,10 +246,17 @@ def test_rejects_bad_shapes():
                                          stages=2),
                                     dict(mma="wgmma", bm=256, bk=64, wm=4, wn=1, bn=256),
                                     dict(mma="wgmma", bm=128, bk=64, wm=2, wn=1, bn=96),
-                                    dict(wm=8, wn=8, bm=128, bn=128)])
+                                    dict(wm=8, wn=8, bm=128, bn=128), dict(wm=0),
+                                    dict(bm=0, bn=0), dict(bm=-32), dict(bm=32.0),
+                                    dict(stages=2.5), dict(blocks_per_sm=0),
+                                    dict(max_registers=True)])
 def test_gemm_config_validation(kwargs):
-    with pytest.raises(ValueError, match="GemmConfig"):
+    field, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=r"^GemmConfig\(bm="):
         GemmConfig(**kwargs)
+    if len(kwargs) == 1 and field not in ("bk", "bm", "stages", "mma") or value in (0, 32.0):
+        with pytest.raises(ValueError, match=rf"{field}={value!r} must be an int >= [01]$"):
+            GemmConfig(**kwargs)
 
 
 def test_sweep_picks_fastest_tiles_per_preset():

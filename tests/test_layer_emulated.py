@@ -9,7 +9,8 @@ from layer_support import layer_inputs, reference_out, reference_out_fp8, rel_l1
 from mok_comm.emulation import emulated_layers, run_phases, run_steps
 from mok_comm.functional import step_phases
 from mok_comm.heap import EmulatedHeap
-from mok_comm.layer import Layer, Weights, WeightsFP8, agreement_phases, quantize_weights
+from mok_comm.layer import (Layer, Weights, WeightsFP8, agreement_phases, fp8_shapes,
+                            quantize_weights)
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import to_host
 from mok_core.errors import MoKError
@@ -184,16 +185,37 @@ def test_bad_inputs_rejected_before_any_launch():
     shape = LayerShape(hidden=64, intermediate=32, shared_intermediate=32, num_experts=4,
                        topk=2, ep_size=R)
     inp = layer_inputs(rng, shape, T)
-    lw = emulated_layers(shape, T, CFG, GEMM)[0]
+    lw = emulated_layers(shape, T, CFG, GEMM)[1]       # rank 1: the messages name it
     E_l = 2
-    good = dict(x=to_dev(u16(inp["x"][0])), topk_ids=to_dev(inp["ids"][0]),
-                router_weights=to_dev(inp["w"][0]), weights=rank_weights(inp, 0, E_l))
+    good = dict(x=to_dev(u16(inp["x"][1])), topk_ids=to_dev(inp["ids"][1]),
+                router_weights=to_dev(inp["w"][1]), weights=rank_weights(inp, 1, E_l))
     W = good["weights"]
     before = to_host(lw.comm.x_buf).copy()
+
+    def off(shape, dtype, elements):
+        """A device array of ``shape`` starting ``elements`` past an aligned allocation."""
+        return to_dev(np.zeros(int(np.prod(shape)) + elements, dtype))[elements:].reshape(shape)
+    wide = to_dev(np.zeros((T, 128), np.uint16))
     cases = [
-        ("x", to_dev(np.zeros((T, 64), np.float32)), TypeError, "x: expected dtype uint16"),
+        ("x", to_dev(np.zeros((T, 64), np.float32)), TypeError,
+         "x: expected dtype uint16, got float32, on rank 1$"),
         ("x", to_dev(np.zeros((T + 1, 64), np.uint16)), ValueError,
-         f"x: {T + 1} tokens on rank 0, but the layer holds at most tokens_per_rank={T}"),
+         f"x: {T + 1} tokens on rank 1, but the layer holds at most tokens_per_rank={T}"),
+        ("x", wide[:, ::2], ValueError,
+         r"x: must be C-contiguous .*strides \(256, 4\) for shape \(8, 64\), on rank 1$"),
+        ("x", off((T, 64), np.uint16, 1), ValueError,
+         "x: must start 16-byte aligned .*this one is 2 bytes past, on rank 1$"),
+        ("out", to_dev(np.zeros((T, 128), np.uint16))[:, ::2], ValueError,
+         "out: must be C-contiguous"),
+        ("out", off((T, 64), np.uint16, 4), ValueError,
+         "out: must start 16-byte aligned .*8 bytes past, on rank 1$"),
+        ("router_weights", to_dev(np.zeros((T, 4), np.float32))[:, ::2], ValueError,
+         "router_weights: must be C-contiguous"),
+        ("weights", W._replace(w_gate=off((E_l, 32, 64), np.uint16, 3)), ValueError,
+         "w_gate: must start 16-byte aligned .*6 bytes past, on rank 1$"),
+        ("weights", W._replace(w_down=to_dev(np.zeros((E_l, 64, 64), np.uint16))[:, :, ::2]),
+         ValueError,
+         "w_down: must be C-contiguous"),
         ("x", to_dev(np.zeros((T, 48), np.uint16)), ValueError, "x: expected shape"),
         ("topk_ids", to_dev(inp["ids"][0][:T - 1]), ValueError, "topk_ids: expected shape"),
         ("router_weights", to_dev(np.zeros((T, 2), np.float64)), TypeError, "router_weights"),
@@ -222,6 +244,17 @@ def test_layer_refuses_bad_construction():
         Layer(shape, 8, {"row_align": 32}, heap=heap, gemm=GEMM, verify=False)
     with pytest.raises(ValueError, match="LayerShape.ep_size=1 but the heap has 2 ranks"):
         Layer(shape.with_ep(1), 8, CFG, heap=heap, gemm=GEMM, verify=False)
+    for args, kw, exc, msg in (
+            (({"hidden": 64}, 8, CFG), {}, TypeError, "shape: expected a LayerShape, got dict"),
+            ((shape, 8.0, CFG), {}, ValueError, r"tokens_per_rank=8\.0: must be an int >= 0"),
+            ((shape, True, CFG), {}, ValueError, "tokens_per_rank=True"),
+            ((shape, 8, CFG), {"gemm": {"bm": 32}}, TypeError,
+             "gemm: expected a GemmConfig or None, got dict"),
+            ((shape, 8, CFG), {"backward": "no"}, TypeError, "backward='no': expected a bool")):
+        with pytest.raises(exc, match=msg):
+            Layer(*args, heap=heap, verify=False, **{"gemm": GEMM, **kw})
+    lw = Layer(shape, np.int64(8), CFG, heap=heap, gemm=GEMM, verify=False)   # numpy ints do
+    assert lw.tokens_per_rank == 8 and type(lw.tokens_per_rank) is int
 
 
 def test_ranks_that_disagree_are_detected():
@@ -249,3 +282,22 @@ def test_out_of_range_expert_id_is_reported():
                                        r"\(valid: 0\.\.3 or -1 for a masked route\); 1 bad id "
                                        r"in all, that route was skipped$"):
         run_layer(lws, inp)
+
+
+def test_quantize_weights_checks_its_arguments():
+    E, I, H = 2, 128, 256
+    routed = [to_dev(np.zeros(s, np.uint16)) for s in ((E, I, H), (E, I, H), (E, H, I))]
+    W = Weights(None, None, None, *routed)
+    fwd_only = [to_dev(np.zeros(shp, dt)) for dt, shp in fp8_shapes(E, I, H, False).values()]
+    for weights, kw, exc, msg in (
+            (routed, {}, TypeError, "weights: expected 6 tensors"),
+            (W._replace(w_down=routed[0]), {}, ValueError,
+             r"w_down: expected shape \(2, 256, 128\), got \(2, 128, 256\)"),
+            (W._replace(w_up=routed[0][:1]), {}, ValueError, "w_up: expected shape"),
+            (W._replace(w_gate=routed[0][0]), {}, ValueError, "w_gate: expected 3 dimensions"),
+            (W, {"out": fwd_only}, ValueError,
+             r"out.w_down_t: None, but quantize_weights\(backward=True\) writes it"),
+            (W, {"out": fwd_only[:5]}, TypeError, "out: expected an FP8Weights"),
+            (W, {"backward": 1}, TypeError, "backward=1: expected a bool")):
+        with pytest.raises(exc, match=msg):
+            quantize_weights(weights, **kw)

@@ -85,8 +85,12 @@ def test_compiled_step_checks_inputs():
         step(x, ids, w[:, :1].contiguous())
     with pytest.raises(TypeError, match="set_weights: unknown weight"):
         step.set_weights(w_gat=wg)
+    with pytest.raises(ValueError, match="w_down: expected shape .*, on rank 0$"):
+        step.set_weights(w_down=wg)
     np.testing.assert_array_equal(to_host(lw.comm.x_buf), before)     # nothing ran
     assert step.captures == 0
+    # the refused weight was not kept: the step still runs on the ones it had
+    assert torch.equal(step(x, ids, w), eager(lw, x, ids, w, (sg, su, sd, wg, wu, wd)))
 
 
 @pytest.mark.parametrize("dispatch,R", [("pull", 3), ("split", 2)])

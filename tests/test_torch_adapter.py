@@ -83,7 +83,9 @@ def test_backward_ep1(ep1, accumulate):
     """``layer.backward``: fresh bf16 gradients (or the caller's float32 ones, accumulated),
     each of the 8 within 0.005 of float64."""
     from mok_testing.sampled import grad_errors
-    layer, (x, ids, w), W, _, ctx = ep1
+    layer, (x, ids, w), W, _, _ = ep1
+    # test_forward_ep1 ran the layer again since: the forward's context, rebuilt
+    ctx = layer.recompute_context(x, ids, w, W)
     T = x.shape[0]
     d_out = torch.randn(T, 64, generator=torch.Generator(DEV).manual_seed(5),
                         device=DEV).bfloat16()
@@ -138,6 +140,29 @@ def test_torch_inputs_checked():
         layer.forward(x.clone().requires_grad_(), ids, w, W)
     if SIM:
         np.testing.assert_array_equal(layer.comm.x_buf, before)        # nothing ran
+
+
+def test_torch_backward_checks_its_context_and_grads():
+    T = 8
+    x, ids, w = synthetic.rank_inputs(SHAPE, T, 0, DEV)
+    W = layer_weights()
+    layer = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
+    _, ctx = layer.forward(x, ids, w, W)
+    d_out = torch.ones(T, SHAPE.hidden, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="ctx: expected the ForwardContext .*got NoneType, on "
+                                         "rank 0$"):
+        layer.backward(None, d_out, w, W)
+    with pytest.raises(ValueError, match="accumulate=True adds into caller-owned float32"):
+        layer.backward(ctx, d_out, w, W, accumulate=True)
+    with pytest.raises(TypeError, match="grads: expected 8 tensors"):
+        layer.backward(ctx, d_out, w, W, grads=[d_out] * 7)
+    layer.forward(x, ids, w, W)
+    with pytest.raises(ValueError, match="ctx: the context of forward 1, but forward 2"):
+        layer.backward(ctx, d_out, w, W)
+    fresh = layer.backward(layer.context(), d_out, w, W)
+    assert bool(torch.isfinite(fresh.d_x.float()).all()) and fresh.d_x.abs().sum() > 0
+    with pytest.raises(TypeError, match="weights: expected 6 tensors"):
+        mok_torch.quantize_weights(tuple(W)[3:])
     with torch.no_grad():
         assert layer(x.clone().requires_grad_(), ids, w, W).shape == (T, 64)
 

@@ -161,7 +161,6 @@ def test_state_dict_round_trip_and_hf_layout():
     for ours, theirs in (("w_shared_gate", "gate_proj"), ("w_shared_up", "up_proj"),
                          ("w_shared_down", "down_proj")):
         hf[f"shared_experts.{theirs}.weight"] = getattr(a, ours).detach() - 1
-    hf["experts.7.gate_proj.weight"] = torch.zeros(I, H)        # another rank's: skipped
     c = block(seed=15)
     c.load_state_dict(hf)
     assert torch.equal(c.router.weight, a.router.weight * 2)
@@ -170,6 +169,12 @@ def test_state_dict_round_trip_and_hf_layout():
     del hf["experts.2.up_proj.weight"]
     with pytest.raises(RuntimeError, match=r"experts.\{e\}.up_proj.weight: missing for this "
                                            r"rank's experts \[2\]"):
+        block(seed=16).load_state_dict(hf)
+    # experts past num_experts: another model's checkpoint, not another rank's experts
+    hf["experts.2.up_proj.weight"] = a.w_up[2].detach()
+    hf[f"experts.{E}.gate_proj.weight"] = torch.zeros(I, H)
+    with pytest.raises(RuntimeError, match=rf"the checkpoint holds experts up to {E}, but this "
+                                           rf"block has num_experts={E}"):
         block(seed=16).load_state_dict(hf)
 
 
@@ -196,6 +201,8 @@ def test_router_groups_bias_and_update():
         mok_torch.Router(H, 8, 2, score_func="tanh")
     with pytest.raises(ValueError, match="n_group=3"):
         mok_torch.Router(H, 8, 2, n_group=3)
+    with pytest.raises(ValueError, match="n_group=0"):
+        mok_torch.Router(H, 8, 2, n_group=0)
 
 
 def test_bad_inputs_raise_before_launch():
@@ -216,6 +223,10 @@ def test_bad_inputs_raise_before_launch():
         mok_torch.MoEBlock(H, I, I_S, E, K, ep_group=object(), max_tokens=8)
     with pytest.raises(ValueError, match="topk"):
         mok_torch.MoEBlock(H, I, I_S, E, 0, config=MoKConfig(), max_tokens=8)
+    ids_only = block(seed=19, router=lambda h: torch.zeros(h.shape[0], K, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"router: expected it to return \(topk_ids \[T, k\], "
+                                        r"weights \[T, k\]\), got Tensor"):
+        ids_only(tokens(4))
 
 
 def test_fp8_block_trains_near_float64():

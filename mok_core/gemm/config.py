@@ -44,9 +44,12 @@ class GemmConfig:
     def __post_init__(self):
         def req(cond, msg):
             if not cond:
-                raise ValueError(f"GemmConfig{self}: {msg}")
+                raise ValueError(f"{self}: {msg}")
+        for f in ("bm", "bn", "bk", "wm", "wn", "stages", "blocks_per_sm", "max_registers"):
+            v, low = getattr(self, f), 0 if f == "max_registers" else 1
+            req(isinstance(v, int) and not isinstance(v, bool) and v >= low,
+                f"{f}={v!r} must be an int >= {low}")
         req(self.mma in MMA_KINDS, f"mma must be one of {MMA_KINDS}")
-        req(self.blocks_per_sm >= 1, "blocks_per_sm must be >= 1")
         req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
             "max_registers must be 0 or in [32, 255]")
         if self.mma == "wgmma":
