@@ -414,9 +414,12 @@ def backward_epilogue(layer: Layer, G: Grads, stream):
 def check_context(layer: Layer, ctx) -> None:
     """ValueError unless ``ctx`` is the context of this layer's last forward: the buffers it
     points into hold that step only (a later forward overwrote an earlier one's)."""
-    if not isinstance(ctx, ForwardContext) or ctx.schedule is not layer.schedule:
+    if not isinstance(ctx, ForwardContext):
         raise ValueError(f"ctx: expected the ForwardContext of this layer's last forward "
                          f"(layer.context()), got {type(ctx).__name__}")
+    if ctx.schedule is not layer.schedule:
+        raise ValueError("ctx: the ForwardContext of another layer (each layer's backward "
+                         "takes its own forward's)")
     if ctx.step != layer.steps:
         raise ValueError(f"ctx: the context of forward {ctx.step}, but forward {layer.steps} "
                          f"has run on this layer since and overwrote what it points to: run "

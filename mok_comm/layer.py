@@ -196,6 +196,7 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
     ``backward`` also the transposed copies the backward's data gradients read (a
     forward-only layer needs only the first six)."""
     from mok_core.quantize import quantize_expert_weights
+    given = out
     weights, out = check_quantize_args(weights, out, backward)
     if out is None:
         out = FP8Weights(*(device_empty(shp, dtype, stream) for dtype, shp in
@@ -203,15 +204,14 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
     for i, name in enumerate(("w_gate", "w_up", "w_down")):
         quantize_expert_weights(getattr(weights, name), out=out[2 * i], scales=out[2 * i + 1],
                                 stream=stream)
-    if not backward:
-        return out
-    I = weights.w_gate.shape[1]
-    for w, column in ((weights.w_gate, 0), (weights.w_up, I)):
-        quantize_expert_weights(w, transpose=True, out=out.w_gate_up_t,
-                                scales=out.w_gate_up_t_scale, column=column, stream=stream)
-    quantize_expert_weights(weights.w_down, transpose=True, out=out.w_down_t,
-                            scales=out.w_down_t_scale, stream=stream)
-    return out
+    if backward:
+        I = weights.w_gate.shape[1]
+        for w, column in ((weights.w_gate, 0), (weights.w_up, I)):
+            quantize_expert_weights(w, transpose=True, out=out.w_gate_up_t,
+                                    scales=out.w_gate_up_t_scale, column=column, stream=stream)
+        quantize_expert_weights(weights.w_down, transpose=True, out=out.w_down_t,
+                                scales=out.w_down_t_scale, stream=stream)
+    return out if given is None else FP8Weights(*given)     # (the caller's own arrays)
 
 
 class ForwardContext(NamedTuple):

@@ -62,6 +62,15 @@ def tensor_view(t, name, dtypes=(torch.bfloat16,), *, manual=True):
     return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and 16-byte aligned, copied only where it is not: what autograd hands
+    the op (a narrowed d_out, a slice of x) need be neither, and torch calls a [1, H] column
+    slice contiguous though it starts mid-row."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def weight_views(layer: L.Layer, weights, *, manual=True):
     """``Weights`` of ``tensor_view``s (the shared ones None when the shape has none); a
     ``WeightsFP8`` (7: its ``fp8`` an ``FP8Weights`` of uint8 / float32 tensors,
@@ -261,5 +270,5 @@ class Layer(L.Layer):
         return CompiledStep(self, weights)
 
 
-__all__ = ["Grads", "Layer", "Weights", "WeightsFP8", "current_stream", "inputs_key",
+__all__ = ["Grads", "Layer", "Weights", "WeightsFP8", "current_stream", "dense", "inputs_key",
            "quantize_weights", "tensor_view", "weight_views"]

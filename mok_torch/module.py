@@ -41,7 +41,7 @@ from torch import nn
 from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import SIM
 
-from .layer import Layer, Weights
+from .layer import Layer, Weights, dense
 from .op import moe
 
 _EXPERT_KEYS = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
@@ -227,7 +227,7 @@ class MoEBlock(nn.Module):
                             f"{f' of {len(routed)}' if isinstance(routed, (tuple, list)) else ''}"
                             f" (rank {self.rank})")
         topk_ids, weights = routed
-        args = (h.contiguous(), topk_ids.contiguous(), weights.float().contiguous())
+        args = (dense(h), dense(topk_ids), dense(weights.float()))
         if self.main_grad:
             out = _MainGradMoE.apply(self.layer, self.expert_weights(), *args,
                                      *self.expert_weights())
@@ -262,7 +262,7 @@ class _MainGradMoE(torch.autograd.Function):
         step = layer.context_for(x, topk_ids, router_weights, weights)
         d_x, d_w = torch.empty_like(x), torch.empty_like(router_weights)
         main = [None if p is None else p.main_grad for p in ctx.params]
-        layer.backward(step, d_out.to(torch.bfloat16).contiguous(), router_weights, weights,
+        layer.backward(step, dense(d_out.to(torch.bfloat16)), router_weights, weights,
                        grads=(d_x, d_w, *main), accumulate=True, manual=False)
         return (None, None, d_x, None, d_w, *(None for _ in weights))
 

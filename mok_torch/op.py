@@ -40,7 +40,7 @@ import torch
 
 from mok_comm import functional as F
 
-from .layer import Layer, Weights
+from .layer import Layer, Weights, dense
 
 _LAYERS: dict = {}                       # handle -> weakref to a mok_torch.Layer
 _HANDLES = itertools.count(1)
@@ -116,7 +116,7 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
     lw = _layer(layer)
     weights = Weights(w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down)
     ctx = lw.context_for(x, topk_ids, router_weights, weights)
-    grads = lw.backward(ctx, d_out.contiguous(), router_weights, weights, manual=False)
+    grads = lw.backward(ctx, dense(d_out), router_weights, weights, manual=False)
     return [d_out.new_empty((0,)) if g is None else g for g in grads]
 
 

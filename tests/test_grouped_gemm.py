@@ -257,6 +257,9 @@ def test_gemm_config_validation(kwargs):
     if len(kwargs) == 1 and field not in ("bk", "bm", "stages", "mma") or value in (0, 32.0):
         with pytest.raises(ValueError, match=rf"{field}={value!r} must be an int >= [01]$"):
             GemmConfig(**kwargs)
+    numpy_ints = GemmConfig(bm=np.int64(64), bn=np.int32(128), bk=32, wm=2, wn=2, stages=4)
+    assert numpy_ints == GemmConfig(bm=64, bn=128, bk=32, wm=2, wn=2, stages=4)
+    assert type(numpy_ints.bm) is int
 
 
 def test_sweep_picks_fastest_tiles_per_preset():

@@ -156,6 +156,9 @@ def test_torch_backward_checks_its_context_and_grads():
         layer.backward(ctx, d_out, w, W, accumulate=True)
     with pytest.raises(TypeError, match="grads: expected 8 tensors"):
         layer.backward(ctx, d_out, w, W, grads=[d_out] * 7)
+    other = mok_torch.Layer(SHAPE, T, CFG, gemm=GEMM)
+    with pytest.raises(ValueError, match="ctx: the ForwardContext of another layer"):
+        other.backward(ctx, d_out, w, W)
     layer.forward(x, ids, w, W)
     with pytest.raises(ValueError, match="ctx: the context of forward 1, but forward 2"):
         layer.backward(ctx, d_out, w, W)

@@ -278,3 +278,19 @@ def test_main_grad_accumulates_fp32():
         assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, want)
     blk.zero_main_grad()
     assert not any(p.main_grad.any() for p in weights)
+
+
+def test_one_token_views_that_start_mid_row():
+    """torch calls a [1, H] column slice contiguous, though it starts mid-row (not 16-byte
+    aligned): the block copies such an x, and such a d_out from autograd, as it would copy a
+    strided one."""
+    blk = block(seed=23)
+    wide = tokens(1, seed=24)
+    x = torch.cat([wide[:, :3], wide, wide[:, :5]], 1)[:, 3:3 + H]
+    assert x.is_contiguous() and x.data_ptr() % 16
+    out = blk(x.detach().requires_grad_())
+    assert torch.equal(out, blk(x.clone()))
+    loss_in = torch.cat([torch.zeros(1, 3, dtype=torch.bfloat16, device=DEV), out], 1)
+    loss_in.float().square().sum().backward()     # d_out arrives as a narrowed view
+    assert blk.w_down.grad is not None and torch.isfinite(blk.w_down.grad.float()).all()
+

@@ -8,6 +8,7 @@ expert; the reasons for the presets are measured (see docs/perf.md).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ..cuda_compat import SIM, multiprocessor_count
@@ -47,8 +48,9 @@ class GemmConfig:
                 raise ValueError(f"{self}: {msg}")
         for f in ("bm", "bn", "bk", "wm", "wn", "stages", "blocks_per_sm", "max_registers"):
             v, low = getattr(self, f), 0 if f == "max_registers" else 1
-            req(isinstance(v, int) and not isinstance(v, bool) and v >= low,
+            req(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low,
                 f"{f}={v!r} must be an int >= {low}")
+            object.__setattr__(self, f, int(v))      # (a NumPy int: the kernels' constants)
         req(self.mma in MMA_KINDS, f"mma must be one of {MMA_KINDS}")
         req(self.max_registers == 0 or 32 <= self.max_registers <= 255,
             "max_registers must be 0 or in [32, 255]")
