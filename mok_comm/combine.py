@@ -17,7 +17,9 @@ them by reading this rank's row of the ids table (pushed by ``routing.publish_id
 ``epilogue`` (on the source rank): out[t] = y_shared[t] + sum_j w[t, j] * y[t, j], slots j
 ascending, FP32, each multiply and add rounded once (``fmul_rn``/``fadd_rn`` are never fused into
 an FMA), one bf16 rounding at the end -- bitwise deterministic and bit-equal to a NumPy float32
-evaluation in the same order. A thread per 8 columns (16-byte loads/stores).
+evaluation in the same order. A thread per 8 columns (16-byte loads/stores); it loads
+ROUTES_IN_FLIGHT routes' ids, weights and rows before adding any (masked ones' rows are loaded
+and dropped), so that many loads are in flight.
 
 Nothing here waits on a peer, so nothing here can time out or set an error.
 
@@ -25,13 +27,15 @@ Entries: ``combine`` and ``epilogue`` are trusted -- they take device views alre
 (``check_y`` / ``check_epilogue`` check a direct caller's arrays once).
 """
 import numpy as np
-from numba import cuda, float32
+from numba import boolean, cuda, float32, uint32
 
 from mok_core.bf16 import hi_bf16, lo_bf16
 from mok_core.cuda_compat import SIM, as_device_array, kjit, launch, multiprocessor_count
 from mok_core.intrinsics import fadd_rn, fmul_rn, ld_v4, pack_bf16x2, st_v4
 
 from .device import COMM_WARPS, COPY_THREADS, comm_grid, copy_row, flat
+
+ROUTES_IN_FLIGHT = 4    # epilogue: routes whose rows a thread loads before adding them
 
 
 # ---- device ------------------------------------------------------------------------------
@@ -56,6 +60,19 @@ def push_combine_kernel(y, src_rank, src_token, src_slot, num_rows, peer_combine
         row += cuda.gridDim.x * warps
 
 
+@kjit(device=True, inline="always")
+def _add_route(acc, w, v0, v1, v2, v3):
+    """acc[q] += w * (the q-th bf16 of v0..v3), each multiply and add rounded once."""
+    acc[0] = fadd_rn(acc[0], fmul_rn(w, lo_bf16(v0)))
+    acc[1] = fadd_rn(acc[1], fmul_rn(w, hi_bf16(v0)))
+    acc[2] = fadd_rn(acc[2], fmul_rn(w, lo_bf16(v1)))
+    acc[3] = fadd_rn(acc[3], fmul_rn(w, hi_bf16(v1)))
+    acc[4] = fadd_rn(acc[4], fmul_rn(w, lo_bf16(v2)))
+    acc[5] = fadd_rn(acc[5], fmul_rn(w, hi_bf16(v2)))
+    acc[6] = fadd_rn(acc[6], fmul_rn(w, lo_bf16(v3)))
+    acc[7] = fadd_rn(acc[7], fmul_rn(w, hi_bf16(v3)))
+
+
 @kjit
 def combine_epilogue_kernel(y_shared, has_shared, combine, ids, weights, out, T, H, k):
     """Launch: any grid.
@@ -67,6 +84,9 @@ def combine_epilogue_kernel(y_shared, has_shared, combine, ids, weights, out, T,
     out       uint16 [T*H]
     """
     acc = cuda.local.array(8, float32)
+    rows = cuda.local.array((ROUTES_IN_FLIGHT, 4), uint32)
+    wts = cuda.local.array(ROUTES_IN_FLIGHT, float32)
+    live = cuda.local.array(ROUTES_IN_FLIGHT, boolean)
     chunks = H // 8
     i = cuda.grid(1)
     while i < T * chunks:
@@ -85,18 +105,21 @@ def combine_epilogue_kernel(y_shared, has_shared, combine, ids, weights, out, T,
         else:
             for q in range(8):
                 acc[q] = float32(0.0)
-        for j in range(k):
-            if ids[t * k + j] >= 0:
-                w = weights[t * k + j]
-                v0, v1, v2, v3 = ld_v4(combine, (t * k + j) * H + c)
-                acc[0] = fadd_rn(acc[0], fmul_rn(w, lo_bf16(v0)))
-                acc[1] = fadd_rn(acc[1], fmul_rn(w, hi_bf16(v0)))
-                acc[2] = fadd_rn(acc[2], fmul_rn(w, lo_bf16(v1)))
-                acc[3] = fadd_rn(acc[3], fmul_rn(w, hi_bf16(v1)))
-                acc[4] = fadd_rn(acc[4], fmul_rn(w, lo_bf16(v2)))
-                acc[5] = fadd_rn(acc[5], fmul_rn(w, hi_bf16(v2)))
-                acc[6] = fadd_rn(acc[6], fmul_rn(w, lo_bf16(v3)))
-                acc[7] = fadd_rn(acc[7], fmul_rn(w, hi_bf16(v3)))
+        # A group's ids, weights and rows are all loaded before any is added, so they are in
+        # flight together (a branch on each id before its row keeps one load in flight). A
+        # masked route's row is loaded too (its buffer row is stale, never written) and dropped.
+        for j0 in range(0, k, ROUTES_IN_FLIGHT):
+            for b in range(ROUTES_IN_FLIGHT):
+                j = j0 + b
+                live[b] = False
+                if j < k:
+                    r = t * k + j
+                    live[b] = ids[r] >= 0
+                    wts[b] = weights[r]
+                    rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3] = ld_v4(combine, r * H + c)
+            for b in range(ROUTES_IN_FLIGHT):
+                if live[b]:
+                    _add_route(acc, wts[b], rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3])
         st_v4(out, t * H + c, pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
               pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]))
         i += cuda.gridsize(1)

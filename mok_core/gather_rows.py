@@ -14,18 +14,20 @@ that stay in L2) and no arithmetic.
 
 Kernel (``gather_rows_kernel``): any grid of THREADS-thread blocks; a warp owns an output row
 (grid stride over rows); lane l copies the row's 16-byte chunks l, l + 32, ... (K / 16 of
-them: K a multiple of 128, so the rows are 16-byte aligned) and its scales l, l + 32, ...
+them: K a multiple of 128, so the rows are 16-byte aligned), CHUNKS_IN_FLIGHT loaded before
+they are stored, and its scales l, l + 32, ...
 Plain loads and stores, nothing staged, no barrier, no atomics: deterministic, capturable.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int64, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
 from .cuda_compat import flat_view, kjit, launch, multiprocessor_count
 from .intrinsics import ld_v4, st_v4
 
 THREADS = 256
+CHUNKS_IN_FLIGHT = 4    # 16-byte chunks a lane loads before storing them
 _BLOCKS_PER_SM = 8
 
 
@@ -34,6 +36,7 @@ def gather_rows_kernel(src32, src_scale, index, num_rows, rows, chunks, groups, 
                        out_scale):
     """src32 / out32 uint32 [.. * chunks * 4] (a row's bytes as words), src_scale / out_scale
     float32 [.. * groups], index int32 [rows], num_rows int32 [1] (module header)."""
+    v = cuda.local.array((CHUNKS_IN_FLIGHT, 4), uint32)
     lane = int64(cuda.threadIdx.x % 32)
     warps = int64(cuda.gridDim.x) * (THREADS // 32)
     r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
@@ -44,10 +47,18 @@ def gather_rows_kernel(src32, src_scale, index, num_rows, rows, chunks, groups, 
         c = lane
         if src >= 0:
             at = uint64(src * chunks) * uint64(4)
+            # CHUNKS_IN_FLIGHT loads before their stores: a store may alias the next load, so
+            # a load-store loop keeps one load in flight.
             while c < chunks:
-                v0, v1, v2, v3 = ld_v4(src32, at + uint64(4 * c))
-                st_v4(out32, dst + uint64(4 * c), v0, v1, v2, v3)
-                c += 32
+                for b in range(CHUNKS_IN_FLIGHT):
+                    cb = c + 32 * b
+                    if cb < chunks:
+                        v[b, 0], v[b, 1], v[b, 2], v[b, 3] = ld_v4(src32, at + uint64(4 * cb))
+                for b in range(CHUNKS_IN_FLIGHT):
+                    cb = c + 32 * b
+                    if cb < chunks:
+                        st_v4(out32, dst + uint64(4 * cb), v[b, 0], v[b, 1], v[b, 2], v[b, 3])
+                c += 32 * CHUNKS_IN_FLIGHT
             g = lane
             while g < groups:
                 out_scale[uint64(r * groups + g)] = src_scale[uint64(src * groups + g)]
