@@ -1,8 +1,7 @@
-"""Does the combine epilogue keep enough loads in flight? ``combine.epilogue`` (the shipped
-kernel) against two copies of it here: ``serial`` (the shipped kernel's loop: a slot's id
-loaded, then its row, one at a time -- its SASS issues them so) and ``grouped`` (GROUP slots'
-ids, weights and rows loaded before any is added: a masked route's stale row too, never
-added; the SASS issues a group's loads together). Out = y_shared +
+"""Does the combine epilogue gain from its routes' loads in flight together? ``combine.epilogue``
+(the shipped kernel: ROUTES_IN_FLIGHT routes' ids, weights and rows loaded before any is
+added) against ``serial``, the loop it replaced (a route's id loaded, then its row, one at a
+time -- its SASS issues them so). Out = y_shared +
 sum_j w_j y_j over [T, k] routes with 10 % masked, at qwen3.5-397b's 16384 tokens (k = 10, H =
 4096) and kimi-k2.7's 8192 (k = 8, H = 7168). Timed in turns as CUDA-graph replays, bits
 compared. A probe: it prints, it writes nothing; its findings go to docs/perf.md.
@@ -17,14 +16,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
-from numba import boolean, cuda, float32, uint32  # noqa: E402
+from numba import cuda, float32  # noqa: E402
 
+from mok_comm.combine import _add_route  # noqa: E402
 from mok_core.bf16 import hi_bf16, lo_bf16  # noqa: E402
 from mok_core.cuda_compat import kjit  # noqa: E402
-from mok_core.intrinsics import fadd_rn, fmul_rn, ld_v4, pack_bf16x2, st_v4  # noqa: E402
-
-GROUP = 4
-
+from mok_core.intrinsics import ld_v4, pack_bf16x2, st_v4  # noqa: E402
 
 @kjit(device=True, inline="always")
 def _load_shared(acc, y_shared, has_shared, t, H, c):
@@ -41,18 +38,6 @@ def _load_shared(acc, y_shared, has_shared, t, H, c):
     else:
         for q in range(8):
             acc[q] = float32(0.0)
-
-
-@kjit(device=True, inline="always")
-def _add(acc, w, v0, v1, v2, v3):
-    acc[0] = fadd_rn(acc[0], fmul_rn(w, lo_bf16(v0)))
-    acc[1] = fadd_rn(acc[1], fmul_rn(w, hi_bf16(v0)))
-    acc[2] = fadd_rn(acc[2], fmul_rn(w, lo_bf16(v1)))
-    acc[3] = fadd_rn(acc[3], fmul_rn(w, hi_bf16(v1)))
-    acc[4] = fadd_rn(acc[4], fmul_rn(w, lo_bf16(v2)))
-    acc[5] = fadd_rn(acc[5], fmul_rn(w, hi_bf16(v2)))
-    acc[6] = fadd_rn(acc[6], fmul_rn(w, lo_bf16(v3)))
-    acc[7] = fadd_rn(acc[7], fmul_rn(w, hi_bf16(v3)))
 
 
 @kjit(device=True, inline="always")
@@ -74,35 +59,7 @@ def serial_kernel(y_shared, has_shared, combine, ids, weights, out, T, H, k):
             if ids[t * k + j] >= 0:
                 w = weights[t * k + j]
                 v0, v1, v2, v3 = ld_v4(combine, (t * k + j) * H + c)
-                _add(acc, w, v0, v1, v2, v3)
-        _store(out, acc, t, H, c)
-        i += cuda.gridsize(1)
-
-
-@kjit
-def grouped_kernel(y_shared, has_shared, combine, ids, weights, out, T, H, k):
-    acc = cuda.local.array(8, float32)
-    rows = cuda.local.array((GROUP, 4), uint32)
-    wts = cuda.local.array(GROUP, float32)
-    live = cuda.local.array(GROUP, boolean)
-    chunks = H // 8
-    i = cuda.grid(1)
-    while i < T * chunks:
-        t = i // chunks
-        c = (i % chunks) * 8
-        _load_shared(acc, y_shared, has_shared, t, H, c)
-        for j0 in range(0, k, GROUP):
-            for b in range(GROUP):
-                j = j0 + b
-                live[b] = False
-                if j < k:
-                    r = t * k + j
-                    live[b] = ids[r] >= 0
-                    wts[b] = weights[r]
-                    rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3] = ld_v4(combine, r * H + c)
-            for b in range(GROUP):
-                if live[b]:
-                    _add(acc, wts[b], rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3])
+                _add_route(acc, w, v0, v1, v2, v3)
         _store(out, acc, t, H, c)
         i += cuda.gridsize(1)
 
@@ -123,7 +80,7 @@ def main():
         ids[torch.rand(T, k, device="cuda", generator=g) < 0.1] = -1
         w = torch.rand(T, k, device="cuda", generator=g)
         outs = {n: torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
-                for n in ("shipped", "serial", "grouped")}
+                for n in ("shipped", "serial")}
 
         class WS:                                     # what combine.epilogue reads
             rank, hidden, topk = 0, H, k
@@ -141,8 +98,7 @@ def main():
         shipped_out = as_device_array(outs["shipped"], "out")
         w_dev, ys_dev = as_device_array(w, "w"), as_device_array(ys, "ys")
         steps = {"shipped": lambda: combine.epilogue(WS, w_dev, shipped_out, ys_dev, stream()),
-                 "serial": probe(serial_kernel, "serial"),
-                 "grouped": probe(grouped_kernel, "grouped")}
+                 "serial": probe(serial_kernel, "serial")}
         t = interleaved_ms(steps, 30, eager=())
         torch.cuda.synchronize()
         moved = T * k * H * 2 + 2 * T * H * 2
