@@ -1,6 +1,7 @@
-"""Does ``gather_rows_kernel`` keep enough loads in flight? ``batchB``: a lane loads B of its
-16-byte chunks c, c + 32, ..., then stores them (``batch1``: each loaded then stored -- a store
-may alias the next load, so one load a lane is in flight), against the shipped kernel,
+"""How many loads should ``gather_rows_kernel`` keep in flight? ``batchB``: a lane loads B of
+its 16-byte chunks c, c + 32, ..., then stores them (``batch1``: each loaded then stored, the
+loop the shipped kernel replaced -- a store may alias the next load, so one load a lane is in
+flight), against the shipped kernel (B = CHUNKS_IN_FLIGHT),
 on the layer's gathers: a token's e4m3 row (+ scales) into expert order, the index of a
 uniform routing, EP 1. Timed in turns as CUDA-graph replays, bits compared. A probe: it
 prints, it writes nothing; its findings go to docs/perf.md (FP8).
