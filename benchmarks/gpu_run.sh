@@ -28,9 +28,8 @@
 #        PROBE_PARTS e.g. prod,hoisted,no-store,no-epi,no-mma,no-load; PROBE_FP8_FLAGS e.g.
 #        --quant-split)
 #        probe-quant (the row quantizer direct / gathering, the transposing one, in turns:
-#        probe_quantize_gather) probe-copies (the combine epilogue and the FP8 rows' gather
-#        with their loads grouped, against the shipped kernels: probe_combine_epilogue,
-#        probe_gather_rows)
+#        probe_quantize_gather) probe-gather (the FP8 rows' gather with 1, 2, 8 chunks a
+#        lane in flight against the shipped kernel: probe_gather_rows)
 #        ncu (Nsight Compute over a probe's --profile launches: NCU_RUN the probe and its
 #        arguments, NCU_KERNEL a kernel-name regex, NCU_COUNT launches, NCU_SECTIONS; e.g.
 #        NCU_RUN="benchmarks/probes/probe_fp8_wgrad.py --presets qwen3.5-397b --tokens 7168
@@ -203,8 +202,7 @@ for s in "$@"; do
          --variants "${PROBE_FP8_VARIANTS:-256s3}" --parts "${PROBE_PARTS:-}" \
          --acc-tiles "${PROBE_ACC_TILES:-}" ${PROBE_FP8_FLAGS:-} ;;
     probe-quant) step probe-quant python3 benchmarks/probes/probe_quantize_gather.py ;;
-    probe-copies) step probe-epilogue python3 benchmarks/probes/probe_combine_epilogue.py ;
-         step probe-gather python3 benchmarks/probes/probe_gather_rows.py ;;
+    probe-gather) step probe-gather python3 benchmarks/probes/probe_gather_rows.py ;;
     ncu) step ncu ncu --clock-control none --profile-from-start off -k "regex:${NCU_KERNEL:-^kernel}" \
          --launch-count "${NCU_COUNT:-4}" ${NCU_SECTIONS:---section SpeedOfLight --section \
          MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats} \

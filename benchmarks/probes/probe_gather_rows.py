@@ -1,10 +1,11 @@
 """How many loads should ``gather_rows_kernel`` keep in flight? ``batchB``: a lane loads B of
 its 16-byte chunks c, c + 32, ..., then stores them (``batch1``: each loaded then stored, the
 loop the shipped kernel replaced -- a store may alias the next load, so one load a lane is in
-flight), against the shipped kernel (B = CHUNKS_IN_FLIGHT),
-on the layer's gathers: a token's e4m3 row (+ scales) into expert order, the index of a
-uniform routing, EP 1. Timed in turns as CUDA-graph replays, bits compared. A probe: it
-prints, it writes nothing; its findings go to docs/perf.md (FP8).
+flight), against the shipped kernel (B = CHUNKS_IN_FLIGHT = 4, from its SASS; the layer's A/B
+in docs/perf.md timed it together with the combine epilogue's change, not alone), on the
+layer's gathers: a token's e4m3 row (+ scales) into expert order, the index of a uniform
+routing, EP 1. Timed in turns as CUDA-graph replays, bits compared. A probe: it prints, it
+writes nothing; its findings go to docs/perf.md (FP8).
 
     python benchmarks/probes/probe_gather_rows.py [--batch 2,4]
 """
@@ -19,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 from numba import cuda, float32, int64, uint64  # noqa: E402
 
-from mok_core.cuda_compat import flat_view, kjit, launch, multiprocessor_count  # noqa: E402
+from mok_core.cuda_compat import (as_device_array, flat_view, kjit, launch,  # noqa: E402
+                                  multiprocessor_count)
 from mok_core.gather_rows import THREADS, _BLOCKS_PER_SM, launch_gather_rows  # noqa: E402
 from mok_core.intrinsics import ld_v4, st_v4  # noqa: E402
 
@@ -96,16 +98,25 @@ def main():
                     torch.empty(C, H // 128, device="cuda"))
                 for n in ["shipped"] + [f"batch{b}" for b in kernels]}
 
+        # numba views of the tensors, as the layer passes them (flat_view reshapes by .size)
+        v = {n: as_device_array(t, n) for n, t in (("src", src), ("src_scale", src_scale),
+                                                  ("index", index), ("num_rows", num_rows))}
+        views = {n: (as_device_array(o, n), as_device_array(o_s, n + "_scale"))
+                 for n, (o, o_s) in outs.items()}
+
         def shipped():
-            launch_gather_rows(src, src_scale, index, num_rows, *outs["shipped"], stream=stream())
+            launch_gather_rows(v["src"], v["src_scale"], v["index"], v["num_rows"],
+                               *views["shipped"], stream=stream())
 
         def batched(b):
-            o, o_s = outs[f"batch{b}"]
+            o, o_s = views[f"batch{b}"]
             grid = max(1, min(multiprocessor_count() * _BLOCKS_PER_SM, -(-C // (THREADS // 32))))
+
             def run():
-                launch(kernels[b], grid, THREADS, stream(), 0, flat_view(src, np.uint32),
-                       flat_view(src_scale), index, num_rows, np.int64(C), np.int64(H // 16),
-                       np.int64(H // 128), flat_view(o, np.uint32), flat_view(o_s))
+                launch(kernels[b], grid, THREADS, stream(), 0, flat_view(v["src"], np.uint32),
+                       flat_view(v["src_scale"]), v["index"], v["num_rows"], np.int64(C),
+                       np.int64(H // 16), np.int64(H // 128), flat_view(o, np.uint32),
+                       flat_view(o_s))
             return run
         steps = {"shipped": shipped, **{f"batch{b}": batched(b) for b in kernels}}
         t = interleaved_ms(steps, a.iters, eager=())
