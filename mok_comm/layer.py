@@ -217,7 +217,7 @@ def quantize_weights(weights: Weights, *, backward: bool = True, out: FP8Weights
 class ForwardContext(NamedTuple):
     """What the backward needs from a step; views into the layer, valid until its next step."""
     tokens: int               # the step's T
-    step: int                 # the layer's ``steps`` when it ran (the backward refuses a stale one)
+    step: int                 # the layer's ``steps`` then (the backward refuses a stale one)
     schedule: Schedule
     gather_index: object      # int32 [C] expert-sorted row -> staging row (-1 padding)
     x_recv: object            # uint16 [R*T, H] token staging
@@ -682,8 +682,8 @@ class Layer:
     def context(self) -> ForwardContext:
         """The forward context of the last step run on this layer."""
         g = self.grad
-        return ForwardContext(self.tokens, self.steps, self.schedule, self.gather_index, self.comm.x_recv,
-                              self.hidden, self.hidden_shared,
+        return ForwardContext(self.tokens, self.steps, self.schedule, self.gather_index,
+                              self.comm.x_recv, self.hidden, self.hidden_shared,
                               None if g is None else (g.gate, g.up),
                               None if g is None or g.gate_s is None else (g.gate_s, g.up_s))
 
