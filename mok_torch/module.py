@@ -227,7 +227,7 @@ class MoEBlock(nn.Module):
                             f"{f' of {len(routed)}' if isinstance(routed, (tuple, list)) else ''}"
                             f" (rank {self.rank})")
         topk_ids, weights = routed
-        args = (dense(h), dense(topk_ids), dense(weights.float()))
+        args = (h.contiguous(), topk_ids.contiguous(), weights.float().contiguous())
         if self.main_grad:
             out = _MainGradMoE.apply(self.layer, self.expert_weights(), *args,
                                      *self.expert_weights())
@@ -252,6 +252,7 @@ class _MainGradMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, params, x, topk_ids, router_weights, *weights):
         ctx.layer, ctx.params = layer, params
+        x, topk_ids, router_weights = dense(x), dense(topk_ids), dense(router_weights)
         ctx.save_for_backward(x, topk_ids, router_weights, *weights)
         return layer.forward(x, topk_ids, router_weights, weights, manual=False)[0]
 

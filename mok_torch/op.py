@@ -84,7 +84,8 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.T
                 w_shared_gate: Optional[torch.Tensor], w_shared_up: Optional[torch.Tensor],
                 w_shared_down: Optional[torch.Tensor], w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor, layer: int) -> torch.Tensor:
-    return _layer(layer).forward(x, topk_ids, router_weights,
+    # (dense here, where the tensors are real: torch.compile traces the caller)
+    return _layer(layer).forward(dense(x), dense(topk_ids), dense(router_weights),
                                  (w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up,
                                   w_down), manual=False)[0]
 
@@ -115,6 +116,7 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
     d_w_up, d_w_down] (the shared ones empty when the shape has no shared expert)."""
     lw = _layer(layer)
     weights = Weights(w_shared_gate, w_shared_up, w_shared_down, w_gate, w_up, w_down)
+    x, topk_ids, router_weights = dense(x), dense(topk_ids), dense(router_weights)
     ctx = lw.context_for(x, topk_ids, router_weights, weights)
     grads = lw.backward(ctx, dense(d_out), router_weights, weights, manual=False)
     return [d_out.new_empty((0,)) if g is None else g for g in grads]
