@@ -356,7 +356,7 @@ def test_init_without_nvshmem4py_gives_install_hint(monkeypatch, fresh_state):
         bootstrap.init()
     assert not bootstrap.is_initialized()
     assert "NVSHMEM_DISABLE_NVLS" not in os.environ        # failed before touching anything
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"bootstrap.init\(\) has not been called"):
         bootstrap.info()
     bootstrap.finalize()                                    # nothing to do, no error
 

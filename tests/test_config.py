@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -58,7 +59,7 @@ def test_fp8_wgrad_resolves_where_it_pays(name, ep, tokens, fp8_wgrad, on):
 
 def test_config_frozen():
     cfg = MoKConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.row_align = 64
 
 

@@ -191,6 +191,10 @@ def test_swiglu_extreme_inputs_are_finite():
         h = swiglu(gate, np.ones_like(gate))
         d_gate, d_up = swiglu_backward(gate, np.ones_like(gate), np.ones_like(gate))
     assert np.isfinite(h).all() and np.isfinite(d_gate).all() and np.isfinite(d_up).all()
+    # and right: SiLU's limits (0 far below, g far above; its slope 0 and 1 there, 1/2 at 0)
+    np.testing.assert_allclose(h, [0, 0, 0, 800, 1e4], atol=1e-300)
+    np.testing.assert_allclose(d_gate, [0, 0, 0.5, 1, 1], atol=1e-300)
+    np.testing.assert_array_equal(d_up, h)
 
 
 def test_accepts_lower_precision_inputs():
