@@ -155,6 +155,14 @@ def check_six_weights(weights) -> None:
                         f"({', '.join(Weights._fields)}), got {len(weights)}")
 
 
+def check_fp8_experts(E: int, I: int, H: int) -> None:
+    """ValueError unless routed experts of W_gate's shape [E, I, H] split into 128 x 128
+    scale blocks."""
+    if I % 128 or H % 128:
+        raise ValueError(f"w_gate: shape {(E, I, H)} -- FP8 needs I and H multiples of 128 "
+                         "(128 x 128 scale blocks)")
+
+
 def check_quantize_args(weights, out, backward: bool):
     """(the routed experts of ``weights`` -- a ``Weights``, or its six in order -- as checked
     device views in a ``Weights``, ``out`` likewise as an ``FP8Weights`` or None), checked for
@@ -165,9 +173,7 @@ def check_quantize_args(weights, out, backward: bool):
     check_six_weights(weights)
     w_gate = as_device_array(weights[3], "w_gate", dtype=np.uint16, ndim=3)
     E, I, H = w_gate.shape
-    if I % 128 or H % 128:
-        raise ValueError(f"w_gate: shape {(E, I, H)} -- FP8 needs I and H multiples of 128 "
-                         "(128 x 128 scale blocks)")
+    check_fp8_experts(E, I, H)
     routed = (w_gate, as_device_array(weights[4], "w_up", dtype=np.uint16, shape=(E, I, H)),
               as_device_array(weights[5], "w_down", dtype=np.uint16, shape=(E, H, I)))
     if out is None:

@@ -31,48 +31,58 @@ CHUNKS_IN_FLIGHT = 4    # 16-byte chunks a lane loads before storing them
 _BLOCKS_PER_SM = 8
 
 
-@kjit
-def gather_rows_kernel(src32, src_scale, index, num_rows, rows, chunks, groups, out32,
-                       out_scale):
-    """src32 / out32 uint32 [.. * chunks * 4] (a row's bytes as words), src_scale / out_scale
-    float32 [.. * groups], index int32 [rows], num_rows int32 [1] (module header)."""
-    v = cuda.local.array((CHUNKS_IN_FLIGHT, 4), uint32)
-    lane = int64(cuda.threadIdx.x % 32)
-    warps = int64(cuda.gridDim.x) * (THREADS // 32)
-    r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
-    n = min(rows, int64(num_rows[0]))          # (< 0: no rows)
-    while r < n:
-        src = int64(index[uint64(r)])
-        dst = uint64(r * chunks) * uint64(4)
-        c = lane
-        if src >= 0:
-            at = uint64(src * chunks) * uint64(4)
-            # CHUNKS_IN_FLIGHT loads before their stores: a store may alias the next load, so
-            # a load-store loop keeps one load in flight.
-            while c < chunks:
-                for b in range(CHUNKS_IN_FLIGHT):
-                    cb = c + 32 * b
-                    if cb < chunks:
-                        v[b, 0], v[b, 1], v[b, 2], v[b, 3] = ld_v4(src32, at + uint64(4 * cb))
-                for b in range(CHUNKS_IN_FLIGHT):
-                    cb = c + 32 * b
-                    if cb < chunks:
-                        st_v4(out32, dst + uint64(4 * cb), v[b, 0], v[b, 1], v[b, 2], v[b, 3])
-                c += 32 * CHUNKS_IN_FLIGHT
-            g = lane
-            while g < groups:
-                out_scale[uint64(r * groups + g)] = src_scale[uint64(src * groups + g)]
-                g += 32
-        else:
-            zero = uint64(0)
-            while c < chunks:
-                st_v4(out32, dst + uint64(4 * c), zero, zero, zero, zero)
-                c += 32
-            g = lane
-            while g < groups:
-                out_scale[uint64(r * groups + g)] = float32(1.0)
-                g += 32
-        r += warps
+def make_gather_rows_kernel(chunks_in_flight: int):
+    """The kernel with a lane's ``chunks_in_flight`` chunks loaded before they are stored
+    (``gather_rows_kernel``: CHUNKS_IN_FLIGHT; ``probe_gather_rows`` times other counts)."""
+    @kjit
+    def gather_rows_kernel(src32, src_scale, index, num_rows, rows, chunks, groups, out32,
+                           out_scale):
+        """src32 / out32 uint32 [.. * chunks * 4] (a row's bytes as words), src_scale /
+        out_scale float32 [.. * groups], index int32 [rows], num_rows int32 [1] (module
+        header)."""
+        v = cuda.local.array((chunks_in_flight, 4), uint32)
+        lane = int64(cuda.threadIdx.x % 32)
+        warps = int64(cuda.gridDim.x) * (THREADS // 32)
+        r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
+        n = min(rows, int64(num_rows[0]))          # (< 0: no rows)
+        while r < n:
+            src = int64(index[uint64(r)])
+            dst = uint64(r * chunks) * uint64(4)
+            c = lane
+            if src >= 0:
+                at = uint64(src * chunks) * uint64(4)
+                # chunks_in_flight loads before their stores: a store may alias the next
+                # load, so a load-store loop keeps one load in flight.
+                while c < chunks:
+                    for b in range(chunks_in_flight):
+                        cb = c + 32 * b
+                        if cb < chunks:
+                            v[b, 0], v[b, 1], v[b, 2], v[b, 3] = ld_v4(src32,
+                                                                       at + uint64(4 * cb))
+                    for b in range(chunks_in_flight):
+                        cb = c + 32 * b
+                        if cb < chunks:
+                            st_v4(out32, dst + uint64(4 * cb), v[b, 0], v[b, 1], v[b, 2],
+                                  v[b, 3])
+                    c += 32 * chunks_in_flight
+                g = lane
+                while g < groups:
+                    out_scale[uint64(r * groups + g)] = src_scale[uint64(src * groups + g)]
+                    g += 32
+            else:
+                zero = uint64(0)
+                while c < chunks:
+                    st_v4(out32, dst + uint64(4 * c), zero, zero, zero, zero)
+                    c += 32
+                g = lane
+                while g < groups:
+                    out_scale[uint64(r * groups + g)] = float32(1.0)
+                    g += 32
+            r += warps
+    return gather_rows_kernel
+
+
+gather_rows_kernel = make_gather_rows_kernel(CHUNKS_IN_FLIGHT)
 
 
 def launch_gather_rows(src, src_scale, index, num_rows, out, out_scale, *, stream):

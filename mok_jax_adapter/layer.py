@@ -128,9 +128,7 @@ def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
     if not isinstance(backward, (bool, np.bool_)):
         raise TypeError(f"backward: expected a Python bool (static under jit), got "
                         f"{type(backward).__name__}")
-    if len(weights) != 6:
-        raise TypeError(f"weights: expected 6 arrays ({', '.join(Weights._fields)}), got "
-                        f"{len(weights)}")
+    L.check_six_weights(weights)
     W = Weights(*weights)
     if not hasattr(W.w_gate, "shape") or len(W.w_gate.shape) != 3:
         raise ValueError(f"w_gate: expected a [E, I, H] jax.Array, got "
@@ -139,9 +137,7 @@ def quantize_weights(weights, *, backward: bool = True) -> FP8Weights:
     for a, n, shp in ((W.w_gate, "w_gate", (E, I, H)), (W.w_up, "w_up", (E, I, H)),
                       (W.w_down, "w_down", (E, H, I))):
         _check(a, n, (jnp.bfloat16,), shp)
-    if I % 128 or H % 128:
-        raise ValueError(f"w_gate: shape {(E, I, H)} -- FP8 needs I and H multiples of 128 "
-                         "(128 x 128 scale blocks)")
+    L.check_fp8_experts(E, I, H)
     key = (E, I, H, bool(backward))
     if key not in _quantizers:
         from jax.experimental.buffer_callback import buffer_callback

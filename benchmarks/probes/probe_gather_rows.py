@@ -18,55 +18,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
-from numba import cuda, float32, int64, uint64  # noqa: E402
 
-from mok_core.cuda_compat import (as_device_array, flat_view, kjit, launch,  # noqa: E402
+from mok_core.cuda_compat import (as_device_array, flat_view, launch,  # noqa: E402
                                   multiprocessor_count)
-from mok_core.gather_rows import THREADS, _BLOCKS_PER_SM, launch_gather_rows  # noqa: E402
-from mok_core.intrinsics import ld_v4, st_v4  # noqa: E402
-
-
-def make_batched(batch):
-    """The shipped kernel with a lane's chunks loaded ``batch`` at a time before any is
-    stored (chunks past the row not loaded)."""
-    @kjit
-    def kernel(src32, src_scale, index, num_rows, rows, chunks, groups, out32, out_scale):
-        lane = int64(cuda.threadIdx.x % 32)
-        warps = int64(cuda.gridDim.x) * (THREADS // 32)
-        r = int64(cuda.blockIdx.x) * (THREADS // 32) + cuda.threadIdx.x // 32
-        n = min(rows, int64(num_rows[0]))
-        while r < n:
-            src = int64(index[uint64(r)])
-            dst = uint64(r * chunks) * uint64(4)
-            g = lane
-            if src >= 0:
-                at = uint64(src * chunks) * uint64(4)
-                c = lane
-                while c < chunks:
-                    v = cuda.local.array((batch, 4), np.uint32)
-                    for b in range(batch):
-                        cb = c + 32 * b
-                        if cb < chunks:
-                            v[b, 0], v[b, 1], v[b, 2], v[b, 3] = ld_v4(src32, at + uint64(4 * cb))
-                    for b in range(batch):
-                        cb = c + 32 * b
-                        if cb < chunks:
-                            st_v4(out32, dst + uint64(4 * cb), v[b, 0], v[b, 1], v[b, 2], v[b, 3])
-                    c += 32 * batch
-                while g < groups:
-                    out_scale[uint64(r * groups + g)] = src_scale[uint64(src * groups + g)]
-                    g += 32
-            else:
-                zero = uint64(0)
-                c = lane
-                while c < chunks:
-                    st_v4(out32, dst + uint64(4 * c), zero, zero, zero, zero)
-                    c += 32
-                while g < groups:
-                    out_scale[uint64(r * groups + g)] = float32(1.0)
-                    g += 32
-            r += warps
-    return kernel
+from mok_core.gather_rows import (THREADS, _BLOCKS_PER_SM, launch_gather_rows,  # noqa: E402
+                                  make_gather_rows_kernel)
 
 
 def expert_index(tokens, topk, experts, rng):
@@ -85,7 +41,7 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    kernels = {b: make_batched(b) for b in map(int, a.batch.split(","))}
+    kernels = {b: make_gather_rows_kernel(b) for b in map(int, a.batch.split(","))}
     for name, T, H, E, k in (("qwen3.5-397b", 16384, 4096, 512, 10),
                              ("kimi-k2.7", 8192, 7168, 384, 8)):
         index_np = expert_index(T, k, E, rng)
