@@ -14,6 +14,9 @@ patched while the factory runs):
     no-load    the producer issues no cp.async (the compute warpgroups multiply whatever
                the ring holds)
     a+b        both replacements (e.g. no-load+no-epi)
+    unread     the layer's kernel on a gather index of -1s: the gathered operand (x for
+               gate/up: the tile's 256 columns; d_out for down: its 128) zero-filled without
+               a read, its index loads kept -- what that operand's L2 reads cost
 
 Beside them, ``fill``: torch filling a bf16 tensor of the output's bytes (the write ceiling).
 
@@ -37,7 +40,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load")
+VARIANTS = ("prod", "no-store", "no-epi", "no-mma", "no-load", "unread")
 
 
 def _patched_factories(variant):
@@ -96,7 +99,7 @@ def _patched_factories(variant):
                     st_shared_u32(smem, epi0, bad[0])
             return no_prefetch, epilogue
         return {"make_epilogues": make_epi}
-    assert variant == "prod", variant
+    assert variant in ("prod", "unread"), variant
     return {}
 
 
@@ -105,6 +108,8 @@ def build(variant, tile, gather_a, gather_b):
     """The wgmma wgrad kernel of ``tile`` ((bm, bn, stages); bf16 output, no accumulate) with
     ``variant``."""
     from mok_core.gemm import sm90_wgrad as W
+    if variant == "unread":
+        return build("prod", tile, gather_a, gather_b)
     patches = _patched_factories(variant)
     saved = {k: getattr(W, k) for k in patches}
     try:
@@ -128,7 +133,9 @@ def _tile(spec):
 def probe(preset_name, T, iters, variants, tiles, profile=False):
     from dataclasses import replace
 
+    import numpy as np
     import torch
+    from numba import cuda
 
     import mok_torch
     from benchmarks.common import numba_stream
@@ -143,6 +150,7 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
     x, ids, w = synthetic.rank_inputs(shape, T, 0, dev)
     Wt = mok_torch.Weights(*synthetic.shared_weights(shape, dev),
                            *synthetic.local_expert_weights(shape, 0, dev))
+    torch.manual_seed(0)                 # the same d_out in every process: bits comparable
     d_out = torch.randn(T, shape.hidden, device=dev).bfloat16()
     layer = mok_torch.Layer(shape, T, MoKConfig())
     ctx = layer.forward(x, ids, w, Wt)[1]
@@ -166,14 +174,16 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
         torch.cuda.cudart().cudaProfilerStart()
     for name, a, ai, b, bi, o0, o1, m_split, nbytes in gemms:
         # (the launch reads its grid off a config of the tile; the kernel its shared memory)
+        unread = cuda.to_device(np.full(o.index.shape, -1, o.index.dtype))
         runs = [(f"{bm}x{bn}s{st} {v}", replace(g, bm=bm, bn=bn),
-                 build(v, (bm, bn, st), ai is not None, bi is not None))
+                 build(v, (bm, bn, st), ai is not None, bi is not None), v == "unread")
                 for bm, bn, st in shapes for v in variants]
-        calls = {key: (lambda k=k, c=c: launch_with(
-                           lambda *_: k, c, s, a, ai, b, bi, o.offsets, o.rows, o0, o1,
+        calls = {key: (lambda k=k, c=c, u=u: launch_with(
+                           lambda *_: k, c, s, a, unread if u and ai is not None else ai, b,
+                           unread if u and bi is not None else bi, o.offsets, o.rows, o0, o1,
                            a.shape[1], b.shape[1], m_split, accumulate=False,
                            errors=layer.comm.errors, tensor=err.NF_WEIGHT_GRADS, rank=0))
-                 for key, c, k in runs}
+                 for key, c, k, u in runs}
         fill = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
         calls["fill"] = lambda: fill.fill_(1.0)
         times = {key: [] for key in calls}
@@ -189,6 +199,12 @@ def probe(preset_name, T, iters, variants, tiles, profile=False):
         for v in calls:
             ms = statistics.median(times[v])
             print(f"  {name:8s} {v:20s} {ms:8.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s of output")
+        if variants[0] == "prod":            # the layer's kernel again: its bits, summed
+            calls[runs[0][0]]()
+            outs = [grads[B.Grads._fields.index(f)] for f in
+                    (("d_w_gate", "d_w_up") if name == "gate_up" else ("d_w_down",))]
+            words = [int(torch.sum(t.view(torch.int32), dtype=torch.int64)) for t in outs]
+            print(f"  {name:8s} bits (int32 words summed) {words}")
     # the variants wrote wrong gradients and no error word is owed: drop the layer's flags
     torch.cuda.synchronize()
     if profile:
