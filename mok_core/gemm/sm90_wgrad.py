@@ -37,9 +37,10 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
                128 bytes at k * 128, 16-byte chunk c of it stored at chunk c ^ (k % 8): the
                MN-major 128-byte-swizzle layout that ``sm90``'s B_KN reads (and TMA writes),
                here written by cp.async
-    barriers = full[s] (count 128: each producer thread announces its chunks of the slice in
-               stage s) and empty[s] (count 256: each compute thread announces that its
-               warpgroup retired the wgmmas reading stage s), one phase per pass of the ring;
+    barriers = full[s] (count 128: each producer thread's arrival, made by the hardware once
+               its chunks of the slice in stage s landed) and empty[s] (count 256: each
+               compute thread announces that its warpgroup retired the wgmmas reading stage
+               s), one phase per pass of the ring;
                slice j waits phase j / STAGES of full[j % STAGES], its refill (slice j +
                STAGES) phase j / STAGES of empty[j % STAGES]
     loads    = the producer's 128 threads, cp.async 16 B: per operand a fixed column chunk
@@ -80,17 +81,18 @@ Order:
                warps' prefetch); the block's one __syncthreads
     producer, per slice j of the stream:
     1. j >= STAGES: wait empty[j % STAGES] -> both warpgroups retired slice j - STAGES
-    2. issue my chunks of slice j into stage j % STAGES; commit (one cp.async group a slice)
-    3. j >= LAG = STAGES - 2: cp.async.wait(LAG) -> my chunks of slice j - LAG landed;
-       fence.proxy.async (the wgmmas read through the async proxy); arrive full[] (release)
-       exit: cp.async.wait(0), fence, arrive full[] for the slices not yet announced.
-       LAG is STAGES - 2, not STAGES - 1: the compute warpgroups hold two stages (the slice
-       they issue and the one retiring), so the slice after the one step 1 waits on must be
-       announced before step 1, or both roles wait on each other
+    2. issue my chunks of slice j into stage j % STAGES
+    3. cp.async.mbarrier.arrive.noinc full[j % STAGES]: my arrival, made once those chunks
+       landed; I go on to slice j + 1 at once. (Waiting for slice j - 1's chunks here and
+       arriving myself, as before, tied slice j - 1's announcement to slice j's issue -- a
+       free stage and, gathered, the index loads' round trip: docs/perf.md)
+       exit: commit, cp.async.wait(0) -> nothing of mine in flight
     compute, per tile, its slices j (at least one step):
     0. ACCUMULATE: each warp waits until its previous stores read its staging; lane 0:
        arrive.expect_tx(warp[w], the rows' bytes), the output's boxes by TMA into the staging
-    1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed
+    1. wait full[j % STAGES] -> every producer thread's chunks of slice j landed;
+       fence.proxy.async (cp.async wrote them through the generic proxy, the wgmmas read
+       through the async proxy)
     2. wgmma.fence; BK / 16 wgmmas on slice j; commit (tensor cores busy on j ...)
     3. wgmma.wait(1) -> slice j - 1 retired; in the tile's second step on, arrive
        empty[(j - 1) % STAGES]                         (... while j - 1 drains; retiring
@@ -118,10 +120,10 @@ from functools import lru_cache
 from numba import cuda, int32, int64, uint16, uint32, uint64
 
 from ..cuda_compat import kjit
-from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_wait, f32_zeros,
-                          fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
-                          mbarrier_init, setmaxnreg_dec, setmaxnreg_inc, shared_addr,
-                          tensormap_acquire, warp_all, wgmma_commit, wgmma_fence,
+from ..intrinsics import (bulk_wait, cp_async_16_at, cp_async_commit, cp_async_mbarrier_arrive,
+                          cp_async_wait, f32_zeros, fence_mbarrier_init, fence_proxy_async,
+                          mbarrier_arrive, mbarrier_init, setmaxnreg_dec, setmaxnreg_inc,
+                          shared_addr, tensormap_acquire, warp_all, wgmma_commit, wgmma_fence,
                           wgmma_m64n64k16_bf16_tatb, wgmma_m64n128k16_bf16_tatb,
                           wgmma_m64n256k16_bf16_tatb, wgmma_wait)
 from .epilogue import (TMA_BOX_BYTES, TMA_BOX_ROWS, f32_whole, make_tma_epilogue,
@@ -313,10 +315,6 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     compute = 2 * bm                        # the two compute warpgroups' threads
     threads = compute + PRODUCER_THREADS
     nacc = bn // 2                          # fp32 accumulators per thread
-    # Slices a producer thread leaves in flight before announcing the oldest: STAGES - 2, as
-    # the compute warpgroups free a stage only once the next slice's wgmmas are issued (they
-    # hold two), so the producer waiting on a stage must already have announced that slice.
-    lag = stages - 2
     box = BK * ROW_BYTES                    # one [BK][64] box of the ring
     stage_bytes = (bm + bn) // 64 * box
     a_stage = bm // 64 * box
@@ -345,7 +343,6 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
         b_dst = (ring + a_stage + (b_c // 8) * box + b_k * ROW_BYTES
                  + ((b_c % 8) ^ (b_k % 8)) * 16)
         j = int64(0)                        # slices issued
-        done = int64(0)                     # slices landed and announced on full[]
         st = 0                              # stage of slice j (compare-and-wrap)
         t = int64(cuda.blockIdx.x)
         while t < total:
@@ -358,22 +355,14 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
                 off = st * stage_bytes
                 load_a(smem, a_dst + off, a, a_index, r0 + a_k, hi, M, m0 + a_c * 8)
                 load_b(smem, b_dst + off, b, b_index, r0 + b_k, hi, N, n0 + b_c * 8)
-                cp_async_commit()
+                # announced by the hardware once my chunks of slice j landed: the next
+                # slice's issue never waits on this one's loads
+                cp_async_mbarrier_arrive(smem, full0 + 8 * st)
                 j += 1
                 st = 0 if st == stages - 1 else st + 1
-                if j > lag:
-                    # slice j - 1 - LAG: my chunks landed; fenced into the async proxy (the
-                    # wgmmas read through it); announced (release)
-                    cp_async_wait(lag)
-                    fence_proxy_async()
-                    mbarrier_arrive(smem, full0 + 8 * (done % stages))
-                    done += 1
             t += cuda.gridDim.x
+        cp_async_commit()                   # nothing of mine in flight at the exit
         cp_async_wait(0)
-        fence_proxy_async()
-        while done < j:
-            mbarrier_arrive(smem, full0 + 8 * (done % stages))
-            done += 1
 
     @kjit(launch_bounds=(threads, 1))
     def kernel(a, a_index, b, b_index, offsets, num_rows, out0, out1, M, N, m_split, errors,
@@ -429,6 +418,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
                 while True:
                     st = j % stages
                     wait_phase(smem, full0 + 8 * st, (j // stages) & 1)
+                    fence_proxy_async()     # the producer's generic-proxy writes -> wgmma
                     soff = (st * stage_bytes) >> 4
                     acc = mma_slice(acc, smem, desc_a0 + soff, desc_b0 + soff)
                     acc = wgmma_wait(acc, 1)
