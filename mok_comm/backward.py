@@ -82,7 +82,7 @@ GEMM tiles (the layer's, chosen at construction: ``mok_comm.layer``): the two da
 weights read as stored) on ``layer.dgrad_gemm``: the wgmma kernel (``sm90``'s B_KN) where the
 forward's tiles are wgmma and the shape splits into its tile, else ``layer.backward_gemm``
 (mma.sync) -- FP8's routed ones on ``fp8_gemm`` at the forward's tile rows (``layer.fp8_bm``);
-the weight gradients on ``layer.wgrad_gemm`` (``accumulate``, FP32 added to:
+the weight gradients on ``layer.wgrad_gemm`` (FP32 ones, added to or not:
 ``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
 the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an expert's rows
@@ -344,9 +344,10 @@ def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
                      bn=layer.fp8_wgrad_bn, stream=stream, **report)
 
 
-def _wgrad_tiles(layer: Layer, accumulate):
-    """The bf16 weight gradients' tiles: FP32 added to (main-grad) has its own."""
-    return layer.main_grad_gemm if accumulate else layer.wgrad_gemm
+def _wgrad_tiles(layer: Layer, out):
+    """The weight gradients' tiles: bf16 ``out``, ``layer.wgrad_gemm``; FP32 (added to --
+    main-grad -- or not), ``layer.main_grad_gemm``, whose staging holds an FP32 tile whole."""
+    return layer.main_grad_gemm if out.dtype == np.float32 else layer.wgrad_gemm
 
 
 def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
@@ -362,7 +363,7 @@ def wgrad_down(layer: Layer, G: Grads, accumulate, shared: bool, stream):
         return
     launch_wgrad(o.d_out, o.index, o.w_h, None, o.offsets, o.rows, d_w_down, d_w_down,
                  layer.shape.hidden, accumulate=accumulate,
-                 config=_wgrad_tiles(layer, accumulate),
+                 config=_wgrad_tiles(layer, d_w_down),
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 
@@ -379,7 +380,7 @@ def wgrad_gate_up(layer: Layer, G: Grads, accumulate, shared: bool, stream):
         return
     launch_wgrad(o.d_gu, None, o.x, o.index, o.offsets, o.rows, d_w_gate, d_w_up,
                  o.d_gu.shape[1] // 2, accumulate=accumulate,
-                 config=_wgrad_tiles(layer, accumulate),
+                 config=_wgrad_tiles(layer, d_w_gate),
                  stream=stream, **_nan_check(layer, err.NF_WEIGHT_GRADS))
 
 

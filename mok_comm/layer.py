@@ -49,9 +49,10 @@ tiles, derived from the shape, the config and the forward's tiles (so not in the
 fingerprint): ``backward_gemm`` (mma.sync: where the next two pick none of their own),
 ``dgrad_gemm`` (the two data gradients: ``DGRAD_GEMM``, wgmma, where the forward's tiles are
 wgmma and the shape splits into it; else ``backward_gemm``) and ``wgrad_gemm`` (the weight
-gradients: ``WGRAD_WGMMA_GEMM``, wgmma, likewise where the forward's tiles are wgmma and the
-shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients added to:
-``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and the data gradients --
+gradients: ``WGRAD_WGMMA_GEMM``, wgmma -- a ring a slice deeper where an expert's rows at the
+step take more than two slices --, likewise where the forward's tiles are wgmma and the
+shape splits into it; else mma.sync; ``main_grad_gemm`` the same for FP32 gradients, added to
+or not: ``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and the data gradients --
 take ``fp8_bm``-row tiles (``gemm.fp8_rows_tile`` of the rows an expert gets at the shape's
 tokens, as the bf16 tiles are chosen); ``fp8_wgrad`` (``MoKConfig.fp8_wgrad`` resolved by
 ``fp8_wgrad_on``: None -> ``gemm.fp8_wgrad_pays`` of the same rows) says whether the routed
@@ -380,27 +381,35 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # The weight gradients' tile on Hopper: ``sm90_wgrad`` (both operands MN-major wgmma, a
 # producer warpgroup loading). An expert's ~100 rows are 1-3 K slices, so a tile is mostly its
 # output and its loads' integer work: the producer's ring runs on into the next tile while the
-# compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB with
-# the staging apart; 4 do not fit). Not 192 rows: 384-thread wgmma kernels spill.
+# compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB
+# beside a whole bf16 tile's staging), and where an expert's rows take more than two slices a
+# ring a slice deeper (225 KiB: each warp's rows staged half a tile at a time,
+# ``sm90_wgrad.bf16_whole``) -- faster from three slices, slower at two, where the halves' wait
+# weighs more than the loads it hides (docs/perf.md). Not 192 rows: 384-thread wgmma kernels
+# spill. FP32 gradients take ``WGRAD_MAIN_GRAD_GEMM``'s tile, whose staging holds them whole.
 WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
+WGRAD_WGMMA_DEEP_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 # ... and with FP32 weight gradients added to (main-grad): 128 x 128, a warp's rows of the
 # output tile loaded into its staging (a whole FP32 tile, 64 KiB) beside a 4-slice ring.
 WGRAD_MAIN_GRAD_GEMM = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 
 
 def wgrad_gemm(shape: LayerShape, backward: GemmConfig, forward: tuple = (),
-               main_grad: bool = False) -> GemmConfig:
+               main_grad: bool = False, rows: float = 0.0) -> GemmConfig:
     """The tiles of the backward's weight-gradient GEMMs (``wgrad``: dW_gate | dW_up, M = 2I
     split at I (2 I_s at I_s), N = H; dW_down, M = H, N = I or I_s; K = an expert's rows).
 
-    ``WGRAD_WGMMA_GEMM`` (``main_grad``: FP32 added to, ``WGRAD_MAIN_GRAD_GEMM``; wgmma) on a
+    ``WGRAD_WGMMA_GEMM`` -- ``WGRAD_WGMMA_DEEP_GEMM`` where an expert's ``rows`` (at the
+    layer's step: ``rows_per_expert``) take more than two of its K slices; ``main_grad``
+    (FP32 gradients), ``WGRAD_MAIN_GRAD_GEMM``; wgmma -- on a
     GPU when the forward's tiles ``forward`` are wgmma -- the forward runs on Hopper -- and H,
     I and I_s are multiples of its bm and bn (M, N and the split; no row alignment: the rows
     are its K, zero-filled past each expert). Else ``WGRAD_GEMM`` (mma.sync) where they split
     into its tiles (on a GPU), else ``backward`` (the rest of the backward's tiles; the
     simulator's ``SIM_GEMM``: it cannot run wgmma)."""
     dims = (shape.hidden, shape.intermediate, shape.shared_intermediate)
-    g = WGRAD_MAIN_GRAD_GEMM if main_grad else WGRAD_WGMMA_GEMM
+    g = (WGRAD_MAIN_GRAD_GEMM if main_grad
+         else WGRAD_WGMMA_DEEP_GEMM if rows > 2 * WGRAD_WGMMA_GEMM.bk else WGRAD_WGMMA_GEMM)
     if (not SIM and forward and all(f.mma == "wgmma" for f in forward)
             and all(not n % t for n in dims for t in (g.bm, g.bn))):
         return g
@@ -625,8 +634,8 @@ class Layer:
         self.backward_gemm = backward_gemm(shape, config) if backward else None
         # the weight gradients' tiles cut H and I only (their K is an expert's rows): wgmma
         # where the forward's are (derived like dgrad_gemm: not in the fingerprint)
-        self.wgrad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down))
-                           if backward else None)
+        self.wgrad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down),
+                                      rows=rows) if backward else None)
         self.main_grad_gemm = (wgrad_gemm(shape, self.backward_gemm, (gemm, gemm_down), True)
                                if backward else None)
         # the data gradients': wgmma where the forward's are and the shape splits into them
@@ -727,7 +736,8 @@ def agreement_phases(layer: Layer, stream=0):
 
 
 __all__ = ["BackwardBuffers", "DGRAD_GEMM", "FP8Weights", "ForwardContext", "Layer",
-           "WGRAD_GEMM", "WGRAD_MAIN_GRAD_GEMM", "WGRAD_WGMMA_GEMM", "Weights", "WeightsFP8",
+           "WGRAD_GEMM", "WGRAD_MAIN_GRAD_GEMM", "WGRAD_WGMMA_DEEP_GEMM", "WGRAD_WGMMA_GEMM",
+           "Weights", "WeightsFP8",
            "agreement_phases",
            "backward_gemm", "check_swiglu_limit", "dgrad_gemm", "layer_gemm", "quantize_weights",
            "wgrad_gemm"]

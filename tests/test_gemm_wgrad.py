@@ -32,6 +32,9 @@ CFG64 = GemmConfig(bm=64, bn=64, bk=32, wm=2, wn=2, stages=3)
 # by side: the MN-major descriptor's leading byte offset is read), a 4-deep ring (PREFETCH 2)
 WG64 = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WG128 = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
+# ... and the layer's deeper bf16 tile (``WGRAD_WGMMA_DEEP_GEMM``): 256 columns, a warp's rows
+# staged half a tile at a time (``sm90_wgrad.bf16_whole``) beside a 4-slice ring
+WG256 = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 from mok_comm.layer import WGRAD_GEMM  # noqa: E402
 POISON16 = 0xFFFF                    # bf16 NaN bits: a tile the kernel forgets shows up
 GARBAGE = 32                         # rows past num_rows (NaN, or valid indices of a NaN row)
@@ -142,6 +145,9 @@ CASES = {
     # wgmma, both gathered, bf16, two column tiles per expert
     "wgmma-both": dict(cfg=WG64, counts=[0, 70, 64, 32], cut=32, M=128, N=128, gather_a=True,
                        gather_b=True, m_split=128, dtype=np.uint16),
+    # wgmma at 256 columns, bf16 (half-tile staging), B gathered, the split mid-M
+    "wgmma-gate_up256": dict(cfg=WG256, counts=[64, 0, 40, 130, 32], cut=50, M=256, N=256,
+                             gather_a=False, gather_b=True, m_split=128, dtype=np.uint16),
 }
 
 
@@ -232,12 +238,16 @@ def test_accumulate_adds_in_fp32(kind):
     np.testing.assert_array_equal(to_host(words), err.initial_error_word())
 
 
-@pytest.mark.parametrize("kind", list(SMALL))
+@pytest.mark.parametrize("kind", list(SMALL) + ["wgmma256"])
 @pytest.mark.parametrize("dtype", [np.uint16, np.float32], ids=["bf16", "f32"])
 def test_nan_input_is_reported(dtype, kind):
     """A NaN in A at (row r of expert 1, column m) makes row m of D_1 NaN: N values, first row
-    m, expert 1, under the tensor id and rank given."""
-    cfg, M, N, _ = SMALL[kind]
+    m, expert 1, under the tensor id and rank given (``wgmma256``: the bf16 tile staged in two
+    halves, each recounted; FP32 there takes a 3-slice ring, as 4 do not fit beside it)."""
+    if kind == "wgmma256":
+        cfg, N = (WG256 if dtype == np.uint16 else replace(WG256, stages=3)), 256
+    else:
+        cfg, _, N, _ = SMALL[kind]
     _needs_hopper(cfg)
     M = cfg.bm
     m = 21 if M == 32 else 77          # (wgmma: a row of the second warpgroup)
@@ -333,14 +343,16 @@ def test_wgmma_wgrad_real_shape(use, capsys):
     """qwen3.5-397b's routed experts at EP 1 (H = 4096, I = 1024, 512 experts, top-10 of 4096
     tokens: ~80 rows each, padded to 64, one expert empty): dW_gate | dW_up = d_gu^T x (A =
     d_gu [C, 2I] direct, B = x gathered, split at I) or dW_down = d_out^T (w h) (A = d_out
-    gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` vs
-    float64 on 3 whole experts (the largest, the empty one, the last), and FP32 added to
-    (main-grad, on ``WGRAD_MAIN_GRAD_GEMM``) likewise; then the TFLOP/s (useful rows) and output GB/s of the wgmma and the
-    mma.sync wgrad (``WGRAD_GEMM``) and the main-grad launch's time, printed."""
+    gathered, B = w h [C, I] direct), bf16 out, on ``mok_comm.layer.WGRAD_WGMMA_GEMM`` and
+    ``WGRAD_WGMMA_DEEP_GEMM`` (half-tile staging) vs float64 on 3 whole experts (the
+    largest, the empty one, the last) -- the two bit-equal --, and FP32 added to (main-grad,
+    on ``WGRAD_MAIN_GRAD_GEMM``) likewise; then the TFLOP/s (useful rows) and output GB/s of
+    the wgmma and the mma.sync wgrad (``WGRAD_GEMM``) and the main-grad launch's time,
+    printed."""
     from numba import cuda
     if cuda.get_current_device().compute_capability != (9, 0):
         pytest.skip("the wgmma wgrad needs sm_90")
-    from mok_comm.layer import WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM
+    from mok_comm.layer import WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_DEEP_GEMM, WGRAD_WGMMA_GEMM
     from mok_core.cuda_compat import device_full
     from mok_core.gemm import launch_wgrad
     H, I, E, T, k = 4096, 1024, 512, 4096, 10
@@ -369,7 +381,8 @@ def test_wgmma_wgrad_real_shape(use, capsys):
            (("a", a), ("ai", a_index), ("b", b), ("bi", b_index), ("off", off),
             ("nr", np.array([off[-1]], np.int32)))}
     cfg2 = replace(cfg, bn=128, stages=4)  # the narrower tile, a ring a stage deeper
-    for c in (cfg, cfg2):                  # each into freshly poisoned outputs
+    bits = []
+    for c in (cfg, WGRAD_WGMMA_DEEP_GEMM, cfg2):    # each into freshly poisoned outputs
         out0 = out1 = None
         out0 = device_full((E, m_split, N), POISON16, np.uint16)   # (4.3 GB for gate/up)
         out1 = out0 if m_split == M else device_full((E, M - m_split, N), POISON16, np.uint16)
@@ -379,6 +392,11 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         cuda.synchronize()
         np.testing.assert_array_equal(word.copy_to_host(), err.initial_error_word())
         _check_experts(out0, out1, a, a_index, b, b_index, off, counts, E)
+        if c.bn == cfg.bn:                 # a ring's depth does not enter a sum: the two
+            # 256-wide kernels' bits equal on the first 64 experts (what the host holds easily)
+            bits.append([o[:64].copy_to_host() for o in {id(out0): out0, id(out1): out1}.values()])
+    for x, y in zip(*bits):
+        np.testing.assert_array_equal(x, y)
     # main-grad: FP32 added to (the layer's accumulate=True: the output's tile loaded, added
     # to, stored) on the layer's main-grad tile, into buffers holding 0.5
     acc0 = device_full((E, m_split, N), 0.5, np.float32)          # (17 GB for gate/up)
@@ -396,7 +414,8 @@ def test_wgmma_wgrad_real_shape(use, capsys):
         return gpu_ms(lambda: launch_wgrad(dev["a"], dev["ai"], dev["b"], dev["bi"],
                                            dev["off"], dev["nr"], *outs, m_split,
                                            accumulate=accumulate, config=c), 10, 1)
-    ms = {"wgmma": timed(cfg), "128x128 s4": timed(cfg2), "mma_sync": timed(WGRAD_GEMM)}
+    ms = {"wgmma": timed(cfg), "4 stages": timed(WGRAD_WGMMA_DEEP_GEMM),
+          "128x128 s4": timed(cfg2), "mma_sync": timed(WGRAD_GEMM)}
     acc_ms = timed(WGRAD_MAIN_GRAD_GEMM, (acc0, acc1), True)
     with capsys.disabled():
         print(f"\n[wgrad {use}: rows={int(counts.sum())} M={M} N={N} E={E}] " + ", ".join(

@@ -75,7 +75,7 @@ def _patched_factories(variant):
         pass                           # (bf16 outputs: ``make_epilogues``' is a no-op too)
 
     if variant == "no-epi":
-        def make_epi(bm, bn, out_f32, accumulate):
+        def make_epi(bm, bn, out_f32, accumulate, whole=True):
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
                          errors, nf_tensor, nf_rank, bar, phase):
@@ -83,8 +83,10 @@ def _patched_factories(variant):
             return no_prefetch, epilogue
         return {"make_epilogues": make_epi}
     if variant == "no-store":
-        def make_epi(bm, bn, out_f32, accumulate):
-            stage_tile = tuple_fold(epi._stage_swizzled_group, epi._plain_layout)
+        def make_epi(bm, bn, out_f32, accumulate, whole=True):
+            # (the staging holds half a tile where not ``whole``: its first half staged)
+            stage_tile = tuple_fold(epi._stage_swizzled_group,
+                                    epi._plain_layout if whole else epi._half_layout(0))
 
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,

@@ -382,8 +382,9 @@ def wgrad(a, a_index, b, b_index, expert_offsets, num_rows, out0, out1, m_split,
             values as they are) -- main-grad accumulation.
         config: a GemmConfig, M a multiple of bm, N of bn. mma.sync: bm and bn 16, 32 or a
             multiple of 64. wgmma (Hopper; ``sm90_wgrad``: both operands MN-major): bm = 128
-            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages; ``accumulate``: 128
-            at most); outputs 16-byte aligned (TMA). None: ``default_gemm()`` where that
+            with bn = 64, 128 or 256 (the 128 x 256 tile fits 3 stages, 4 with bf16 outputs
+            -- a warp's rows then staged half a tile at a time --; ``accumulate``: 128 at
+            most); outputs 16-byte aligned (TMA). None: ``default_gemm()`` where that
             is mma.sync, else ``MMA_SYNC_GEMM`` (pass a wgmma config for the wgmma kernel,
             as the layer's backward does on Hopper where the shape fits its tile:
             ``mok_comm.layer.wgrad_gemm``).

@@ -57,11 +57,13 @@ their stores), per warp of a finished plain tile, its 16 rows:
        __syncwarp
     2. the fragment -> bf16 pairs in BN / 64 boxes of [16 rows][64 columns] with the 128-byte
        swizzle (row q at q * 128, 16-byte chunk c at chunk c ^ (q % 8): a warp's 8 rows of a
-       store land in 8 bank groups), folded into the NaN/Inf check as in step 1 above
+       store land in 8 bank groups), folded into the NaN/Inf check as in step 1 above --
+       where the staging holds half the tile, the first half's boxes only
     3. fence.proxy.async, __syncwarp; lane 0 issues one TMA store per box (the tensor map
-       clips what lies outside the output) and commits them as one bulk group; the warp goes
-       on while the TMA unit reads the staging and writes
-    4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows
+       clips what lies outside the output) and commits them as one bulk group
+    4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows; half tiles:
+       once the first half's stores have read the staging (``bulk_wait_read``), steps 2-4
+       for the second half. The warp goes on while the TMA unit reads the staging and writes
 The caller acquires the maps before the first store and waits for the last stores
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
@@ -452,18 +454,37 @@ def _make_box_sender(boxes, box_cols):
     return send
 
 
-def make_tma_epilogue(bn):
+def make_tma_epilogue(bn, whole=True):
     """``epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
     nf_rank)``: the warp's 16 rows of a finished plain tile, bf16, staged at the shared byte
-    address ``epi0`` (1024-byte aligned; BN / 64 boxes of ``TMA_BOX_BYTES``) and stored by
-    TMA into the 2-D tensor map at ``maps[elem:]`` (``[TMA_BOX_ROWS, 64]`` boxes) at rows
-    grow .. grow + 15, columns col0 ..; NaN/Inf reported as D_e's rows m + i of expert e.
-    The caller waits for the warp's last stores (``bulk_wait``) before the block exits and
-    acquires the maps (``tensormap_acquire``) first, on every lane (lane 0's count)."""
-    boxes = bn // 64
-    assert bn % 64 == 0
-    stage_tile = tuple_fold(_stage_swizzled_group, _plain_layout)
+    address ``epi0`` (1024-byte aligned; ``TMA_BOX_BYTES`` boxes: BN / 64 of them, or not
+    ``whole``, half as many -- half a tile at a time, the second half staged once the
+    first's stores have read the staging) and stored by TMA into the 2-D tensor map at
+    ``maps[elem:]`` (``[TMA_BOX_ROWS, 64]`` boxes) at rows grow .. grow + 15, columns col0 ..;
+    NaN/Inf reported as D_e's rows m + i of expert e. The caller waits for the warp's last
+    stores (``bulk_wait``) before the block exits and acquires the maps
+    (``tensormap_acquire``) first, on every lane (lane 0's count)."""
+    assert bn % 64 == 0 and (whole or bn % 128 == 0)
+    boxes = bn // 64 if whole else bn // 128
+    if whole:
+        stage0 = stage1 = tuple_fold(_stage_swizzled_group, _plain_layout)
+    else:
+        stage0 = tuple_fold(_stage_swizzled_group, _half_layout(0))
+        stage1 = tuple_fold(_stage_swizzled_group, _half_layout(1))
     send = _make_box_sender(boxes, 64)
+
+    @kjit(device=True, inline="always")
+    def recount(bad, smem, epi0, lane):
+        # a clean staging costs one vote; else lanes 0..15 recount one staged row each (its
+        # chunks swizzled within the row: a count does not care). Every lane counts (16..31
+        # a row again, not reported): shared loads on a branch of some lanes make ptxas
+        # serialise the kernel's wgmmas (C7518)
+        n = 0
+        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
+            rel = epi0 - shared_addr(smem) + (lane % 16) * 128
+            for b in range(boxes):
+                n += bf16_nonfinite_count(smem, rel + b * TMA_BOX_BYTES, 64)
+        return n if lane < 16 else 0
 
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
@@ -475,18 +496,17 @@ def make_tma_epilogue(bn):
         syncwarp()
         # (addresses per tile: module header)
         base = per_iteration(uint32(epi0 + q * 128 + 4 * (lane % 4)))
-        bad = stage_tile(acc, (uint32(0), uint32(0)), (smem, base, q))
+        bad = stage0(acc, (uint32(0), uint32(0)), (smem, base, q))
         send(smem, maps, elem, grow, col0, epi0, lane)
-        # a clean tile costs one vote; else lanes 0..15 recount one staged row each (its
-        # chunks swizzled within the row: a count does not care) and the warp reports. Every
-        # lane counts (16..31 a row again, not reported): shared loads on a branch of some
-        # lanes make ptxas serialise the kernel's wgmmas (C7518)
-        if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
-            n = 0
-            rel = epi0 - shared_addr(smem) + (lane % 16) * 128
-            for b in range(boxes):
-                n += bf16_nonfinite_count(smem, rel + b * TMA_BOX_BYTES, 64)
-            report_warp(errors, nf_tensor, nf_rank, n if lane < 16 else 0, m + lane % 16, e)
+        n = recount(bad, smem, epi0, lane)
+        if not whole:
+            bulk_wait_read(0)          # ... and this tile's first half
+            syncwarp()
+            bad = stage1(acc, (uint32(0), uint32(0)), (smem, base, q))
+            send(smem, maps, elem, grow, col0 + bn // 2, epi0, lane)
+            n += recount(bad, smem, epi0, lane)
+        if warp_all(n == 0) == 0:
+            report_warp(errors, nf_tensor, nf_rank, n, m + lane % 16, e)
 
     return epilogue
 

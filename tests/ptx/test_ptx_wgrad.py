@@ -63,7 +63,7 @@ def test_wgrad_lowers_without_local_memory(tile, kind):
 
 # the wgmma wgrad's: KINDS' and plain FP32 outputs; ``accumulate`` at tiles up to 128 wide
 WGMMA_KINDS = dict(KINDS, f32=(False, True, True, False))
-WGMMA_CASES = [(256, 3, "bf16"), (256, 3, "f32")] + [
+WGMMA_CASES = [(256, 3, "bf16"), (256, 4, "bf16"), (256, 3, "f32")] + [
     (bn, stages, kind) for bn, stages in ((128, 4), (64, 2)) for kind in WGMMA_KINDS]
 
 
@@ -77,8 +77,9 @@ def _wgmma_wgrad_ptx(bm, bn, stages, kind):
 
 @pytest.mark.parametrize("bn,stages,kind", WGMMA_CASES)
 def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
-    """``sm90_wgrad`` at the layer's 128 x 256 tile (``WGRAD_WGMMA_GEMM``: 3 stages), 128 x
-    128 (4 stages beside a whole FP32 tile's staging: main-grad's) and the narrowest one (2
+    """``sm90_wgrad`` at the layer's 128 x 256 tiles (``WGRAD_WGMMA_GEMM``: 3 stages, the bf16
+    rows staged whole; ``WGRAD_WGMMA_DEEP_GEMM``: 4, half a tile at a time; FP32 outputs: 3),
+    128 x 128 (4 stages beside a whole FP32 tile's staging: main-grad's) and the narrowest one (2
     stages, the shallowest ring): the arch-specific target, the two roles meeting at
     mbarriers (the producer's arrivals made by the hardware as its cp.async copies land,
     ``.noinc``: no wait for them in its stream; a proxy fence after each wait on them), 4
@@ -95,6 +96,7 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     from ptx_util import assemble_sm90a
 
     from mok_core.gemm.epilogue import f32_whole
+    from mok_core.gemm.sm90_wgrad import bf16_whole
     gather_a, gather_b, out_f32, accumulate = WGMMA_KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
@@ -136,7 +138,8 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     else:
         assert count(ptx, r"st\.shared\.u32") >= 1
         assert 1 <= count(ptx, store) <= bn // 64                 # a box each (may roll)
-        assert count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;") >= 1   # staging reuse
+        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")   # (+1 between halves)
+        assert waits == (1 if bf16_whole(bn, stages) else 2), waits
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
     report = assemble_sm90a(ptx)
@@ -145,22 +148,28 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
 
 
 def test_layer_wgrad_gemm_choice():
-    """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256; main-grad's ``WGRAD_MAIN_GRAD_GEMM``, 128 x 128
-    with a whole FP32 tile's staging, which it needs) behind a wgmma forward at the presets'
+    """``WGRAD_WGMMA_GEMM`` (wgmma, 128 x 256, 3 stages; ``WGRAD_WGMMA_DEEP_GEMM``, 4, where an
+    expert's rows take more than two 64-row slices; main-grad's ``WGRAD_MAIN_GRAD_GEMM``, 128 x
+    128 with a whole FP32 tile's staging, which it needs) behind a wgmma forward at the presets'
     shapes, tiles ``sm90_wgrad`` takes; the mma.sync ``WGRAD_GEMM`` behind an mma.sync
     forward or where H, I or I_s is no multiple of the wgmma tile's sides (and the backward's
     tiles where not even that one fits)."""
-    from mok_comm.layer import (WGRAD_GEMM, WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_GEMM,
-                                backward_gemm, wgrad_gemm)
+    from mok_comm.layer import (WGRAD_GEMM, WGRAD_MAIN_GRAD_GEMM, WGRAD_WGMMA_DEEP_GEMM,
+                                WGRAD_WGMMA_GEMM, backward_gemm, wgrad_gemm)
     from mok_core.config import LayerShape, MoKConfig, preset
     from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM
     from mok_core.gemm.epilogue import f32_whole
-    from mok_core.gemm.sm90_wgrad import smem_bytes, tile_ok
-    g = WGRAD_WGMMA_GEMM
+    from mok_core.gemm.sm90_wgrad import SMEM_LIMIT, bf16_whole, smem_bytes, tile_ok
+    g, deep = WGRAD_WGMMA_GEMM, WGRAD_WGMMA_DEEP_GEMM
     mg = WGRAD_MAIN_GRAD_GEMM
-    assert g.mma == "wgmma" and tile_ok(g.bm, g.bn)
+    assert g.mma == deep.mma == "wgmma" and tile_ok(g.bm, g.bn) and (g.bm, g.bn) == (
+        deep.bm, deep.bn) and deep.stages == g.stages + 1
     assert mg.mma == "wgmma" and tile_ok(mg.bm, mg.bn) and f32_whole(mg.bn)
-    assert smem_bytes(mg.bn, mg.stages, True) <= 227 * 1024
+    assert smem_bytes(mg.bn, mg.stages, True) <= SMEM_LIMIT
+    # bf16: the 3-slice ring beside a whole tile's staging, the 4-slice one beside half; FP32
+    # gradients would not fit beside the deep one (``backward._wgrad_tiles``: main-grad's tile)
+    assert bf16_whole(g.bn, g.stages) and not bf16_whole(deep.bn, deep.stages)
+    assert smem_bytes(deep.bn, deep.stages) <= SMEM_LIMIT < smem_bytes(deep.bn, deep.stages, True)
     cfg = MoKConfig()
     for name in ("qwen3.5-397b", "kimi-k2.7", "glm-5.2"):
         for ep in (1, 8):
@@ -168,7 +177,9 @@ def test_layer_wgrad_gemm_choice():
             bwd = backward_gemm(shape, cfg)
             for fwd in (WGMMA_GEMM, WGMMA_192_GEMM):
                 assert wgrad_gemm(shape, bwd, (fwd, fwd)) is g, (name, ep, fwd)
-                assert wgrad_gemm(shape, bwd, (fwd, fwd), main_grad=True) is mg
+                assert wgrad_gemm(shape, bwd, (fwd, fwd), rows=128) is g      # two slices
+                assert wgrad_gemm(shape, bwd, (fwd, fwd), rows=128.5) is deep
+                assert wgrad_gemm(shape, bwd, (fwd, fwd), main_grad=True, rows=500) is mg
             assert wgrad_gemm(shape, bwd, (MMA_SYNC_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd, (WGMMA_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd) is WGRAD_GEMM
