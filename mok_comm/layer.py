@@ -389,8 +389,9 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # spill. FP32 gradients take ``WGRAD_MAIN_GRAD_GEMM``'s tile, whose staging holds them whole.
 WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WGRAD_WGMMA_DEEP_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
-# ... and with FP32 weight gradients added to (main-grad): 128 x 128, a warp's rows of the
-# output tile loaded into its staging (a whole FP32 tile, 64 KiB) beside a 4-slice ring.
+# ... and with FP32 weight gradients (added to -- main-grad -- or not): 128 x 128, a warp's rows
+# of the output tile staged whole (a whole FP32 tile, 64 KiB; main-grad loads the output's
+# values into it) beside a 4-slice ring.
 WGRAD_MAIN_GRAD_GEMM = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 
 

@@ -145,8 +145,9 @@ CASES = {
     # wgmma, both gathered, bf16, two column tiles per expert
     "wgmma-both": dict(cfg=WG64, counts=[0, 70, 64, 32], cut=32, M=128, N=128, gather_a=True,
                        gather_b=True, m_split=128, dtype=np.uint16),
-    # wgmma at 256 columns, bf16 (half-tile staging), B gathered, the split mid-M
-    "wgmma-gate_up256": dict(cfg=WG256, counts=[64, 0, 40, 130, 32], cut=50, M=256, N=256,
+    # wgmma at 256 columns, bf16 (half-tile staging), B gathered, the split mid-M; expert 3
+    # 312 rows (5 slices: the 4-slice ring wraps within a tile), expert 4 past num_rows
+    "wgmma-gate_up256": dict(cfg=WG256, counts=[64, 0, 40, 330, 32], cut=50, M=256, N=256,
                              gather_a=False, gather_b=True, m_split=128, dtype=np.uint16),
 }
 
@@ -269,6 +270,32 @@ def test_nan_input_is_reported(dtype, kind):
     assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == m
     assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 1
     assert w[err.NONFINITE_RANK] == 3
+
+
+@pytest.mark.parametrize("col", [5, 200], ids=["first_half", "second_half"])
+def test_nan_in_one_half_of_a_half_staged_tile_is_reported(col):
+    """``WG256`` stages a warp's bf16 rows half a tile at a time: a NaN in B's column ``col``
+    (row r of expert 1) makes column ``col`` of D_1 NaN in one half only -- M values, first
+    row 0, expert 1 -- and nothing else."""
+    cfg, M, N = WG256, 128, 256
+    _needs_hopper(cfg)
+    a, a_index, b, b_index, off, nr = problem(9, [32, 64], M, N, gather_a=False,
+                                              gather_b=False)
+    b = b.copy()
+    b[off[1] + 40, col] = bits([np.nan])[0]
+    words = to_dev(err.initial_error_word())
+    out = to_dev(np.zeros((2, M, N), np.uint16))
+    run((a, a_index, b, b_index, off, nr), out, out, M, cfg, errors=words,
+        tensor=err.NF_HIDDEN, rank=1)
+    got = f64(to_host(out))
+    assert np.isnan(got[1][:, col]).all() and np.isfinite(np.delete(got[1], col, axis=1)).all()
+    assert np.isfinite(got[0]).all()
+    w = to_host(words)
+    t = err.NF_HIDDEN
+    assert w[err.NONFINITE + 2 * t] == M
+    assert err.from_key(w[err.NONFINITE + 2 * t + 1]) == 0
+    assert err.from_key(w[err.NONFINITE_EXPERT + t]) == 1
+    assert w[err.NONFINITE_RANK] == 1
 
 
 def _good():

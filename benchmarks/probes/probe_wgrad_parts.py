@@ -8,7 +8,9 @@ for down) go through ``sm90_wgrad`` kernels built with one part replaced (module
 patched while the factory runs):
 
     prod       the layer's kernel
-    no-store   the epilogue stages its rows (and fences) but issues no TMA store
+    no-store   the epilogue stages its rows (and fences) but issues no TMA store (where the
+               kernel stages half a tile at a time, the first half only: prod - no-store
+               then counts the second half's staging and the wait before it too)
     no-epi     no epilogue at all (the wgmmas still run: they have side effects)
     no-mma     the K loop loads but multiplies nothing (zeros staged and stored)
     no-load    the producer issues no cp.async (the compute warpgroups multiply whatever

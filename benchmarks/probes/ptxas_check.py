@@ -57,12 +57,17 @@ KERNELS = [
     ("dgrad-d_hidden-192", 256, 4, False, True, True, False, 192, True),
 ]
 # sm90_wgrad: (name, bm, bn, stages, gather_a, gather_b, out_f32, accumulate) -- the layer's
-# dW_gate | dW_up (B = x gathered) and dW_down (A = d_out gathered), bf16 out or FP32 added
+# dW_gate | dW_up (B = x gathered) and dW_down (A = d_out gathered): bf16 out on its two
+# 128 x 256 rings (``WGRAD_WGMMA_GEMM``, ``WGRAD_WGMMA_DEEP_GEMM``), FP32 out -- added to or
+# not -- on main-grad's 128 x 128 tile
 WGRAD_KERNELS = [
-    ("wgrad-gate_up-128", 128, 256, 3, False, True, False, False),
-    ("wgrad-down-128", 128, 256, 3, True, False, False, False),
-    ("wgrad-gate_up-f32acc-128", 128, 256, 3, False, True, True, True),
-    ("wgrad-down-f32acc-128", 128, 256, 3, True, False, True, True),
+    ("wgrad-gate_up-s3", 128, 256, 3, False, True, False, False),
+    ("wgrad-down-s3", 128, 256, 3, True, False, False, False),
+    ("wgrad-gate_up-s4", 128, 256, 4, False, True, False, False),
+    ("wgrad-down-s4", 128, 256, 4, True, False, False, False),
+    ("wgrad-gate_up-f32-128", 128, 128, 4, False, True, True, False),
+    ("wgrad-gate_up-f32acc-128", 128, 128, 4, False, True, True, True),
+    ("wgrad-down-f32acc-128", 128, 128, 4, True, False, True, True),
 ]
 
 

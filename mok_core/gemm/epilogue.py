@@ -475,10 +475,10 @@ def make_tma_epilogue(bn, whole=True):
 
     @kjit(device=True, inline="always")
     def recount(bad, smem, epi0, lane):
-        # a clean staging costs one vote; else lanes 0..15 recount one staged row each (its
-        # chunks swizzled within the row: a count does not care). Every lane counts (16..31
-        # a row again, not reported): shared loads on a branch of some lanes make ptxas
-        # serialise the kernel's wgmmas (C7518)
+        # a clean staging costs one vote (the report's a second, once a tile); else lanes
+        # 0..15 recount one staged row each (its chunks swizzled within the row: a count does
+        # not care). Every lane counts (16..31 a row again, not reported): shared loads on a
+        # branch of some lanes make ptxas serialise the kernel's wgmmas (C7518)
         n = 0
         if warp_all(((bad[0] | bad[1]) & uint32(0x7FFF7FFF)) == 0) == 0:
             rel = epi0 - shared_addr(smem) + (lane % 16) * 128

@@ -183,6 +183,16 @@ def test_layer_wgrad_gemm_choice():
             assert wgrad_gemm(shape, bwd, (MMA_SYNC_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd, (WGMMA_GEMM, MMA_SYNC_GEMM)) is WGRAD_GEMM
             assert wgrad_gemm(shape, bwd) is WGRAD_GEMM
+    # the backward launches FP32 gradients (added to or not) on main-grad's tile, bf16 on the
+    # layer's (whose deep ring has no room for FP32 staging)
+    import types
+
+    import numpy as np
+
+    from mok_comm.backward import _wgrad_tiles
+    stub = types.SimpleNamespace(wgrad_gemm=deep, main_grad_gemm=mg)
+    assert _wgrad_tiles(stub, np.zeros(1, np.float32)) is mg
+    assert _wgrad_tiles(stub, np.zeros(1, np.uint16)) is deep
     odd = LayerShape(hidden=4096, intermediate=1152, shared_intermediate=1024,
                      num_experts=512, topk=10)                 # I: 9 x 128, no multiple of 256
     assert wgrad_gemm(odd, backward_gemm(odd, cfg), (WGMMA_GEMM, WGMMA_GEMM)) is WGRAD_GEMM
