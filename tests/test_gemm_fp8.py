@@ -386,6 +386,14 @@ def test_fp8_gemm_reports_non_finite_and_checks_inputs():
     with pytest.raises(ValueError, match=r"w_up: expected shape \(2, 128, 128\) \(as w_gate\)"):
         fp8_gate_up_swiglu(to_dev(a), to_dev(a_scale), to_dev(w8), to_dev(ws),
                            to_dev(w8[:1]), to_dev(ws[:1]), to_dev(off), to_dev(nr), out)
+    # TMA loads a, 16-byte stores write out: both must start 16-byte aligned
+    a_off = to_dev(np.zeros(a.size + 16, np.uint8))[8:8 + a.size].reshape(a.shape)
+    with pytest.raises(ValueError, match="a: must start 16-byte aligned .*8 bytes past"):
+        fp8_gemm(a_off, to_dev(a_scale), to_dev(w8), to_dev(ws), to_dev(off), to_dev(nr), out)
+    out_off = to_dev(np.zeros(104 * 128 + 8, np.uint16))[2:2 + 104 * 128].reshape(104, 128)
+    with pytest.raises(ValueError, match="out: must start 16-byte aligned .*4 bytes past"):
+        fp8_gemm(to_dev(a), to_dev(a_scale), to_dev(w8), to_dev(ws), to_dev(off), to_dev(nr),
+                 out_off)
 
 
 def _e4m3_bytes(rng, shape):

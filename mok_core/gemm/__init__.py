@@ -621,7 +621,7 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
     """Checked views (errors name the tensor): ``weights`` ((w, name), (w_scale, name)) pairs
     of the same shape, ``out`` (array, name) -> (a, a_scale, [(w, w_scale), ...], off, nr,
     out, bn, stages)."""
-    a = as_device_array(a, "a", dtype=np.uint8, ndim=2)
+    a = as_device_array(a, "a", dtype=np.uint8, ndim=2, align=16)      # (TMA loads)
     A_rows, K = a.shape
     if K % 128 or K == 0:
         raise ValueError(f"a: K={K} (its columns) must be a positive multiple of 128")
@@ -644,15 +644,11 @@ def _fp8_operands(a, a_scale, weights, expert_offsets, num_rows, out, stages, bn
         checked.append((w, w_scale))
     E, N = checked[0][0].shape[0], checked[0][0].shape[1]
     C = A_rows
-    if device_address(a) % 16:
-        raise ValueError("a: must be 16-byte aligned (TMA loads)")
     _check_fp8_table(E, C // 128 + E, "row tiles")
     off = as_device_array(expert_offsets, "expert_offsets", dtype=np.int32, shape=(E + 1,))
     nr = as_device_array(num_rows, "num_rows", dtype=np.int32, shape=(1,))
     out, out_name = out
-    out = as_device_array(out, out_name, dtype=np.uint16, shape=(C, N))
-    if device_address(out) % 16:
-        raise ValueError(f"{out_name}: must be 16-byte aligned (16-byte stores)")
+    out = as_device_array(out, out_name, dtype=np.uint16, shape=(C, N), align=16)
     swiglu = len(weights) == 2
     bn, stages = _fp8_tile(N, swiglu, bn, stages)
     _check_fp8_tile(N, swiglu, bn, stages)
