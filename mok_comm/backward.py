@@ -86,7 +86,8 @@ the weight gradients on ``layer.wgrad_gemm`` (FP32 ones, added to or not:
 ``layer.main_grad_gemm``): the wgmma kernel (``sm90_wgrad``, both operands MN-major) where the
 forward's tiles are wgmma and the shape splits into its tile, else mma.sync (``fp8_wgrad``:
 the routed ones on ``sm90_fp8``'s WGRAD, 128 columns wide into FP32 or where an expert's rows
-take at most two K slices -- ``layer.fp8_wgrad_bn`` --, else its tile by N). The routed d_x
+take at most two K slices, else its tile by N, a slice deeper where they take more than three
+-- ``layer.fp8_wgrad_tile``). The routed d_x
 rows go home from the wgmma or FP8 GEMM's epilogue (a bulk copy a row, or 16-byte stores,
 into the source rank's combine row: the forward's fused combine, ``Layer.fused_d_x_push``),
 so they are never written here and read back; the mma.sync GEMM, or
@@ -340,8 +341,9 @@ def _fp8_weight_gradient(layer: Layer, a, b, outs, accumulate, stream):
         launch_quantize_cols(rows, q, q_scale, whole_block=whole, index=index,
                              num_rows=g.k_rows, stream=stream,
                              **({"errors": scratch_error_word()} if staged else report))
+    bn, stages = layer.fp8_wgrad_tile
     launch_fp8_wgrad(*a[2:4], *b[2:4], g.k_offsets, g.k_rows, *outs, accumulate=accumulate,
-                     bn=layer.fp8_wgrad_bn, stream=stream, **report)
+                     bn=bn, stages=stages, stream=stream, **report)
 
 
 def _wgrad_tiles(layer: Layer, out):

@@ -56,8 +56,8 @@ or not: ``WGRAD_MAIN_GRAD_GEMM``). FP8's routed GEMMs -- the forward's two and t
 take ``fp8_bm``-row tiles (``gemm.fp8_rows_tile`` of the rows an expert gets at the shape's
 tokens, as the bf16 tiles are chosen); ``fp8_wgrad`` (``MoKConfig.fp8_wgrad`` resolved by
 ``fp8_wgrad_on``: None -> ``gemm.fp8_wgrad_pays`` of the same rows) says whether the routed
-weight gradients are FP8 too, on ``fp8_wgrad_bn``-column tiles (``gemm.fp8_wgrad_cols`` of
-those rows; None: the kernel's default). ``nbytes`` sums the
+weight gradients are FP8 too, on ``fp8_wgrad_tile``'s (columns, ring slices)
+(``gemm.fp8_wgrad_tile`` of those rows; None: the kernel's default). ``nbytes`` sums the
 buffers by name. ``errors`` (``mok_core.step_errors``) reports each step's device-side
 problems at the next call (forward and backward calls alike).
 
@@ -79,7 +79,7 @@ from mok_core.config import LayerShape, MoKConfig
 from mok_core.cuda_compat import (SIM, as_device_array, device_empty, device_full, flat_view,
                                   upload)
 from mok_core.gemm import (MMA_SYNC_GEMM, SIM_GEMM, WGMMA_GEMM, GemmConfig, default_gemm,
-                           fp8_rows_tile, fp8_wgrad_cols, fp8_wgrad_pays)
+                           fp8_rows_tile, fp8_wgrad_pays, fp8_wgrad_tile)
 from mok_core.schedule import Schedule
 from mok_core.step_errors import StepErrors
 from mok_core.wgrad_rows import k_capacity
@@ -384,7 +384,7 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB
 # beside a whole bf16 tile's staging), and where an expert's rows take more than two slices a
 # ring a slice deeper (225 KiB: each warp's rows staged half a tile at a time,
-# ``sm90_wgrad.bf16_whole``) -- faster from three slices, slower at two, where the halves' wait
+# ``sm90_wgrad.bf16_parts``) -- faster from three slices, slower at two, where the halves' wait
 # weighs more than the loads it hides (docs/perf.md). Not 192 rows: 384-thread wgmma kernels
 # spill. FP32 gradients take ``WGRAD_MAIN_GRAD_GEMM``'s tile, whose staging holds them whole.
 WGRAD_WGMMA_GEMM = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
@@ -604,9 +604,9 @@ class Layer:
         rows = rows_per_expert(shape, T)
         self.fp8_bm = fp8_rows_tile(rows)
         # ... whether its weight gradients are FP8 (``MoKConfig.fp8_wgrad`` resolved) and their
-        # tile columns (``fp8_wgrad_cols``: by the K slices an expert's rows take)
+        # tile columns and ring (``fp8_wgrad_tile``: by the K slices an expert's rows take)
         self.fp8_wgrad = fp8_wgrad_on(shape, config, T)
-        self.fp8_wgrad_bn = fp8_wgrad_cols(rows)
+        self.fp8_wgrad_tile = fp8_wgrad_tile(rows)
         # FP8: the landed tokens quantised 1 x 128 into expert order -- where a rank gets more
         # routes than staging rows (EP < k: T k against R T), once a token (the staging's
         # rows) and then gathered, else route by route -- and h quantised: the GEMMs' A rows

@@ -565,28 +565,32 @@ def test_fp8_backward_gradients_in_fp8():
                         forward_only)
 
 
-def test_fp8_wgrad_tile_columns_follow_an_experts_rows(monkeypatch):
-    """``fp8_wgrad``'s tile width (``gemm.fp8_wgrad_cols`` of the rows an expert gets at the
-    layer's shape): 128 columns where those rows take at most two 128-row K slices (a tile's
-    store then outlasts its MMAs, and narrower tiles store closer to the write ceiling:
-    docs/perf.md, FP8), the kernel's default (None: 256 where it divides N) above -- and the
-    backward hands the layer's width to both weight gradients' launches."""
+def test_fp8_wgrad_tile_follows_an_experts_rows(monkeypatch):
+    """``fp8_wgrad``'s tile (``gemm.fp8_wgrad_tile`` of the rows an expert gets at the layer's
+    shape): 128 columns where those rows take at most two 128-row K slices (a tile's store then
+    outlasts its MMAs, and narrower tiles store closer to the write ceiling: docs/perf.md,
+    FP8), the kernel's default width (None: 256 where it divides N) above, and a 4-slice ring
+    where they take more than three -- and the backward hands the layer's tile to both weight
+    gradients' launches."""
     from mok_comm import backward as B
-    from mok_core.gemm import fp8_wgrad_cols
-    assert [fp8_wgrad_cols(r) for r in (24, 256, 256.5, 320)] == [128, 128, None, None]
+    from mok_core.gemm import fp8_wgrad_tile
+    assert [fp8_wgrad_tile(r) for r in (24, 256, 256.5, 320, 384, 385, 512)] == [
+        (128, None), (128, None), (None, None), (None, None), (None, None), (None, 4),
+        (None, 4)]
     shape = LayerShape(hidden=256, intermediate=128, shared_intermediate=0, num_experts=4,
                        topk=2, ep_size=2)
     cfg = MoKConfig(row_align=32, minibatch_size=64, precision="fp8", fp8_wgrad=True)
     seen = []
     monkeypatch.setattr(B, "launch_quantize_cols", lambda *a, **k: None)
-    monkeypatch.setattr(B, "launch_fp8_wgrad", lambda *a, **k: seen.append(k["bn"]))
-    for T, bn in ((256, 128), (320, None)):         # 256 and 320 rows an expert
-        lay = emulated_layers(shape, T, cfg, SIM_GEMM)[0]
-        assert lay.fp8_wgrad_bn == bn
+    monkeypatch.setattr(B, "launch_fp8_wgrad", lambda *a, **k: seen.append((k["bn"],
+                                                                              k["stages"])))
+    for T, tile in ((256, (128, None)), (320, (None, None)), (512, (None, 4))):
+        lay = emulated_layers(shape, T, cfg, SIM_GEMM)[0]     # T rows an expert
+        assert lay.fp8_wgrad_tile == tile
         E, H, I = shape.experts_per_rank, shape.hidden, shape.intermediate
         G = Grads(None, None, None, None, None, *(to_dev(np.zeros(s, np.uint16))
                                                   for s in ((E, I, H), (E, I, H), (E, H, I))))
         seen.clear()
         for wgrad in (B.wgrad_gate_up, B.wgrad_down):
             wgrad(lay, G, False, False, 0)
-        assert seen == [bn, bn]
+        assert seen == [tile, tile]

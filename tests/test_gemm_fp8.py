@@ -219,15 +219,17 @@ def test_fp8_dgrad_on_transposed_weight_copies():
     assert np.abs(W - gu).max() <= 2.0 ** -4 * np.abs(gu).max()   # half an e4m3 step
 
 
-@pytest.mark.parametrize("bn", [128, 256])
-def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
+@pytest.mark.parametrize("bn,stages", [(128, None), (256, None), (256, 4)])
+def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn, stages):
     """The weight gradient in FP8 (``fp8_wgrad``): per expert, sum over its rows of A[m, r]
     B[n, r] from the operands transposed and quantised along the rows (A 1 x 128, B 128 x
     128) -- segments of 256 / 0 / 128 / 128 / 128 rows, the operands zero past each expert's
     real rows, num_rows 48 rows into the fourth: the fifth's rows (data, not zeros) are past
     it, so its gradient is zeros like the empty expert's; M and N of two tiles each (N = 2 bn:
-    more column tiles take the same path) -- within rel-L1 5e-3 of float64 of the dequantised
-    operands, every tile written; a rerun bit for bit. Then an Inf scale of A's row m = 200 in
+    more column tiles take the same path; ``stages`` None: ``FP8_TILES``' ring, or at 256 4
+    slices -- the layer's where an expert's rows take more than three: a warp's rows staged a
+    quarter tile at a time, ``sm90_fp8.wgrad_parts``) -- within rel-L1
+    5e-3 of float64 of the dequantised operands, every tile written; a rerun bit for bit. Then an Inf scale of A's row m = 200 in
     expert 2's slice reaches the error word (count: the row's N values, row 200, expert 2)."""
     _hopper()
     rng = np.random.default_rng(12)
@@ -250,7 +252,7 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
     def run_wgrad(scale, errors=None):
         out = to_dev(np.full((E, M, N), POISON16, np.uint16))
         fp8_wgrad(to_dev(a), to_dev(scale), to_dev(b), to_dev(b_scale.astype(np.float32)),
-                  to_dev(off), to_dev(nr), out, bn=bn, errors=errors)
+                  to_dev(off), to_dev(nr), out, bn=bn, stages=stages, errors=errors)
         return to_host(out)
     got = run_wgrad(a_scale)
     want = grouped_wgrad_fp8_reference(a, a_scale, b, b_scale, off, nr)
@@ -277,7 +279,8 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn):
 def test_fp8_wgrad_splits_and_accumulates_fp32():
     """``fp8_wgrad``'s outputs as ``wgrad``'s: split at m_split into out0 / out1 (dW_gate /
     dW_up from one launch) bit for bit the unsplit bf16 gradient, on 256-wide tiles (N's
-    default) and 128-wide ones (the layer's where an expert's rows take at most two K
+    default, and beside a 4-slice ring, the rows staged a quarter tile at a time) and 128-wide
+    ones (the layer's where an expert's rows take at most two K
     slices: ``gemm.fp8_wgrad_cols``); FP32 outputs within 5e-3
     of float64, rounding to that bf16 gradient; ``accumulate`` adds them to the values there
     with one FP32 add (an expert of no rows left as it was); FP32 at 128-wide tiles (the
@@ -306,6 +309,9 @@ def test_fp8_wgrad_splits_and_accumulates_fp32():
     narrow = [to_dev(np.full((E, I, N), POISON16, np.uint16)) for _ in range(2)]
     fp8_wgrad(*ops, narrow[0], narrow[1], I, bn=128)
     np.testing.assert_array_equal(np.concatenate([to_host(h) for h in narrow], 1), whole)
+    deep = [to_dev(np.full((E, I, N), POISON16, np.uint16)) for _ in range(2)]
+    fp8_wgrad(*ops, deep[0], deep[1], I, stages=4)     # (a quarter tile staged at a time)
+    np.testing.assert_array_equal(np.concatenate([to_host(h) for h in deep], 1), whole)
     f32 = [to_dev(np.full((E, I, N), np.nan, np.float32)) for _ in range(2)]
     fp8_wgrad(*ops, f32[0], f32[1], I)
     d = np.concatenate([to_host(h) for h in f32], 1)

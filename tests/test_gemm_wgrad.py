@@ -33,7 +33,7 @@ CFG64 = GemmConfig(bm=64, bn=64, bk=32, wm=2, wn=2, stages=3)
 WG64 = GemmConfig(bm=128, bn=64, bk=64, wm=2, wn=1, stages=3, mma="wgmma")
 WG128 = GemmConfig(bm=128, bn=128, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 # ... and the layer's deeper bf16 tile (``WGRAD_WGMMA_DEEP_GEMM``): 256 columns, a warp's rows
-# staged half a tile at a time (``sm90_wgrad.bf16_whole``) beside a 4-slice ring
+# staged half a tile at a time (``sm90_wgrad.bf16_parts``) beside a 4-slice ring
 WG256 = GemmConfig(bm=128, bn=256, bk=64, wm=2, wn=1, stages=4, mma="wgmma")
 from mok_comm.layer import WGRAD_GEMM  # noqa: E402
 POISON16 = 0xFFFF                    # bf16 NaN bits: a tile the kernel forgets shows up

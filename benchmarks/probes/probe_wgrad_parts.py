@@ -77,7 +77,7 @@ def _patched_factories(variant):
         pass                           # (bf16 outputs: ``make_epilogues``' is a no-op too)
 
     if variant == "no-epi":
-        def make_epi(bm, bn, out_f32, accumulate, whole=True):
+        def make_epi(bm, bn, out_f32, accumulate, parts=1):
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,
                          errors, nf_tensor, nf_rank, bar, phase):
@@ -85,10 +85,9 @@ def _patched_factories(variant):
             return no_prefetch, epilogue
         return {"make_epilogues": make_epi}
     if variant == "no-store":
-        def make_epi(bm, bn, out_f32, accumulate, whole=True):
-            # (the staging holds half a tile where not ``whole``: its first half staged)
-            stage_tile = tuple_fold(epi._stage_swizzled_group,
-                                    epi._plain_layout if whole else epi._half_layout(0))
+        def make_epi(bm, bn, out_f32, accumulate, parts=1):
+            # (the staging holds a part of the tile: its first part staged)
+            stage_tile = tuple_fold(epi._stage_swizzled_group, epi._part_layout(0, parts))
 
             @kjit(device=True, inline="always")
             def epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row,

@@ -66,6 +66,7 @@ __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SY
 # where they divide N, with the 3 slices that fit beside its staging, else 128 and 4 slices
 # (docs/perf.md, FP8).
 FP8_TILES = {256: 3, 128: 4}
+FP8_WGRAD_TILES = {256: 4, 128: 4}
 
 
 def _fp8_tile(N, swiglu, bn, stages):
@@ -92,13 +93,17 @@ def fp8_wgrad_pays(rows_per_expert):
     return rows_per_expert > 2 * sm90_fp8.BK
 
 
-def fp8_wgrad_cols(rows_per_expert):
-    """The layer's FP8 weight-gradient tile columns for experts of ``rows_per_expert`` rows:
-    128 where those rows take at most two 128-row K slices -- a tile's MMAs are then shorter
-    than its store of a weight-sized output, and the narrower tiles store closer to the write
-    ceiling --, else None (``FP8_TILES``' width for N: 256 where it divides N, faster once the
-    MMAs dominate; docs/perf.md, FP8)."""
-    return 128 if rows_per_expert <= 2 * sm90_fp8.BK else None
+def fp8_wgrad_tile(rows_per_expert):
+    """The layer's FP8 weight-gradient tile (columns, ring slices) for experts of
+    ``rows_per_expert`` rows, ``fp8_wgrad``'s ``bn`` and ``stages`` (None: its defaults):
+    128 columns where those rows take at most two 128-row K slices -- a tile's MMAs are then
+    shorter than its store of a weight-sized output, and the narrower tiles store closer to the
+    write ceiling --, else ``FP8_TILES``' width for N (256 where it divides N, faster once the
+    MMAs dominate); where they take more than three, a 4-slice ring (each warp's bf16 rows
+    staged a quarter tile at a time to make room: ``sm90_fp8.wgrad_parts``) -- at three the
+    quarters' waits cost what the deeper ring hides (docs/perf.md, FP8)."""
+    slices = -(-rows_per_expert // sm90_fp8.BK)
+    return (128 if slices <= 2 else None), (4 if slices > 3 else None)
 
 
 def _fp8_wgrad_tile(N, out0, out1, bn, stages):

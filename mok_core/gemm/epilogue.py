@@ -204,11 +204,12 @@ def _count_nonfinite_f32_group(j, n, lane, a0, a1, a2, a3):
             n[1] + (0 if abs(a2) < _F32_INF else 1) + (0 if abs(a3) < _F32_INF else 1))
 
 
-def _half_layout(half):
-    """Groups of the fragment's columns half ``half`` of 2 (the FP32 TMA epilogue's)."""
+def _part_layout(part, parts):
+    """Groups of the fragment's columns in part ``part`` of ``parts`` equal ones (a tile staged
+    a part at a time)."""
     def layout(count):
-        per = count // 8
-        return [[4 * j + i for i in range(4)] for j in range(half * per, (half + 1) * per)]
+        per = count // (4 * parts)
+        return [[4 * j + i for i in range(4)] for j in range(part * per, (part + 1) * per)]
     return layout
 
 
@@ -454,23 +455,19 @@ def _make_box_sender(boxes, box_cols):
     return send
 
 
-def make_tma_epilogue(bn, whole=True):
+def make_tma_epilogue(bn, parts=1):
     """``epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
     nf_rank)``: the warp's 16 rows of a finished plain tile, bf16, staged at the shared byte
-    address ``epi0`` (1024-byte aligned; ``TMA_BOX_BYTES`` boxes: BN / 64 of them, or not
-    ``whole``, half as many -- half a tile at a time, the second half staged once the
-    first's stores have read the staging) and stored by TMA into the 2-D tensor map at
+    address ``epi0`` (1024-byte aligned; ``TMA_BOX_BYTES`` boxes: BN / 64 of them, or BN / 64
+    / ``parts`` -- the tile's columns a part at a time, each part staged once the previous
+    one's stores have read the staging) and stored by TMA into the 2-D tensor map at
     ``maps[elem:]`` (``[TMA_BOX_ROWS, 64]`` boxes) at rows grow .. grow + 15, columns col0 ..;
     NaN/Inf reported as D_e's rows m + i of expert e. The caller waits for the warp's last
     stores (``bulk_wait``) before the block exits and acquires the maps
     (``tensormap_acquire``) first, on every lane (lane 0's count)."""
-    assert bn % 64 == 0 and (whole or bn % 128 == 0)
-    boxes = bn // 64 if whole else bn // 128
-    if whole:
-        stage0 = stage1 = tuple_fold(_stage_swizzled_group, _plain_layout)
-    else:
-        stage0 = tuple_fold(_stage_swizzled_group, _half_layout(0))
-        stage1 = tuple_fold(_stage_swizzled_group, _half_layout(1))
+    assert parts in (1, 2, 4) and bn % (64 * parts) == 0
+    boxes = bn // 64 // parts
+    stage = [tuple_fold(_stage_swizzled_group, _part_layout(p, parts)) for p in range(parts)]
     send = _make_box_sender(boxes, 64)
 
     @kjit(device=True, inline="always")
@@ -486,25 +483,36 @@ def make_tma_epilogue(bn, whole=True):
                 n += bf16_nonfinite_count(smem, rel + b * TMA_BOX_BYTES, 64)
         return n if lane < 16 else 0
 
+    step = bn // parts
+
+    def make_part(stage_part, offset):
+        @kjit(device=True, inline="always")
+        def part(smem, acc, maps, elem, grow, col0, epi0, lane, base, q):
+            # the previous part's stores (or the previous tile's) past their reads (every
+            # lane: lane 0's groups are the only ones; a wait on a branch of lane 0 would make
+            # ptxas serialise the wgmmas)
+            bulk_wait_read(0)
+            syncwarp()
+            bad = stage_part(acc, (uint32(0), uint32(0)), (smem, base, q))
+            send(smem, maps, elem, grow, col0 + offset, epi0, lane)
+            return recount(bad, smem, epi0, lane)
+        return part
+
+    part0, part1, part2, part3 = [make_part(stage[p % parts], p % parts * step)
+                                  for p in range(4)]   # (parts 1 and 2: unused repeats)
+
     @kjit(device=True, inline="always")
     def epilogue(smem, acc, maps, elem, grow, col0, m, e, epi0, lane, errors, nf_tensor,
                  nf_rank):
         q = lane // 4
-        # the previous tile's stores are past their reads (every lane: lane 0's groups are
-        # the only ones; a wait on a branch of lane 0 would make ptxas serialise the wgmmas)
-        bulk_wait_read(0)
-        syncwarp()
         # (addresses per tile: module header)
         base = per_iteration(uint32(epi0 + q * 128 + 4 * (lane % 4)))
-        bad = stage0(acc, (uint32(0), uint32(0)), (smem, base, q))
-        send(smem, maps, elem, grow, col0, epi0, lane)
-        n = recount(bad, smem, epi0, lane)
-        if not whole:
-            bulk_wait_read(0)          # ... and this tile's first half
-            syncwarp()
-            bad = stage1(acc, (uint32(0), uint32(0)), (smem, base, q))
-            send(smem, maps, elem, grow, col0 + bn // 2, epi0, lane)
-            n += recount(bad, smem, epi0, lane)
+        n = part0(smem, acc, maps, elem, grow, col0, epi0, lane, base, q)
+        if parts > 1:
+            n += part1(smem, acc, maps, elem, grow, col0, epi0, lane, base, q)
+        if parts > 2:
+            n += part2(smem, acc, maps, elem, grow, col0, epi0, lane, base, q)
+            n += part3(smem, acc, maps, elem, grow, col0, epi0, lane, base, q)
         if warp_all(n == 0) == 0:
             report_warp(errors, nf_tensor, nf_rank, n, m + lane % 16, e)
 
@@ -562,8 +570,8 @@ def make_tma_epilogue_f32(bn, accumulate):
                                else _stage_swizzled_f32_group, _plain_layout)
         send_all = _make_box_sender(bn // 32, 32)
     else:
-        stage0 = tuple_fold(_stage_swizzled_f32_group, _half_layout(0))
-        stage1 = tuple_fold(_stage_swizzled_f32_group, _half_layout(1))
+        stage0 = tuple_fold(_stage_swizzled_f32_group, _part_layout(0, 2))
+        stage1 = tuple_fold(_stage_swizzled_f32_group, _part_layout(1, 2))
         send_half = _make_box_sender(bn // 64, 32)
     count_tile = tuple_fold(_count_nonfinite_f32_group, _plain_layout)
 

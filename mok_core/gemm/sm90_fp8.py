@@ -102,7 +102,9 @@ promotion and epilogue, with
                is written as zeros
     epilogue = ``sm90_wgrad.make_epilogues`` (the bf16 weight gradient's, the same fragment
                layout): bf16 -- each compute warp stages its 16 rows as BN / 64 swizzled
-               boxes and one lane stores them by TMA (``omaps``: out0's and out1's tensor
+               boxes (or, beside 256's 4-slice ring, a quarter of them at a time, each
+               quarter once the previous one's stores read the staging: ``wgrad_parts``)
+               and one lane stores them by TMA (``omaps``: out0's and out1's tensor
                maps, ``sm90_wgrad.output_maps``), the warp back to its wgmmas while they
                leave -- a gradient tile is a weight-sized write after a few slices; every
                compute warp waits for its stores before the block exits. FP32 (OUT_F32):
@@ -139,7 +141,8 @@ from ..intrinsics import (bulk_wait, cp_async_4_at, cp_async_mbarrier_arrive, f3
 from .epilogue import make_coalesced_epilogue
 from .sm90 import (_DESC_HIGH, _TABLE_BYTES, find_tile_in_table, tile_table, wait_phase,
                    warpgroup_fragment)
-from .sm90_wgrad import make_epilogues, output_maps, output_place, warp_staging_bytes
+from .sm90_wgrad import (SMEM_LIMIT, make_epilogues, output_maps, output_place, staging_parts,
+                         warp_staging_bytes)
 from .tensor_map import MAP_ELEMS, tensor_maps
 
 BM = 128                      # tile rows: 2 warpgroups of 64
@@ -178,17 +181,31 @@ def scales_offset(stages):
     return _TABLE_BYTES + 16 * stages + 64
 
 
-def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False, bm=BM):
-    """Dynamic shared memory of one GEMM block: the tile table, 2 STAGES mbarriers and the 8
+def _ring_bytes(stages, bn, bm):
+    """Shared memory up to the ring's end: the tile table, 2 STAGES mbarriers and the 8
     compute warps' (WGRAD's main-grad prefetch), the STAGES slices' scales, slack to align the
-    ring to 1024 bytes, the ring, the staged output tile (WGRAD: the 8 compute warps' TMA
-    boxes, ``sm90_wgrad.warp_staging_bytes``)."""
+    ring to 1024 bytes, the ring."""
+    return (scales_offset(stages) + stages * scale_stage_bytes(bm) + 1024
+            + stages * (bm + bn) * ROW_BYTES)
+
+
+def wgrad_parts(stages, bn, out_f32=False):
+    """The parts a WGRAD compute warp stages its 16 rows of a bf16 tile in
+    (``sm90_wgrad.staging_parts`` beside the ring of ``stages``): whole at 128 columns and at
+    256 with 3 stages, a quarter at a time beside 256's 4-slice ring. (FP32 tiles: 1, their
+    own split, ``epilogue.f32_whole``.)"""
+    return 1 if out_f32 else staging_parts(bn, SMEM_LIMIT - _ring_bytes(stages, bn, BM))
+
+
+def smem_bytes(stages, bn=BN, swiglu_epilogue=False, wgrad=False, out_f32=False, bm=BM):
+    """Dynamic shared memory of one GEMM block: ``_ring_bytes``, then the staged output tile
+    (WGRAD: the 8 compute warps' TMA boxes, ``sm90_wgrad.warp_staging_bytes`` of
+    ``wgrad_parts``)."""
     cols = bn // 2 if swiglu_epilogue else bn
     staging = bm * (2 * cols + 16)
     if wgrad:
-        staging = 8 * warp_staging_bytes(bn, out_f32)
-    return (scales_offset(stages) + stages * scale_stage_bytes(bm) + 1024
-            + stages * (bm + bn) * ROW_BYTES + staging)
+        staging = 8 * warp_staging_bytes(bn, out_f32, wgrad_parts(stages, bn, out_f32))
+    return _ring_bytes(stages, bn, bm) + staging
 
 
 @kjit(device=True, inline="always")
@@ -302,8 +319,9 @@ def make_fp8_gemm(stages, swiglu_epilogue=False, bn=BN, save_pre=False, push=Fal
     ssb = scale_stage_bytes(bm)
     halves = bn // 128
     epilogue = make_coalesced_epilogue(bn, swiglu_epilogue, save_pre, push)
-    wgrad_prefetch, wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate)
-    warp_staging = warp_staging_bytes(bn, out_f32)
+    parts = wgrad_parts(stages, bn, out_f32) if wgrad else 1
+    wgrad_prefetch, wgrad_epilogue = make_epilogues(bm, bn, out_f32, accumulate, parts)
+    warp_staging = warp_staging_bytes(bn, out_f32, parts)
     col_step = bn // 2 if swiglu_epilogue else bn
     stage_bytes = (bm + bn) * ROW_BYTES
     a_boxes = bm // BOX_ROWS

@@ -59,7 +59,7 @@ of a K slice of rows, B = its BN columns, each as it lies in global memory, and 
     epilogue = bf16: ``epilogue.make_tma_epilogue``, per warp: its 16 rows staged apart from
                the ring (the producer fills every stage meanwhile) as swizzled [16][64]
                boxes -- whole, or half a tile at a time where the whole would not fit
-               beside the ring (``bf16_whole``: 128 x 256's 4-stage ring) --, then one TMA
+               beside the ring (``bf16_parts``: 128 x 256's 4-stage ring) --, then one TMA
                store a box through the outputs' tensor maps
                (``output_maps``: [E rows, N] views of out0 / out1, built on the host and
                cached); the warp goes back to its wgmmas while the TMA unit writes -- with K
@@ -221,7 +221,7 @@ def _make_mma_slice(bn):
     return mma_slice
 
 
-def make_epilogues(bm, bn, out_f32, accumulate, whole=True):
+def make_epilogues(bm, bn, out_f32, accumulate, parts=1):
     """(``prefetch``, ``epilogue``) of a tile (output rows grow0 + i for tile rows i, columns
     n0 ..; D_e's rows m0 + i), each warp its 16 rows through map ``side`` of ``maps``, staged
     at the shared byte address ``epi0``:
@@ -232,13 +232,13 @@ def make_epilogues(bm, bn, out_f32, accumulate, whole=True):
     nothing.
     ``epilogue(smem, acc, maps, side, grow0, m0, n0, e, epi0, lane, frag_row, errors,
     nf_tensor, nf_rank, bar, phase)`` after its K loop: the tile written and checked -- bf16
-    by ``epilogue.make_tma_epilogue`` (the staging holding the warp's rows ``whole``, or half
-    of them), FP32 by ``make_tma_epilogue_f32`` (stored; with
+    by ``epilogue.make_tma_epilogue`` (the staging holding the warp's rows whole, or a part of
+    ``parts``), FP32 by ``make_tma_epilogue_f32`` (stored; with
     ``accumulate`` once ``bar`` completed phase ``phase``, added to the prefetched values and
     stored)."""
     fetch = out_f32 and accumulate
     tma_epilogue = (make_tma_epilogue_f32(bn, accumulate) if out_f32
-                    else make_tma_epilogue(bn, whole))
+                    else make_tma_epilogue(bn, parts))
     tma_prefetch = make_tma_prefetch_f32(bn) if fetch else None
 
     @kjit(device=True, inline="always")
@@ -286,29 +286,38 @@ def _smem(bn, stages, warp_staging):
             + 8 * warp_staging)
 
 
-def bf16_whole(bn, stages):
-    """Whether a warp stages its 16 rows of a bf16 tile whole (BN / 64 boxes) or half at a
-    time (``epilogue.make_tma_epilogue``'s ``whole``): whole where that fits beside a ring
-    of ``stages`` -- at 128 x 256, 3 stages; the 4-stage ring (``mok_comm.layer``'s where an
-    expert's rows take more than two slices) takes half a tile, the halves a wait apart. (A
-    64-wide tile has no halves: whole.)"""
-    return bn < 128 or _smem(bn, stages, bn // 64 * TMA_BOX_BYTES) <= SMEM_LIMIT
+def staging_parts(bn, room):
+    """The fewest parts (1, 2 or 4: ``epilogue.make_tma_epilogue``'s ``parts``) a warp stages
+    its 16 rows of a bf16 tile ``bn`` wide in, for the 8 compute warps' staging to fit in
+    ``room`` bytes (the block's shared memory left beside the ring); the parts a wait apart.
+    1 where nothing fits (the caller's size check refuses the tile)."""
+    for parts in (1, 2, 4):
+        if bn % (64 * parts) == 0 and 8 * warp_staging_bytes(bn, False, parts) <= room:
+            return parts
+    return 1
 
 
-def warp_staging_bytes(bn, out_f32, whole=True):
-    """One warp's staging: its 16 rows of a bf16 tile (``whole`` or half) or of an FP32 one
-    (whole or half: ``epilogue.f32_whole``), as swizzled TMA boxes of 128-byte rows."""
+def bf16_parts(bn, stages):
+    """``staging_parts`` beside this kernel's ring of ``stages``: 1 (whole) at 128 x 256 with 3
+    stages; the 4-stage ring (``mok_comm.layer``'s where an expert's rows take more than two
+    slices) stages half a tile at a time."""
+    return staging_parts(bn, SMEM_LIMIT - _smem(bn, stages, 0))
+
+
+def warp_staging_bytes(bn, out_f32, parts=1):
+    """One warp's staging: its 16 rows of a bf16 tile (whole, or a part of ``parts``) or of an
+    FP32 one (whole or half: ``epilogue.f32_whole``), as swizzled TMA boxes of 128-byte rows."""
     if out_f32:
         boxes = bn // 32 if f32_whole(bn) else bn // 64
     else:
-        boxes = bn // 64 if whole else bn // 128
+        boxes = bn // 64 // parts
     return boxes * TMA_BOX_BYTES
 
 
 def smem_bytes(bn, stages, out_f32=False):
     """Dynamic shared memory of one block: mbarriers, the ring, the 8 compute warps' staging
-    (``warp_staging_bytes``; bf16 tiles whole where they fit: ``bf16_whole``)."""
-    return _smem(bn, stages, warp_staging_bytes(bn, out_f32, bf16_whole(bn, stages)))
+    (``warp_staging_bytes``; bf16 tiles whole where they fit: ``bf16_parts``)."""
+    return _smem(bn, stages, warp_staging_bytes(bn, out_f32, bf16_parts(bn, stages)))
 
 
 def _make_tile_walk(bm, bn):
@@ -341,8 +350,8 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     box = BK * ROW_BYTES                    # one [BK][64] box of the ring
     stage_bytes = (bm + bn) // 64 * box
     a_stage = bm // 64 * box
-    whole = bf16_whole(bn, stages)
-    warp_staging = warp_staging_bytes(bn, out_f32, whole)
+    parts = bf16_parts(bn, stages)
+    warp_staging = warp_staging_bytes(bn, out_f32, parts)
     cpr_a = _operand_map(bm)[0]
     cpr_b = _operand_map(bn)[0]
     nbytes = smem_bytes(bn, stages, out_f32)
@@ -352,7 +361,7 @@ def make_wgmma_wgrad(bm, bn, stages, gather_a, gather_b, out_f32, accumulate):
     load_a = _operand_loader(bm, gather_a)
     load_b = _operand_loader(bn, gather_b)
     mma_slice = _make_mma_slice(bn)
-    prefetch, epilogue = make_epilogues(bm, bn, out_f32, accumulate, whole)
+    prefetch, epilogue = make_epilogues(bm, bn, out_f32, accumulate, parts)
     tile_of = _make_tile_walk(bm, bn)
 
     @kjit(device=True, inline="always")

@@ -89,22 +89,24 @@ def sm90_fp8_make(*args, **kw):
     return make_fp8_gemm(*args, **kw)
 
 
-@pytest.mark.parametrize("bn,out", [(128, "bf16"), (256, "bf16"), (256, "f32"), (128, "f32"),
-                                    (128, "acc")])
-def test_fp8_wgrad_lowers_unserialised(bn, out):
+@pytest.mark.parametrize("bn,out,stages", [(128, "bf16", 4), (256, "bf16", 3), (256, "bf16", 4),
+                                           (256, "f32", 3), (128, "f32", 4), (128, "acc", 4)])
+def test_fp8_wgrad_lowers_unserialised(bn, out, stages):
     """WGRAD (``make_fp8_gemm(wgrad=True)``): the forward's slice, ring and promotion with its
     own tiles and K ranges -- 4 e4m3 wgmmas per K slice and 128 columns, waited to zero, the
     operands by TMA from the producer (no cp.async), the TMA epilogue: bf16 (a store per 64
     columns, one fold a pair) or FP32 (8-byte shared stores, a store per 32 columns, in two
     halves at 256 columns, whole at 128: ``epilogue.f32_whole``; ``acc``, main-grad: the
     output's tile TMA-loaded into the staging at the tile's start, the pairs added to it
-    there; the warps neither store nor load the output) -- and ptxas keeps the wgmmas
+    there; the warps neither store nor load the output; bf16 beside 256's 4-slice ring a
+    quarter of the tile at a time, a wait for the staging's reads before each: ``wgrad_parts``)
+    -- and ptxas keeps the wgmmas
     unserialised with no local memory in the K loop."""
     from mok_core.gemm import sm90_fp8
     from mok_core.gemm.epilogue import f32_whole
     halves = bn // 128
     f32 = out != "bf16"
-    ptx = compile_sm90a(sm90_fp8_make(3 if bn == 256 else 4, False, bn, False, False,
+    ptx = compile_sm90a(sm90_fp8_make(stages, False, bn, False, False,
                                       wgrad=True, out_f32=f32, accumulate=out == "acc"),
                         sig(out=uint32))
     assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3") \
@@ -123,8 +125,10 @@ def test_fp8_wgrad_lowers_unserialised(bn, out):
         waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")
         assert waits == (1 if f32_whole(bn) else 2), waits
     else:
-        assert count(ptx, store) == 2 * halves
+        assert count(ptx, store) == 2 * halves                  # a box each, whatever the parts
         assert count(ptx, r"fma\.rn\.bf16x2") == 32 * halves
+        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")
+        assert waits == sm90_fp8.wgrad_parts(stages, bn) == (4 if (bn, stages) == (256, 4) else 1)
     assert count(ptx, r"st\.(global\.)?(v2\.)?f32") == 0      # (the scales: ld.global.nc)
     assert count(ptx, r"ld\.f32") == 0
     report, sass = sass_sm90a(ptx)

@@ -96,7 +96,7 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     from ptx_util import assemble_sm90a
 
     from mok_core.gemm.epilogue import f32_whole
-    from mok_core.gemm.sm90_wgrad import bf16_whole
+    from mok_core.gemm.sm90_wgrad import bf16_parts
     gather_a, gather_b, out_f32, accumulate = WGMMA_KINDS[kind]
     ptx = _wgmma_wgrad_ptx(128, bn, stages, kind)
     assert ".target sm_90a" in ptx
@@ -138,8 +138,8 @@ def test_wgmma_wgrad_lowers_unserialised(bn, stages, kind):
     else:
         assert count(ptx, r"st\.shared\.u32") >= 1
         assert 1 <= count(ptx, store) <= bn // 64                 # a box each (may roll)
-        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")   # (+1 between halves)
-        assert waits == (1 if bf16_whole(bn, stages) else 2), waits
+        waits = count(ptx, r"cp\.async\.bulk\.wait_group\.read 0;")   # (one a part)
+        assert waits == bf16_parts(bn, stages), waits
         assert count(ptx, r"fma\.rn\.bf16x2") == values // 2        # one fold per pair
     assert count(ptx, r"ld\.local|st\.local") == 0, "local memory in the wgrad kernel"
     report = assemble_sm90a(ptx)
@@ -159,7 +159,7 @@ def test_layer_wgrad_gemm_choice():
     from mok_core.config import LayerShape, MoKConfig, preset
     from mok_core.gemm import MMA_SYNC_GEMM, WGMMA_192_GEMM, WGMMA_GEMM
     from mok_core.gemm.epilogue import f32_whole
-    from mok_core.gemm.sm90_wgrad import SMEM_LIMIT, bf16_whole, smem_bytes, tile_ok
+    from mok_core.gemm.sm90_wgrad import SMEM_LIMIT, bf16_parts, smem_bytes, tile_ok
     g, deep = WGRAD_WGMMA_GEMM, WGRAD_WGMMA_DEEP_GEMM
     mg = WGRAD_MAIN_GRAD_GEMM
     assert g.mma == deep.mma == "wgmma" and tile_ok(g.bm, g.bn) and (g.bm, g.bn) == (
@@ -168,7 +168,7 @@ def test_layer_wgrad_gemm_choice():
     assert smem_bytes(mg.bn, mg.stages, True) <= SMEM_LIMIT
     # bf16: the 3-slice ring beside a whole tile's staging, the 4-slice one beside half; FP32
     # gradients would not fit beside the deep one (``backward._wgrad_tiles``: main-grad's tile)
-    assert bf16_whole(g.bn, g.stages) and not bf16_whole(deep.bn, deep.stages)
+    assert bf16_parts(g.bn, g.stages) == 1 and bf16_parts(deep.bn, deep.stages) == 2
     assert smem_bytes(deep.bn, deep.stages) <= SMEM_LIMIT < smem_bytes(deep.bn, deep.stages, True)
     cfg = MoKConfig()
     for name in ("qwen3.5-397b", "kimi-k2.7", "glm-5.2"):
