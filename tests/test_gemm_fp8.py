@@ -228,9 +228,10 @@ def test_fp8_wgrad_matches_float64_of_the_dequantised_operands(bn, stages):
     it, so its gradient is zeros like the empty expert's; M and N of two tiles each (N = 2 bn:
     more column tiles take the same path; ``stages`` None: ``FP8_TILES``' ring, or at 256 4
     slices -- the layer's where an expert's rows take more than three: a warp's rows staged a
-    quarter tile at a time, ``sm90_fp8.wgrad_parts``) -- within rel-L1
-    5e-3 of float64 of the dequantised operands, every tile written; a rerun bit for bit. Then an Inf scale of A's row m = 200 in
-    expert 2's slice reaches the error word (count: the row's N values, row 200, expert 2)."""
+    quarter tile at a time, ``sm90_fp8.wgrad_parts``) -- within rel-L1 5e-3 of float64 of the
+    dequantised operands, every tile written; a rerun bit for bit. Then an Inf scale of A's row
+    m = 200 in expert 2's slice reaches the error word (count: the row's N values, row 200,
+    expert 2)."""
     _hopper()
     rng = np.random.default_rng(12)
     M, N = 256, 2 * bn

@@ -66,7 +66,6 @@ __all__ = ["GemmConfig", "default_gemm", "WGMMA_GEMM", "WGMMA_192_GEMM", "MMA_SY
 # where they divide N, with the 3 slices that fit beside its staging, else 128 and 4 slices
 # (docs/perf.md, FP8).
 FP8_TILES = {256: 3, 128: 4}
-FP8_WGRAD_TILES = {256: 4, 128: 4}
 
 
 def _fp8_tile(N, swiglu, bn, stages):
