@@ -50,20 +50,21 @@ lane of the warp is past its reads (the caller's next block barrier).
 
 TMA epilogue (``make_tma_epilogue``: the bf16 weight gradients, whose tiles are weight-sized
 outputs after a K of an expert's rows -- the warps must go back to their wgmmas, not wait for
-their stores), per warp of a finished plain tile, its 16 rows:
+their stores), per warp of a finished plain tile, its 16 rows, in ``parts`` (1, 2 or 4: the
+staging holds the tile's columns whole, or a half or a quarter of them), per part:
 
-    1. every lane waits until its previous stores have read the staging (``bulk_wait_read(0)``:
-       lane 0's are the warp's only ones; on a lane branch ptxas would serialise the wgmmas),
-       __syncwarp
-    2. the fragment -> bf16 pairs in BN / 64 boxes of [16 rows][64 columns] with the 128-byte
-       swizzle (row q at q * 128, 16-byte chunk c at chunk c ^ (q % 8): a warp's 8 rows of a
-       store land in 8 bank groups), folded into the NaN/Inf check as in step 1 above --
-       where the staging holds half the tile, the first half's boxes only
+    1. every lane waits until its previous stores (the previous part's, or tile's) have read
+       the staging (``bulk_wait_read(0)``: lane 0's are the warp's only ones; on a lane branch
+       ptxas would serialise the wgmmas), __syncwarp
+    2. the part's fragment -> bf16 pairs in BN / 64 / parts boxes of [16 rows][64 columns]
+       with the 128-byte swizzle (row q at q * 128, 16-byte chunk c at chunk c ^ (q % 8): a
+       warp's 8 rows of a store land in 8 bank groups), folded into the NaN/Inf check as in
+       step 1 above
     3. fence.proxy.async, __syncwarp; lane 0 issues one TMA store per box (the tensor map
        clips what lies outside the output) and commits them as one bulk group
-    4. the NaN/Inf check of step 4 above, the recount reading the swizzled rows; half tiles:
-       once the first half's stores have read the staging (``bulk_wait_read``), steps 2-4
-       for the second half. The warp goes on while the TMA unit reads the staging and writes
+    4. a part with a NaN/Inf recounted from the swizzled rows before the next overwrites them
+then one vote, and a report (as step 4 above) of a tile with any. The warp goes on while the
+TMA unit reads the staging and writes.
 The caller acquires the maps before the first store and waits for the last stores
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
