@@ -24,8 +24,9 @@ read + written / time), and ``step_over_roofline`` = compiled step / max(floor_m
 floor_hbm_ms). ``--precision bf16,fp8`` adds the FP8 layer (``fp8_case``: its compiled step
 and ours in bf16 in turns, ``fp8_fwd_speedup_vs_bf16``; ``fp8_rel_l1`` / ``fp8_cosine``
 against the float64 bf16 reference on the sampled tokens; with the backward also both
-forward+backward in turns, ``fwd_bwd_speedup_vs_bf16``, the FP8 gradients' rel-L1 and
-``cosine_min``, the smallest cosine of the output and the 8 gradients).
+forward+backward in turns, ``fwd_bwd_speedup_vs_bf16``, and as CUDA-graph replays in turns,
+``fwd_bwd_graph_speedup_vs_bf16``; the FP8 gradients' rel-L1 and ``cosine_min``, the smallest
+cosine of the output and the 8 gradients).
 """
 from __future__ import annotations
 
@@ -294,13 +295,15 @@ def fp8_case(shape, T, cfg, gemm, gemm_down, x, ids, w, weights, shared, pick, d
 def fp8_backward(layer8, w8, layer, shape, T, x, ids, w, weights, shared, dev, iters, warmup):
     """The FP8 layer's backward against ours in bf16: its 8 gradients checked against float64
     (rel-L1 and cosine on the samples of ``grad_errors``), then forward+backward of both timed
-    in turns (eager forward, as ``backward_case``), both writing one set of gradient buffers."""
+    in turns (eager, as ``backward_case``: ``fwd_bwd_speedup_vs_bf16``), then again as CUDA-graph
+    replays of the two (the device's time alone: ``fwd_bwd_graph_speedup_vs_bf16``), all
+    writing one set of gradient buffers."""
     import statistics
 
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import time_interleaved
+    from benchmarks.common import capture_graph, time_interleaved
     from mok_testing.sampled import grad_errors
     me = dist.get_rank()
     d_outs, inputs, fn = grad_case(shape, T, dev)
@@ -309,18 +312,32 @@ def fp8_backward(layer8, w8, layer, shape, T, x, ids, w, weights, shared, dev, i
     layer8.backward(layer8.forward(x, ids, w, w8)[1], d_out, w, w8, grads=grads)
     errs = {m: grad_errors(inputs, d_outs, me, grads, shared, fn, shape.experts_per_rank,
                            measure=m) for m in ("rel_l1", "cosine")}
-    t = time_interleaved({
+    steps = {
         "bf16": lambda: layer.backward(layer.forward(x, ids, w, weights)[1], d_out, w, weights,
                                        grads=grads),
         "fp8": lambda: layer8.backward(layer8.forward(x, ids, w, w8)[1], d_out, w, w8,
-                                       grads=grads)}, iters, warmup, pre=dist.barrier)
-    med = torch.tensor([statistics.median(t[n]) for n in ("bf16", "fp8")], device=dev)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    t_bf16, t_fp8 = med.tolist()
-    return {"fp8_fwd_bwd_ms": t_fp8, "fp8_bf16_fwd_bwd_ms": t_bf16,
-            "fwd_bwd_speedup_vs_bf16": t_bf16 / t_fp8,
-            "fp8_grads_rel_l1_max": max(errs["rel_l1"].values()),
-            "fp8_grads_cosine_min": min(errs["cosine"].values())}
+                                       grads=grads)}
+
+    def medians(fns):                    # (bf16, fp8): per rank the median, then the max
+        t = time_interleaved(fns, iters, warmup, pre=dist.barrier)
+        med = torch.tensor([statistics.median(t[n]) for n in ("bf16", "fp8")], device=dev)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        return med.tolist()
+
+    t_bf16, t_fp8 = medians(steps)
+    row = {"fp8_fwd_bwd_ms": t_fp8, "fp8_bf16_fwd_bwd_ms": t_bf16,
+           "fwd_bwd_speedup_vs_bf16": t_bf16 / t_fp8,
+           "fp8_grads_rel_l1_max": max(errs["rel_l1"].values()),
+           "fp8_grads_cosine_min": min(errs["cosine"].values())}
+    # the same two as CUDA-graph replays: the device's time, without the host's launches
+    try:
+        graphs = {n: capture_graph(fn)[0] for n, fn in steps.items()}
+        g_bf16, g_fp8 = medians({n: g.replay for n, g in graphs.items()})
+        row.update(fp8_fwd_bwd_graph_ms=g_fp8, fp8_bf16_fwd_bwd_graph_ms=g_bf16,
+                   fwd_bwd_graph_speedup_vs_bf16=g_bf16 / g_fp8)
+    except Exception as e:                  # noqa: BLE001 - the eager times stand without it
+        progress(f"  forward+backward CUDA-graph timing failed: {type(e).__name__}: {e}")
+    return row
 
 
 def run_case(name, T, iters, warmup, rates, gemm, symm_mem=False, breakdown=False,
