@@ -62,9 +62,10 @@ staging holds the tile's columns whole, or a half or a quarter of them), per par
        step 1 above
     3. fence.proxy.async, __syncwarp; lane 0 issues one TMA store per box (the tensor map
        clips what lies outside the output) and commits them as one bulk group
-    4. a part with a NaN/Inf recounted from the swizzled rows before the next overwrites them
-then one vote, and a report (as step 4 above) of a tile with any. The warp goes on while the
-TMA unit reads the staging and writes.
+    4. a vote on the part's folded flags; where a lane saw a NaN/Inf, lanes 0..15 recount
+       the part's swizzled rows, before the next part overwrites them
+After the last part, one more vote over the warp's counts and a report (as step 4 above) of a tile
+with any. The warp goes on while the TMA unit reads the staging and writes.
 The caller acquires the maps before the first store and waits for the last stores
 (``bulk_wait``) before the block exits (every lane, as in step 1).
 
