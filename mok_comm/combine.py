@@ -12,7 +12,7 @@ Router weights are not applied here: the source applies them in a fixed order.
 Ordering (the caller's duties): a ``barrier`` after every rank's combine, before the
 epilogue reads the buffer; the next step's combine comes a barrier after this epilogue (the
 forward's phase order gives both). Masked routes (id -1) are never written; the epilogue skips
-them by reading this rank's row of the ids table (pushed by ``routing.publish_ids``).
+them by reading this rank's row of the ids table (pushed by ``routing.check_and_publish_ids``).
 
 ``epilogue`` (on the source rank): out[t] = y_shared[t] + sum_j w[t, j] * y[t, j], slots j
 ascending, FP32, each multiply and add rounded once (``fmul_rn``/``fadd_rn`` are never fused into

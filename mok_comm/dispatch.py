@@ -255,9 +255,13 @@ def pull(ws, schedule, stream=0) -> None:
     _pull(ws, schedule, stream, 0)
 
 
-def split_tokens(ws, ce_share) -> int:
-    """Tokens of each peer the split dispatch leaves to the copy engine (t < this)."""
-    if (not isinstance(ce_share, (int, float)) or isinstance(ce_share, bool)
+def split_tokens(ws, ce_share=None) -> int:
+    """Tokens of each peer the split dispatch leaves to the copy engine (t < this) for a share
+    ``ce_share`` of them (None: the workspace config's ``dispatch_ce_share``, checked there;
+    an override is checked here)."""
+    if ce_share is None:
+        ce_share = ws.config.dispatch_ce_share
+    elif (not isinstance(ce_share, (int, float)) or isinstance(ce_share, bool)
             or not 0.0 <= ce_share <= 1.0):
         raise ValueError(f"ce_share={ce_share!r}: must be a number in [0, 1]")
     return int(round(ce_share * ws.tokens_per_rank))
@@ -280,7 +284,7 @@ def split_start(ws, stream=0, ce_share=None) -> None:
     """First half of the split dispatch: fork the side stream and enqueue the copy engine's
     copies. ``ce_share``: share of each peer's tokens the copy engine moves (default: the
     workspace config's ``dispatch_ce_share``)."""
-    t_ce = split_tokens(ws, ws.config.dispatch_ce_share if ce_share is None else ce_share)
+    t_ce = split_tokens(ws, ce_share)
     if ws.side.pending is not None:
         raise RuntimeError("dispatch.split_start called twice without dispatch.split_finish")
     ws.side.pending = t_ce
@@ -294,7 +298,7 @@ def split_finish(ws, schedule, stream=0, ce_share=None) -> None:
     """Second half: the SM pull of tokens t >= ``split_tokens(ws, ce_share)``, the join, and
     the count of the copy engine's rows. ``ce_share`` must be the start's."""
     T = ws.tokens_per_rank
-    t_ce = split_tokens(ws, ws.config.dispatch_ce_share if ce_share is None else ce_share)
+    t_ce = split_tokens(ws, ce_share)
     if ws.side.pending != t_ce:
         raise RuntimeError(f"dispatch.split_finish for {t_ce} copy-engine tokens per peer, but "
                            f"dispatch.split_start enqueued {ws.side.pending}: call start first, "

@@ -114,8 +114,8 @@ class _EmulatedRankHeap(Heap):
 class NvshmemHeap(Heap):
     """Symmetric buffers on the NVSHMEM heap (after ``mok_comm.launch.bootstrap.init``).
 
-    ``team`` selects the EP group (default: the whole world); peer views are made for the
-    team's ranks in team order.
+    ``pes`` selects the EP group's PEs (default: the whole world); peer views are made for
+    them in that order.
     """
 
     def __init__(self, stream=0, pes=None):

@@ -381,7 +381,7 @@ WGRAD_GEMM = GemmConfig(bm=128, bn=128, bk=32, wm=2, wn=4, stages=3, blocks_per_
 # The weight gradients' tile on Hopper: ``sm90_wgrad`` (both operands MN-major wgmma, a
 # producer warpgroup loading). An expert's ~100 rows are 1-3 K slices, so a tile is mostly its
 # output and its loads' integer work: the producer's ring runs on into the next tile while the
-# compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (211 KiB
+# compute warpgroups store this one (docs/perf.md). 128 x 256 with a 3-slice ring (209 KiB
 # beside a whole bf16 tile's staging), and where an expert's rows take more than two slices a
 # ring a slice deeper (225 KiB: each warp's rows staged half a tile at a time,
 # ``sm90_wgrad.bf16_parts``) -- faster from three slices, slower at two, where the halves' wait

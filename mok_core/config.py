@@ -3,7 +3,8 @@
 ``LayerShape`` is *what* the layer computes (model dimensions and expert-parallel size);
 ``MoKConfig`` is *how* it runs (capacity, alignment, readiness granularity, dispatch mode,
 spin-wait bound). Both are frozen dataclasses; ``__post_init__`` rejects bad values with a
-``ValueError`` that names the field and the rule it broke.
+``ValueError`` that names the field and the rule it broke. (The lower-level entry points that
+take shapes as plain ints -- ``create_workspace``, ``Schedule.allocate`` -- check those ints.)
 
 Sizes derived from them (the schedule capacity) are functions of shapes only -- never of
 routing data -- so the host never needs to read token counts back from the GPU.
@@ -106,7 +107,8 @@ PRECISIONS = ("bf16", "fp8")
 
 @dataclass(frozen=True)
 class MoKConfig:
-    """How the layer runs. Every field is checked here and nowhere else.
+    """How the layer runs. Every field is checked here and nowhere else (a function that takes
+    an override of one, such as ``dispatch.split_tokens``'s ``ce_share``, checks the override).
 
     Attributes:
         minibatch_size: rows per readiness unit: the dispatch counts the rows it has staged per

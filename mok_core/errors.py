@@ -3,8 +3,8 @@
 Kernels never raise. When one meets bad data (an expert id out of range, more rows than the
 schedule has room for, a peer that never signals) it sets bits and details in a small int32
 device array, the *error word*, and carries on without writing out of bounds. The host reads
-the word only when asked (``check_errors``: tests, debug mode, or once per step if the caller
-wants), so the hot path stays free of synchronisation.
+the word only when asked (``raise_if_set``, e.g. through ``Layer.check``: tests, debug mode, or
+once per step if the caller wants), so the hot path stays free of synchronisation.
 
 Layout (int32[ERROR_WORDS]); every detail slot is updated with an order-independent atomic
 (max/min/or/add), or written with a value every writer agrees on, or written by the one thread
@@ -27,7 +27,7 @@ Slots 12 on are 0 when clear (``reset`` needs no special value for them). "First
 means the smallest index, kept as a *key* ``INT32_MAX - index`` under ``atomic.max`` (0: none
 yet; ``from_key`` reads one back):
 
-  Bad ids, checked on the source rank before the all-gather (``mok_comm.routing.narrow_ids``):
+  Bad ids, checked on the source rank before the all-gather (``mok_comm.routing.check_and_publish_ids``):
     [BAD_ID_COUNT]   ids of this rank outside [-1, num_experts)
     [BAD_ID_FIRST]   key of the smallest flat index t*k + slot among them
     [BAD_ID_RANK]    the rank whose ids they are

@@ -9,8 +9,7 @@ the all-gathered routing table of every rank (``[R, T, k]`` int32, -1 = masked r
   (token, slot) order;
 * the pull table: for every row, the source (rank, token, slot), -1 on padding rows;
 * ``recv_row``: for every route of every rank, the row it occupies here (-1 if not ours) -- the
-  dispatch pulls a token once per rank and fans it out to these rows;
-* the source-side map for this rank's own routes: expert rank and row there.
+  dispatch pulls a token once per rank and fans it out to these rows.
 
 Sizes are functions of shapes only (``MoKConfig.schedule_capacity``); counts stay on the
 device. Bad expert ids and capacity overflow set the device error word (``mok_core.errors``)

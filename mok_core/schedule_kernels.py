@@ -14,8 +14,8 @@ order-dependent atomics -- so the schedule is bitwise deterministic:
                         row counts, capacity check.
     4. place_routes     grid (chunks, R): ordinal of every route within its (expert, rank) list,
                         in (token, slot) order, then its row = segment base + round-robin
-                        interleave over source ranks. Writes the pull table (routes to this
-                        rank's experts) and the source-side map (this rank's routes).
+                        interleave over source ranks. Writes the pull table and ``recv_row``
+                        (the routes to this rank's experts).
 
 A chunk is ``blockDim.x`` consecutive tokens of one source rank; warp w of the block owns tokens
 [32w, 32w+32) of the chunk and walks their routes in groups of 32 (k groups). Inside a group a
