@@ -31,30 +31,56 @@ def rel(a, b):
     return float((a - b).abs().sum() / b.abs().sum())
 
 
-def reference(blk, x, ids, d_out):
-    """float64 torch: the block's parameters, its router's choice ``ids`` (ties aside), autograd
-    -> (out, {name: grad} with "x")."""
+def reference_router(router, h, weight):
+    """float64 of ``router``'s choice and weights for tokens ``h`` [T, H] (float64) with router
+    weight ``weight`` [E, H] (float64, autograd through it), written apart from ``Router``:
+    scores, the bias added for the choice only, the ``topk_group`` groups of the best two-score
+    sums, top-k, the weights normalised and scaled -> (ids int64 [T, k], w float64 [T, k])."""
+    logits = h @ weight.T
+    scores = logits.sigmoid() if router.score_func == "sigmoid" else logits.softmax(-1)
+    choice = scores.detach().clone()
+    if router.e_score_correction_bias is not None:
+        choice += router.e_score_correction_bias.detach().cpu().double()
+    T, E = choice.shape
+    if router.n_group > 1:
+        per = E // router.n_group
+        for t in range(T):
+            sums = [sorted(choice[t, g * per:(g + 1) * per].tolist())[-2:] for g in
+                    range(router.n_group)]
+            best = sorted(range(router.n_group), key=lambda g: -sum(sums[g]))[:router.topk_group]
+            for g in set(range(router.n_group)) - set(best):
+                choice[t, g * per:(g + 1) * per] = -math.inf
+    ids = torch.stack([torch.tensor(sorted(range(E), key=lambda e: -choice[t, e].item())
+                                    [:router.topk]) for t in range(T)])
+    w = scores.gather(1, ids)
+    if router.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * router.routed_scaling_factor
+
+
+def reference(blk, x, d_out):
+    """float64 torch of the block: its parameters, the router's choice made in float64 too
+    (``reference_router``; the tests compare it with the block's), autograd -> (ids, out,
+    {name: grad} with "x")."""
     p = {n: t.detach().cpu().double().requires_grad_() for n, t in blk.named_parameters()}
     xd = x.detach().cpu().double().requires_grad_()
-    E, K = p["w_gate"].shape[0], ids.shape[1]
+    E = p["w_gate"].shape[0]
     h = xd.reshape(-1, p["router.weight"].shape[1])
-    scores = (h @ p["router.weight"].T).sigmoid()
-    w = scores.gather(1, ids.cpu())
-    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    ids, w = reference_router(blk.router, h, p["router.weight"])
 
     def ffn(a, g, u, d):
         return (nn.functional.silu(a @ g.T) * (a @ u.T)) @ d.T
 
     out = ffn(h, p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"])
-    for j in range(K):
+    for j in range(ids.shape[1]):
         for e in range(E):
-            rows = ids[:, j].cpu() == e
+            rows = ids[:, j] == e
             if rows.any():
                 y = ffn(h[rows], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
                 out = out.index_add(0, rows.nonzero()[:, 0], w[rows, j:j + 1] * y)
     out = out.reshape(x.shape)
     (out * d_out.double().cpu()).sum().backward()
-    return out, dict({n: t.grad for n, t in p.items()}, x=xd.grad)
+    return ids, out, dict({n: t.grad for n, t in p.items()}, x=xd.grad)
 
 
 def run(blk, x, d_out):
@@ -77,14 +103,43 @@ def test_block_matches_float64():
     x = tokens(T_MAX).reshape(2, T_MAX // 2, H)                 # [B, S, H]
     d_out = tokens(T_MAX, seed=2).reshape(x.shape)
     y, grads = run(blk, x, d_out)
-    ids, _ = blk.router(x.reshape(-1, H))
-    want, want_grads = reference(blk, x, ids, d_out)
+    ids, want, want_grads = reference(blk, x, d_out)
+    assert torch.equal(blk.router(x.reshape(-1, H))[0].cpu(), ids)
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert rel(y, want) < 1e-2
     for name, g in want_grads.items():
         assert grads[name].shape == g.shape, name
         assert rel(grads[name], g) < 1e-2, (name, rel(grads[name], g))
     assert grads["router.weight"].abs().sum() > 0               # through the router weights
+
+
+def test_grouped_biased_router_block_matches_float64():
+    """A DeepSeek-V3 router -- a correction bias that changes the choice (not the weights), 2
+    of 4 expert groups, un-normalised weights scaled by 2.5 -- chooses what float64 chooses,
+    and the block's output and gradients follow; a softmax router's choice and weights too."""
+    torch.manual_seed(40)
+    router = mok_torch.Router(H, 8, K, n_group=4, topk_group=2, norm_topk_prob=False,
+                              routed_scaling_factor=2.5, device=DEV)
+    x = tokens(T_MAX, seed=41)
+    plain_ids = router(x)[0]
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    blk = mok_torch.MoEBlock(H, I, I_S, 8, K, config=CFG, router=router, max_tokens=T_MAX,
+                             gemm=GEMM)
+    ids = router(x)[0]
+    assert not torch.equal(ids, plain_ids)                       # the bias moved a choice
+    d_out = tokens(T_MAX, seed=42)
+    y, grads = run(blk, x, d_out)
+    want_ids, want, want_grads = reference(blk, x, d_out)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert rel(y, want) < 1e-2
+    for name, g in want_grads.items():
+        assert rel(grads[name], g) < 1e-2, (name, rel(grads[name], g))
+    soft = mok_torch.Router(H, 8, 3, score_func="softmax", bias=False, device=DEV)
+    got_ids, got_w = soft(x)
+    want_ids, want_w = reference_router(soft, x.double().cpu(), soft.weight.double().cpu())
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert rel(got_w, want_w) < 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +299,8 @@ def test_fp8_block_trains_near_float64():
     g = torch.Generator().manual_seed(31)
     x, d = (torch.randn(T_MAX, 128, generator=g).bfloat16().to(DEV) for _ in range(2))
     y, grads = run(blk, x, d)
-    ids, _ = blk.router(x)
-    want, want_grads = reference(blk, x, ids, d)
+    ids, want, want_grads = reference(blk, x, d)
+    assert torch.equal(blk.router(x)[0].cpu(), ids)
     assert rel(y, want) < 0.05
     errs = {n: rel(grads[n], w) for n, w in want_grads.items()}
     bound = lambda n: 1e-2 if "shared" in n else 0.05 if n == "x" else 0.09    # noqa: E731
@@ -288,9 +343,19 @@ def test_one_token_views_that_start_mid_row():
     wide = tokens(1, seed=24)
     x = torch.cat([wide[:, :3], wide, wide[:, :5]], 1)[:, 3:3 + H]
     assert x.is_contiguous() and x.data_ptr() % 16
-    out = blk(x.detach().requires_grad_())
-    assert torch.equal(out, blk(x.clone()))
-    loss_in = torch.cat([torch.zeros(1, 3, dtype=torch.bfloat16, device=DEV), out], 1)
-    loss_in.float().square().sum().backward()     # d_out arrives as a narrowed view
-    assert blk.w_down.grad is not None and torch.isfinite(blk.w_down.grad.float()).all()
+
+    def step(x, mid_row):
+        blk.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_()
+        out = blk(x)
+        if mid_row:                               # d_out arrives as a narrowed view
+            out = torch.cat([torch.zeros(1, 3, dtype=torch.bfloat16, device=DEV), out], 1)
+        out.float().square().sum().backward()
+        return dict({n: t.grad.clone() for n, t in blk.named_parameters()}, x=x.grad,
+                    out=out.detach())
+
+    got, want = step(x, True), step(x.clone(), False)
+    assert torch.equal(got.pop("out")[:, 3:], want.pop("out"))
+    assert want["w_down"].abs().sum() > 0
+    assert_equal(got, want)
 
