@@ -106,13 +106,32 @@ def _cosine(got, want):
     return float((got * want).sum() / (got.norm() * want.norm()))
 
 
+def covering_tokens(topk_ids, samples):
+    """``samples`` evenly spaced tokens and, in token order, each token that routes to an
+    expert none of those before it reaches: a float64 check of them sees every expert these
+    tokens reach, so a defect confined to one expert's rows cannot fall between the samples
+    (a rank's thousands of tokens reach them all; two dozen evenly spaced ones miss a third to
+    a half of 256-512 experts) -> int64 indices, ascending, on ``topk_ids``' device.
+    (Test code: reads the ids back to the host.)"""
+    ids = topk_ids.tolist()
+    T = len(ids)
+    pick = set(torch.linspace(0, T - 1, samples).long().tolist()) if T else set()
+    seen = {e for t in pick for e in ids[t]}
+    for t, row in enumerate(ids):
+        new = set(row) - seen
+        if new - {-1}:
+            pick.add(t)
+            seen |= new
+    return torch.tensor(sorted(pick), dtype=torch.int64, device=topk_ids.device)
+
+
 def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_per_rank,
                 swiglu_limit=None, samples=16, measure="rel_l1"):
     """rel-L1 (``measure="cosine"``: the cosine similarity) of a rank's 8 gradients against
-    float64, by name, on samples: d_x and the router weights' gradient of ``samples`` tokens,
-    the weight gradients of two of the rank's experts (the busiest, an average one; every
-    rank's tokens routed to them) and of the shared expert on ``samples`` intermediate
-    columns.
+    float64, by name, on samples: d_x and the router weights' gradient of the rank's
+    ``covering_tokens``, the weight gradients of every one of the rank's experts that has rows
+    (every rank's tokens routed to it; each name's worst over them: the largest rel-L1, the
+    least cosine) and of the shared expert, on ``samples`` intermediate columns.
 
     Arguments:
         inputs: every rank's (x [T, H], topk_ids [T, k], router_weights [T, k]); d_outs: every
@@ -128,7 +147,11 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
     x, ids, w = inputs[rank]
     d_out = d_outs[rank]
     T, dev = x.shape[0], x.device
-    pick = torch.linspace(0, T - 1, samples, device=dev).long()
+    if (shared is None) != (g_sg is None):
+        raise ValueError(f"grad_errors: the shared expert's weights are "
+                         f"{'absent' if shared is None else 'given'}, but its gradients "
+                         f"{'are not' if g_sg is None else 'are'}")
+    pick = covering_tokens(ids, samples)
     ref_dx, ref_dw = reference_token_grads(x[pick], ids[pick], w[pick], d_out[pick], shared,
                                            expert_weight_fn, swiglu_limit)
     errs = {"d_x": compare(d_x[pick], ref_dx), "d_router_weights": compare(d_rw[pick], ref_dw)}
@@ -137,20 +160,25 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
     all_ids = torch.stack([i for _, i, _ in inputs])                      # [R, T, k]
     valid = all_ids[all_ids >= 0].flatten()
     counts = torch.bincount(valid, minlength=len(inputs) * experts_per_rank)
-    mine = counts[rank * E_l:(rank + 1) * E_l].float()
-    for j in sorted({int(mine.argmax()), int((mine - mine.mean()).abs().argmin())}):
-        e = rank * E_l + j
-        r, t, s = (v.tolist() for v in torch.nonzero(all_ids == e, as_tuple=True))
-        if not r:
+    worst = max if measure == "rel_l1" else min
+    for j, n_rows in enumerate(counts[rank * E_l:(rank + 1) * E_l].tolist()):
+        if not n_rows:                   # no rows: a zero gradient, exactly
+            for name, g in (("d_w_gate", g_g[j]), ("d_w_up", g_u[j]), ("d_w_down", g_d[j])):
+                assert not g.any(), f"{name}[{j}]: expert {rank * E_l + j} has no rows, " \
+                                    "but its gradient is not zero"
             continue
-        xs = torch.stack([inputs[a][0][b] for a, b in zip(r, t)])
-        ds = torch.stack([d_outs[a][b] for a, b in zip(r, t)])
-        sc = torch.stack([inputs[a][2][b, c] for a, b, c in zip(r, t, s)])
+        e = rank * E_l + j
+        routes = [(a, *torch.nonzero(all_ids[a] == e, as_tuple=True))
+                  for a in range(len(inputs))]
+        xs = torch.cat([inputs[a][0][t] for a, t, _ in routes])
+        ds = torch.cat([d_outs[a][t] for a, t, _ in routes])
+        sc = torch.cat([inputs[a][2][t, s] for a, t, s in routes])
         rg, ru, rd = reference_weight_grads(xs, ds, sc, expert_weight_fn(e), cols, swiglu_limit)
-        errs[f"d_w_gate[{j}]"] = compare(g_g[j][cols], rg)
-        errs[f"d_w_up[{j}]"] = compare(g_u[j][cols], ru)
-        errs[f"d_w_down[{j}]"] = compare(g_d[j][:, cols], rd)
-    if shared is not None and g_sg is not None:
+        for name, got, want in (("d_w_gate", g_g[j][cols], rg), ("d_w_up", g_u[j][cols], ru),
+                                ("d_w_down", g_d[j][:, cols], rd)):
+            err = compare(got, want)
+            errs[name] = worst(errs.get(name, err), err)
+    if shared is not None:
         cs = torch.linspace(0, shared[0].shape[0] - 1, samples, device=dev).long()
         rg, ru, rd = reference_weight_grads(x, d_out, torch.ones(T, device=dev), shared, cs,
                                             swiglu_limit)

@@ -81,6 +81,8 @@ def reference(inp, d_out, ids, limit):
 
 
 def check_grads(got, inp, d_out, ids, limit, tol=5e-3):
+    """Every rank's 8 gradients against float64 within ``tol`` (rel-L1; a dict: per gradient
+    name, each one named)."""
     R, T, H = inp["x"].shape
     full, per_rank = reference(inp, d_out, ids, limit)
     E_l = full.d_w_gate.shape[0] // R
@@ -103,7 +105,8 @@ def check_grads(got, inp, d_out, ids, limit, tol=5e-3):
             if not np.abs(w).sum():
                 assert not np.abs(g).sum(), (r, name)
                 continue
-            assert rel_l1(g, w) < tol, (r, name, rel_l1(g, w))
+            bound = tol[name] if isinstance(tol, dict) else tol
+            assert rel_l1(g, w) < bound, (r, name, rel_l1(g, w), bound)
         # masked routes get exactly zero
         np.testing.assert_array_equal(G.d_router_weights[ids[r] < 0], 0)
 
@@ -449,7 +452,12 @@ def test_fp8_backward_gradients_in_fp8():
           f"d_x {rel_l1(f64(got[0].d_x), full.d_x.reshape(R, T, -1)[0]):.4f}, d_w_gate "
           f"{rel_l1(f64(got[0].d_w_gate), full.d_w_gate[:E_l]):.4f}, d_w_down "
           f"{rel_l1(f64(got[0].d_w_down), full.d_w_down[:E_l]):.4f}")
-    check_grads(got, inp, d_out, inp["ids"], None, tol=0.1)
+    # each gradient at its own bound (docs/perf.md, the FP8 layer's error budget): what the
+    # FP8 h feeds (d_router_weights, the routed weight gradients) 0.1, d_x (~0.033 here) 0.045,
+    # the shared expert's -- bf16 in the FP8 layer -- bf16's 5e-3
+    fp8_tol = dict(d_x=0.045, d_router_weights=0.1, d_w_gate=0.1, d_w_up=0.1, d_w_down=0.1,
+                   d_w_shared_gate=5e-3, d_w_shared_up=5e-3, d_w_shared_down=5e-3)
+    check_grads(got, inp, d_out, inp["ids"], None, tol=fp8_tol)
     # FP32 weight gradients accumulated (main-grad): once = the first backward's bf16 ones
     # (shared and routed) before their rounding, twice = 2 x once, bit for bit, and d_x and
     # d_router of both equal the first backward's: the bitwise repeat of all 8 gradients

@@ -10,7 +10,7 @@ from mok_core.cuda_compat import SIM
 from mok_core.gemm import SIM_GEMM
 from mok_core.reference import moe_forward
 from mok_testing import synthetic
-from mok_testing.sampled import reference_tokens
+from mok_testing.sampled import covering_tokens, reference_tokens
 
 DEV = "cpu" if SIM else "cuda"
 GEMM = SIM_GEMM           # small tiles: quick in the simulator, the same on a GPU
@@ -45,6 +45,23 @@ def test_sampled_reference_equals_numpy_reference(limit):
                            lambda e: synthetic.expert_weights(shape, e, "cpu"), limit)
     want = full_reference(shape, x, ids, w, limit)
     assert np.abs(np64(got) - want).max() / np.abs(want).max() < 1e-10
+
+
+def test_covering_tokens_reach_every_expert():
+    """The GPU suite's float64 samples: the evenly spaced tokens, then each token that brings
+    an expert no earlier pick reaches -- every expert the rank's tokens reach, no token twice."""
+    shape = LayerShape(hidden=48, intermediate=32, shared_intermediate=0, num_experts=384,
+                       topk=8)
+    _, ids, _ = synthetic.rank_inputs(shape, 4096, 0, "cpu", masked=0.05, skew=0.5)
+    pick = covering_tokens(ids, 24)
+    assert pick.tolist() == sorted(set(pick.tolist()))
+    assert set(torch.linspace(0, 4095, 24).long().tolist()) <= set(pick.tolist())
+    reached = set(ids[pick].flatten().tolist()) - {-1}
+    assert reached == set(ids.flatten().tolist()) - {-1}
+    assert len(reached) > 300 and len(pick) < 1024      # a cover, not the whole batch
+    lone = torch.full((10, 2), -1)
+    lone[7] = torch.tensor([5, -1])                      # one token reaches expert 5
+    assert covering_tokens(lone, 2).tolist() == [0, 7, 9]
 
 
 def layer_weights(shape=SHAPE):
@@ -99,7 +116,7 @@ def test_backward_ep1(ep1, accumulate):
     assert G.d_w_gate.dtype == (torch.float32 if accumulate else torch.bfloat16)
     errs = grad_errors([(x, ids, w)], [d_out], 0, G, W[:3],
                        lambda e: synthetic.expert_weights(SHAPE, e, DEV), SHAPE.experts_per_rank)
-    assert max(errs.values()) < 5e-3, errs
+    assert len(errs) == 8 and max(errs.values()) < 5e-3, errs
 
 
 def test_inference_mode():

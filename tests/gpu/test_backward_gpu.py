@@ -63,7 +63,7 @@ def _check_preset(preset_name, R, me, torch, precision):
     from benchmarks.common import capture_graph
     from mok_core.config import MoKConfig, preset
     from mok_testing import synthetic
-    from mok_testing.sampled import grad_errors, reference_tokens
+    from mok_testing.sampled import covering_tokens, grad_errors, reference_tokens
     shape = preset(preset_name, ep_size=R)
     if not _fits(shape, precision, torch):
         pytest.skip(f"{preset_name} EP{R} {precision}: a rank's weights, gradients and "
@@ -100,7 +100,7 @@ def _check_preset(preset_name, R, me, torch, precision):
 
         assert (G.d_router_weights[ids < 0] == 0).all()
         expert = lambda e: synthetic.expert_weights(shape, e, dev)          # noqa: E731
-        pick = torch.linspace(0, T - 1, 24, device=dev).long()
+        pick = covering_tokens(ids, 24)                     # every expert they reach
         ref = reference_tokens(x[pick], ids[pick], w[pick], shared, expert)
         got = out[pick].double()
         errs = {"out": float((got - ref).abs().sum() / ref.abs().sum())}

@@ -21,7 +21,7 @@ def test_layer_preset(torch_world, preset_name):
     from benchmarks.common import capture_graph
     from mok_core.config import MoKConfig, preset
     from mok_testing import synthetic
-    from mok_testing.sampled import reference_tokens
+    from mok_testing.sampled import covering_tokens, reference_tokens
     R, me = torch_world.world_size, torch_world.rank
     shape = preset(preset_name, ep_size=R)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -43,7 +43,7 @@ def test_layer_preset(torch_world, preset_name):
         out = outs[0]
         assert torch.isfinite(out.float()).all()
 
-        pick = torch.linspace(0, T - 1, SAMPLE, device=dev).long()
+        pick = covering_tokens(ids, SAMPLE)                 # every expert they reach
         ref = reference_tokens(x[pick], ids[pick], w[pick], (sg, su, sd),
                                lambda e: synthetic.expert_weights(shape, e, dev))
         err = (out[pick].double() - ref).abs().sum() / ref.abs().sum()
