@@ -27,7 +27,8 @@ Slots 12 on are 0 when clear (``reset`` needs no special value for them). "First
 means the smallest index, kept as a *key* ``INT32_MAX - index`` under ``atomic.max`` (0: none
 yet; ``from_key`` reads one back):
 
-  Bad ids, checked on the source rank before the all-gather (``mok_comm.routing.check_and_publish_ids``):
+  Bad ids, checked on the source rank before the all-gather
+  (``mok_comm.routing.check_and_publish_ids``):
     [BAD_ID_COUNT]   ids of this rank outside [-1, num_experts)
     [BAD_ID_FIRST]   key of the smallest flat index t*k + slot among them
     [BAD_ID_RANK]    the rank whose ids they are
