@@ -160,7 +160,10 @@ def grad_errors(inputs, d_outs, rank, grads, shared, expert_weight_fn, experts_p
     all_ids = torch.stack([i for _, i, _ in inputs])                      # [R, T, k]
     valid = all_ids[all_ids >= 0].flatten()
     counts = torch.bincount(valid, minlength=len(inputs) * experts_per_rank)
-    worst = max if measure == "rel_l1" else min
+    pick_worse = max if measure == "rel_l1" else min
+
+    def worst(a, b):                     # a NaN stays (max and min would drop one that follows)
+        return a if a != a else b if b != b else pick_worse(a, b)
     for j, n_rows in enumerate(counts[rank * E_l:(rank + 1) * E_l].tolist()):
         if not n_rows:                   # no rows: a zero gradient, exactly
             for name, g in (("d_w_gate", g_g[j]), ("d_w_up", g_u[j]), ("d_w_down", g_d[j])):

@@ -116,7 +116,7 @@ def test_backward_ep1(ep1, accumulate):
     assert G.d_w_gate.dtype == (torch.float32 if accumulate else torch.bfloat16)
     errs = grad_errors([(x, ids, w)], [d_out], 0, G, W[:3],
                        lambda e: synthetic.expert_weights(SHAPE, e, DEV), SHAPE.experts_per_rank)
-    assert len(errs) == 8 and max(errs.values()) < 5e-3, errs
+    assert len(errs) == 8 and all(e < 5e-3 for e in errs.values()), errs     # (NaN fails)
 
 
 def test_inference_mode():

@@ -171,11 +171,12 @@ def fwd_bwd(args):
                                 *synthetic.local_expert_weights(shape, me, dev))
     d_out = torch.randn(T, shape.hidden, device=dev,
                         generator=torch.Generator(dev).manual_seed(100 + me)).bfloat16()
-    layers = {p: mok_torch.Layer(shape, T, dataclasses.replace(MoKConfig(), precision=p))
-              for p in ("bf16", "fp8")}
-    W = {"bf16": weights,
-         "fp8": mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))}
+    layers = {}                          # (built inside: a failed build frees the other)
     try:
+        for p in ("bf16", "fp8"):
+            layers[p] = mok_torch.Layer(shape, T, dataclasses.replace(MoKConfig(), precision=p))
+        W = {"bf16": weights,
+             "fp8": mok_torch.WeightsFP8(*weights, mok_torch.quantize_weights(weights))}
         grads = layers["bf16"].backward(layers["bf16"].forward(x, ids, w, weights)[1], d_out,
                                         w, weights)
         steps = {p: (lambda p=p: layers[p].backward(layers[p].forward(x, ids, w, W[p])[1],
