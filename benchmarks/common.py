@@ -43,6 +43,25 @@ def init_distributed():
     return dist
 
 
+def kernel_name(name: str) -> str:
+    """A profiler kernel name, short: numba's mangled ``_ZN6cudapy..E`` -> module.function
+    (a factory's ``kernel``: factory.kernel); a C++ name cut at its template arguments."""
+    import re
+    if not name.startswith("_ZN"):
+        return re.split(r"[<(]", name)[0].replace("void ", "")[-48:]
+    parts, i = [], 3
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while name[j].isdigit():
+            j += 1
+        n = int(name[i:j])
+        parts.append(name[j:j + n])
+        i = j + n
+    parts = [re.sub(r"_\d+B\w*$|\$\d+$", "", q) for q in parts
+             if q not in ("cudapy", "_3clocals_3e")]
+    return ".".join(parts[-2:])
+
+
 def comm_setup(tokens, hidden, topk, num_experts, config, stream):
     """The comm protocol on its own (no layer), on the NVSHMEM heap: (heap, workspace,
     schedule sized to the workspace). ``heap.free()`` releases both."""

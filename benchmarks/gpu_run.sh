@@ -14,7 +14,8 @@
 #        emulated backward) bench-layer-bwd (LAYER_PRESETS, LAYER_TOKENS, LAYER_ITERS: forward
 #        and backward columns)
 #        gpu-backward-fp8 (test_backward_gpu.py's FP8 cases alone)
-#        probe-host (PROBE_PRESETS, PROBE_TOKENS: eager vs compiled step host time)
+#        probe-host (PROBE_PRESETS, PROBE_TOKENS, PROBE_FLAGS e.g. --fwd-bwd: eager vs compiled
+#        step host time, or the eager forward + backward's in bf16 and FP8)
 #        gpu-fp8-bwd (the FP8 layer's backward, emulated ranks on one GPU)
 #        gpu-dgrad / gpu-wgrad / gpu-quant (the dgrad, wgrad and FP8 quantizer tests on the GPU;
 #        gpu-wgrad prints the wgmma wgrad's TFLOP/s at qwen's shape) gpu-fp8 (the FP8 GEMM,
@@ -127,7 +128,7 @@ for s in "$@"; do
     pytest2) step pytest2 $PYT -s $PYTEST_ARGS2 ${PYTEST_KX2:+-k "$PYTEST_KX2"} ;;
     probe-host) for p in $(echo "${PROBE_PRESETS:-kimi-k2.7}" | tr , " "); do step probe-host-$p torchrun --standalone \
          --nproc-per-node="$NGPU" benchmarks/probes/probe_host.py --preset "$p" \
-         --tokens "${PROBE_TOKENS:-4096}"; done ;;   # eager vs compiled; launcher vs numba's dispatcher
+         --tokens "${PROBE_TOKENS:-4096}" ${PROBE_FLAGS:-}; done ;;   # eager vs compiled; launcher vs numba's dispatcher
     gpu-single) export SUITE=gpusingle; step gpu-single torchrun --standalone --nproc-per-node=1 \
          --no-python bash tests/gpu/pytest_rank.sh tests/gpu/test_split_capture_gpu.py \
          tests/gpu/test_schedule_gpu.py tests/gpu/test_jax_gpu.py \

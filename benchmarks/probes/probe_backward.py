@@ -85,30 +85,13 @@ def main(argv=None):
                 torch.cuda.empty_cache()
 
 
-def _kernel_name(name):
-    """A profiler kernel name, short: numba's mangled ``_ZN6cudapy..E`` -> module.function
-    (a factory's ``kernel``: factory.kernel); a C++ name cut at its template arguments."""
-    import re
-    if not name.startswith("_ZN"):
-        return re.split(r"[<(]", name)[0].replace("void ", "")[-48:]
-    parts, i = [], 3
-    while i < len(name) and name[i].isdigit():
-        j = i
-        while name[j].isdigit():
-            j += 1
-        n = int(name[i:j])
-        parts.append(name[j:j + n])
-        i = j + n
-    parts = [re.sub(r"_\d+B\w*$|\$\d+$", "", q) for q in parts
-             if q not in ("cudapy", "_3clocals_3e")]
-    return ".".join(parts[-2:])
-
-
 def _time_kernels(args, precision, layer, x, ids, w, W, d_out):
     """Each kernel's device time in one forward + backward, in launch order, the median over
     --iters steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.common import kernel_name
     steps = []
     for _ in range(args.iters + 1):
         torch.cuda.synchronize()
@@ -118,7 +101,7 @@ def _time_kernels(args, precision, layer, x, ids, w, W, d_out):
             torch.cuda.synchronize()
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         evs.sort(key=lambda e: e.time_range.start)
-        steps.append([(_kernel_name(e.name), e.device_time_total / 1e3) for e in evs])
+        steps.append([(kernel_name(e.name), e.device_time_total / 1e3) for e in evs])
     steps = [st for st in steps[1:] if len(st) == len(steps[1])]
     print(f"{args.preset} T={layer.tokens_per_rank} EP 1 {precision}: the kernels of a forward "
           f"+ backward in launch order (ms, median of {len(steps)})")

@@ -19,6 +19,14 @@ times it) in bf16 and in FP8 (pre-quantised weights), in turns: the host's issue
 step against the steady time (where issue >= steady the step is host-bound: the GPU waits
 for launches), and a cProfile of each in $OUT/probe_host_fwd_bwd_{precision}_rank{r}.txt --
 where the FP8 step's 2-5 ms of eager-over-graph time at 4096-8192 tokens goes (docs/perf.md).
+Then a timeline of ``TRACE_STEPS`` more eager steps of each (torch's profiler, CPU and CUDA;
+each step from an idle GPU, as ``time_iters`` times them; every launch of ours wrapped in a
+``record_function``, a few microseconds each): per step the host's issue time, the device's
+busy time and its span from the step's first host instruction to its last kernel's end; the
+GPU's idle gaps, largest first, each with the launches the host issued meanwhile (a gap the
+host's launches fill is the host's); the CUDA API calls inside the steps that can wait
+(synchronise, copies, allocations, frees) and the device's copies and sets; our launches
+that went through numba's dispatcher instead of ``mok_core.launcher``. In the same files.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-N_ISSUE, N_PROFILE, WARMUP = 20, 10, 3
+N_ISSUE, N_PROFILE, WARMUP, TRACE_STEPS = 20, 10, 3, 3
 
 
 def issue_times(fn, n):
@@ -151,6 +159,142 @@ def profile_report(fn, n, title):
     return report.getvalue()
 
 
+class LaunchLog:
+    """Inside ``with``: every ``mok_core.cuda_compat.launch`` (each module's imported name
+    patched) runs in a ``record_function("mok.launch:<kernel>")``, and ``fallbacks`` counts by
+    kernel the launches ``mok_core.launcher`` handed to numba's dispatcher."""
+
+    def __init__(self):
+        from mok_core import cuda_compat, launcher
+        self.launch, self.lean = cuda_compat.launch, launcher.launch
+        self.modules = [m for m in list(sys.modules.values())
+                        if getattr(m, "launch", None) is self.launch]
+        self.fallbacks: dict = {}
+        self._lean_ran = True
+
+    def _wrapped(self, kernel, *rest):
+        from torch.profiler import record_function
+        py = getattr(kernel, "py_func", None)
+        name = getattr(py, "__qualname__", repr(kernel)).replace("<locals>.", "")
+        self._lean_ran = False
+        with record_function(f"mok.launch:{name}"):
+            self.launch(kernel, *rest)
+        if not self._lean_ran:
+            self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
+
+    def _lean(self, *a):
+        ran = self.lean(*a)
+        self._lean_ran = bool(ran)
+        return ran
+
+    def __enter__(self):
+        from mok_core import launcher
+        for m in self.modules:
+            m.launch = self._wrapped
+        launcher.launch = self._lean
+        return self
+
+    def __exit__(self, *exc):
+        from mok_core import launcher
+        for m in self.modules:
+            m.launch = self.launch
+        launcher.launch = self.lean
+
+
+# CUDA API calls that can make the host wait (or that mark a copy from pageable memory)
+_WAITING = ("Synchronize", "Memcpy", "Memset", "Malloc", "MemAlloc", "Free", "EventQuery",
+            "HostAlloc", "MemHostAlloc")
+
+
+def timeline(steps, launches, device, apis, top=8):
+    """The text of ``timeline_report`` from the profiler's intervals (microseconds, one clock):
+    ``steps`` [(start, end)] the host ranges of the steps, ``launches`` [(name, start, end)]
+    our launches' ranges, ``device`` [(name, start, end)] the GPU's kernels, copies and sets,
+    ``apis`` [(name, start, end)] CUDA API calls. A step's device work: what starts after its
+    host start and before the next step's."""
+    from benchmarks.common import kernel_name
+    out = []
+    per_step, gaps, api_sum, dev_other = [], [], {}, {}
+    launches = sorted(launches, key=lambda r: r[1])
+    device = sorted(device, key=lambda r: r[1])
+    bounds = [s for s, _ in steps] + [float("inf")]
+    for i, (h0, h1) in enumerate(steps):
+        work = [d for d in device if h0 <= d[1] < bounds[i + 1]]
+        if not work:
+            continue
+        busy, cur0, cur1, prev_end = 0.0, None, None, h0
+        for name, d0, d1 in work:
+            if d0 > prev_end:
+                issued = [n for n, l0, l1 in launches if prev_end <= l1 <= d0]
+                gaps.append((d0 - prev_end, i, name, issued))
+            if cur1 is None or d0 > cur1:
+                busy += 0 if cur1 is None else cur1 - cur0
+                cur0, cur1 = d0, d1
+            else:
+                cur1 = max(cur1, d1)
+            prev_end = max(prev_end, d1)
+        busy += cur1 - cur0
+        span = prev_end - h0
+        per_step.append((h1 - h0, busy, span))
+        for name, a0, a1 in apis:
+            if h0 <= a0 < h1 and any(w in name for w in _WAITING):
+                n, t = api_sum.get(name, (0, 0.0))
+                api_sum[name] = (n + 1, t + a1 - a0)
+        for name, d0, d1 in work:
+            if name.startswith(("Memcpy", "Memset")):
+                n, t = dev_other.get(name, (0, 0.0))
+                dev_other[name] = (n + 1, t + d1 - d0)
+    if not per_step:
+        return "no device work seen in the traced steps\n"
+    med = [sorted(c)[len(c) // 2] / 1e3 for c in zip(*per_step)]
+    host_gaps = sum(g for g, _, _, issued in gaps if issued) / 1e3 / len(per_step)
+    out.append(f"host issue {med[0]:.3f} ms, device busy {med[1]:.3f} ms, span {med[2]:.3f} ms "
+               f"(idle {med[2] - med[1]:.3f} ms; of it, gaps the host's launches fill "
+               f"{host_gaps:.3f} ms a step) -- medians of {len(per_step)} steps")
+    out.append("largest device gaps (ms; step: the work after it; the launches the host "
+               "issued meanwhile):")
+    for g, i, name, issued in sorted(gaps, key=lambda r: -r[0])[:top]:
+        shown = ", ".join(issued[:4]) + (f" (+{len(issued) - 4})" if len(issued) > 4 else "")
+        out.append(f"  {g / 1e3:7.3f}  step {i}: before {kernel_name(name)}; {shown or 'none'}")
+    out.append("CUDA calls inside the steps that can wait (name: calls, ms, all steps): "
+               + ("; ".join(f"{n}: {c}, {t / 1e3:.3f}" for n, (c, t) in
+                            sorted(api_sum.items(), key=lambda r: -r[1][1])) or "none"))
+    out.append("device copies / sets inside the steps: "
+               + ("; ".join(f"{n}: {c}, {t / 1e3:.3f} ms" for n, (c, t) in
+                            sorted(dev_other.items())) or "none"))
+    return "\n".join(out) + "\n"
+
+
+def timeline_report(fn, n, title):
+    """``n`` eager steps of ``fn`` under torch's profiler, each from an idle GPU: the text of
+    ``timeline`` (module docstring), titled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with LaunchLog() as log, profile(activities=[ProfilerActivity.CPU,
+                                                 ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            torch.cuda.synchronize()
+            with record_function(f"mok.step:{i}"):
+                fn()
+            torch.cuda.synchronize()
+    steps, launches, device, apis = [], [], [], []
+    for e in prof.events():
+        r = (e.name, e.time_range.start, e.time_range.end)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            device.append(r)
+        elif e.name.startswith("mok.step:"):
+            steps.append(r[1:])
+        elif e.name.startswith("mok.launch:"):
+            launches.append((e.name[len("mok.launch:"):], r[1], r[2]))
+        elif e.name.startswith("cu"):
+            apis.append(r)
+    fallbacks = ", ".join(f"{k} x{v}" for k, v in sorted(log.fallbacks.items())) or "none"
+    text = timeline(sorted(steps), launches, device, apis)
+    return (f"--- timeline of {n} eager steps: {title} ---\n" + text
+            + f"launches a step: {len(launches) // max(n, 1)}; through numba's dispatcher "
+              f"(all steps): {fallbacks}\n")
+
+
 def fwd_bwd(args):
     """``--fwd-bwd`` (module docstring)."""
     import dataclasses
@@ -200,6 +344,10 @@ def fwd_bwd(args):
             dist.barrier()
             text = profile_report(fn, N_PROFILE, f"{args.preset} T={T} {p} forward + backward")
             torch.cuda.synchronize()
+            dist.barrier()
+            trace = timeline_report(fn, TRACE_STEPS, f"{args.preset} T={T} {p}")
+            lines.append(f"  {p:5s}: {trace.splitlines()[1]}")
+            text = trace + "\n" + text
             path = os.path.join(out, f"probe_host_fwd_bwd_{p}_rank{me}.txt")
             with open(path, "w") as f:
                 f.write("\n".join([head] + lines) + "\n\n" + text)
