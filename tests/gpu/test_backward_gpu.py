@@ -1,7 +1,8 @@
 """The layer's backward on real GPUs at real shapes: every model preset, 4096 tokens/rank, the
 output and all 8 gradients against float64 (sampled tokens for the output, d_x and the router
 weights, sampled experts and intermediate columns for the weight gradients), 20 repetitions
-bitwise identical, forward + backward captured in a CUDA graph equal to eager -- in bf16 and
+bitwise identical, forward + backward captured in a CUDA graph equal to eager, one more eager
+step issued without waiting for the device (``_no_host_waits``) -- in bf16 and
 with ``MoKConfig(precision="fp8")`` (the layer given the bf16 weights quantises its routed
 experts itself, as ``MoEBlock`` does; checked against the same float64 reference of the bf16
 weights, at FP8's tolerance), and ``fp8w``: that layer with ``fp8_wgrad=True`` (its routed
@@ -10,7 +11,9 @@ weight gradients in FP8 too). And the routed d_x rows pushed home from their GEM
 
 EP 1: one process per GPU, each its own layer (``test_backward_ep1``); EP 2:
 ``torchrun --nproc-per-node=2`` or ``mok_comm.launch`` (``test_backward_ep``)."""
+import contextlib
 import gc
+import warnings
 
 import pytest
 
@@ -58,6 +61,64 @@ def _fits(shape, precision, torch):
     return need <= torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
+@contextlib.contextmanager
+def _no_host_waits(torch):
+    """Inside: what makes the host wait for the device, or issue a launch the slow way, is
+    listed in the list yielded -- torch ops that synchronise (``set_sync_debug_mode``),
+    numba's synchronise calls, device allocations, host-to-device copies (a pageable one can
+    wait for the stream), device-to-host copies on no stream, and launches
+    ``mok_core.launcher`` hands to numba's dispatcher. The graph capture proves the step's
+    launches never wait; this covers the eager step's own host code as well (its error
+    polling, caches, views)."""
+    from numba.cuda.cudadrv import driver as drv
+
+    from mok_core import launcher
+    seen = []
+
+    def flag(what, when=lambda *a, **k: True):
+        def wrap(orig):
+            def inner(*a, **k):
+                if when(*a, **k):
+                    seen.append(what)
+                return orig(*a, **k)
+            return inner
+        return wrap
+
+    def no_stream(dst, src, size, stream=0):
+        return not stream
+
+    def lean(orig):
+        def inner(kernel, *rest):
+            ran = orig(kernel, *rest)
+            if not ran and launcher.ENABLED:
+                seen.append(f"numba's dispatcher launched {kernel}")
+            return ran
+        return inner
+
+    patches = [(drv.Context, "memalloc", flag("a device allocation")),
+               (drv.Context, "synchronize", flag("a context synchronise")),
+               (drv.Stream, "synchronize", flag("a stream synchronise")),
+               (drv.Event, "synchronize", flag("an event synchronise")),
+               (drv, "host_to_device", flag("a host-to-device copy")),
+               (drv, "device_to_host", flag("a device-to-host copy on no stream", no_stream)),
+               (launcher, "launch", lean)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    mode = torch.cuda.get_sync_debug_mode()
+    try:
+        for (obj, name, wrap), (_, _, orig) in zip(patches, saved):
+            setattr(obj, name, wrap(orig))
+        # "warn", not "error": a step cut short would leave its peers at a barrier
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+        seen += [f"torch: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+        for obj, name, orig in saved:
+            setattr(obj, name, orig)
+
+
 def _check_preset(preset_name, R, me, torch, precision):
     import mok_torch
     from benchmarks.common import capture_graph
@@ -97,6 +158,8 @@ def _check_preset(preset_name, R, me, torch, precision):
         layer.check()
         for rep in range(1, REPEATS):
             assert torch.equal(digests[rep], digests[0]), f"repetition {rep} differs"
+        with _no_host_waits(torch) as waits:  # (the same gradients again; asserted last)
+            step()
 
         assert (G.d_router_weights[ids < 0] == 0).all()
         expert = lambda e: synthetic.expert_weights(shape, e, dev)          # noqa: E731
@@ -125,6 +188,7 @@ def _check_preset(preset_name, R, me, torch, precision):
         layer.check()
         assert torch.equal(_digests((s_out, *grads), torch), digests[0]), \
             "the graphed forward + backward differs from eager"
+        assert not waits, f"{preset_name} {precision} rank {me}: the eager step waited: {waits}"
         return errs, cos
     finally:
         torch.cuda.synchronize()
