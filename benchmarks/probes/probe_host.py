@@ -20,13 +20,15 @@ step against the steady time (where issue >= steady the step is host-bound: the 
 for launches), and a cProfile of each in $OUT/probe_host_fwd_bwd_{precision}_rank{r}.txt --
 where the FP8 step's 2-5 ms of eager-over-graph time at 4096-8192 tokens goes (docs/perf.md).
 Then a timeline of ``TRACE_STEPS`` more eager steps of each (torch's profiler, CPU and CUDA;
-each step from an idle GPU, as ``time_iters`` times them; every launch of ours wrapped in a
-``record_function``, a few microseconds each): per step the host's issue time, the device's
-busy time and its span from the step's first host instruction to its last kernel's end; the
-GPU's idle gaps, largest first, each with the launches the host issued meanwhile (a gap the
-host's launches fill is the host's); the CUDA API calls inside the steps that can wait
-(synchronise, copies, allocations, frees) and the device's copies and sets; our launches
-that went through numba's dispatcher instead of ``mok_core.launcher``. In the same files.
+each step from an idle GPU, as ``time_iters`` times them; every launch of ours and every call
+of numba's that can make the host wait in a ``record_function``, a few microseconds each --
+``LaunchLog``): per step the host's issue time, the device's busy time, its span from the
+step's first host instruction to its last kernel's end and its idle time, and how much of
+that idle came before kernels whose launch started only after the device had gone idle (the
+host's); the largest gaps, each with its kernel's launch against the device going idle, the
+host's time since the previous launch, and the host's waits meanwhile; the waits, torch's
+CUDA runtime calls that can wait, the device's copies and sets, and launches sent to numba's
+dispatcher instead of ``mok_core.launcher``. In the same files.
 """
 from __future__ import annotations
 
@@ -160,61 +162,62 @@ def profile_report(fn, n, title):
 
 
 class LaunchLog:
-    """Inside ``with``: every ``mok_core.cuda_compat.launch`` (each module's imported name
-    patched) runs in a ``record_function("mok.launch:<kernel>")``, and ``fallbacks`` counts by
-    kernel the launches ``mok_core.launcher`` handed to numba's dispatcher."""
+    """Inside ``with``: every ``mok_core.cuda_compat.launch`` (each mok module's imported
+    name patched) runs in a ``record_function("mok.launch:<kernel>")``, and every call that
+    can make the host wait (``mok_testing.host_waits``: numba's driver calls -- kineto keeps
+    no driver API call but the launches -- and launches sent to numba's dispatcher) in a
+    ``record_function("mok.wait:<what>")``; ``waits`` lists them all."""
 
     def __init__(self):
-        from mok_core import cuda_compat, launcher
-        self.launch, self.lean = cuda_compat.launch, launcher.launch
-        self.modules = [m for m in list(sys.modules.values())
-                        if getattr(m, "launch", None) is self.launch]
-        self.fallbacks: dict = {}
-        self._lean_ran = True
+        from mok_core import cuda_compat
+        self.launch = cuda_compat.launch
+        self.modules = [m for n, m in list(sys.modules.items())
+                        if n.startswith("mok_") and getattr(m, "launch", None) is self.launch]
+        self.waits: list = []
+        self._watch = None
 
     def _wrapped(self, kernel, *rest):
         from torch.profiler import record_function
         py = getattr(kernel, "py_func", None)
         name = getattr(py, "__qualname__", repr(kernel)).replace("<locals>.", "")
-        self._lean_ran = False
         with record_function(f"mok.launch:{name}"):
             self.launch(kernel, *rest)
-        if not self._lean_ran:
-            self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
-
-    def _lean(self, *a):
-        ran = self.lean(*a)
-        self._lean_ran = bool(ran)
-        return ran
 
     def __enter__(self):
-        from mok_core import launcher
+        from torch.profiler import record_function
+
+        from mok_testing import host_waits
+        self._watch = host_waits.watch(lambda what: record_function(f"mok.wait:{what}"))
+        self.waits = self._watch.__enter__()
         for m in self.modules:
             m.launch = self._wrapped
-        launcher.launch = self._lean
         return self
 
     def __exit__(self, *exc):
-        from mok_core import launcher
         for m in self.modules:
             m.launch = self.launch
-        launcher.launch = self.lean
+        return self._watch.__exit__(*exc)
 
 
-# CUDA API calls that can make the host wait (or that mark a copy from pageable memory)
-_WAITING = ("Synchronize", "Memcpy", "Memset", "Malloc", "MemAlloc", "Free", "EventQuery",
-            "HostAlloc", "MemHostAlloc")
+# torch's CUDA runtime calls that can make the host wait (or that mark a pageable copy)
+_WAITING = ("Synchronize", "Memcpy", "Memset", "Malloc", "Free", "EventQuery", "HostAlloc")
 
 
-def timeline(steps, launches, device, apis, top=8):
+def _numba_kernel(name):
+    return name.startswith("_ZN") and "cudapy" in name
+
+
+def timeline(steps, launches, device, waits, apis, top=8):
     """The text of ``timeline_report`` from the profiler's intervals (microseconds, one clock):
     ``steps`` [(start, end)] the host ranges of the steps, ``launches`` [(name, start, end)]
     our launches' ranges, ``device`` [(name, start, end)] the GPU's kernels, copies and sets,
-    ``apis`` [(name, start, end)] CUDA API calls. A step's device work: what starts after its
-    host start and before the next step's."""
+    ``waits`` [(what, start, end)] the host's calls that can wait (``LaunchLog``), ``apis``
+    [(name, start, end)] the CUDA runtime calls the profiler saw (torch's). A step's device
+    work: what starts after its host start and before the next step's. Our launches pair with
+    numba's kernels in order (one stream); a gap before a kernel is the host's where its
+    launch started after the device went idle."""
     from benchmarks.common import kernel_name
-    out = []
-    per_step, gaps, api_sum, dev_other = [], [], {}, {}
+    rows, gaps, api_sum, dev_other, unpaired = [], [], {}, {}, 0
     launches = sorted(launches, key=lambda r: r[1])
     device = sorted(device, key=lambda r: r[1])
     bounds = [s for s, _ in steps] + [float("inf")]
@@ -222,11 +225,26 @@ def timeline(steps, launches, device, apis, top=8):
         work = [d for d in device if h0 <= d[1] < bounds[i + 1]]
         if not work:
             continue
-        busy, cur0, cur1, prev_end = 0.0, None, None, h0
+        mine = [r for r in launches if h0 <= r[1] <= h1]
+        numba = [d for d in work if _numba_kernel(d[0])]
+        paired = len(mine) == len(numba)
+        unpaired += not paired
+        launch_of = {d[:2]: k for k, d in enumerate(numba)} if paired else {}
+        busy = late = 0.0
+        cur0 = cur1 = None
+        prev_end = h0
         for name, d0, d1 in work:
             if d0 > prev_end:
-                issued = [n for n, l0, l1 in launches if prev_end <= l1 <= d0]
-                gaps.append((d0 - prev_end, i, name, issued))
+                k = launch_of.get((name, d0))
+                host = None
+                if k is not None:
+                    l0 = mine[k][1]
+                    glue = l0 - (mine[k - 1][2] if k else h0)
+                    host = (l0 - prev_end, glue)
+                    if l0 > prev_end:
+                        late += d0 - prev_end
+                during = sorted({w for w, w0, w1 in waits if w0 < d0 and w1 > prev_end})
+                gaps.append((d0 - prev_end, i, name, host, during))
             if cur1 is None or d0 > cur1:
                 busy += 0 if cur1 is None else cur1 - cur0
                 cur0, cur1 = d0, d1
@@ -234,8 +252,7 @@ def timeline(steps, launches, device, apis, top=8):
                 cur1 = max(cur1, d1)
             prev_end = max(prev_end, d1)
         busy += cur1 - cur0
-        span = prev_end - h0
-        per_step.append((h1 - h0, busy, span))
+        rows.append((h1 - h0, busy, prev_end - h0, prev_end - h0 - busy, late))
         for name, a0, a1 in apis:
             if h0 <= a0 < h1 and any(w in name for w in _WAITING):
                 n, t = api_sum.get(name, (0, 0.0))
@@ -244,19 +261,28 @@ def timeline(steps, launches, device, apis, top=8):
             if name.startswith(("Memcpy", "Memset")):
                 n, t = dev_other.get(name, (0, 0.0))
                 dev_other[name] = (n + 1, t + d1 - d0)
-    if not per_step:
+    if not rows:
         return "no device work seen in the traced steps\n"
-    med = [sorted(c)[len(c) // 2] / 1e3 for c in zip(*per_step)]
-    host_gaps = sum(g for g, _, _, issued in gaps if issued) / 1e3 / len(per_step)
-    out.append(f"host issue {med[0]:.3f} ms, device busy {med[1]:.3f} ms, span {med[2]:.3f} ms "
-               f"(idle {med[2] - med[1]:.3f} ms; of it, gaps the host's launches fill "
-               f"{host_gaps:.3f} ms a step) -- medians of {len(per_step)} steps")
-    out.append("largest device gaps (ms; step: the work after it; the launches the host "
-               "issued meanwhile):")
-    for g, i, name, issued in sorted(gaps, key=lambda r: -r[0])[:top]:
-        shown = ", ".join(issued[:4]) + (f" (+{len(issued) - 4})" if len(issued) > 4 else "")
-        out.append(f"  {g / 1e3:7.3f}  step {i}: before {kernel_name(name)}; {shown or 'none'}")
-    out.append("CUDA calls inside the steps that can wait (name: calls, ms, all steps): "
+    med = [sorted(c)[len(c) // 2] / 1e3 for c in zip(*rows)]
+    out = [f"host issue {med[0]:.3f} ms, device busy {med[1]:.3f} ms, span {med[2]:.3f} ms, "
+           f"idle {med[3]:.3f} ms, of it before kernels the host launched late {med[4]:.3f} "
+           f"ms (medians of {len(rows)} steps"
+           + (f"; {unpaired} not paired: launches != numba kernels)" if unpaired else ")"),
+           "largest device gaps (ms; step: the work after it; its launch started X ms after "
+           "the device went idle (< 0: before), Y ms after the previous launch ended; the "
+           "host's waits meanwhile):"]
+    for g, i, name, host, during in sorted(gaps, key=lambda r: -r[0])[:top]:
+        when = ("launch not paired" if host is None else
+                f"launch {host[0] / 1e3:+.3f}, glue {host[1] / 1e3:.3f}")
+        out.append(f"  {g / 1e3:7.3f}  step {i}: before {kernel_name(name)}; {when}; waits: "
+                   + (", ".join(during) or "none"))
+    n_waits = {}
+    for w, w0, _ in waits:
+        if any(h0 <= w0 <= h1 for h0, h1 in steps):
+            n_waits[w] = n_waits.get(w, 0) + 1
+    out.append("the host's waits inside the steps (mok_testing.host_waits; all steps): "
+               + ("; ".join(f"{w} x{c}" for w, c in sorted(n_waits.items())) or "none"))
+    out.append("torch's CUDA runtime calls inside the steps that can wait (calls, ms): "
                + ("; ".join(f"{n}: {c}, {t / 1e3:.3f}" for n, (c, t) in
                             sorted(api_sum.items(), key=lambda r: -r[1][1])) or "none"))
     out.append("device copies / sets inside the steps: "
@@ -277,22 +303,26 @@ def timeline_report(fn, n, title):
             with record_function(f"mok.step:{i}"):
                 fn()
             torch.cuda.synchronize()
-    steps, launches, device, apis = [], [], [], []
+    steps, launches, device, waits, apis = [], [], [], [], []
     for e in prof.events():
         r = (e.name, e.time_range.start, e.time_range.end)
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            device.append(r)
-        elif e.name.startswith("mok.step:"):
-            steps.append(r[1:])
-        elif e.name.startswith("mok.launch:"):
-            launches.append((e.name[len("mok.launch:"):], r[1], r[2]))
+        if e.name.startswith("mok."):
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                continue                # a range's GPU-side twin (kineto's user annotation)
+            kind, _, what = e.name.partition(":")
+            {"mok.step": lambda: steps.append(r[1:]),
+             "mok.launch": lambda: launches.append((what, r[1], r[2])),
+             "mok.wait": lambda: waits.append((what, r[1], r[2]))}[kind]()
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
+            if not getattr(e, "is_user_annotation", False):
+                device.append(r)
         elif e.name.startswith("cu"):
             apis.append(r)
-    fallbacks = ", ".join(f"{k} x{v}" for k, v in sorted(log.fallbacks.items())) or "none"
-    text = timeline(sorted(steps), launches, device, apis)
+    text = timeline(sorted(steps), launches, device, waits, apis)
+    fallbacks = sorted({w for w in log.waits if w.startswith("numba's")})
     return (f"--- timeline of {n} eager steps: {title} ---\n" + text
-            + f"launches a step: {len(launches) // max(n, 1)}; through numba's dispatcher "
-              f"(all steps): {fallbacks}\n")
+            + f"launches a step: {len(launches) // max(n, 1)}; launched through numba's "
+              f"dispatcher: {', '.join(fallbacks) or 'none'}\n")
 
 
 def fwd_bwd(args):

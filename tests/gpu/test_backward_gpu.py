@@ -63,60 +63,24 @@ def _fits(shape, precision, torch):
 
 @contextlib.contextmanager
 def _no_host_waits(torch):
-    """Inside: what makes the host wait for the device, or issue a launch the slow way, is
-    listed in the list yielded -- torch ops that synchronise (``set_sync_debug_mode``),
-    numba's synchronise calls, device allocations, host-to-device copies (a pageable one can
-    wait for the stream), device-to-host copies on no stream, and launches
-    ``mok_core.launcher`` hands to numba's dispatcher. The graph capture proves the step's
-    launches never wait; this covers the eager step's own host code as well (its error
-    polling, caches, views)."""
-    from numba.cuda.cudadrv import driver as drv
-
-    from mok_core import launcher
-    seen = []
-
-    def flag(what, when=lambda *a, **k: True):
-        def wrap(orig):
-            def inner(*a, **k):
-                if when(*a, **k):
-                    seen.append(what)
-                return orig(*a, **k)
-            return inner
-        return wrap
-
-    def no_stream(dst, src, size, stream=0):
-        return not stream
-
-    def lean(orig):
-        def inner(kernel, *rest):
-            ran = orig(kernel, *rest)
-            if not ran and launcher.ENABLED:
-                seen.append(f"numba's dispatcher launched {kernel}")
-            return ran
-        return inner
-
-    patches = [(drv.Context, "memalloc", flag("a device allocation")),
-               (drv.Context, "synchronize", flag("a context synchronise")),
-               (drv.Stream, "synchronize", flag("a stream synchronise")),
-               (drv.Event, "synchronize", flag("an event synchronise")),
-               (drv, "host_to_device", flag("a host-to-device copy")),
-               (drv, "device_to_host", flag("a device-to-host copy on no stream", no_stream)),
-               (launcher, "launch", lean)]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    """Inside: what made the host wait for the device, or launch the slow way, in the list
+    yielded -- ``mok_testing.host_waits`` (numba's calls, launches sent to numba's
+    dispatcher) and torch's synchronising ops (``set_sync_debug_mode``)."""
+    from mok_testing import host_waits
     mode = torch.cuda.get_sync_debug_mode()
     try:
-        for (obj, name, wrap), (_, _, orig) in zip(patches, saved):
-            setattr(obj, name, wrap(orig))
-        # "warn", not "error": a step cut short would leave its peers at a barrier
+        # "warn", not "error": a step cut short would leave its EP peers at a barrier
         torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, host_waits.watch() as seen:
             warnings.simplefilter("always")
             yield seen
-        seen += [f"torch: {w.message}" for w in caught if "synchroniz" in str(w.message)]
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-        for obj, name, orig in saved:
-            setattr(obj, name, orig)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            seen.append(f"torch: {w.message}")
+        else:                            # the rest as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _check_preset(preset_name, R, me, torch, precision):
