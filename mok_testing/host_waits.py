@@ -20,6 +20,12 @@ from __future__ import annotations
 import contextlib
 
 
+def kernel_label(kernel) -> str:
+    """A numba kernel's Python name, a factory's closures as ``factory.kernel``."""
+    py = getattr(kernel, "py_func", None)
+    return getattr(py, "__qualname__", repr(kernel)).replace("<locals>.", "")
+
+
 @contextlib.contextmanager
 def watch(around=None):
     """Inside: the list yielded names, in order, each call described in the module docstring;
@@ -52,9 +58,7 @@ def watch(around=None):
         def inner(kernel, *rest):
             ran = orig(kernel, *rest)
             if not ran and launcher.ENABLED:
-                py = getattr(kernel, "py_func", None)
-                seen.append("numba's dispatcher launched "
-                            + getattr(py, "__qualname__", repr(kernel)).replace("<locals>.", ""))
+                seen.append(f"numba's dispatcher launched {kernel_label(kernel)}")
             return ran
         return inner
 

@@ -178,9 +178,9 @@ class LaunchLog:
 
     def _wrapped(self, kernel, *rest):
         from torch.profiler import record_function
-        py = getattr(kernel, "py_func", None)
-        name = getattr(py, "__qualname__", repr(kernel)).replace("<locals>.", "")
-        with record_function(f"mok.launch:{name}"):
+
+        from mok_testing.host_waits import kernel_label
+        with record_function(f"mok.launch:{kernel_label(kernel)}"):
             self.launch(kernel, *rest)
 
     def __enter__(self):
@@ -217,11 +217,18 @@ def timeline(steps, launches, device, waits, apis, top=8):
     numba's kernels in order (one stream); a gap before a kernel is the host's where its
     launch started after the device went idle."""
     from benchmarks.common import kernel_name
-    rows, gaps, api_sum, dev_other, unpaired = [], [], {}, {}, 0
+
+    def tally(counts, name, dt=0.0):                 # name -> (calls, microseconds)
+        n, t = counts.get(name, (0, 0.0))
+        counts[name] = (n + 1, t + dt)
+    rows, gaps, api_sum, dev_other, n_waits, unpaired = [], [], {}, {}, {}, 0
     launches = sorted(launches, key=lambda r: r[1])
     device = sorted(device, key=lambda r: r[1])
     bounds = [s for s, _ in steps] + [float("inf")]
     for i, (h0, h1) in enumerate(steps):
+        for what, w0, _ in waits:
+            if h0 <= w0 <= h1:
+                tally(n_waits, what)
         work = [d for d in device if h0 <= d[1] < bounds[i + 1]]
         if not work:
             continue
@@ -255,12 +262,11 @@ def timeline(steps, launches, device, waits, apis, top=8):
         rows.append((h1 - h0, busy, prev_end - h0, prev_end - h0 - busy, late))
         for name, a0, a1 in apis:
             if h0 <= a0 < h1 and any(w in name for w in _WAITING):
-                n, t = api_sum.get(name, (0, 0.0))
-                api_sum[name] = (n + 1, t + a1 - a0)
+                tally(api_sum, name, a1 - a0)
         for name, d0, d1 in work:
             if name.startswith(("Memcpy", "Memset")):
-                n, t = dev_other.get(name, (0, 0.0))
-                dev_other[name] = (n + 1, t + d1 - d0)
+                tally(dev_other, name, d1 - d0)
+
     if not rows:
         return "no device work seen in the traced steps\n"
     med = [sorted(c)[len(c) // 2] / 1e3 for c in zip(*rows)]
@@ -276,12 +282,8 @@ def timeline(steps, launches, device, waits, apis, top=8):
                 f"launch {host[0] / 1e3:+.3f}, glue {host[1] / 1e3:.3f}")
         out.append(f"  {g / 1e3:7.3f}  step {i}: before {kernel_name(name)}; {when}; waits: "
                    + (", ".join(during) or "none"))
-    n_waits = {}
-    for w, w0, _ in waits:
-        if any(h0 <= w0 <= h1 for h0, h1 in steps):
-            n_waits[w] = n_waits.get(w, 0) + 1
     out.append("the host's waits inside the steps (mok_testing.host_waits; all steps): "
-               + ("; ".join(f"{w} x{c}" for w, c in sorted(n_waits.items())) or "none"))
+               + ("; ".join(f"{w} x{c}" for w, (c, _) in sorted(n_waits.items())) or "none"))
     out.append("torch's CUDA runtime calls inside the steps that can wait (calls, ms): "
                + ("; ".join(f"{n}: {c}, {t / 1e3:.3f}" for n, (c, t) in
                             sorted(api_sum.items(), key=lambda r: -r[1][1])) or "none"))
